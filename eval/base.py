@@ -1,0 +1,96 @@
+"""The task contract: a task turns its data into tokenised samples and scores predictions.
+
+Tasks never import torch kernels or methods; what they need of the model is a ``PromptContext``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterator
+
+from icecache.core.errors import ConfigError
+from icecache.core.registry import Registry
+
+
+@dataclass
+class PromptContext:
+    """What prompt building needs of the model: its tokenizer and its family's conventions."""
+
+    tokenizer: Any
+    model_name: str = "model"
+    chat_template: str = "none"  # llama3 | mistral | qwen | plain | none
+    max_length: int = 8192  # prompt budget in tokens (LongBench middle truncation)
+
+
+@dataclass
+class Sample:
+    """One prompt ready for generation, plus what scoring needs."""
+
+    sample_id: str
+    input_ids: list[int]
+    max_new_tokens: int
+    answers: list[str]
+    eos_token_ids: list[int] | None = None  # None: the tokenizer's EOS
+    min_new_tokens: int = 0
+    stop_strings: list[str] = field(default_factory=list)
+    suffix_ids: list[int] = field(default_factory=list)  # fed as decode steps before generating
+    meta: dict[str, Any] = field(default_factory=dict)  # dataset, length, depth, classes, ...
+
+
+@dataclass
+class TaskConfig:
+    """Settings every task has; each task extends this."""
+
+    name: str = "passkey"
+    limit: int | None = None  # at most this many samples (per dataset where a task has several)
+    seed: int = 42
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "TaskConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                f"task {values.get('name', cls.__name__)!r} has no setting {', '.join(unknown)}; "
+                f"its settings are: {', '.join(sorted(known))}"
+            )
+        return cls(**values)
+
+
+class Task(ABC):
+    config_class: ClassVar[type[TaskConfig]] = TaskConfig
+
+    def __init__(self, config: TaskConfig):
+        self.config = config
+
+    def check(self) -> None:
+        """Raise ``ConfigError`` for missing data or bad settings, before any model is loaded."""
+
+    @abstractmethod
+    def samples(self, context: PromptContext) -> Iterator[Sample]:
+        """Samples in a fixed order with stable ids (the runner skips ids already written)."""
+
+    @abstractmethod
+    def score(self, sample: Sample, prediction: str, output_ids: list[int]) -> dict[str, float]:
+        """Per-sample metrics; must contain ``score`` in [0, 1]."""
+
+    def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """Task metrics from the per-sample records (each has ``score`` and ``meta``). Default: mean x 100."""
+        if not records:
+            return {"score": None, "n": 0}
+        return {"score": round(100 * statistics.fmean(r["score"] for r in records), 2), "n": len(records)}
+
+
+TASKS: Registry[type[Task]] = Registry("task")
+
+
+def build_task(values: dict[str, Any]) -> Task:
+    import eval as _all_tasks  # noqa: F401  registers every task
+
+    task_cls = TASKS.get(values.get("name"))
+    task = task_cls(task_cls.config_class.from_dict(dict(values)))
+    task.check()
+    return task

@@ -1,0 +1,1 @@
+"""The shared core every method runs on: transformers integration, KV storage, attention, generation, timing."""

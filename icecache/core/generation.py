@@ -1,0 +1,173 @@
+"""Greedy generation with explicit positions, and the latency measurements of DESIGN.md section 4.
+
+TTFT runs from the prompt ids on the host to the first generated id on the host (index building included);
+TT2T adds the first decode step; TPOT is the median of decode steps 2..N. Per-step phases come from the cache's
+``PhaseTimer`` when it is enabled; ``model`` is the rest of the step (attention kernels and the other layers).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from .cache import HarnessCache
+from .timing import synchronize
+
+
+@dataclass
+class GenerationRequest:
+    input_ids: Sequence[int]
+    max_new_tokens: int
+    eos_token_ids: Sequence[int] = ()
+    min_new_tokens: int = 0  # EOS is suppressed until this many tokens exist (LongBench samsum)
+    stop_strings: Sequence[str] = ()
+    suffix_ids: Sequence[int] = ()  # fed one by one as decode steps after the prompt (Quest / ArkVale protocols)
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    stop_reason: str  # "eos", "stop_string" or "length"
+    prompt_tokens: int
+    ttft_s: float
+    tt2t_s: float | None
+    tpot_s: float | None
+    step_times_s: list[float] = field(default_factory=list)
+    step_phases: list[dict[str, float]] = field(default_factory=list)
+    counters: dict[str, Any] = field(default_factory=dict)
+    gpu_kv_bytes: int = 0
+    cpu_kv_bytes: int = 0
+    peak_gpu_bytes: int | None = None
+    logits: list[torch.Tensor] | None = None
+
+    def phase_breakdown(self) -> dict[str, float]:
+        """Median seconds per phase over decode steps 2..N, with ``model`` the remainder of the step."""
+        steps = list(zip(self.step_times_s, self.step_phases))[1:]
+        if not steps:
+            return {}
+        names = sorted({name for _, phases in steps for name in phases})
+        rows = []
+        for total, phases in steps:
+            row = {name: phases.get(name, 0.0) for name in names}
+            row["model"] = total - sum(row.values())
+            rows.append(row)
+        return {name: statistics.median(r[name] for r in rows) for name in rows[0]}
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": len(self.token_ids),
+            "stop_reason": self.stop_reason,
+            "ttft_s": self.ttft_s,
+            "tt2t_s": self.tt2t_s,
+            "tpot_s": self.tpot_s,
+            "phases_s": self.phase_breakdown(),
+            "gpu_kv_bytes": self.gpu_kv_bytes,
+            "cpu_kv_bytes": self.cpu_kv_bytes,
+            "peak_gpu_bytes": self.peak_gpu_bytes,
+            **self.counters,
+        }
+
+
+def _forward(model, ids: torch.Tensor, start: int, cache: HarnessCache) -> torch.Tensor:
+    positions = torch.arange(start, start + ids.shape[-1], device=ids.device)[None]
+    out = model(input_ids=ids[None], position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[0, -1]
+
+
+@torch.inference_mode()
+def greedy_generate(
+    model,
+    cache: HarnessCache,
+    request: GenerationRequest,
+    *,
+    prefill_chunk_size: int | None = None,
+    tokenizer=None,
+    keep_logits: bool = False,
+) -> GenerationResult:
+    """Batch-1 greedy decoding on ``cache``; ``tokenizer`` is needed only for stop strings."""
+    device = model.device
+    if request.stop_strings and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer")
+    is_cuda = device.type == "cuda"
+    if is_cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    eos = torch.tensor(list(request.eos_token_ids), dtype=torch.long, device=device)
+    timer = cache.seq.timer
+
+    def pick(logits: torch.Tensor, n_generated: int) -> int:
+        if n_generated < request.min_new_tokens and eos.numel():
+            logits = logits.clone()
+            logits[eos] = float("-inf")
+        return int(torch.argmax(logits).item())
+
+    logits_kept: list[torch.Tensor] = []
+    synchronize(device)
+    start = time.perf_counter()
+    prompt = torch.tensor(list(request.input_ids), dtype=torch.long, device=device)
+    n_prompt = prompt.shape[0]
+    chunk = prefill_chunk_size or n_prompt
+    position = 0
+    for begin in range(0, n_prompt, chunk):
+        piece = prompt[begin : begin + chunk]
+        cache.seq.more_prefill_chunks = begin + chunk < n_prompt
+        logits = _forward(model, piece, position, cache)
+        position += piece.shape[0]
+    cache.seq.more_prefill_chunks = False
+    for token in request.suffix_ids:
+        logits = _forward(model, torch.tensor([token], device=device), position, cache)
+        position += 1
+    timer.take_step()
+    if keep_logits:
+        logits_kept.append(logits.float().cpu())
+    generated = [pick(logits, 0)]
+    ttft = time.perf_counter() - start
+
+    step_times: list[float] = []
+    step_phases: list[dict[str, float]] = []
+    stop_reason = "length"
+    eos_ids = set(request.eos_token_ids)
+    while True:
+        if generated[-1] in eos_ids and len(generated) > request.min_new_tokens:
+            generated.pop()
+            stop_reason = "eos"
+            break
+        if request.stop_strings and _hits_stop(tokenizer, generated, request.stop_strings):
+            stop_reason = "stop_string"
+            break
+        if len(generated) >= request.max_new_tokens:
+            break
+        step_start = time.perf_counter()
+        logits = _forward(model, torch.tensor([generated[-1]], device=device), position, cache)
+        position += 1
+        generated.append(pick(logits, len(generated)))
+        step_times.append(time.perf_counter() - step_start)
+        step_phases.append(timer.take_step())
+        if keep_logits:
+            logits_kept.append(logits.float().cpu())
+
+    return GenerationResult(
+        token_ids=generated,
+        stop_reason=stop_reason,
+        prompt_tokens=n_prompt + len(request.suffix_ids),
+        ttft_s=ttft,
+        tt2t_s=ttft + step_times[0] if step_times else None,
+        tpot_s=statistics.median(step_times[1:]) if len(step_times) > 1 else None,
+        step_times_s=step_times,
+        step_phases=step_phases,
+        counters=cache.seq.counters.as_dict(),
+        gpu_kv_bytes=cache.gpu_kv_bytes(),
+        cpu_kv_bytes=cache.cpu_kv_bytes(),
+        peak_gpu_bytes=torch.cuda.max_memory_allocated(device) if is_cuda else None,
+        logits=logits_kept if keep_logits else None,
+    )
+
+
+def _hits_stop(tokenizer, generated: list[int], stop_strings: Sequence[str]) -> bool:
+    longest = max(len(s) for s in stop_strings)
+    tail = tokenizer.decode(generated[-(longest + 8) :], skip_special_tokens=True)
+    return any(s in tail for s in stop_strings)

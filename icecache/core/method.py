@@ -1,0 +1,221 @@
+"""The method contract: what a KV-selection method sees and owns, per layer.
+
+A method is a small dataclass of settings (``MethodConfig`` subclass) plus a ``Method`` subclass registered in
+``METHODS``. For every layer the method builds a ``LayerKV``: the object that stores that layer's keys and values
+and computes its attention. It sees, per layer, the prompt's queries, keys and values at prefill (post-RoPE, GQA
+not expanded) and at each decode step the new query, key and value. Layers ``0 .. n_dense_layers-1`` always keep
+the full cache (``DenseKV``).
+
+``budget`` has one meaning for every method: the number of KV token slots each query head may attend to at a
+decode step in a sparsified layer, sink, selected and recent tokens included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from .attention import dense_attention
+from .errors import ConfigError
+from .registry import Registry
+from .timing import DecodeCounters, PhaseTimer
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The attention geometry a method needs, read from the model's config."""
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    device: torch.device = torch.device("cpu")
+    dtype: torch.dtype = torch.float32
+
+    @classmethod
+    def from_config(cls, config: Any, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        n_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+        return cls(
+            n_layers=config.num_hidden_layers,
+            n_heads=n_heads,
+            n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
+            head_dim=head_dim,
+            device=torch.device(device),
+            dtype=dtype,
+        )
+
+    @property
+    def group_size(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+
+@dataclass
+class MethodConfig:
+    """Settings shared by every method; each method extends this with its own knobs."""
+
+    name: str = "full"
+    budget: int | None = None
+    n_dense_layers: int = 2
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "MethodConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                f"method {values.get('name', cls.__name__)!r} has no setting {', '.join(unknown)}; "
+                f"its settings are: {', '.join(sorted(known))}"
+            )
+        return cls(**values)
+
+
+@dataclass
+class SequenceContext:
+    """Per-sequence state shared by the layers of one cache (no globals): timers, counters, phase flags."""
+
+    timer: PhaseTimer = field(default_factory=PhaseTimer)
+    counters: DecodeCounters = field(default_factory=DecodeCounters)
+    more_prefill_chunks: bool = False  # set by the generation loop for every prefill chunk but the last
+    trace_selection: bool = False  # layers record the token positions they attend to (tests, analysis)
+    shared: dict[str, Any] = field(default_factory=dict)  # e.g. a selection one layer hands to the next
+
+
+class LayerKV(ABC):
+    """One layer's KV storage and attention. ``seq_len`` is the logical number of tokens seen."""
+
+    def __init__(self, layer_idx: int, model: ModelInfo, seq: SequenceContext):
+        self.layer_idx = layer_idx
+        self.model = model
+        self.seq = seq
+        self.seq_len = 0
+        # With seq.trace_selection: bool [Hq, seq_len] of the positions each query head attended at the last decode.
+        self.last_attended: torch.Tensor | None = None
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float,
+    ) -> torch.Tensor:
+        """Store the new tokens and attend; ``query [B, Hq, S, D]`` -> ``[B, S, Hq, D]``."""
+        is_prefill = query.shape[-2] > 1 or self.seq_len == 0
+        if is_prefill:
+            out = self.prefill(query, key, value, attention_mask, scaling)
+        else:
+            out = self.decode(query, key, value, scaling)
+        self.seq_len += key.shape[-2]
+        return out
+
+    @abstractmethod
+    def prefill(self, query, key, value, attention_mask, scaling) -> torch.Tensor:
+        """A prompt chunk; ``self.seq.more_prefill_chunks`` says whether more follow."""
+
+    @abstractmethod
+    def decode(self, query, key, value, scaling) -> torch.Tensor:
+        """One new token (``S = 1``)."""
+
+    def gpu_kv_bytes(self) -> int:
+        return 0
+
+    def cpu_kv_bytes(self) -> int:
+        return 0
+
+
+class DenseKV(LayerKV):
+    """The full cache: every token kept on the model's device, dense attention. Storage grows by doubling."""
+
+    def __init__(self, layer_idx: int, model: ModelInfo, seq: SequenceContext):
+        super().__init__(layer_idx, model, seq)
+        self._keys: torch.Tensor | None = None
+        self._values: torch.Tensor | None = None
+        self.length = 0  # physical tokens stored
+
+    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        batch, n_kv_heads, n_new, head_dim = key.shape
+        needed = self.length + n_new
+        if self._keys is None or needed > self._keys.shape[2]:
+            capacity = max(needed, 2 * (self._keys.shape[2] if self._keys is not None else 0), 256)
+            grown_k = key.new_empty(batch, n_kv_heads, capacity, head_dim)
+            grown_v = value.new_empty(batch, n_kv_heads, capacity, head_dim)
+            if self._keys is not None:
+                grown_k[:, :, : self.length] = self._keys[:, :, : self.length]
+                grown_v[:, :, : self.length] = self._values[:, :, : self.length]
+            self._keys, self._values = grown_k, grown_v
+        self._keys[:, :, self.length : needed] = key
+        self._values[:, :, self.length : needed] = value
+        self.length = needed
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._keys[:, :, : self.length]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._values[:, :, : self.length]
+
+    def prefill(self, query, key, value, attention_mask, scaling):
+        self.append(key, value)
+        return dense_attention(query, self.keys, self.values, scaling, attention_mask)
+
+    def decode(self, query, key, value, scaling):
+        self.append(key, value)
+        if self.seq.trace_selection:
+            self.last_attended = torch.ones(query.shape[1], self.length, dtype=torch.bool, device=query.device)
+        return dense_attention(query, self.keys, self.values, scaling)
+
+    def gpu_kv_bytes(self) -> int:
+        if self._keys is None or self._keys.device.type != "cuda":
+            return 0
+        return 2 * self._keys[:, :, : self.length].numel() * self._keys.element_size()
+
+
+class Method(ABC):
+    """A KV-selection method: its config and a factory of per-layer ``LayerKV`` objects."""
+
+    config_class: ClassVar[type[MethodConfig]] = MethodConfig
+    uses_budget: ClassVar[bool] = True
+
+    def __init__(self, config: MethodConfig, model: ModelInfo):
+        self.config = config
+        self.model = model
+
+    def check(self) -> None:
+        """Raise ``ConfigError`` if the settings cannot work for this model (called before any weights load)."""
+        if self.uses_budget and (self.config.budget is None or self.config.budget <= 0):
+            raise ConfigError(f"method {self.config.name!r} needs a positive budget: add budget=<tokens>")
+        if not 0 <= self.config.n_dense_layers <= self.model.n_layers:
+            raise ConfigError(
+                f"n_dense_layers={self.config.n_dense_layers} must lie in [0, {self.model.n_layers}] for this model"
+            )
+
+    def make_layer(self, layer_idx: int, seq: SequenceContext) -> LayerKV:
+        if layer_idx < self.config.n_dense_layers:
+            return DenseKV(layer_idx, self.model, seq)
+        return self.make_sparse_layer(layer_idx, seq)
+
+    @abstractmethod
+    def make_sparse_layer(self, layer_idx: int, seq: SequenceContext) -> LayerKV:
+        """The method's own layer, for layers at or above ``n_dense_layers``."""
+
+
+METHODS: Registry[type[Method]] = Registry("method")
+
+
+def build_method(values: dict[str, Any], model: ModelInfo) -> Method:
+    """Config dict (from Hydra or a test) -> checked ``Method``; raises ``ConfigError`` on bad settings."""
+    import baselines  # noqa: F401  registers the baselines
+    import icecache.method  # noqa: F401  registers IceCache
+
+    name = values.get("name")
+    method_cls = METHODS.get(name)
+    config = method_cls.config_class.from_dict(dict(values))
+    method = method_cls(config, model)
+    method.check()
+    return method

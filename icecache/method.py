@@ -1,0 +1,1 @@
+"""IceCache and IceCache-reuse (registered here once implemented; see issue 5)."""

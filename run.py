@@ -1,0 +1,63 @@
+#!/usr/bin/env python
+"""One (model, method, task, budget) run. Examples:
+
+    python run.py                                          # embedded default: SmolLM2 passkey at 4k, IceCache
+    python run.py method=quest budget=256 task=passkey task.lengths=[8192]
+    python run.py -m method=full,icecache budget=64,256   # a sweep (hydra/launcher=slurm for a cluster)
+
+Results land in results/runs/<task>/<model>/<method>/budget-<b>/<hash>/ (see README).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+GROUPS = ("model", "method", "task", "experiment")
+
+
+def precheck(argv: list[str]) -> None:
+    """Reject malformed overrides and unknown config choices with one line, before Hydra or torch load."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = [a for a in argv if not a.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception as error:  # noqa: BLE001  the parser raises several types; the user needs only the line
+        message = str(error).strip().splitlines()[0]
+        print(f"error: malformed override ({message}); write key=value, e.g. method=quest budget=256", file=sys.stderr)
+        sys.exit(2)
+    for override in parsed:
+        key = override.get_key_element()
+        if key.lstrip("+~") in GROUPS:
+            group = key.lstrip("+~")
+            choices = sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+            values = override.value()
+            values = values.list if hasattr(values, "list") else [values]
+            for value in values:
+                if isinstance(value, str) and value not in choices:
+                    print(f"error: unknown {group} {value!r}; choose one of: {', '.join(choices)}", file=sys.stderr)
+                    sys.exit(2)
+
+
+def main() -> None:
+    precheck(sys.argv[1:])
+    import hydra
+    from omegaconf import OmegaConf
+
+    @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
+    def _run(cfg) -> None:
+        from icecache.runner import main_from_dict
+
+        values = OmegaConf.to_container(cfg, resolve=True)
+        values.pop("experiment", None)
+        metrics = main_from_dict(values)
+        if metrics:
+            print(f"{metrics['task']} / {metrics['method']} / budget {metrics['budget']}: {metrics['metrics']}")
+
+    _run()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Shared fixtures: tiny random Llama, Mistral, Qwen2 and Qwen3 models (CPU, float32, byte tokenizer)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from icecache.core.cache import ATTENTION_NAME
+from icecache.core.models import ModelSpec, load_model, model_info
+
+ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3"]
+
+TINY_CONFIG = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=8192,
+)
+
+
+def tiny_spec(architecture: str) -> ModelSpec:
+    config = dict(TINY_CONFIG)
+    if architecture == "mistral":
+        config["sliding_window"] = None
+    if architecture == "qwen3":
+        config["head_dim"] = 16
+    return ModelSpec(
+        name=f"tiny-{architecture}", source="random", architecture=architecture, config=config,
+        tokenizer="bytes", device="cpu", dtype="float32", seed=0,
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(architecture: str):
+    """(model, tokenizer, ModelInfo) built once per test session and architecture."""
+    spec = tiny_spec(architecture)
+    model, tokenizer = load_model(spec, ATTENTION_NAME)
+    return model, tokenizer, model_info(spec)
+
+
+@pytest.fixture(params=ARCHITECTURES)
+def tiny(request):
+    return tiny_model(request.param)
+
+
+@pytest.fixture
+def rng():
+    return torch.Generator().manual_seed(1234)

@@ -1,0 +1,101 @@
+"""The full-cache path on the shared core equals plain transformers (sdpa + DynamicCache) on tiny random models."""
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from icecache.core.cache import HarnessCache
+from icecache.core.generation import GenerationRequest, greedy_generate
+from icecache.core.method import build_method
+
+
+def reference_generate(model, ids, n_new):
+    reference = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), attn_implementation="sdpa")
+    reference.load_state_dict(model.state_dict())
+    reference.eval()
+    out = reference.generate(
+        torch.tensor([ids]), max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, output_logits=True,
+        return_dict_in_generate=True, pad_token_id=0,
+    )
+    return out.sequences[0, len(ids):].tolist(), [s[0] for s in out.logits]
+
+
+def test_full_cache_matches_transformers(tiny):
+    model, _, info = tiny
+    ids = torch.randint(0, 500, (120,), generator=torch.Generator().manual_seed(0)).tolist()
+    method = build_method({"name": "full"}, info)
+    ours = greedy_generate(model, HarnessCache(method), GenerationRequest(ids, 16), keep_logits=True)
+    ref_tokens, ref_scores = reference_generate(model, ids, 16)
+    assert ours.token_ids == ref_tokens
+    for mine, theirs in zip(ours.logits, ref_scores):
+        torch.testing.assert_close(mine, theirs.float(), rtol=1e-4, atol=1e-4)
+
+
+def test_chunked_prefill_equals_one_chunk(tiny):
+    model, _, info = tiny
+    ids = torch.randint(0, 500, (97,), generator=torch.Generator().manual_seed(1)).tolist()
+    method = build_method({"name": "full"}, info)
+    whole = greedy_generate(model, HarnessCache(method), GenerationRequest(ids, 8), keep_logits=True)
+    chunked = greedy_generate(
+        model, HarnessCache(method), GenerationRequest(ids, 8), prefill_chunk_size=32, keep_logits=True
+    )
+    assert whole.token_ids == chunked.token_ids
+    torch.testing.assert_close(whole.logits[0], chunked.logits[0], rtol=1e-4, atol=1e-4)
+
+
+def test_suffix_tokens_fed_as_decode_steps_equal_prefill(tiny):
+    model, _, info = tiny
+    ids = torch.randint(0, 500, (64,), generator=torch.Generator().manual_seed(2)).tolist()
+    method = build_method({"name": "full"}, info)
+    whole = greedy_generate(model, HarnessCache(method), GenerationRequest(ids, 6))
+    split = greedy_generate(model, HarnessCache(method), GenerationRequest(ids[:50], 6, suffix_ids=ids[50:]))
+    assert whole.token_ids == split.token_ids
+    assert split.prompt_tokens == 64
+
+
+def test_generate_api_accepts_the_cache(tiny):
+    """transformers' own generate() with our cache: honest logical length, same tokens as our loop."""
+    model, _, info = tiny
+    ids = torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    method = build_method({"name": "full"}, info)
+    cache = HarnessCache(method)
+    out = model.generate(torch.tensor([ids]), past_key_values=cache, max_new_tokens=5, min_new_tokens=5,
+                         do_sample=False, pad_token_id=0)
+    ours = greedy_generate(model, HarnessCache(method), GenerationRequest(ids, 5))
+    assert out[0, 40:].tolist() == ours.token_ids
+    assert cache.get_seq_length() == 40 + 4  # the last generated token is never fed back
+
+
+def test_eos_min_new_tokens_and_stop_strings(tiny):
+    model, tokenizer, info = tiny
+    ids = torch.randint(0, 500, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    method = build_method({"name": "full"}, info)
+    free = greedy_generate(model, HarnessCache(method), GenerationRequest(ids, 6))
+    first = free.token_ids[0]
+    stopped = greedy_generate(model, HarnessCache(method), GenerationRequest(ids, 6, eos_token_ids=[first]))
+    assert stopped.token_ids == [] and stopped.stop_reason == "eos"
+    forced = greedy_generate(
+        model, HarnessCache(method), GenerationRequest(ids, 6, eos_token_ids=[first], min_new_tokens=1)
+    )
+    assert forced.token_ids and forced.token_ids[0] != first
+    text = tokenizer.decode(free.token_ids[:3])
+    if text:
+        by_string = greedy_generate(
+            model, HarnessCache(method), GenerationRequest(ids, 6, stop_strings=[text]), tokenizer=tokenizer
+        )
+        assert by_string.stop_reason == "stop_string" and len(by_string.token_ids) <= 3
+
+
+@pytest.mark.parametrize("architecture", ["mistral"])
+def test_sliding_window_models_are_refused(architecture):
+    from icecache.core.errors import ConfigError
+    from icecache.core.models import ModelSpec, model_info
+
+    spec = ModelSpec(name="windowed", source="random", architecture=architecture,
+                     config={"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                             "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 300,
+                             "sliding_window": 4096})
+    with pytest.raises(ConfigError, match="sliding_window=null"):
+        model_info(spec)
