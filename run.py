@@ -18,27 +18,39 @@ GROUPS = ("model", "method", "task", "experiment")
 
 
 def precheck(argv: list[str]) -> None:
-    """Reject malformed overrides and unknown config choices with one line, before Hydra or torch load."""
+    """Reject malformed overrides, unknown config choices and unknown keys with one line, before any work."""
+    from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     overrides = [a for a in argv if not a.startswith("-")]
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except Exception as error:  # noqa: BLE001  the parser raises several types; the user needs only the line
-        message = str(error).strip().splitlines()[0]
-        print(f"error: malformed override ({message}); write key=value, e.g. method=quest budget=256", file=sys.stderr)
-        sys.exit(2)
+        fail(f"malformed override ({first_line(error)}); write key=value, e.g. method=quest budget=256")
     for override in parsed:
-        key = override.get_key_element()
-        if key.lstrip("+~") in GROUPS:
-            group = key.lstrip("+~")
+        group = override.get_key_element().lstrip("+~")
+        if group in GROUPS:
             choices = sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
             values = override.value()
-            values = values.list if hasattr(values, "list") else [values]
-            for value in values:
+            for value in values.list if hasattr(values, "list") else [values]:
                 if isinstance(value, str) and value not in choices:
-                    print(f"error: unknown {group} {value!r}; choose one of: {', '.join(choices)}", file=sys.stderr)
-                    sys.exit(2)
+                    fail(f"unknown {group} {value!r}; choose one of: {', '.join(choices)}")
+    if "-m" in argv or "--multirun" in argv:
+        return  # sweep values are checked per job
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            compose(config_name="config", overrides=overrides)
+    except Exception as error:  # noqa: BLE001  composition errors (unknown keys, bad types) -> one line
+        fail(f"bad override: {first_line(error)}")
+
+
+def first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def main() -> None:

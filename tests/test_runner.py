@@ -1,0 +1,115 @@
+"""The runner: resumable without loss or duplicates, output paths a function of the config, bad input -> exit 2."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from icecache import runner
+from icecache.core.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TINY_RUN = {
+    "model": {"name": "tiny-llama", "source": "random", "architecture": "llama", "tokenizer": "bytes",
+              "device": "cpu", "dtype": "float32",
+              "config": {"vocab_size": 512, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                         "num_attention_heads": 2, "num_key_value_heads": 1, "max_position_embeddings": 4096}},
+    "method": {"name": "full", "budget": None, "n_dense_layers": 2},
+    "task": {"name": "passkey", "lengths": [400], "num_depths": 6, "limit": None, "seed": 42, "extra_new_tokens": 1},
+}
+
+
+def make_config(tmp_path, **changes):
+    values = json.loads(json.dumps(TINY_RUN))
+    values["output_root"] = str(tmp_path)
+    values.update(changes)
+    return runner.RunConfig.from_dict(values)
+
+
+def test_killed_run_resumes_without_loss_or_duplicates(tmp_path, monkeypatch):
+    from icecache.core import generation
+
+    real = generation.greedy_generate
+    calls = []
+
+    def dying(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # killed while generating the 4th sample
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "greedy_generate", dying)
+    config = make_config(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(config)
+    predictions = config.output_dir() / runner.PREDICTIONS
+    assert len(runner.read_records(predictions)) == 3
+    assert not (config.output_dir() / runner.METRICS).exists()
+    with open(predictions, "a") as handle:
+        handle.write('{"sample_id": "len400-depth03", "predic')  # a torn line from a kill mid-write
+
+    calls.clear()
+    monkeypatch.setattr(generation, "greedy_generate", real)
+    metrics = runner.run(config)
+    ids = [json.loads(line)["sample_id"] for line in predictions.read_text().splitlines()]
+    assert ids == [f"len400-depth{i:02d}" for i in range(6)]  # each once, in order, torn line gone
+    assert metrics["n_samples"] == 6
+    assert json.loads((config.output_dir() / runner.METRICS).read_text())["n_samples"] == 6
+    # A finished run is skipped entirely.
+    monkeypatch.setattr(generation, "greedy_generate", dying)
+    assert runner.run(config)["n_samples"] == 6 and not calls
+
+
+def test_output_dir_is_a_pure_function_of_the_config(tmp_path):
+    first, again = make_config(tmp_path), make_config(tmp_path)
+    assert first.output_dir() == again.output_dir()
+    assert make_config(tmp_path, threads=7).output_dir() == first.output_dir()  # threads cannot change a number
+    other_task = make_config(tmp_path)
+    other_task.task["lengths"] = [401]
+    assert other_task.output_dir() != first.output_dir()
+    parts = first.output_dir().relative_to(tmp_path).parts
+    assert parts[:4] == ("passkey", "tiny-llama", "full", "budget-none")
+
+
+def test_second_writer_is_refused(tmp_path):
+    directory = tmp_path / "run"
+    directory.mkdir()
+    with runner.RunLock(directory):
+        with pytest.raises(ConfigError, match="another process"):
+            with runner.RunLock(directory):
+                pass
+
+
+def cli(*overrides):
+    return subprocess.run([sys.executable, "run.py", *overrides], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["method=no_such_method"], "unknown method 'no_such_method'"),
+        (["task=no_such_task"], "unknown task 'no_such_task'"),
+        (["model=no_such_model"], "unknown model 'no_such_model'"),
+        (["budget=[1,"], "malformed override"),
+        (["model=tiny_llama", "model.device=cuda"], "no CUDA GPU"),
+        (["model=smollm2_135m", "model.source=gguf", "model.path=/nonexistent/m.gguf"], "not found"),
+        (["model=smollm2_135m", "model.package=no_such_package_xyz"], "is not installed"),
+        (["model=tiny_llama", "method=full", "task.lengths=[]"], "task.lengths"),
+        (["model=tiny_llama", "method.no_such_knob=3"], "no_such_knob"),
+    ],
+)
+def test_bad_input_gives_one_line_and_exit_code_2(overrides, message, tmp_path):
+    if "model.device=cuda" in overrides:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has a GPU")
+    result = cli(*overrides, f"output_root={tmp_path}")
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
+    assert not any(tmp_path.iterdir())  # stopped before any work
