@@ -1,0 +1,287 @@
+"""``DCIIndex``: many independent multi-level DCI trees (one per KV head) whose leaves are KV pages.
+
+This is the Python face of the C++ index in ``src/`` (ALGORITHMS.md section 1; design notes in docs/dci.md):
+Prioritized DCI over random directions, its multi-level form, M-DCI's page-leaf B+ tree (at most 16 tokens per
+leaf, 8-16 once a parent has more than one leaf) and the maximum-inner-product transform. Every operation is one
+call over all instances, threaded in C++ with the GIL released. Arrays are float32 and C-contiguous; NumPy arrays
+and CPU torch tensors are taken without a copy.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from . import _dci
+
+PAGE_SLOTS: int = _dci.PAGE_SLOTS
+BRUTE_FORCE_THRESHOLD = 3000  # numa_threshold: parents searched exhaustively up to this many upper-level points
+
+
+def _as_float32(name: str, array: Any, ndim: int) -> np.ndarray:
+    """A float32 C-contiguous view of `array` (NumPy or CPU torch tensor), copying only a non-contiguous input."""
+    if hasattr(array, "detach") and hasattr(array, "numpy"):  # torch.Tensor
+        if array.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU tensor, got one on {array.device}")
+        array = array.detach().numpy()
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"{name} must be a NumPy array or a CPU torch tensor, got {type(array).__name__}")
+    if array.dtype != np.float32:
+        raise TypeError(f"{name} must be float32, got {array.dtype}")
+    if array.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {array.shape}")
+    if not np.isfinite(np.sum(array, dtype=np.float64)):  # one pass, no mask array: NaN and inf propagate
+        raise ValueError(f"{name} contains NaN or infinite values")
+    return np.ascontiguousarray(array)
+
+
+def default_query_field_of_view(num_tokens: int) -> int:
+    """IceCache's query field of view: max(int(1.5e-3 * n), 30)."""
+    return max(int(1.5e-3 * num_tokens), 30)
+
+
+class DCIIndex:
+    """`num_instances` independent DCI trees over `dim`-dimensional keys.
+
+    Token ids are 0..n-1 per instance in insertion order (every instance holds the same number of tokens). Page ids
+    are dense per instance: 0..num_pages-1, where a freed id (after a merge) is reused before a new one is made.
+
+    Args:
+        dim: key dimension (head_dim).
+        num_instances: number of independent trees (KV heads).
+        num_comp_indices, num_simp_indices: composite x simple indices; L = their product random directions.
+            IceCache uses 1 x 1; pages are the leaves of direction 0's tree.
+        promotion_prob, promotion_prob_subseq: promotion probability from level 0 to 1, and above
+            (0 means "same as promotion_prob").
+        transform: index for maximum inner product (the augmented-key reduction) instead of Euclidean distance.
+        deterministic_levels: IceCache's evenly spaced level schedule instead of random promotion.
+        seed: seeds the directions (when not given) and random levels.
+        num_threads: OpenMP threads for every call (default: all CPUs).
+        directions: [L, dim+1] (transform) or [L, dim] unit rows, shared by all instances.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_instances: int,
+        *,
+        num_comp_indices: int = 1,
+        num_simp_indices: int = 1,
+        promotion_prob: float = 0.01,
+        promotion_prob_subseq: float = 0.2,
+        transform: bool = True,
+        deterministic_levels: bool = True,
+        seed: int = 0,
+        num_threads: int | None = None,
+        directions: np.ndarray | None = None,
+    ) -> None:
+        if dim < 1 or num_instances < 1:
+            raise ValueError(f"dim and num_instances must be positive, got {dim} and {num_instances}")
+        if num_comp_indices < 1 or num_simp_indices < 1 or num_comp_indices * num_simp_indices > 64:
+            raise ValueError("need 1 <= num_comp_indices * num_simp_indices <= 64")
+        if not 0.0 < promotion_prob < 1.0 or not 0.0 <= promotion_prob_subseq < 1.0:
+            raise ValueError("promotion probabilities must lie in (0, 1) (promotion_prob_subseq may be 0)")
+        self.dim = dim
+        self.num_instances = num_instances
+        self.transform = transform
+        n_dirs = num_comp_indices * num_simp_indices
+        width = dim + 1 if transform else dim
+        if directions is None:
+            # i.i.d. N(0, 1) coordinates in dim+1 (transform) dimensions, normalised there (sections 1.1, 1.2)
+            directions = np.random.default_rng(seed).standard_normal((n_dirs, width))
+            directions = (directions / np.linalg.norm(directions, axis=1, keepdims=True)).astype(np.float32)
+        else:
+            directions = _as_float32("directions", directions, 2)
+            if directions.shape != (n_dirs, width):
+                raise ValueError(f"directions must have shape {(n_dirs, width)}, got {directions.shape}")
+            norms = np.linalg.norm(directions, axis=1)
+            if not np.allclose(norms, 1.0, atol=1e-4):
+                raise ValueError(f"directions must be unit rows; norms are {norms}")
+        threads = num_threads if num_threads is not None else (os.cpu_count() or 1)
+        if threads < 1:
+            raise ValueError(f"num_threads must be positive, got {threads}")
+        self._forest = _dci.Forest(
+            dim, num_instances, num_comp_indices, num_simp_indices, promotion_prob, promotion_prob_subseq,
+            transform, deterministic_levels, seed, directions, threads,
+        )
+
+    # ------------------------------------------------------------------ threads
+    @property
+    def num_threads(self) -> int:
+        """OpenMP threads used by build, insert and query."""
+        return self._forest.num_threads
+
+    @num_threads.setter
+    def num_threads(self, value: int) -> None:
+        if value < 1:
+            raise ValueError(f"num_threads must be positive, got {value}")
+        self._forest.num_threads = int(value)
+
+    # ------------------------------------------------------------------ building
+    def _check_keys(self, keys: Any) -> np.ndarray:
+        keys = _as_float32("keys", keys, 3)
+        if keys.shape[0] != self.num_instances or keys.shape[2] != self.dim:
+            raise ValueError(
+                f"keys must have shape [num_instances={self.num_instances}, n, dim={self.dim}], got {keys.shape}"
+            )
+        return keys
+
+    def build(
+        self,
+        keys: Any,
+        *,
+        field_of_view: int = 30,
+        prop_to_retrieve: float = 1.0,
+        prop_to_visit: float = 1.0,
+        anchor_interval: int = 60,
+        anchor_neighbours: int = 60,
+        anchor_threshold: float = 1.02,
+        brute_force_threshold: int = BRUTE_FORCE_THRESHOLD,
+    ) -> None:
+        """Bulk-build every instance from scratch over keys [num_instances, n, dim] (section 1.5).
+
+        field_of_view / prop_to_retrieve / prop_to_visit are the construction search settings used when a level
+        above has more than `brute_force_threshold` points; the anchor settings enable the level-0 shortcut
+        (anchor_interval 0 disables it). Any previous content is dropped; all pages are marked changed.
+        """
+        keys = self._check_keys(keys)
+        if keys.shape[1] >= 2**31 - 1:
+            raise ValueError("too many keys")
+        _check_search(field_of_view, prop_to_retrieve, prop_to_visit)
+        if anchor_interval < 0 or anchor_neighbours < 0 or anchor_threshold < 0:
+            raise ValueError("anchor settings must be non-negative")
+        self._forest.build(
+            keys, int(field_of_view), float(prop_to_retrieve), float(prop_to_visit), int(anchor_interval),
+            int(anchor_neighbours), float(anchor_threshold), int(brute_force_threshold),
+        )
+
+    def insert(
+        self,
+        keys: Any,
+        *,
+        field_of_view: int = 20,
+        prop_to_retrieve: float = 0.6,
+        prop_to_visit: float = 1.0,
+        as_batch: bool = True,
+        brute_force_threshold: int = BRUTE_FORCE_THRESHOLD,
+    ) -> None:
+        """Add keys [num_instances, m, dim]; their token ids continue from `num_tokens` (section 1.6).
+
+        as_batch=True merges the m keys as one batch (a page of tokens: M and projections take in the batch first,
+        new points are placed top level first); False inserts them one by one. Pages whose content changes are
+        flagged for `pop_changed_pages`. Inserting into an empty index builds it with the default build settings.
+        """
+        keys = self._check_keys(keys)
+        if keys.shape[1] == 0:
+            return
+        if self.num_tokens == 0:
+            self.build(keys)
+            return
+        _check_search(field_of_view, prop_to_retrieve, prop_to_visit)
+        self._forest.insert(
+            keys, int(field_of_view), float(prop_to_retrieve), float(prop_to_visit), bool(as_batch),
+            int(brute_force_threshold),
+        )
+
+    # ------------------------------------------------------------------ querying
+    def query(
+        self,
+        queries: Any,
+        num_pages: int,
+        *,
+        field_of_view: int | None = None,
+        prop_to_retrieve: float = 0.8,
+        prop_to_visit: float = 1.0,
+        ratio: int = 1,
+        return_scores: bool = False,
+    ) -> tuple[np.ndarray, ...]:
+        """Pages and tokens for one decode step (section 1.7, cumulative multi-level search).
+
+        queries: [num_instances * ratio, dim]; query head h searches instance h // ratio (GQA).
+        Returns (page_ids, token_ids), both int32 [nq, num_pages]: the pages ranked by their best token's score and
+        the best tokens, -1 padded. With return_scores, also (page_scores, token_scores) float32: q.k of the best
+        token of each page and of each token (-|q-k|^2 without the transform), NaN where padded.
+        field_of_view None means max(int(1.5e-3 * n), 30).
+        """
+        if ratio < 1:
+            raise ValueError(f"ratio must be >= 1, got {ratio}")
+        queries = _as_float32("queries", queries, 2)
+        if queries.shape != (self.num_instances * ratio, self.dim):
+            raise ValueError(
+                f"queries must have shape [num_instances*ratio={self.num_instances * ratio}, dim={self.dim}], "
+                f"got {queries.shape}"
+            )
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        fov = default_query_field_of_view(self.num_tokens) if field_of_view is None else field_of_view
+        _check_search(fov, prop_to_retrieve, prop_to_visit)
+        pages, tokens, page_scores, token_scores = self._forest.query(
+            queries, int(num_pages), int(fov), float(prop_to_retrieve), float(prop_to_visit), int(ratio)
+        )
+        if return_scores:
+            return pages, tokens, page_scores, token_scores
+        return pages, tokens
+
+    # ------------------------------------------------------------------ maps and state
+    @property
+    def num_tokens(self) -> int:
+        """Tokens per instance."""
+        return int(self._forest.num_tokens(0))
+
+    def num_levels(self, instance: int) -> int:
+        """Number of levels of one instance's tree."""
+        return int(self._forest.num_levels(self._instance(instance)))
+
+    def num_pages(self) -> np.ndarray:
+        """int32 [num_instances]: page ids of instance i are 0..num_pages[i]-1 (freed ids show 0 valid tokens)."""
+        return self._forest.num_pages()
+
+    def page_tokens(self, instance: int) -> np.ndarray:
+        """int32 [num_pages, 16]: token ids of each page in slot order, -1 padded."""
+        return self._forest.page_tokens(self._instance(instance))
+
+    def page_valid_counts(self) -> np.ndarray:
+        """int32 [num_instances, max_pages]: valid tokens per page (get_valid_entries); 0 past an instance's last page."""
+        return self._forest.page_valid_counts()
+
+    def token_to_page(self, instance: int) -> tuple[np.ndarray, np.ndarray]:
+        """(page [n], slot [n]) int32: where each token of one instance lives."""
+        return self._forest.token_to_page(self._instance(instance))
+
+    def pop_changed_pages(self) -> np.ndarray:
+        """bool [num_instances, max_pages]: pages whose content changed since the last pop (or build); resets."""
+        return self._forest.pop_changed_pages()
+
+    def max_sq_norm(self) -> np.ndarray:
+        """float64 [num_instances]: the running maximum squared key norm M of the MIPS transform."""
+        return self._forest.max_sq_norm()
+
+    @property
+    def directions(self) -> np.ndarray:
+        """float32 [L, dim+1] (transform) or [L, dim]: the unit projection directions."""
+        return self._forest.directions()
+
+    def node_info(self, instance: int) -> dict[str, np.ndarray]:
+        """Per-token internals for tests and diagnostics: level, parent (-1 = root), parent_dist, sq_norm,
+        projections [n, L], projection_sq_norm_max (M the projection is current at), free_pages."""
+        return self._forest.node_info(self._instance(instance))
+
+    def check(self, instance: int) -> str:
+        """Checks every structural invariant of one instance; returns '' or the first violation found."""
+        return self._forest.check(self._instance(instance))
+
+    def _instance(self, instance: int) -> int:
+        if not 0 <= instance < self.num_instances:
+            raise IndexError(f"instance {instance} out of range 0..{self.num_instances - 1}")
+        return int(instance)
+
+
+def _check_search(field_of_view: int, prop_to_retrieve: float, prop_to_visit: float) -> None:
+    if field_of_view < 1:
+        raise ValueError(f"field_of_view must be >= 1, got {field_of_view}")
+    if not 0.0 < prop_to_retrieve <= 1.0 or not 0.0 < prop_to_visit <= 1.0:
+        raise ValueError(
+            f"prop_to_retrieve and prop_to_visit must lie in (0, 1], got {prop_to_retrieve} and {prop_to_visit}"
+        )

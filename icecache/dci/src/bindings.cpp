@@ -1,0 +1,230 @@
+// Python binding: many independent instances (one per KV head) behind one object, each operation one call over all
+// of them, threaded across instances and within one (section 1.8), with the GIL released.
+#include <omp.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <memory>
+#include <stdexcept>
+
+#include "dci.hpp"
+
+namespace py = pybind11;
+using dci::Instance;
+
+namespace {
+
+using FArray = py::array_t<float, py::array::c_style>;
+
+class Forest {
+ public:
+  Forest(int dim, int num_instances, int num_comp, int num_simp, double p0, double p1, bool transform,
+         bool deterministic, uint64_t seed, FArray directions, int threads)
+      : threads_(std::max(1, threads)) {
+    cfg_.dim = dim;
+    cfg_.num_comp = num_comp;
+    cfg_.num_simp = num_simp;
+    cfg_.transform = transform;
+    cfg_.deterministic = deterministic;
+    cfg_.promotion_prob = p0;
+    cfg_.promotion_prob_subseq = p1;
+    if (num_comp * num_simp > 64) throw std::invalid_argument("at most 64 directions");
+    if (num_simp > 255) throw std::invalid_argument("at most 255 simple indices per composite index");
+    if (directions.ndim() != 2 || directions.shape(0) != cfg_.num_dirs() || directions.shape(1) != cfg_.dir_stride())
+      throw std::invalid_argument("directions must have shape [num_comp*num_simp, dim(+1 with transform)]");
+    dirs_.assign(directions.data(), directions.data() + directions.size());
+    for (int i = 0; i < num_instances; ++i)
+      inst_.emplace_back(std::make_unique<Instance>(&cfg_, dirs_.data(), seed * 1000003ULL + i));
+  }
+
+  void set_threads(int t) { threads_ = std::max(1, t); }
+  int threads() const { return threads_; }
+
+  void build(FArray keys, int fov, double pr, double pv, int interval, int X, double thr, int brute) {
+    const int I = static_cast<int>(inst_.size());
+    const int64_t n = keys.shape(1);
+    const float* base = keys.data();
+    const int dim = cfg_.dim;
+    dci::SearchConfig sc{fov, pr, pv};
+    dci::AnchorConfig ac{interval, X, thr};
+    py::gil_scoped_release nogil;
+    const int outer = std::max(1, std::min(I, threads_));
+    const int inner = std::max(1, threads_ / outer);
+    omp_set_max_active_levels(2);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(outer)
+    for (int i = 0; i < I; ++i) inst_[i]->build(base + static_cast<int64_t>(i) * n * dim, n, sc, ac, brute, inner);
+  }
+
+  void insert(FArray keys, int fov, double pr, double pv, bool as_batch, int brute) {
+    const int I = static_cast<int>(inst_.size());
+    const int64_t m = keys.shape(1);
+    const float* base = keys.data();
+    const int dim = cfg_.dim;
+    dci::SearchConfig sc{fov, pr, pv};
+    py::gil_scoped_release nogil;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(1, std::min(I, threads_)))
+    for (int i = 0; i < I; ++i) inst_[i]->insert(base + static_cast<int64_t>(i) * m * dim, m, sc, as_batch, brute);
+  }
+
+  py::tuple query(FArray queries, int K, int fov, double pr, double pv, int ratio) {
+    const int64_t nq = queries.shape(0);
+    const float* q = queries.data();
+    const int dim = cfg_.dim;
+    py::array_t<int32_t> pages({nq, static_cast<int64_t>(K)}), tokens({nq, static_cast<int64_t>(K)});
+    py::array_t<float> pscores({nq, static_cast<int64_t>(K)}), tscores({nq, static_cast<int64_t>(K)});
+    int32_t* P = pages.mutable_data();
+    int32_t* T = tokens.mutable_data();
+    float* PS = pscores.mutable_data();
+    float* TS = tscores.mutable_data();
+    dci::SearchConfig sc{fov, pr, pv};
+    {
+      py::gil_scoped_release nogil;
+#pragma omp parallel num_threads(std::max(1, static_cast<int>(std::min<int64_t>(nq, threads_))))
+      {
+        dci::Scratch s;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t h = 0; h < nq; ++h)
+          inst_[h / ratio]->query(q + h * dim, K, sc, s, P + h * K, T + h * K, PS + h * K, TS + h * K);
+      }
+    }
+    return py::make_tuple(pages, tokens, pscores, tscores);
+  }
+
+  int num_instances() const { return static_cast<int>(inst_.size()); }
+  const Instance& at(int i) const {
+    if (i < 0 || i >= num_instances()) throw py::index_error("instance out of range");
+    return *inst_[i];
+  }
+  Instance& at(int i) {
+    if (i < 0 || i >= num_instances()) throw py::index_error("instance out of range");
+    return *inst_[i];
+  }
+
+  py::array_t<int32_t> num_pages() const {
+    py::array_t<int32_t> out(num_instances());
+    for (int i = 0; i < num_instances(); ++i) out.mutable_data()[i] = inst_[i]->num_pages();
+    return out;
+  }
+  int max_pages() const {
+    int m = 0;
+    for (auto& x : inst_) m = std::max(m, x->num_pages());
+    return m;
+  }
+  py::array_t<int32_t> page_tokens(int i) const {
+    const Instance& x = at(i);
+    const int64_t P = x.num_pages();
+    py::array_t<int32_t> out({P, static_cast<int64_t>(dci::kPageSlots)});
+    int32_t* o = out.mutable_data();
+    std::fill(o, o + P * dci::kPageSlots, -1);
+    for (int64_t p = 0; p < P; ++p) {
+      const dci::Leaf& lf = x.leaves()[p];
+      if (lf.owner == -2) continue;
+      for (int t = 0; t < lf.count; ++t) o[p * dci::kPageSlots + t] = lf.item[t];
+    }
+    return out;
+  }
+  py::array_t<int32_t> page_valid_counts() const {
+    const int64_t I = num_instances(), P = max_pages();
+    py::array_t<int32_t> out({I, P});
+    int32_t* o = out.mutable_data();
+    std::fill(o, o + I * P, 0);
+    for (int64_t i = 0; i < I; ++i)
+      for (int64_t p = 0; p < inst_[i]->num_pages(); ++p) {
+        const dci::Leaf& lf = inst_[i]->leaves()[p];
+        o[i * P + p] = lf.owner == -2 ? 0 : lf.count;
+      }
+    return out;
+  }
+  py::tuple token_to_page(int i) const {
+    const Instance& x = at(i);
+    const int64_t n = x.num_tokens();
+    py::array_t<int32_t> page(n), slot(n);
+    for (int64_t t = 0; t < n; ++t) {
+      page.mutable_data()[t] = x.nodes()[t].page;
+      slot.mutable_data()[t] = x.nodes()[t].slot;
+    }
+    return py::make_tuple(page, slot);
+  }
+  py::array_t<bool> pop_changed_pages() {
+    const int64_t I = num_instances(), P = max_pages();
+    py::array_t<bool> out({I, P});
+    bool* o = out.mutable_data();
+    std::fill(o, o + I * P, false);
+    for (int64_t i = 0; i < I; ++i) {
+      auto& ch = inst_[i]->changed();
+      for (size_t p = 0; p < ch.size(); ++p) {
+        o[i * P + p] = ch[p] != 0;
+        ch[p] = 0;
+      }
+    }
+    return out;
+  }
+  py::dict node_info(int i) const {
+    const Instance& x = at(i);
+    const int64_t n = x.num_tokens();
+    const int64_t L = cfg_.num_dirs();
+    py::array_t<int32_t> level(n), parent(n);
+    py::array_t<float> pdist(n), sq(n), proj({n, L});
+    py::array_t<double> proj_m(n);
+    for (int64_t t = 0; t < n; ++t) {
+      const dci::Node& nd = x.nodes()[t];
+      level.mutable_data()[t] = nd.level;
+      parent.mutable_data()[t] = nd.parent;
+      pdist.mutable_data()[t] = nd.parent_dist;
+      proj_m.mutable_data()[t] = nd.proj_sq_norm_max;
+      sq.mutable_data()[t] = x.sq_norms()[t];
+      for (int64_t j = 0; j < L; ++j) proj.mutable_data()[t * L + j] = x.projections()[t * L + j];
+    }
+    py::dict d;
+    d["level"] = level;
+    d["parent"] = parent;
+    d["parent_dist"] = pdist;
+    d["sq_norm"] = sq;
+    d["projections"] = proj;
+    d["projection_sq_norm_max"] = proj_m;
+    d["free_pages"] = py::cast(x.free_pages());
+    return d;
+  }
+  py::array_t<double> max_sq_norm() const {
+    py::array_t<double> out(num_instances());
+    for (int i = 0; i < num_instances(); ++i) out.mutable_data()[i] = inst_[i]->max_sq_norm();
+    return out;
+  }
+  py::array_t<float> directions() const {
+    py::array_t<float> out({static_cast<int64_t>(cfg_.num_dirs()), static_cast<int64_t>(cfg_.dir_stride())});
+    std::copy(dirs_.begin(), dirs_.end(), out.mutable_data());
+    return out;
+  }
+
+  dci::IndexConfig cfg_;
+  std::vector<float> dirs_;
+  std::vector<std::unique_ptr<Instance>> inst_;
+  int threads_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_dci, m) {
+  m.doc() = "Multi-level Prioritized DCI with M-DCI page leaves and the MIPS transform (see icecache/dci/index.py)";
+  m.attr("PAGE_SLOTS") = dci::kPageSlots;
+  py::class_<Forest>(m, "Forest")
+      .def(py::init<int, int, int, int, double, double, bool, bool, uint64_t, FArray, int>())
+      .def_property("num_threads", &Forest::threads, &Forest::set_threads)
+      .def("build", &Forest::build)
+      .def("insert", &Forest::insert)
+      .def("query", &Forest::query)
+      .def("num_instances", &Forest::num_instances)
+      .def("num_tokens", [](const Forest& f, int i) { return f.at(i).num_tokens(); })
+      .def("num_levels", [](const Forest& f, int i) { return f.at(i).num_levels(); })
+      .def("num_pages", &Forest::num_pages)
+      .def("page_tokens", &Forest::page_tokens)
+      .def("page_valid_counts", &Forest::page_valid_counts)
+      .def("token_to_page", &Forest::token_to_page)
+      .def("pop_changed_pages", &Forest::pop_changed_pages)
+      .def("node_info", &Forest::node_info)
+      .def("max_sq_norm", &Forest::max_sq_norm)
+      .def("directions", &Forest::directions)
+      .def("check", [](const Forest& f, int i) { return f.at(i).check(); });
+}

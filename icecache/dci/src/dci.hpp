@@ -1,0 +1,195 @@
+// Multi-level Prioritized DCI with M-DCI's page leaves and the MIPS transform (ALGORITHMS.md section 1).
+//
+// One `Instance` is one independent index (one KV head). Every token is a node stored at exactly one level;
+// each upper-level node (and the virtual root) keeps its children in
+//   * one B+-tree leaf chain over direction 0: the leaves are the *pages* (<= 16 tokens, ids dense per instance);
+//   * one sorted projection array per direction: the simple indices the query walks.
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace dci {
+
+constexpr int kPageSlots = 16;           // BTREE_LEAF_MAX_NUM_SLOTS
+constexpr int kSplitHalf = 8;            // a full leaf splits 8 + 8
+constexpr int kMinFill = 8;              // below this a leaf borrows from or merges with a sibling
+constexpr int kBatch = 128;              // CLOSEST: projections popped per round from one simple index
+constexpr double kReparentEps = 1e-8;    // re-parent only when strictly closer by more than this
+constexpr int kRootSlot = 0;             // kids[0] is the virtual root
+
+struct IndexConfig {
+  int dim = 0;
+  int num_comp = 1;
+  int num_simp = 1;
+  bool transform = true;
+  bool deterministic = true;
+  double promotion_prob = 0.01;
+  double promotion_prob_subseq = 0.2;
+  int num_dirs() const { return num_comp * num_simp; }
+  int dir_stride() const { return transform ? dim + 1 : dim; }
+};
+
+struct SearchConfig {
+  int field_of_view = 30;
+  double prop_to_retrieve = 1.0;
+  double prop_to_visit = 1.0;
+};
+
+struct AnchorConfig {
+  int interval = 0;       // 0 disables the shortcut
+  int neighbours = 0;     // X anchors on each side
+  double threshold = 1.02;
+};
+
+struct Leaf {
+  int32_t owner = -2;     // kid slot of the parent owning this leaf, -2 when free
+  int32_t count = 0;
+  float key[kPageSlots];
+  int32_t item[kPageSlots];
+};
+
+// The children of one parent.
+struct ChildIndex {
+  int32_t node = -1;                          // token id of the parent, -1 for the root
+  std::vector<int32_t> leaves;                // page ids in direction-0 projection order
+  std::vector<std::vector<float>> proj;       // [L][children] sorted projections
+  std::vector<std::vector<int32_t>> ids;      // [L][children] node ids in the same order
+  double children_sq_norm_max = 0.0;          // the M every child's projection is current at
+  float max_child_dist = 0.0f;
+  int32_t pages_under = 0;                    // pages in the subtree below this parent
+  int size() const { return ids.empty() ? 0 : static_cast<int>(ids[0].size()); }
+};
+
+struct Node {
+  int32_t level = 0;
+  int32_t parent = -1;        // token id, -1 = root
+  int32_t kid_slot = -1;      // index into Instance::kids when this node has a child index
+  int32_t page = -1;
+  int32_t slot = -1;
+  float parent_dist = 0.0f;
+  double proj_sq_norm_max = 0.0;  // M this node's projections were computed with
+};
+
+struct Candidate {
+  float dist;
+  int32_t id;
+  bool operator<(const Candidate& o) const { return dist < o.dist || (dist == o.dist && id < o.id); }
+};
+
+// Per-thread buffers of a search, reused across calls.
+struct Scratch {
+  std::vector<uint8_t> counter;     // [num_comp * n] pops per point per composite index
+  std::vector<uint8_t> processed;   // [n]
+  std::vector<int32_t> touched;
+  std::vector<int32_t> pending;
+  std::vector<float> dots;
+  std::vector<Candidate> cands;
+  std::vector<Candidate> level_out;
+  std::vector<Candidate> next;
+};
+
+// What the distance of a child is measured against: a query (score -q.k in transform mode) or another key.
+struct Probe {
+  const float* vec = nullptr;   // query or key row, dim floats
+  float sq_norm = 0.0f;
+  bool is_query = true;
+};
+
+struct QueryResult {
+  std::vector<int32_t> pages, tokens;
+  std::vector<float> page_scores, token_scores;
+};
+
+class Instance {
+ public:
+  Instance(const IndexConfig* cfg, const float* dirs, uint64_t seed) : cfg_(cfg), dirs_(dirs), rng_(seed) { reset(); }
+
+  // section 1.5
+  void build(const float* keys, int64_t n, const SearchConfig& sc, const AnchorConfig& ac, int brute_threshold,
+             int threads);
+  // section 1.6
+  void insert(const float* keys, int64_t m, const SearchConfig& sc, bool as_batch, int brute_threshold);
+  // section 1.7
+  void query(const float* q, int K, const SearchConfig& sc, Scratch& s, int32_t* pages, int32_t* tokens,
+             float* page_scores, float* token_scores) const;
+
+  int64_t num_tokens() const { return static_cast<int64_t>(nodes_.size()); }
+  int num_levels() const { return static_cast<int>(levels_.size()); }
+  int num_pages() const { return static_cast<int>(leaves_.size()); }
+  double max_sq_norm() const { return M_; }
+  const std::vector<Leaf>& leaves() const { return leaves_; }
+  const std::vector<Node>& nodes() const { return nodes_; }
+  const std::vector<float>& keys() const { return keys_; }
+  const std::vector<float>& sq_norms() const { return sq_norm_; }
+  const std::vector<float>& projections() const { return proj_; }
+  const std::vector<int32_t>& free_pages() const { return free_pages_; }
+  std::vector<uint8_t>& changed() { return changed_; }
+  // Self-check of every structural invariant; returns a description of the first violation, or "".
+  std::string check() const;
+
+ private:
+  // level schedule (section 1.4)
+  int next_level();
+  void reset();
+  void append_points(const float* keys, int64_t m);
+  void project(int64_t first, int64_t last, int threads);
+  void correct_projection(int32_t id);
+  // pages (section 1.2)
+  int32_t alloc_page();
+  void free_page(int32_t page);
+  // Flags a page as changed and refreshes its key rows in page_keys_ (the leaf's own buffer, slot order).
+  void mark(int32_t page);
+  int32_t ensure_kids(int32_t node);
+  ChildIndex& kids_of(int32_t node) { return kids_[node < 0 ? kRootSlot : nodes_[node].kid_slot]; }
+  const ChildIndex& kids_of(int32_t node) const { return kids_[node < 0 ? kRootSlot : nodes_[node].kid_slot]; }
+  void bulk_load(int32_t parent_node, std::vector<int32_t>& children, const int32_t* page_ids);
+  void insert_child(int32_t parent_node, int32_t child);
+  void remove_child(int32_t parent_node, int32_t child);
+  void refresh_stale(int32_t parent_node);
+  void recount();
+  // distances and search (sections 1.3, 1.7)
+  float key_dist(const float* a, float a_sq, const float* b, float b_sq) const;
+  void score(const Probe& p, const int32_t* ids, int m, float* out) const;
+  void search_children(const ChildIndex& ci, const float* qproj, const Probe& p, int k, int coverage,
+                       const SearchConfig& sc, Scratch& s, std::vector<Candidate>& out) const;
+  int32_t cover(int32_t node) const {
+    const Node& nd = nodes_[node];
+    return 1 + (nd.kid_slot >= 0 ? kids_[nd.kid_slot].pages_under : 0);
+  }
+  // parent assignment (sections 1.5, 1.6)
+  std::pair<int32_t, float> nearest_parent(int32_t point, int upper_level, const SearchConfig& sc,
+                                           int brute_threshold, Scratch& s, bool refresh);
+  std::pair<int32_t, float> brute_parent(int32_t point, const std::vector<int32_t>& upper) const;
+  std::pair<int32_t, float> dci_parent(int32_t point, int upper_level, const SearchConfig& sc, Scratch& s,
+                                       bool refresh);
+  void assign_parents(int level, const SearchConfig& sc, const AnchorConfig& ac, int brute_threshold, int threads,
+                      std::vector<int32_t>& parent, std::vector<float>& pdist);
+  void insert_point(int32_t id, const SearchConfig& sc, int brute_threshold, Scratch& s);
+
+  const IndexConfig* cfg_;
+  const float* dirs_;   // [L][dir_stride]
+  std::mt19937_64 rng_;
+
+  std::vector<float> keys_;       // [n][dim]
+  std::vector<float> sq_norm_;    // [n]
+  std::vector<float> proj_;       // [n][L]
+  std::vector<Node> nodes_;
+  std::vector<ChildIndex> kids_;  // kids_[0] = root
+  std::vector<std::vector<int32_t>> levels_;
+  std::vector<Leaf> leaves_;      // indexed by page id
+  std::vector<float> page_keys_;  // [pages][16][dim]: keys in page/slot order, so a query reads pages contiguously
+  std::vector<int32_t> free_pages_;
+  std::vector<uint8_t> changed_;
+  double M_ = 0.0;                // running max squared key norm
+  std::vector<int64_t> level_count_;
+  int next_target_ = 0;
+};
+
+// kernels.cpp
+void dot_rows(const float* q, const float* rows, const int32_t* ids, int m, int dim, float* out);
+float dot(const float* a, const float* b, int dim);
+
+}  // namespace dci

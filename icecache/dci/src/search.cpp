@@ -1,0 +1,285 @@
+// Searching: distances in the transformed space (section 1.3), Prioritized DCI over one parent's children
+// (sections 1.1 and 1.7), the cumulative multi-level page query (section 1.7) and the parent search used by
+// construction and insertion (sections 1.5 and 1.6).
+#include <algorithm>
+#include <cmath>
+#include <unordered_set>
+
+#include "dci.hpp"
+
+namespace dci {
+
+// transform_compute_dist: M - a.b - sqrt((M - |a|^2)(M - |b|^2)) = |a' - b'|^2 / 2; squared Euclidean otherwise.
+float Instance::key_dist(const float* a, float a_sq, const float* b, float b_sq) const {
+  const double ab = dot(a, b, cfg_->dim);
+  if (cfg_->transform)
+    return static_cast<float>(M_ - ab - std::sqrt(std::max(0.0, M_ - a_sq) * std::max(0.0, M_ - b_sq)));
+  return static_cast<float>(static_cast<double>(a_sq) + b_sq - 2.0 * ab);
+}
+
+// Distances of rows `ids` to the probe: -q.k for a query in transform mode (transform_compute_dist_query),
+// |q - k|^2 for a query without it, the key-key distance for a key.
+void Instance::score(const Probe& p, const int32_t* ids, int m, float* out) const {
+  if (p.is_query) {
+    // read the keys from the pages: children adjacent in projection order sit in the same 16-row block
+    thread_local std::vector<int32_t> rows;
+    rows.resize(m);
+    for (int r = 0; r < m; ++r) rows[r] = nodes_[ids[r]].page * kPageSlots + nodes_[ids[r]].slot;
+    dot_rows(p.vec, page_keys_.data(), rows.data(), m, cfg_->dim, out);
+  } else {
+    dot_rows(p.vec, keys_.data(), ids, m, cfg_->dim, out);
+  }
+  for (int r = 0; r < m; ++r) {
+    const double ab = out[r];
+    const double b_sq = sq_norm_[ids[r]];
+    if (p.is_query) {
+      out[r] = cfg_->transform ? static_cast<float>(-ab) : static_cast<float>(p.sq_norm + b_sq - 2.0 * ab);
+    } else if (cfg_->transform) {
+      out[r] = static_cast<float>(M_ - ab - std::sqrt(std::max(0.0, M_ - p.sq_norm) * std::max(0.0, M_ - b_sq)));
+    } else {
+      out[r] = static_cast<float>(p.sq_norm + b_sq - 2.0 * ab);
+    }
+  }
+}
+
+// dci_query_single_point_single_level: Prioritized DCI over the children of one parent. Each round pops a batch of
+// up to 128 projections nearest to the query's from the highest-priority simple index of every composite index; a
+// point popped by all simple indices of a composite index becomes a candidate and gets its exact distance. Stops once
+// there are k candidates and either the visit or the retrieve budget is spent. Returns candidates sorted by
+// distance: the best k, extended until they cover `coverage` finest-level pages.
+void Instance::search_children(const ChildIndex& ci, const float* qproj, const Probe& p, int k, int coverage,
+                               const SearchConfig& sc, Scratch& s, std::vector<Candidate>& out) const {
+  out.clear();
+  const int n = ci.size();
+  if (n == 0 || k <= 0) return;
+  auto& cands = s.cands;
+  cands.clear();
+  if (k >= n) {  // brute force over all children
+    s.dots.resize(n);
+    score(p, ci.ids[0].data(), n, s.dots.data());
+    for (int i = 0; i < n; ++i) cands.push_back({s.dots[i], ci.ids[0][i]});
+  } else {
+    const int nc = cfg_->num_comp, m = cfg_->num_simp, L = nc * m;
+    const int64_t to_visit = static_cast<int64_t>(std::ceil(sc.prop_to_visit * n * m));
+    const int64_t to_retrieve = static_cast<int64_t>(std::ceil(sc.prop_to_retrieve * n));
+    int lo[64], hi[64];
+    double prio[64];
+    bool done[64];
+    for (int j = 0; j < L; ++j) {
+      const auto& arr = ci.proj[j];
+      hi[j] = static_cast<int>(std::lower_bound(arr.begin(), arr.end(), qproj[j]) - arr.begin());
+      lo[j] = hi[j] - 1;
+      prio[j] = 0.0;
+      done[j] = false;
+    }
+    const bool counting = m > 1;
+    if (counting) {
+      const size_t need = static_cast<size_t>(nodes_.size());
+      if (s.processed.size() < need) s.processed.assign(need, 0);
+      if (s.counter.size() < need * nc) s.counter.assign(need * nc, 0);
+    }
+    s.touched.clear();
+    int64_t visited = 0;
+    for (;;) {
+      bool progressed = false;
+      s.pending.clear();
+      for (int c = 0; c < nc; ++c) {
+        int best = -1;
+        for (int j = c * m; j < (c + 1) * m; ++j)
+          if (!done[j] && (best < 0 || prio[j] < prio[best])) best = j;
+        if (best < 0) continue;
+        progressed = true;
+        const auto& arr = ci.proj[best];
+        const auto& ids = ci.ids[best];
+        const float qp = qproj[best];
+        double last = prio[best];
+        for (int b = 0; b < kBatch && (lo[best] >= 0 || hi[best] < n); ++b) {
+          int idx;
+          if (lo[best] < 0) idx = hi[best]++;
+          else if (hi[best] >= n) idx = lo[best]--;
+          else if (std::fabs(arr[hi[best]] - qp) <= std::fabs(qp - arr[lo[best]])) idx = hi[best]++;
+          else idx = lo[best]--;
+          last = std::fabs(static_cast<double>(arr[idx]) - qp);
+          ++visited;
+          const int32_t id = ids[idx];
+          if (!counting) {
+            s.pending.push_back(id);
+          } else {
+            uint8_t& cnt = s.counter[static_cast<size_t>(c) * nodes_.size() + id];
+            if (cnt == 0 && !s.processed[id]) s.touched.push_back(id);
+            if (++cnt == m && !s.processed[id]) {
+              s.processed[id] = 1;
+              s.pending.push_back(id);
+            }
+          }
+        }
+        prio[best] = last;
+        if (lo[best] < 0 && hi[best] >= n) done[best] = true;
+      }
+      if (!s.pending.empty()) {
+        const int np = static_cast<int>(s.pending.size());
+        s.dots.resize(np);
+        score(p, s.pending.data(), np, s.dots.data());
+        for (int i = 0; i < np; ++i) cands.push_back({s.dots[i], s.pending[i]});
+      }
+      if (!progressed) break;
+      const int64_t got = static_cast<int64_t>(cands.size());
+      if (got >= k && (visited >= to_visit || got >= to_retrieve)) break;
+    }
+    if (counting) {
+      for (int32_t id : s.touched) {
+        s.processed[id] = 0;
+        for (int c = 0; c < nc; ++c) s.counter[static_cast<size_t>(c) * nodes_.size() + id] = 0;
+      }
+    }
+  }
+  // only the best k need ordering; the rest is sorted only when coverage asks for more
+  int keep = std::min<int>(k, static_cast<int>(cands.size()));
+  if (keep < static_cast<int>(cands.size())) {
+    std::nth_element(cands.begin(), cands.begin() + keep, cands.end());
+    std::sort(cands.begin(), cands.begin() + keep);
+  } else {
+    std::sort(cands.begin(), cands.end());
+  }
+  if (coverage > 0) {
+    int64_t cov = 0;
+    for (int i = 0; i < keep; ++i) cov += cover(cands[i].id);
+    if (cov < coverage && keep < static_cast<int>(cands.size())) {
+      std::sort(cands.begin() + keep, cands.end());
+      while (cov < coverage && keep < static_cast<int>(cands.size())) cov += cover(cands[keep++].id);
+    }
+  }
+  out.assign(cands.begin(), cands.begin() + keep);
+}
+
+// dci_query_single_point, cumulative mode. Every point the descent retains or reaches at the last level is fed to
+// the result: its token (best K tokens) and its page (first K distinct pages in distance order).
+void Instance::query(const float* q, int K, const SearchConfig& sc, Scratch& s, int32_t* pages, int32_t* tokens,
+                     float* page_scores, float* token_scores) const {
+  std::fill(pages, pages + K, -1);
+  std::fill(tokens, tokens + K, -1);
+  std::fill(page_scores, page_scores + K, NAN);
+  std::fill(token_scores, token_scores + K, NAN);
+  if (levels_.empty() || K <= 0) return;
+  const int dim = cfg_->dim, L = cfg_->num_dirs(), stride = cfg_->dir_stride();
+  const float q_sq = dot(q, q, dim);
+  // query_transform: (u.q) / |q| in transform mode, plain u.q without it
+  const float qnorm = cfg_->transform && q_sq > 0 ? std::sqrt(q_sq) : 1.0f;
+  float qproj[64];
+  for (int j = 0; j < L; ++j) qproj[j] = dot(dirs_ + static_cast<int64_t>(j) * stride, q, dim) / qnorm;
+  const Probe probe{q, q_sq, true};
+
+  std::vector<Candidate> fed;
+  std::vector<Candidate>& cur = s.level_out;
+  std::vector<Candidate>& next = s.next;
+  std::vector<Candidate> part;
+  const int top = num_levels() - 1;
+  const int fov = std::max(1, sc.field_of_view);
+  if (top == 0) {
+    search_children(kids_[kRootSlot], qproj, probe, std::max(fov, K), K, sc, s, cur);
+    fed.insert(fed.end(), cur.begin(), cur.end());
+  } else {
+    search_children(kids_[kRootSlot], qproj, probe, fov, K, sc, s, cur);
+    std::unordered_set<int32_t> seen_pages;
+    for (int level = top; level >= 1; --level) {
+      fed.insert(fed.end(), cur.begin(), cur.end());
+      next.clear();
+      const bool last = level == 1;
+      for (const Candidate& c : cur) {
+        const int32_t slot = nodes_[c.id].kid_slot;
+        if (slot < 0) continue;
+        search_children(kids_[slot], qproj, probe, last ? K : fov, last ? 0 : K, sc, s, part);
+        next.insert(next.end(), part.begin(), part.end());
+      }
+      std::sort(next.begin(), next.end());
+      if (last) {
+        fed.insert(fed.end(), next.begin(), next.end());
+        break;
+      }
+      // keep enough to cover K pages: a new page counts its whole subtree, a repeated page one less
+      seen_pages.clear();
+      int64_t cov = 0;
+      int needed = 0;
+      while (needed < static_cast<int>(next.size()) && cov < K) {
+        const int32_t id = next[needed++].id;
+        cov += cover(id) - (seen_pages.insert(nodes_[id].page).second ? 0 : 1);
+      }
+      const int keep = std::max(std::min(fov, static_cast<int>(next.size())), needed);
+      cur.assign(next.begin(), next.begin() + keep);
+    }
+  }
+  std::sort(fed.begin(), fed.end());
+  const float sign = -1.0f;  // distances are -q.k (or |q-k|^2): report the negated value as the score
+  int nt = 0, np = 0;
+  int32_t last_tok = -1;
+  std::vector<int32_t> chosen;
+  for (const Candidate& c : fed) {
+    if (c.id == last_tok) continue;  // a point is fed once per path; guard against duplicates anyway
+    last_tok = c.id;
+    if (nt < K) {
+      tokens[nt] = c.id;
+      token_scores[nt] = sign * c.dist;
+      ++nt;
+    }
+    const int32_t pg = nodes_[c.id].page;
+    if (np < K && std::find(chosen.begin(), chosen.end(), pg) == chosen.end()) {
+      chosen.push_back(pg);
+      pages[np] = pg;
+      page_scores[np] = sign * c.dist;
+      ++np;
+    }
+    if (nt >= K && np >= K) break;
+  }
+}
+
+std::pair<int32_t, float> Instance::brute_parent(int32_t point, const std::vector<int32_t>& upper) const {
+  const float* a = &keys_[static_cast<int64_t>(point) * cfg_->dim];
+  const Probe probe{a, sq_norm_[point], false};
+  std::vector<float> d(upper.size());
+  score(probe, upper.data(), static_cast<int>(upper.size()), d.data());
+  int32_t best = -1;
+  float bd = INFINITY;
+  for (size_t i = 0; i < upper.size(); ++i)
+    if (d[i] < bd || best < 0) { bd = d[i]; best = upper[i]; }
+  return {best, bd};
+}
+
+// Multi-level k-NN with k = 1 from the root down to `upper_level`, with the construction settings. The probe is the
+// key's own data projection (a key is searched for as a point of the transformed space). With `refresh`, a parent
+// whose children are stale is corrected before it is searched (insertion only: it changes pages).
+std::pair<int32_t, float> Instance::dci_parent(int32_t point, int upper_level, const SearchConfig& sc, Scratch& s,
+                                               bool refresh) {
+  const int L = cfg_->num_dirs();
+  const float* a = &keys_[static_cast<int64_t>(point) * cfg_->dim];
+  const Probe probe{a, sq_norm_[point], false};
+  const float* qproj = &proj_[static_cast<int64_t>(point) * L];
+  const int top = num_levels() - 1;
+  const int fov = std::max(1, sc.field_of_view);
+  std::vector<Candidate> cur, next, part;
+  if (refresh) refresh_stale(-1);
+  search_children(kids_[kRootSlot], qproj, probe, top == upper_level ? 1 : fov, 0, sc, s, cur);
+  for (int level = top; level > upper_level; --level) {
+    next.clear();
+    const bool last = level - 1 == upper_level;
+    for (const Candidate& c : cur) {
+      if (nodes_[c.id].kid_slot < 0) continue;
+      if (refresh) refresh_stale(c.id);
+      search_children(kids_[nodes_[c.id].kid_slot], qproj, probe, last ? 1 : fov, 0, sc, s, part);
+      next.insert(next.end(), part.begin(), part.end());
+    }
+    std::sort(next.begin(), next.end());
+    next.resize(std::min<size_t>(next.size(), last ? 1 : fov));
+    cur.swap(next);
+  }
+  if (cur.empty()) return brute_parent(point, levels_[upper_level]);
+  return {cur[0].id, cur[0].dist};
+}
+
+std::pair<int32_t, float> Instance::nearest_parent(int32_t point, int upper_level, const SearchConfig& sc,
+                                                   int brute_threshold, Scratch& s, bool refresh) {
+  if (static_cast<int64_t>(levels_[upper_level].size()) <= brute_threshold)
+    return brute_parent(point, levels_[upper_level]);
+  return dci_parent(point, upper_level, sc, s, refresh);
+}
+
+}  // namespace dci

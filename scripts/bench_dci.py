@@ -1,0 +1,208 @@
+"""Benchmark the DCI index at IceCache's settings: build time, one decode step's query time, and recall.
+
+One layer: 8 KV heads (trees) x n keys x 128 dims, 32 query heads (GQA ratio 4). Settings as IceCache uses them
+(ALGORITHMS.md 2.3): 1 x 1 indices, transform, deterministic levels, promotion 0.01 / 0.2, build fov 30 and
+prop_to_retrieve 1.0 with anchors (60, 60, 1.02), query fov max(int(1.5e-3 n), 30) and prop_to_retrieve 0.8,
+K = 12 pages. Exact brute force (torch matmul on CPU) runs in the same process as the reference.
+
+Recall, per query head, averaged:
+  page recall   |selected pages & exact top-K pages| / K, where exact pages are ranked by their best token q.k
+  token recall  |returned tokens & exact top-K tokens| / K
+  mass recall   softmax(q.k / sqrt(d)) mass on the tokens of the selected pages / total mass
+  oracle mass   the same mass for the exact top-K pages (the ceiling of any best-token page selection)
+
+Data: per head, a mixture of Gaussian clusters with log-normal norm scales and a few large-norm outliers; each
+query is aimed at a few keys of one cluster, so attention is concentrated as in real decoding.
+
+    python scripts/bench_dci.py --sizes 8192 32768 131072 --threads 1 4 16
+writes results/bench/dci_<hostname>_<date>.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from icecache.dci import DCIIndex, default_query_field_of_view  # noqa: E402
+
+N_KV_HEADS, N_Q_HEADS, HEAD_DIM, K_PAGES = 8, 32, 128, 12
+
+
+def make_keys(rng: np.random.Generator, n: int, n_heads: int = N_KV_HEADS, dim: int = HEAD_DIM,
+              n_clusters: int = 64, outlier_frac: float = 0.002) -> np.ndarray:
+    """Clustered keys with skewed norms: cluster centre + noise, times a log-normal scale; a few 4x-norm outliers."""
+    keys = np.empty((n_heads, n, dim), dtype=np.float32)
+    for h in range(n_heads):
+        centres = rng.standard_normal((n_clusters, dim)).astype(np.float32) * 1.5
+        sizes = rng.dirichlet(np.full(n_clusters, 0.7))
+        assign = rng.choice(n_clusters, size=n, p=sizes)
+        x = centres[assign] + rng.standard_normal((n, dim)).astype(np.float32)
+        x *= rng.lognormal(0.0, 0.35, size=(n, 1)).astype(np.float32)
+        outliers = rng.random(n) < outlier_frac
+        x[outliers] *= 4.0
+        keys[h] = x
+    return keys
+
+
+def make_queries(rng: np.random.Generator, keys: np.ndarray, ratio: int) -> np.ndarray:
+    """Each query head aims at 3 random keys of its KV head (their normalised mean) plus noise, scaled so the best
+    logits stand out by several units, as in a real decode step."""
+    n_heads, n, dim = keys.shape
+    q = np.empty((n_heads * ratio, dim), dtype=np.float32)
+    for h in range(n_heads * ratio):
+        picks = keys[h // ratio, rng.integers(0, n, size=3)]
+        direction = picks.mean(0)
+        direction /= np.linalg.norm(direction)
+        noise = rng.standard_normal(dim).astype(np.float32)
+        noise /= np.linalg.norm(noise)
+        v = direction + 0.3 * noise
+        q[h] = v / np.linalg.norm(v) * 3.0 * math.sqrt(dim) / 4.0
+    return q
+
+
+def exact_reference(keys_t: torch.Tensor, q_t: torch.Tensor, ratio: int, k: int):
+    """Exact scores q.k (torch matmul) and top-k tokens for every query head."""
+    n_kv, n, d = keys_t.shape
+    grouped = q_t.view(n_kv, ratio, d).transpose(1, 2)              # [kv, d, ratio]: query head h -> kv h // ratio
+    scores = torch.bmm(keys_t, grouped).permute(0, 2, 1).reshape(n_kv * ratio, n)
+    top = torch.topk(scores, k, dim=1).indices
+    return scores, top
+
+
+def recall_metrics(index: DCIIndex, scores: torch.Tensor, pages: np.ndarray, tokens: np.ndarray, ratio: int,
+                   exact_tokens: torch.Tensor) -> dict[str, float]:
+    nq, n = scores.shape
+    probs = torch.softmax(scores / math.sqrt(HEAD_DIM), dim=1).numpy()
+    s_np = scores.numpy()
+    page_rec, tok_rec, mass, oracle = [], [], [], []
+    for h in range(nq):
+        inst = h // ratio
+        page_of, _ = index.token_to_page(inst)
+        n_pages = int(index.num_pages()[inst])
+        best = np.full(n_pages, -np.inf, dtype=np.float32)
+        np.maximum.at(best, page_of, s_np[h])
+        exact_pages = np.argsort(-best, kind="stable")[:K_PAGES]
+        chosen = pages[h][pages[h] >= 0]
+        page_rec.append(len(set(chosen.tolist()) & set(exact_pages.tolist())) / K_PAGES)
+        tok_rec.append(len(set(tokens[h].tolist()) & set(exact_tokens[h].tolist())) / K_PAGES)
+        mass.append(float(probs[h][np.isin(page_of, chosen)].sum()))
+        oracle.append(float(probs[h][np.isin(page_of, exact_pages)].sum()))
+    return {
+        "page_recall": float(np.mean(page_rec)),
+        "token_recall": float(np.mean(tok_rec)),
+        "mass_recall": float(np.mean(mass)),
+        "oracle_mass": float(np.mean(oracle)),
+    }
+
+
+def bench_size(n: int, threads: list[int], repeats: int, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    keys = make_keys(rng, n)
+    ratio = N_Q_HEADS // N_KV_HEADS
+    queries = make_queries(rng, keys, ratio)
+    keys_t, q_t = torch.from_numpy(keys), torch.from_numpy(queries)
+    rows = []
+    for t in threads:
+        index = DCIIndex(HEAD_DIM, N_KV_HEADS, promotion_prob=0.01, promotion_prob_subseq=0.2, transform=True,
+                         deterministic_levels=True, seed=seed, num_threads=t)
+        build_times = []
+        for _ in range(max(1, repeats // 10)):
+            t0 = time.perf_counter()
+            index.build(keys, field_of_view=30, prop_to_retrieve=1.0, anchor_interval=60, anchor_neighbours=60,
+                        anchor_threshold=1.02)
+            build_times.append(time.perf_counter() - t0)
+        fov = default_query_field_of_view(n)
+        index.query(queries, K_PAGES, field_of_view=fov, prop_to_retrieve=0.8, ratio=ratio)  # warm-up
+        query_times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            pages, tokens = index.query(queries, K_PAGES, field_of_view=fov, prop_to_retrieve=0.8, ratio=ratio)
+            query_times.append(time.perf_counter() - t0)
+        torch.set_num_threads(t)
+        exact_times = []
+        for _ in range(max(3, repeats // 10)):
+            t0 = time.perf_counter()
+            scores, exact_tokens = exact_reference(keys_t, q_t, ratio, K_PAGES)
+            exact_times.append(time.perf_counter() - t0)
+        row = {
+            "n": n, "threads": t, "levels": index.num_levels(0), "pages_per_head": float(index.num_pages().mean()),
+            "query_fov": fov,
+            "build_s": statistics.median(build_times),
+            "query_ms": 1e3 * statistics.median(query_times),
+            "query_ms_p90": 1e3 * float(np.percentile(query_times, 90)),
+            "exact_ms": 1e3 * statistics.median(exact_times),
+        }
+        row.update(recall_metrics(index, scores, pages, tokens, ratio, exact_tokens))
+        rows.append(row)
+        print(f"  n={n:>7} threads={t:>2}: build {row['build_s']:.3f} s, query {row['query_ms']:.3f} ms, "
+              f"mass {row['mass_recall']:.3f}", flush=True)
+    return rows
+
+
+def provenance() -> dict:
+    try:
+        from icecache.provenance import collect
+
+        info = collect()
+    except Exception as exc:  # noqa: BLE001  provenance must never stop a benchmark
+        info = {"provenance_error": repr(exc), "date": dt.datetime.now(dt.timezone.utc).isoformat(),
+                "command": " ".join(sys.argv)}
+    info["numpy"] = np.__version__
+    info["omp_threads_env"] = os.environ.get("OMP_NUM_THREADS")
+    return info
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[8192, 32768, 131072])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--repeats", type=int, default=50, help="query repetitions (build: repeats // 10)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    rows = []
+    for n in args.sizes:
+        rows.extend(bench_size(n, args.threads, args.repeats, args.seed))
+    info = provenance()
+    info["threads"] = args.threads
+    result = {
+        "benchmark": "dci", "provenance": info,
+        "settings": {"kv_heads": N_KV_HEADS, "query_heads": N_Q_HEADS, "head_dim": HEAD_DIM, "K_pages": K_PAGES,
+                     "num_comp_indices": 1, "num_simp_indices": 1, "transform": True, "deterministic_levels": True,
+                     "promotion_prob": [0.01, 0.2], "build": {"field_of_view": 30, "prop_to_retrieve": 1.0,
+                     "anchors": [60, 60, 1.02]}, "query": {"field_of_view": "max(int(1.5e-3*n), 30)",
+                     "prop_to_retrieve": 0.8, "prop_to_visit": 1.0}},
+        "rows": rows,
+    }
+    date = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out or REPO / "results" / "bench" / f"dci_{socket.gethostname()}_{date}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+
+    head = (f"{'n':>7} {'thr':>3} {'lvls':>4} {'build s':>8} {'query ms':>9} {'exact ms':>9} "
+            f"{'page rec':>8} {'tok rec':>8} {'mass rec':>8} {'oracle':>7}")
+    print(head)
+    for r in rows:
+        print(f"{r['n']:>7} {r['threads']:>3} {r['levels']:>4} {r['build_s']:>8.3f} {r['query_ms']:>9.3f} "
+              f"{r['exact_ms']:>9.2f} {r['page_recall']:>8.3f} {r['token_recall']:>8.3f} {r['mass_recall']:>8.3f} "
+              f"{r['oracle_mass']:>7.3f}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""Builds the DCI index extension ``icecache.dci._dci``; everything else is in pyproject.toml.
+
+Flags are portable on purpose (no -march=native): the hot kernels carry their own x86-64-v3 clone that is picked at
+run time, so a wheel built on one host runs on any x86-64 host. Works with build isolation (pip fetches pybind11) and
+without it (`python setup.py build_ext --inplace` on a host that has pybind11 installed and no registry access).
+"""
+
+from __future__ import annotations
+
+import sys
+from glob import glob
+
+from pybind11.setup_helpers import Pybind11Extension, build_ext
+from setuptools import setup
+
+openmp = ["-fopenmp"] if sys.platform != "darwin" else ["-Xpreprocessor", "-fopenmp"]
+
+ext_modules = [
+    Pybind11Extension(
+        "icecache.dci._dci",
+        sorted(glob("icecache/dci/src/*.cpp")),
+        include_dirs=["icecache/dci/src"],
+        cxx_std=17,
+        extra_compile_args=["-O3", "-fno-math-errno", *openmp],
+        extra_link_args=openmp if sys.platform != "darwin" else ["-lomp"],
+    )
+]
+
+setup(ext_modules=ext_modules, cmdclass={"build_ext": build_ext})

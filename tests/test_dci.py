@@ -1,0 +1,317 @@
+"""The DCI index (icecache/dci): page invariants, the MIPS transform, exactness, recall, threads, bad inputs."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from icecache.dci import PAGE_SLOTS, DCIIndex
+
+
+def clustered_keys(rng: np.random.Generator, n_inst: int, n: int, dim: int, n_clusters: int = 16) -> np.ndarray:
+    """Mixture of Gaussians with log-normal norm scales and a few 4x-norm outliers."""
+    out = np.empty((n_inst, n, dim), dtype=np.float32)
+    for i in range(n_inst):
+        centres = rng.standard_normal((n_clusters, dim)) * 1.5
+        x = centres[rng.integers(0, n_clusters, n)] + rng.standard_normal((n, dim))
+        x *= rng.lognormal(0.0, 0.35, (n, 1))
+        x[rng.random(n) < 0.003] *= 4.0
+        out[i] = x
+    return out
+
+
+def aimed_queries(rng: np.random.Generator, keys: np.ndarray, ratio: int) -> np.ndarray:
+    n_inst, n, dim = keys.shape
+    q = np.empty((n_inst * ratio, dim), dtype=np.float32)
+    for h in range(n_inst * ratio):
+        v = keys[h // ratio, rng.integers(0, n, 3)].mean(0)
+        v = v / np.linalg.norm(v) + 0.3 * rng.standard_normal(dim) / math.sqrt(dim)
+        q[h] = v / np.linalg.norm(v) * 0.75 * math.sqrt(dim)
+    return q
+
+
+def assert_page_invariants(index: DCIIndex) -> None:
+    """Each token in exactly one page; maps, counts and ids consistent; 8-16 tokens per page unless the page is
+    its parent's only page; the tokens of a page share one parent and are in projection order."""
+    n = index.num_tokens
+    counts = index.page_valid_counts()
+    for i in range(index.num_instances):
+        assert index.check(i) == ""
+        pages = index.page_tokens(i)
+        n_pages = int(index.num_pages()[i])
+        assert pages.shape == (n_pages, PAGE_SLOTS)
+        page_of, slot_of = index.token_to_page(i)
+        valid = pages >= 0
+        # every token exactly once, valid slots packed at the front
+        assert np.array_equal(np.sort(pages[valid]), np.arange(n))
+        assert np.array_equal(valid, np.arange(PAGE_SLOTS)[None, :] < valid.sum(1)[:, None])
+        assert np.array_equal(counts[i, :n_pages], valid.sum(1))
+        assert np.all(counts[i, n_pages:] == 0)
+        rows, cols = np.nonzero(valid)
+        assert np.array_equal(page_of[pages[valid]], rows)
+        assert np.array_equal(slot_of[pages[valid]], cols)
+        # dense ids: every id below num_pages is used or on the free stack
+        info = index.node_info(i)
+        used = set(np.nonzero(valid.any(1))[0].tolist())
+        assert used.isdisjoint(info["free_pages"])
+        assert used | set(info["free_pages"]) == set(range(n_pages))
+        parent = info["parent"]
+        proj0 = info["projections"][:, 0]
+        pages_per_parent: dict[int, int] = {}
+        for p in used:
+            toks = pages[p][pages[p] >= 0]
+            assert len(set(parent[toks].tolist())) == 1
+            assert np.all(np.diff(proj0[toks]) >= 0)
+            pages_per_parent[int(parent[toks[0]])] = pages_per_parent.get(int(parent[toks[0]]), 0) + 1
+        for p in used:
+            toks = pages[p][pages[p] >= 0]
+            if pages_per_parent[int(parent[toks[0]])] > 1:
+                assert 8 <= len(toks) <= 16
+        # levels: a parent is exactly one level above its children
+        level = info["level"]
+        top = index.num_levels(i) - 1
+        assert np.all(level[parent < 0] == top)
+        assert np.all(level[parent[parent >= 0]] == level[parent >= 0] + 1)
+
+
+@pytest.mark.parametrize("n", [1, 16, 17, 40, 700, 4000])
+def test_invariants_after_build(n):
+    rng = np.random.default_rng(n)
+    index = DCIIndex(16, 2, num_threads=2)
+    index.build(clustered_keys(rng, 2, n, 16))  # 4000 > 3000 level-0 points: the anchor shortcut runs
+    assert index.num_tokens == n
+    assert_page_invariants(index)
+
+
+def test_bulk_load_fills_leaves_evenly():
+    # 40 points, one level (the first promotion comes at the 100th point): ceil(40/16) = 3 leaves taking
+    # floor(40/3) = 13, floor(27/2) = 13 and 14 points
+    index = DCIIndex(8, 1)
+    index.build(np.random.default_rng(0).standard_normal((1, 40, 8)).astype(np.float32))
+    assert index.num_levels(0) == 1
+    assert index.page_valid_counts()[0].tolist() == [13, 13, 14]
+
+
+def reference_levels(n: int, p0: float, p1: float) -> list[int]:
+    """ALGORITHMS.md 1.4, deterministic schedule, written out directly."""
+    counts: list[int] = []
+    nxt, out = 0, []
+    for _ in range(n):
+        t = nxt
+        p = p0 if t == 0 else p1
+        if t >= len(counts):
+            counts.append(0)
+            nxt = 0
+        elif t == len(counts) - 1:
+            nxt = t + 1 if counts[t] + 1 == math.ceil(1 / p) else 0
+        else:
+            nxt = t + 1 if counts[t] + 1 >= counts[t + 1] / p else 0
+        counts[t] += 1
+        out.append(t)
+    return out
+
+
+def test_deterministic_levels_follow_the_schedule_across_build_and_insert():
+    rng = np.random.default_rng(1)
+    keys = rng.standard_normal((1, 3000, 8)).astype(np.float32)
+    index = DCIIndex(8, 1, promotion_prob=0.05, promotion_prob_subseq=0.3)
+    index.build(keys[:, :2000])
+    index.insert(keys[:, 2000:2500], as_batch=True)
+    index.insert(keys[:, 2500:], as_batch=False)
+    assert index.node_info(0)["level"].tolist() == reference_levels(3000, 0.05, 0.3)
+    assert_page_invariants(index)
+
+
+def test_random_levels_have_no_empty_level():
+    rng = np.random.default_rng(2)
+    index = DCIIndex(8, 1, deterministic_levels=False, promotion_prob=0.1, promotion_prob_subseq=0.3, seed=5)
+    index.build(rng.standard_normal((1, 3000, 8)).astype(np.float32))
+    levels = index.node_info(0)["level"]
+    assert set(levels.tolist()) == set(range(index.num_levels(0)))
+    # promotion 0.1 from level 0: about 300 of 3000 points above level 0 (binomial sd ~ 16)
+    assert 200 < int((levels > 0).sum()) < 400
+    assert_page_invariants(index)
+
+
+@pytest.mark.parametrize("as_batch", [True, False])
+def test_invariants_after_many_inserts(as_batch):
+    rng = np.random.default_rng(3)
+    keys = clustered_keys(rng, 2, 2600, 16)
+    keys[:, 1500:] *= np.linspace(1.0, 2.0, 1100, dtype=np.float32)[None, :, None]  # M keeps growing
+    index = DCIIndex(16, 2, promotion_prob=0.03, num_threads=2)
+    index.build(keys[:, :1500])
+    # a small brute-force threshold makes insertion use the DCI parent search as well
+    for start in range(1500, 2600, 16):
+        index.insert(keys[:, start:start + 16], as_batch=as_batch, brute_force_threshold=8)
+    assert index.num_tokens == 2600
+    assert_page_invariants(index)
+
+
+def test_changed_pages_are_tracked():
+    rng = np.random.default_rng(4)
+    index = DCIIndex(16, 2)
+    index.build(clustered_keys(rng, 2, 500, 16))
+    first = index.pop_changed_pages()
+    assert first[:, : index.num_pages().min()].all()  # a fresh build marks every page
+    assert not index.pop_changed_pages().any()
+    index.insert(rng.standard_normal((2, 1, 16)).astype(np.float32) * 0.1)  # small norm: M unchanged
+    changed = index.pop_changed_pages()
+    for i in range(2):
+        page_of, _ = index.token_to_page(i)
+        assert changed[i, page_of[500]]
+        assert changed[i].sum() <= 4  # the new token's page, plus at most a split and a re-parenting
+
+
+def test_transform_augmented_norm_and_projections():
+    rng = np.random.default_rng(5)
+    keys = clustered_keys(rng, 1, 800, 16)
+    index = DCIIndex(16, 1)
+    index.build(keys)
+    m = float(index.max_sq_norm()[0])
+    sq = (keys[0].astype(np.float64) ** 2).sum(1)
+    assert m == pytest.approx(sq.max(), rel=1e-5)
+    augmented = np.concatenate([keys[0], np.sqrt(np.maximum(m - sq, 0))[:, None]], axis=1)
+    assert np.allclose(np.linalg.norm(augmented, axis=1), math.sqrt(m), rtol=1e-5)
+    u = index.directions.astype(np.float64)
+    assert np.allclose(index.node_info(0)["projections"], augmented @ u.T, atol=1e-3)
+
+    # a key with a larger norm raises M; every projection stays exact for the M it records, and the parent the
+    # new key joined has been brought up to the new M (lazy correction)
+    big = (keys[0, np.argmax(sq)] * 1.5).reshape(1, 1, 16)
+    index.insert(big, as_batch=False)
+    info = index.node_info(0)
+    m2 = float(index.max_sq_norm()[0])
+    assert m2 == pytest.approx(float((big.astype(np.float64) ** 2).sum()), rel=1e-5)
+    all_keys = np.concatenate([keys[0], big[0]]).astype(np.float64)
+    sq = (all_keys**2).sum(1)
+    recorded = info["projection_sq_norm_max"]
+    expected = all_keys @ u[:, :16].T + np.sqrt(np.maximum(recorded - sq, 0))[:, None] * u[:, 16]
+    assert np.allclose(info["projections"], expected, atol=1e-3)
+    parent = info["parent"]
+    siblings = parent == parent[800]
+    assert np.all(recorded[siblings] == m2)
+    assert index.check(0) == ""
+
+
+def test_scores_are_inner_products_and_query_scale_does_not_matter():
+    rng = np.random.default_rng(6)
+    keys = clustered_keys(rng, 2, 1200, 16)
+    q = aimed_queries(rng, keys, 2)
+    index = DCIIndex(16, 2)
+    index.build(keys)
+    pages, tokens, page_scores, token_scores = index.query(q, 6, ratio=2, return_scores=True)
+    for h in range(4):
+        expected = keys[h // 2][tokens[h]] @ q[h]   # distances are -q.k, reported back as q.k
+        assert np.allclose(token_scores[h], expected, rtol=1e-5, atol=1e-4)
+        assert np.all(np.diff(token_scores[h]) <= 0)
+        assert np.all(np.diff(page_scores[h]) <= 0)
+    # query projections are normalised by |q|: a positive rescaling changes nothing
+    pages3, tokens3 = index.query(q * 3.0, 6, ratio=2)
+    assert np.array_equal(pages, pages3) and np.array_equal(tokens, tokens3)
+
+
+def test_exact_when_budgets_cover_everything():
+    rng = np.random.default_rng(7)
+    keys = clustered_keys(rng, 2, 3000, 16)
+    q = aimed_queries(rng, keys, 2)
+    index = DCIIndex(16, 2)
+    index.build(keys)
+    K = 10
+    pages, tokens = index.query(q, K, field_of_view=3000, prop_to_retrieve=1.0, ratio=2)
+    for h in range(4):
+        scores = keys[h // 2] @ q[h]
+        assert np.array_equal(tokens[h], np.argsort(-scores, kind="stable")[:K])
+        # the page list is built from the same ranking: the pages of the exact top tokens come first, in order
+        page_of, _ = index.token_to_page(h // 2)
+        lead = list(dict.fromkeys(page_of[tokens[h]].tolist()))
+        assert pages[h][: len(lead)].tolist() == lead
+        assert len(set(pages[h].tolist())) == K
+
+
+def test_recall_on_clustered_data_at_default_settings():
+    rng = np.random.default_rng(8)
+    n, dim, ratio, K = 8192, 64, 4, 12
+    keys = clustered_keys(rng, 2, n, dim, n_clusters=32)
+    q = aimed_queries(rng, keys, ratio)
+    index = DCIIndex(dim, 2, num_threads=2)
+    index.build(keys)
+    pages, tokens = index.query(q, K, ratio=ratio)  # fov max(int(1.5e-3 n), 30), prop_to_retrieve 0.8
+    token_recall, mass = [], []
+    for h in range(2 * ratio):
+        scores = keys[h // ratio] @ q[h]
+        token_recall.append(len(set(tokens[h].tolist()) & set(np.argsort(-scores)[:K].tolist())) / K)
+        page_of, _ = index.token_to_page(h // ratio)
+        p = np.exp((scores - scores.max()) / math.sqrt(dim))
+        mass.append(p[np.isin(page_of, pages[h])].sum() / p.sum())
+    # measured 0.95 / 0.97 on this data; the bounds leave room for a different but valid tie order
+    assert np.mean(token_recall) >= 0.8
+    assert np.mean(mass) >= 0.85
+
+
+def test_results_do_not_depend_on_thread_count():
+    rng = np.random.default_rng(9)
+    keys = clustered_keys(rng, 3, 5000, 16)   # > 3000 level-0 points: anchors and threaded parent search
+    q = aimed_queries(rng, keys, 2)
+    outs = []
+    for threads in (1, 3):
+        index = DCIIndex(16, 3, num_threads=threads)
+        index.build(keys[:, :4000])
+        for start in range(4000, 5000, 100):
+            index.insert(keys[:, start:start + 100])
+        outs.append((
+            [index.page_tokens(i) for i in range(3)],
+            index.query(q, 12, ratio=2, return_scores=True),
+        ))
+    for a, b in zip(outs[0][0], outs[1][0]):
+        assert np.array_equal(a, b)
+    for a, b in zip(outs[0][1], outs[1][1]):
+        assert np.array_equal(a, b, equal_nan=True)
+
+
+def test_torch_cpu_tensors_are_accepted():
+    rng = np.random.default_rng(10)
+    keys = clustered_keys(rng, 2, 300, 16)
+    q = aimed_queries(rng, keys, 1)
+    a, b = DCIIndex(16, 2), DCIIndex(16, 2)
+    a.build(keys)
+    b.build(torch.from_numpy(keys))
+    assert np.array_equal(a.page_tokens(1), b.page_tokens(1))
+    for x, y in zip(a.query(q, 4), b.query(torch.from_numpy(q), 4)):
+        assert np.array_equal(x, y)
+
+
+def test_bad_inputs_raise_clear_errors():
+    index = DCIIndex(8, 2)
+    good = np.zeros((2, 20, 8), dtype=np.float32) + 1.0
+    with pytest.raises(TypeError, match="float32"):
+        index.build(good.astype(np.float64))
+    with pytest.raises(ValueError, match="shape"):
+        index.build(good[:1])
+    with pytest.raises(ValueError, match="shape"):
+        index.build(good[:, :, :4])
+    with pytest.raises(ValueError, match="dimensions"):
+        index.build(good[0])
+    with pytest.raises(TypeError, match="NumPy"):
+        index.build(good.tolist())
+    bad = good.copy()
+    bad[0, 3, 1] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        index.build(bad)
+    index.build(good)
+    with pytest.raises(ValueError, match="num_instances\\*ratio"):
+        index.query(np.ones((3, 8), np.float32), 4, ratio=2)
+    with pytest.raises(ValueError, match="num_pages"):
+        index.query(np.ones((2, 8), np.float32), 0)
+    with pytest.raises(ValueError, match="prop_to_retrieve"):
+        index.query(np.ones((2, 8), np.float32), 4, prop_to_retrieve=0.0)
+    with pytest.raises(IndexError):
+        index.page_tokens(2)
+    with pytest.raises(ValueError, match="unit"):
+        DCIIndex(8, 2, directions=np.ones((1, 9), np.float32))
+    with pytest.raises(ValueError, match="shape"):
+        DCIIndex(8, 2, directions=np.ones((1, 8), np.float32) / math.sqrt(8))
+    with pytest.raises(ValueError, match="num_threads"):
+        DCIIndex(8, 2, num_threads=0)
