@@ -1,0 +1,315 @@
+"""Paged KV storage of the shared core: the GPU page pool, the CPU page store and the bulk CPU -> GPU loader.
+
+Pages are per KV head. IceCache's pages are DCI leaves, and one leaf id holds different tokens in different heads,
+so both stores are indexed ``[page_or_slot, kv_head]`` with a layer's keys and values each laid out
+``[n, n_kv_heads, page_size, head_dim]``.
+
+The bulk loader is IceCache's load path (ALGORITHMS.md 2.2, decode step 4): gather the requested (page, head)
+blocks from the CPU store into one contiguous pinned transit buffer, send it to the GPU with one non-blocking copy
+on a side stream, and scatter each block into its pool slot with one kernel. One large copy instead of one per
+page is what makes the transfer run near PCIe bandwidth rather than at per-copy latency.
+
+On a machine without CUDA the same classes hold plain CPU tensors and the loader uses index operations, so every
+method runs (slowly) on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# The slot and head of every block travel in the same copy as the keys and values, in a header of int32s that is
+# padded so that the key and value blocks after it start on an aligned address (vectorised loads in the scatter).
+_HEADER_ALIGN_BYTES = 128
+
+
+def _page_bytes(page_size: int, head_dim: int, dtype: torch.dtype) -> int:
+    return page_size * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class GpuPagePool:
+    """A layer's page slots on the model's device, sized by the budget, not by the context.
+
+    ``key_pages`` and ``value_pages`` are ``[n_slots, n_kv_heads, page_size, head_dim]``; slot ``s`` of head ``h``
+    holds whichever page the method put there. New slots are zero, so unused slots are finite.
+    """
+
+    def __init__(
+        self,
+        n_slots: int,
+        n_kv_heads: int,
+        page_size: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        shape = (n_slots, n_kv_heads, page_size, head_dim)
+        self.key_pages = torch.zeros(shape, dtype=dtype, device=device)
+        self.value_pages = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def n_slots(self) -> int:
+        return self.key_pages.shape[0]
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.key_pages.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.key_pages.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.key_pages.shape[3]
+
+    @property
+    def device(self) -> torch.device:
+        return self.key_pages.device
+
+    def nbytes(self) -> int:
+        """Device bytes held by the pool's keys and values."""
+        return self.key_pages.nbytes + self.value_pages.nbytes
+
+
+class CpuPageStore:
+    """A layer's pages in CPU memory (pinned when asked and CUDA is present); capacity grows by doubling.
+
+    ``key_pages`` and ``value_pages`` are views ``[n_pages, n_kv_heads, page_size, head_dim]`` of the used part of
+    the storage: ``n_pages`` is the highest page count asked for through ``ensure_capacity`` or ``write_pages``.
+    The views change when the storage grows, so take them again after a write rather than keeping them.
+    """
+
+    def __init__(
+        self,
+        n_kv_heads: int,
+        page_size: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        pin_memory: bool,
+        initial_pages: int = 64,
+    ):
+        self.n_kv_heads = n_kv_heads
+        self.page_size = page_size
+        self.head_dim = head_dim
+        self.dtype = dtype
+        # Pinning needs a CUDA driver; without one the store is ordinary memory and the loader copies on CPU.
+        self.pinned = bool(pin_memory) and torch.cuda.is_available()
+        self.n_pages = 0
+        self._keys = self._allocate(max(1, initial_pages))
+        self._values = self._allocate(max(1, initial_pages))
+
+    def _allocate(self, capacity: int) -> torch.Tensor:
+        shape = (capacity, self.n_kv_heads, self.page_size, self.head_dim)
+        # Zeroed: unused slots of a page must be finite, since a masked-out slot still meets a zero weight.
+        return torch.zeros(shape, dtype=self.dtype, pin_memory=self.pinned)
+
+    @property
+    def capacity(self) -> int:
+        return self._keys.shape[0]
+
+    @property
+    def key_pages(self) -> torch.Tensor:
+        return self._keys[: self.n_pages]
+
+    @property
+    def value_pages(self) -> torch.Tensor:
+        return self._values[: self.n_pages]
+
+    def ensure_capacity(self, n_pages: int) -> None:
+        """Make pages ``0 .. n_pages-1`` addressable, doubling the storage as often as needed (contents kept)."""
+        if n_pages > self.capacity:
+            capacity = self.capacity
+            while capacity < n_pages:
+                capacity *= 2
+            keys, values = self._allocate(capacity), self._allocate(capacity)
+            keys[: self.n_pages].copy_(self._keys[: self.n_pages])
+            values[: self.n_pages].copy_(self._values[: self.n_pages])
+            self._keys, self._values = keys, values
+        self.n_pages = max(self.n_pages, n_pages)
+
+    def write_pages(
+        self, page_ids: torch.Tensor, heads: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        """Store ``keys[i]``/``values[i]`` (``[page_size, head_dim]`` each) as page ``page_ids[i]`` of head
+        ``heads[i]``."""
+        if page_ids.numel() == 0:
+            return
+        page_ids = page_ids.to("cpu", torch.long)
+        heads = heads.to("cpu", torch.long)
+        self.ensure_capacity(int(page_ids.max()) + 1)
+        self._keys[page_ids, heads] = keys.to("cpu", self.dtype)
+        self._values[page_ids, heads] = values.to("cpu", self.dtype)
+
+    def nbytes(self) -> int:
+        """CPU bytes held (the whole capacity, which is what the process holds, pinned or not)."""
+        return self._keys.nbytes + self._values.nbytes
+
+
+def scatter_pages_reference(
+    transit_keys: torch.Tensor,
+    transit_values: torch.Tensor,
+    pool_keys: torch.Tensor,
+    pool_values: torch.Tensor,
+    slots: torch.Tensor,
+    heads: torch.Tensor,
+) -> None:
+    """Write block ``i`` of ``transit_keys``/``transit_values [n, S, D]`` into ``pool[slots[i], heads[i]]``.
+
+    The PyTorch counterpart of ``triton_kernels.scatter_pages`` (values cast to the pool dtype;
+    ``(slots[i], heads[i])`` pairs must be distinct).
+    """
+    index = (slots.to(pool_keys.device, torch.long), heads.to(pool_keys.device, torch.long))
+    pool_keys.index_put_(index, transit_keys.to(pool_keys.device, pool_keys.dtype))
+    pool_values.index_put_(index, transit_values.to(pool_values.device, pool_values.dtype))
+
+
+def scatter_pages(
+    transit_keys: torch.Tensor,
+    transit_values: torch.Tensor,
+    pool_keys: torch.Tensor,
+    pool_values: torch.Tensor,
+    slots: torch.Tensor,
+    heads: torch.Tensor,
+) -> None:
+    """Dispatch: the Triton scatter on CUDA when available, ``scatter_pages_reference`` otherwise."""
+    if pool_keys.is_cuda:
+        from . import triton_kernels
+
+        if triton_kernels.available():
+            triton_kernels.scatter_pages(transit_keys, transit_values, pool_keys, pool_values, slots, heads)
+            return
+    scatter_pages_reference(transit_keys, transit_values, pool_keys, pool_values, slots, heads)
+
+
+class BulkLoader:
+    """The shared CPU -> GPU transfer path: gather, one copy, scatter.
+
+    ``load`` moves page ``(page_ids[i], heads[i])`` of a ``CpuPageStore`` into slot ``(slots[i], heads[i])`` of a
+    ``GpuPagePool`` and touches nothing else. On CUDA:
+
+    1. the blocks are gathered (``index_select``, multi-threaded) into one contiguous pinned transit buffer, after
+       the slot and head indices;
+    2. one non-blocking host-to-device copy on a side stream moves the whole buffer to a GPU transit buffer;
+    3. the current stream waits for that copy (on the device, the host does not block) and one scatter kernel
+       writes each block into its slot.
+
+    Both transit buffers are preallocated for ``max_pages`` blocks and grow when a load needs more. The host only
+    waits when it must: before overwriting the pinned buffer that the previous copy may still be reading. With a
+    CPU pool the same call uses index operations directly.
+    """
+
+    def __init__(
+        self, page_size: int, head_dim: int, dtype: torch.dtype, device: torch.device | str, max_pages: int
+    ):
+        self.page_size = page_size
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.on_cuda = self.device.type == "cuda"
+        self._host_buffer = torch.empty(0, dtype=torch.uint8)
+        self._device_buffer = torch.empty(0, dtype=torch.uint8)
+        if self.on_cuda:
+            self._stream = torch.cuda.Stream(self.device)
+            self._copy_done = torch.cuda.Event()
+            self._copy_pending = False
+            self._reserve(self._transit_bytes(max_pages, dtype))
+
+    def _transit_bytes(self, n_blocks: int, dtype: torch.dtype) -> int:
+        return self._header_bytes(n_blocks) + 2 * n_blocks * _page_bytes(self.page_size, self.head_dim, dtype)
+
+    @staticmethod
+    def _header_bytes(n_blocks: int) -> int:
+        raw = 2 * n_blocks * 4  # int32 slots, then int32 heads
+        return -(-raw // _HEADER_ALIGN_BYTES) * _HEADER_ALIGN_BYTES
+
+    def _reserve(self, n_bytes: int) -> None:
+        if n_bytes <= self._host_buffer.numel():
+            return
+        n_bytes = max(n_bytes, 2 * self._host_buffer.numel())
+        # The old buffers may still be in use by a copy or the scatter; let them finish before freeing them.
+        torch.cuda.synchronize(self.device)
+        self._copy_pending = False
+        self._host_buffer = torch.empty(n_bytes, dtype=torch.uint8, pin_memory=True)
+        self._device_buffer = torch.empty(n_bytes, dtype=torch.uint8, device=self.device)
+
+    def transit_nbytes(self) -> tuple[int, int]:
+        """(pinned host bytes, device bytes) held by the transit buffers."""
+        return self._host_buffer.numel(), self._device_buffer.numel()
+
+    def load(
+        self,
+        store: CpuPageStore,
+        page_ids: torch.Tensor,
+        heads: torch.Tensor,
+        pool: GpuPagePool,
+        slots: torch.Tensor,
+    ) -> int:
+        """Copy page ``(page_ids[i], heads[i])`` of ``store`` into ``pool[slots[i], heads[i]]``; returns the key and
+        value bytes moved. ``(slots[i], heads[i])`` pairs must be distinct. Asynchronous on CUDA: later work on the
+        current stream sees the pages; the host does not wait for them."""
+        n = page_ids.numel()
+        if not (heads.numel() == slots.numel() == n):
+            raise ValueError(f"page_ids, heads and slots must have one entry per block, got {n}, {heads.numel()}, "
+                             f"{slots.numel()}")
+        if (store.page_size, store.head_dim, store.n_kv_heads) != (pool.page_size, pool.head_dim, pool.n_kv_heads):
+            raise ValueError("the CPU store and the GPU pool have different page geometry")
+        if n == 0:
+            return 0
+        page_ids = page_ids.to("cpu", torch.long)
+        heads = heads.to("cpu", torch.long)
+        if page_ids.max() >= store.n_pages or page_ids.min() < 0:
+            raise IndexError(f"page id out of range [0, {store.n_pages})")
+        kv_bytes = 2 * n * _page_bytes(self.page_size, self.head_dim, store.dtype)
+        if not pool.key_pages.is_cuda:
+            keys = store.key_pages[page_ids, heads]
+            values = store.value_pages[page_ids, heads]
+            scatter_pages_reference(keys, values, pool.key_pages, pool.value_pages, slots, heads)
+            return kv_bytes
+        if not self.on_cuda:
+            raise ValueError(f"this loader was made for {self.device}, the pool is on {pool.device}")
+        return self._load_cuda(store, page_ids, heads, pool, slots.to("cpu", torch.long), kv_bytes)
+
+    def _load_cuda(
+        self,
+        store: CpuPageStore,
+        page_ids: torch.Tensor,
+        heads: torch.Tensor,
+        pool: GpuPagePool,
+        slots: torch.Tensor,
+        kv_bytes: int,
+    ) -> int:
+        n = page_ids.numel()
+        header = self._header_bytes(n)
+        total = header + kv_bytes
+        self._reserve(total)
+        if self._copy_pending:
+            self._copy_done.synchronize()  # the previous copy may still be reading the pinned buffer
+
+        host = self._host_buffer[:total]
+        host_index = host[: 2 * n * 4].view(torch.int32).view(2, n)
+        host_index[0].copy_(slots)
+        host_index[1].copy_(heads)
+        shape = (2, n, self.page_size, self.head_dim)
+        host_blocks = host[header:total].view(store.dtype).view(shape)
+        # Page (p, h) is row p * Hkv + h of the store seen as a list of [page_size, head_dim] blocks.
+        rows = page_ids * store.n_kv_heads + heads
+        block_shape = (-1, self.page_size, self.head_dim)
+        torch.index_select(store.key_pages.reshape(block_shape), 0, rows, out=host_blocks[0])
+        torch.index_select(store.value_pages.reshape(block_shape), 0, rows, out=host_blocks[1])
+
+        current = torch.cuda.current_stream(self.device)
+        # The previous scatter (on the current stream) may still be reading the device transit buffer.
+        self._stream.wait_stream(current)
+        device_buffer = self._device_buffer[:total]
+        with torch.cuda.stream(self._stream):
+            device_buffer.copy_(host, non_blocking=True)
+            self._copy_done.record(self._stream)
+        self._copy_pending = True
+        current.wait_event(self._copy_done)
+
+        device_index = device_buffer[: 2 * n * 4].view(torch.int32).view(2, n)
+        device_blocks = device_buffer[header:total].view(store.dtype).view(shape)
+        scatter_pages(
+            device_blocks[0], device_blocks[1], pool.key_pages, pool.value_pages, device_index[0], device_index[1]
+        )
+        return kv_bytes

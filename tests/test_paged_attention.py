@@ -1,0 +1,387 @@
+"""Sparse paged decode attention, the page scatter and the paged KV store (icecache.core.attention / paged /
+triton_kernels).
+
+The CPU tests check the PyTorch references against direct computations. The tests marked ``gpu`` check the Triton
+kernels against those references: on CUDA, or on CPU in Triton's interpreter when ``TRITON_INTERPRET=1`` is set
+(``TRITON_INTERPRET=1 pytest -m gpu tests/test_paged_attention.py`` with Triton installed). The CUDA bulk-loader
+tests need a real GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from icecache.core import triton_kernels
+from icecache.core.attention import paged_decode_attention, paged_decode_attention_reference
+from icecache.core.paged import BulkLoader, CpuPageStore, GpuPagePool, scatter_pages_reference
+
+# ---------------------------------------------------------------------------------------------------------------
+# Helpers: a paged layout of random tokens, IceCache style (each KV head cuts its tokens into pages differently)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def paged_layout(n_kv_heads: int, n_tokens: int, page_size: int, head_dim: int, gen: torch.Generator):
+    """Random keys/values ``[Hkv, T, D]`` and their pages ``[P, Hkv, S, D]``.
+
+    Each head takes its tokens in its own random order and cuts them into pages of 1..page_size tokens (DCI
+    leaves hold a varying number). Unused slots, and pages a head does not use, hold large garbage so that a slot
+    attended by mistake changes the result visibly. Returns keys, values, key_pages, value_pages and
+    ``page_tokens[h][p]``, the token ids in page ``p`` of head ``h``, slot order.
+    """
+    keys = torch.randn(n_kv_heads, n_tokens, head_dim, generator=gen)
+    values = torch.randn(n_kv_heads, n_tokens, head_dim, generator=gen)
+    page_tokens = []
+    for _ in range(n_kv_heads):
+        order = torch.randperm(n_tokens, generator=gen).tolist()
+        pages, start = [], 0
+        while start < n_tokens:
+            fill = int(torch.randint(1, page_size + 1, (1,), generator=gen))
+            pages.append(order[start : start + fill])
+            start += fill
+        page_tokens.append(pages)
+    n_pages = max(len(pages) for pages in page_tokens)
+    key_pages = 100 * torch.randn(n_pages, n_kv_heads, page_size, head_dim, generator=gen)
+    value_pages = 100 * torch.randn(n_pages, n_kv_heads, page_size, head_dim, generator=gen)
+    for head, pages in enumerate(page_tokens):
+        for page, tokens in enumerate(pages):
+            key_pages[page, head, : len(tokens)] = keys[head, tokens]
+            value_pages[page, head, : len(tokens)] = values[head, tokens]
+    return keys, values, key_pages, value_pages, page_tokens
+
+
+def random_selection(page_tokens, n_entries: int, gen: torch.Generator, n_padding: int):
+    """Per head, ``n_entries - n_padding`` distinct pages in random order plus ``n_padding`` padding entries (-1)
+    at random positions. A page's valid count is drawn in 1..its fill, so some pages are attended only in part.
+    Padding entries get a random count, which must be ignored. Returns page_table, valid_counts ``[Hkv, N]`` and
+    ``attended[h]``, the token ids head ``h`` attends to."""
+    n_kv_heads = len(page_tokens)
+    table = torch.full((n_kv_heads, n_entries), -1, dtype=torch.long)
+    counts = torch.randint(0, 17, (n_kv_heads, n_entries), generator=gen)
+    attended = []
+    for head, pages in enumerate(page_tokens):
+        n_selected = min(n_entries - n_padding, len(pages))
+        chosen = torch.randperm(len(pages), generator=gen)[:n_selected].tolist()
+        positions = torch.randperm(n_entries, generator=gen)[:n_selected].tolist()
+        tokens = []
+        for page, position in zip(chosen, positions):
+            count = int(torch.randint(1, len(pages[page]) + 1, (1,), generator=gen))
+            table[head, position] = page
+            counts[head, position] = count
+            tokens += pages[page][:count]
+        attended.append(tokens)
+    return table, counts, attended
+
+
+def direct_attention(query, keys, values, attended, scaling):
+    """Softmax attention of each query head over exactly its KV head's ``attended`` tokens, in float64."""
+    n_heads, n_kv_heads = query.shape[0], keys.shape[0]
+    out = torch.empty(query.shape, dtype=torch.float64)
+    for head in range(n_heads):
+        kv_head = head // (n_heads // n_kv_heads)
+        tokens = attended[kv_head]
+        scores = keys[kv_head, tokens].double() @ query[head].double() * scaling
+        out[head] = torch.softmax(scores, dim=0) @ values[kv_head, tokens].double()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CPU: the reference attention is dense attention restricted to the selected tokens
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("page_size", [16, 8])
+@pytest.mark.parametrize("table_dtype", [torch.long, torch.int32])
+def test_reference_equals_attention_over_exactly_the_selected_tokens(group, page_size, table_dtype):
+    gen = torch.Generator().manual_seed(group * 100 + page_size)
+    n_kv_heads, head_dim, n_tokens = 2, 32, 300
+    keys, values, key_pages, value_pages, page_tokens = paged_layout(n_kv_heads, n_tokens, page_size, head_dim, gen)
+    table, counts, attended = random_selection(page_tokens, n_entries=12, gen=gen, n_padding=3)
+    query = torch.randn(n_kv_heads * group, head_dim, generator=gen)
+    scaling = head_dim**-0.5
+
+    out = paged_decode_attention_reference(
+        query, key_pages, value_pages, table.to(table_dtype), counts.to(table_dtype), scaling
+    )
+    expected = direct_attention(query, keys, values, attended, scaling)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_single_page_single_token_returns_that_value():
+    # One valid slot: the softmax weight is 1, so every query head of the group returns that slot's value exactly.
+    gen = torch.Generator().manual_seed(0)
+    key_pages = torch.randn(3, 1, 4, 8, generator=gen)
+    value_pages = torch.randn(3, 1, 4, 8, generator=gen)
+    table = torch.tensor([[-1, 2, -1]])
+    counts = torch.tensor([[4, 1, 4]])
+    out = paged_decode_attention_reference(torch.randn(2, 8, generator=gen), key_pages, value_pages, table, counts, 1.0)
+    torch.testing.assert_close(out, value_pages[2, 0, 0].expand(2, 8))
+
+
+def test_dispatcher_uses_the_reference_on_cpu():
+    gen = torch.Generator().manual_seed(1)
+    keys, values, key_pages, value_pages, page_tokens = paged_layout(2, 64, 16, 16, gen)
+    table, counts, _ = random_selection(page_tokens, n_entries=4, gen=gen, n_padding=1)
+    query = torch.randn(4, 16, generator=gen)
+    args = (query, key_pages, value_pages, table, counts, 0.25)
+    assert torch.equal(paged_decode_attention(*args), paged_decode_attention_reference(*args))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CPU: page store, scatter and bulk loader
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_scatter_reference_writes_each_block_to_its_slot_and_head():
+    pool_keys = torch.zeros(3, 2, 2, 2)
+    pool_values = torch.zeros(3, 2, 2, 2)
+    blocks = torch.arange(1.0, 3.0).view(2, 1, 1).expand(2, 2, 2)  # block i is filled with i + 1
+    scatter_pages_reference(blocks, -blocks, pool_keys, pool_values, torch.tensor([2, 0]), torch.tensor([1, 1]))
+    expected = torch.zeros(3, 2, 2, 2)
+    expected[2, 1] = 1.0
+    expected[0, 1] = 2.0
+    assert torch.equal(pool_keys, expected)
+    assert torch.equal(pool_values, -expected)
+
+
+def test_cpu_page_store_grows_by_doubling_and_keeps_its_pages():
+    gen = torch.Generator().manual_seed(2)
+    store = CpuPageStore(n_kv_heads=2, page_size=4, head_dim=8, dtype=torch.float32, pin_memory=False, initial_pages=2)
+    first = torch.randn(2, 4, 8, generator=gen)
+    store.write_pages(torch.tensor([0, 1]), torch.tensor([1, 0]), first, -first)
+    assert (store.n_pages, store.capacity) == (2, 2)
+    late = torch.randn(1, 4, 8, generator=gen)
+    store.write_pages(torch.tensor([6]), torch.tensor([1]), late, -late)  # needs 7 pages: 2 -> 4 -> 8
+    assert (store.n_pages, store.capacity) == (7, 8)
+    assert store.key_pages.shape == (7, 2, 4, 8)
+    assert torch.equal(store.key_pages[0, 1], first[0]) and torch.equal(store.value_pages[1, 0], -first[1])
+    assert torch.equal(store.key_pages[6, 1], late[0])
+    assert store.nbytes() == 2 * 8 * 2 * 4 * 8 * 4
+    assert not store.key_pages[2:6].any()  # pages never written are zero
+
+
+def random_load_request(gen, n_pages, n_slots, n_kv_heads, n_blocks):
+    """``n_blocks`` distinct (slot, head) targets and a random source page for each (repeats allowed)."""
+    targets = torch.randperm(n_slots * n_kv_heads, generator=gen)[:n_blocks]
+    slots, heads = targets // n_kv_heads, targets % n_kv_heads
+    page_ids = torch.randint(0, n_pages, (n_blocks,), generator=gen)
+    return page_ids, heads, slots
+
+
+def filled_store(gen, n_pages, n_kv_heads, page_size, head_dim, dtype, pin_memory):
+    store = CpuPageStore(n_kv_heads, page_size, head_dim, dtype, pin_memory=pin_memory, initial_pages=4)
+    page_ids = torch.arange(n_pages).repeat_interleave(n_kv_heads)
+    heads = torch.arange(n_kv_heads).repeat(n_pages)
+    shape = (n_pages * n_kv_heads, page_size, head_dim)
+    store.write_pages(page_ids, heads, torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
+    return store
+
+
+def expected_pool_after_load(pool_keys, pool_values, store, page_ids, heads, slots):
+    """The pool with exactly the requested blocks replaced: a loop, one block at a time."""
+    keys, values = pool_keys.cpu().clone(), pool_values.cpu().clone()
+    for page, head, slot in zip(page_ids.tolist(), heads.tolist(), slots.tolist()):
+        keys[slot, head] = store.key_pages[page, head].to(keys.dtype)
+        values[slot, head] = store.value_pages[page, head].to(values.dtype)
+    return keys, values
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_bulk_loader_cpu_moves_exactly_the_requested_pages(seed):
+    gen = torch.Generator().manual_seed(seed)
+    n_kv_heads = int(torch.randint(1, 5, (1,), generator=gen))
+    page_size, head_dim = [(4, 8), (16, 16), (8, 32)][seed % 3]
+    n_pages, n_slots = int(torch.randint(1, 40, (1,), generator=gen)), int(torch.randint(1, 10, (1,), generator=gen))
+    # Half the cases keep float32 pages on CPU and bfloat16 slots in the pool, as IceCache's float32 CPU cache does.
+    pool_dtype = torch.bfloat16 if seed % 2 else torch.float32
+    store = filled_store(gen, n_pages, n_kv_heads, page_size, head_dim, torch.float32, pin_memory=False)
+    store_before = (store.key_pages.clone(), store.value_pages.clone())
+    pool = GpuPagePool(n_slots, n_kv_heads, page_size, head_dim, pool_dtype, "cpu")
+    pool.key_pages.copy_(torch.randn(pool.key_pages.shape, generator=gen))
+    pool.value_pages.copy_(torch.randn(pool.value_pages.shape, generator=gen))
+    loader = BulkLoader(page_size, head_dim, torch.float32, "cpu", max_pages=2)
+
+    n_blocks = int(torch.randint(0, n_slots * n_kv_heads + 1, (1,), generator=gen))
+    page_ids, heads, slots = random_load_request(gen, n_pages, n_slots, n_kv_heads, n_blocks)
+    expected = expected_pool_after_load(pool.key_pages, pool.value_pages, store, page_ids, heads, slots)
+    n_bytes = loader.load(store, page_ids, heads, pool, slots)
+
+    assert n_bytes == 2 * n_blocks * page_size * head_dim * 4  # float32 keys and values of every block
+    assert torch.equal(pool.key_pages, expected[0]) and torch.equal(pool.value_pages, expected[1])
+    assert torch.equal(store.key_pages, store_before[0]) and torch.equal(store.value_pages, store_before[1])
+
+
+def test_bulk_loader_rejects_out_of_range_pages_and_mismatched_requests():
+    gen = torch.Generator().manual_seed(3)
+    store = filled_store(gen, 3, 2, 4, 8, torch.float32, pin_memory=False)
+    pool = GpuPagePool(2, 2, 4, 8, torch.float32, "cpu")
+    loader = BulkLoader(4, 8, torch.float32, "cpu", max_pages=4)
+    with pytest.raises(IndexError):
+        loader.load(store, torch.tensor([3]), torch.tensor([0]), pool, torch.tensor([0]))
+    with pytest.raises(ValueError):
+        loader.load(store, torch.tensor([0, 1]), torch.tensor([0]), pool, torch.tensor([0]))
+    with pytest.raises(ValueError):
+        loader.load(store, torch.tensor([0]), torch.tensor([0]), GpuPagePool(2, 2, 8, 8, torch.float32, "cpu"),
+                    torch.tensor([0]))
+
+
+def test_triton_module_imports_and_reports_availability():
+    # On a machine without CUDA the kernels must say they are unavailable, so the dispatcher keeps the reference.
+    if not torch.cuda.is_available():
+        assert not triton_kernels.available()
+    assert isinstance(triton_kernels.available(), bool)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU (or Triton interpreter): kernels against the references
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def kernel_device() -> torch.device:
+    """CUDA when the Triton kernels can run there, CPU under Triton's interpreter, otherwise skip."""
+    if triton_kernels.available():
+        return torch.device("cuda")
+    if triton_kernels.interpreted():
+        return torch.device("cpu")
+    pytest.skip("needs CUDA and Triton (or TRITON_INTERPRET=1 with Triton installed)")
+
+
+def random_pages_and_selection(gen, n_kv_heads, group, head_dim, page_size, n_entries, n_pool_pages, dtype, device):
+    """Random pool, page table with about 1 entry in 6 padding (never a whole head) and partial valid counts."""
+    query = torch.randn(n_kv_heads * group, head_dim, generator=gen)
+    key_pages = torch.randn(n_pool_pages, n_kv_heads, page_size, head_dim, generator=gen)
+    value_pages = torch.randn(n_pool_pages, n_kv_heads, page_size, head_dim, generator=gen)
+    table = torch.randint(0, n_pool_pages, (n_kv_heads, n_entries), generator=gen)
+    table[torch.rand(n_kv_heads, n_entries, generator=gen) < 1 / 6] = -1
+    table[:, 0] = torch.randint(0, n_pool_pages, (n_kv_heads,), generator=gen)  # every head attends something
+    # Mostly full pages, some partial ones (as DCI leaves hold 8 to 16 tokens).
+    counts = torch.where(
+        torch.rand(n_kv_heads, n_entries, generator=gen) < 0.5,
+        torch.full((n_kv_heads, n_entries), page_size),
+        torch.randint(1, page_size + 1, (n_kv_heads, n_entries), generator=gen),
+    )
+    tensors = (query, key_pages, value_pages)
+    return (*(t.to(device, dtype) for t in tensors), table.to(device, torch.int32), counts.to(device, torch.int32))
+
+
+TOLERANCES = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [4, 8])
+@pytest.mark.parametrize("n_entries", [1, 16, 75, 300])
+def test_triton_attention_matches_reference(dtype, head_dim, group, n_entries):
+    device = kernel_device()
+    gen = torch.Generator().manual_seed(n_entries * 7 + group + head_dim)
+    n_kv_heads = 8 if device.type == "cuda" else 2
+    args = random_pages_and_selection(gen, n_kv_heads, group, head_dim, 16, n_entries, 512, dtype, device)
+    scaling = head_dim**-0.5
+    out = triton_kernels.paged_decode_attention(*args, scaling)
+    expected = paged_decode_attention_reference(*args, scaling)
+    assert out.dtype == dtype and out.shape == expected.shape
+    tolerance = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 4, 8, 32, 64])
+@pytest.mark.parametrize("n_splits", [1, 3, None])
+def test_triton_attention_page_sizes_and_splits(page_size, n_splits):
+    device = kernel_device()
+    gen = torch.Generator().manual_seed(page_size * 10 + (n_splits or 0))
+    args = random_pages_and_selection(gen, 2, 4, 64, page_size, 41, 64, torch.float16, device)
+    out = triton_kernels.paged_decode_attention(*args, 0.125, n_splits=n_splits)
+    expected = paged_decode_attention_reference(*args, 0.125)
+    tolerance = TOLERANCES[torch.float16]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.gpu
+def test_triton_attention_over_selected_tokens_equals_direct_attention():
+    # The kernel against the direct computation (not only against the reference): IceCache-style per-head pages.
+    device = kernel_device()
+    gen = torch.Generator().manual_seed(5)
+    keys, values, key_pages, value_pages, page_tokens = paged_layout(2, 500, 16, 64, gen)
+    table, counts, attended = random_selection(page_tokens, n_entries=20, gen=gen, n_padding=4)
+    query = torch.randn(8, 64, generator=gen)
+    on_device = [t.to(device) for t in (query, key_pages, value_pages, table, counts)]
+    out = triton_kernels.paged_decode_attention(*on_device, 0.125)
+    expected = direct_attention(query, keys, values, attended, 0.125)
+    torch.testing.assert_close(out.cpu().double(), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_dispatcher_uses_triton_on_cuda():
+    if not triton_kernels.available():
+        pytest.skip("needs CUDA and Triton")
+    gen = torch.Generator().manual_seed(6)
+    args = random_pages_and_selection(gen, 8, 4, 128, 16, 12, 64, torch.bfloat16, "cuda")
+    direct = triton_kernels.paged_decode_attention(*args, 0.1)
+    assert torch.equal(paged_decode_attention(*args, 0.1), direct)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "transit_dtype,pool_dtype",
+    [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.float32, torch.bfloat16)],
+    ids=["bf16", "fp32", "fp32-to-bf16"],
+)
+def test_triton_scatter_matches_reference(transit_dtype, pool_dtype):
+    device = kernel_device()
+    if transit_dtype != pool_dtype and device.type != "cuda":
+        pytest.skip("Triton's interpreter truncates float32 -> bfloat16 instead of rounding to nearest")
+    gen = torch.Generator().manual_seed(7)
+    n_slots, n_kv_heads, n_blocks = 20, 8, 100
+    targets = torch.randperm(n_slots * n_kv_heads, generator=gen)[:n_blocks]
+    slots, heads = targets // n_kv_heads, targets % n_kv_heads
+    transit = [torch.randn(n_blocks, 16, 128, generator=gen).to(device, transit_dtype) for _ in range(2)]
+    pools = [torch.randn(n_slots, n_kv_heads, 16, 128, generator=gen).to(device, pool_dtype) for _ in range(2)]
+    expected = [p.clone() for p in pools]
+    triton_kernels.scatter_pages(*transit, *pools, slots.to(device, torch.int32), heads.to(device, torch.int32))
+    scatter_pages_reference(*transit, *expected, slots.to(device), heads.to(device))
+    assert torch.equal(pools[0], expected[0]) and torch.equal(pools[1], expected[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("store_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_bulk_loader_cuda_moves_exactly_the_requested_pages(store_dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gen = torch.Generator().manual_seed(8)
+    n_kv_heads, page_size, head_dim, n_pages, n_slots = 8, 16, 128, 300, 16
+    store = filled_store(gen, n_pages, n_kv_heads, page_size, head_dim, store_dtype, pin_memory=True)
+    assert store.key_pages.is_pinned()
+    pool = GpuPagePool(n_slots, n_kv_heads, page_size, head_dim, torch.bfloat16, "cuda")
+    pool.key_pages.copy_(torch.randn(pool.key_pages.shape, generator=gen))
+    pool.value_pages.copy_(torch.randn(pool.value_pages.shape, generator=gen))
+    mirror = GpuPagePool(n_slots, n_kv_heads, page_size, head_dim, torch.bfloat16, "cpu")
+    mirror.key_pages.copy_(pool.key_pages.cpu())
+    mirror.value_pages.copy_(pool.value_pages.cpu())
+    loader = BulkLoader(page_size, head_dim, store_dtype, "cuda", max_pages=8)
+    cpu_loader = BulkLoader(page_size, head_dim, store_dtype, "cpu", max_pages=8)
+    # Several loads back to back with no synchronisation, some larger than the transit buffers: the pinned and
+    # device transit buffers are reused (and grown) while earlier copies and scatters may still be in flight.
+    for n_blocks in (5, 96, 3, 128, 40):
+        page_ids, heads, slots = random_load_request(gen, n_pages, n_slots, n_kv_heads, n_blocks)
+        n_bytes = loader.load(store, page_ids, heads, pool, slots)
+        cpu_loader.load(store, page_ids, heads, mirror, slots)
+        assert n_bytes == 2 * n_blocks * page_size * head_dim * store.key_pages.element_size()
+    torch.cuda.synchronize()
+    assert torch.equal(pool.key_pages.cpu(), mirror.key_pages)
+    assert torch.equal(pool.value_pages.cpu(), mirror.value_pages)
+
+
+def test_kernel_choose_splits_covers_every_page_once():
+    # Split ranges are whole blocks, none is empty, and together they cover the table: n_splits * pages_per_split
+    # reaches n_table while (n_splits - 1) * pages_per_split stays below it.
+    for n_table in (1, 15, 16, 17, 300, 1024):
+        for pages_per_block in (1, 4, 64):
+            n_splits, pages_per_split = triton_kernels.choose_splits(n_table, 8, pages_per_block, torch.device("cpu"))
+            assert pages_per_split % pages_per_block == 0
+            assert (n_splits - 1) * pages_per_split < n_table <= n_splits * pages_per_split
+            assert n_splits <= math.ceil(n_table / pages_per_block)
