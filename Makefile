@@ -2,7 +2,6 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
-MODEL ?= llama31_8b
 LAUNCHER ?= local
 
 .PHONY: demo test test-gpu env ruler-data clean-build
@@ -35,3 +34,29 @@ ruler-data: $(STAMP)
 
 clean-build:
 	rm -rf build icecache/dci/*.so
+
+.PHONY: reproduce-table2 reproduce-ruler reproduce-latency reproduce-scaling collect
+# MODEL on the command line overrides the experiment's own model; LAUNCHER=local|slurm
+MODEL_ARG = $(if $(filter command line environment,$(origin MODEL)),model=$(MODEL))
+SRUN = $(if $(filter slurm,$(LAUNCHER)),srun --gpus-per-node=1 --cpus-per-task=16 --mem=128G --time=240 )
+
+## Paper reproduction (docs/reproduce.md). Preview any of them: python scripts/sweep.py experiment=table2 --dry-run
+## The leading '-' is deliberate: a sweep's exit status is unreliable (results live on disk); collect runs regardless.
+reproduce-table2: $(STAMP)
+	-$(PY) scripts/sweep.py experiment=table2 $(MODEL_ARG) hydra/launcher=$(LAUNCHER)
+	$(PY) scripts/collect.py results/runs --out results/summary
+
+reproduce-ruler: $(STAMP)
+	-$(PY) scripts/sweep.py experiment=ruler $(MODEL_ARG) hydra/launcher=$(LAUNCHER)
+	$(PY) scripts/collect.py results/runs --out results/summary
+
+reproduce-latency: $(STAMP)
+	$(SRUN)$(PY) scripts/bench_latency.py --experiment latency $(if $(MODEL_ARG),--model $(MODEL))
+	$(PY) scripts/collect.py results/runs --out results/summary
+
+reproduce-scaling: $(STAMP)
+	$(SRUN)$(PY) scripts/bench_latency.py --experiment scaling $(if $(MODEL_ARG),--model $(MODEL))
+	$(PY) scripts/collect.py results/runs --out results/summary
+
+collect: $(STAMP)
+	$(PY) scripts/collect.py results/runs --out results/summary

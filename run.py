@@ -63,7 +63,8 @@ def main() -> None:
         from icecache.runner import main_from_dict
 
         values = OmegaConf.to_container(cfg, resolve=True)
-        values.pop("experiment", None)
+        for key in ("experiment", "reference_runs", "bench"):  # sweep-level keys, not run settings
+            values.pop(key, None)
         metrics = main_from_dict(values)
         if metrics:
             print(f"{metrics['task']} / {metrics['method']} / budget {metrics['budget']}: {metrics['metrics']}")

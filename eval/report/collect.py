@@ -1,0 +1,413 @@
+"""Read finished runs, latency benchmarks and the paper's reference numbers from disk into tidy tables.
+
+Collect never depends on how the runs were launched (local, Slurm, by hand): a run is done when its
+``metrics.json`` exists, and its directory is a pure function of its config, so globbing is enough. Scores become
+long-form rows ``(task, model, method, budget, dataset, length, score, n)``; a LongBench table split over one job
+per dataset is put back together here. Nothing in this module imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import pandas as pd
+
+METRICS = "metrics.json"
+PREDICTIONS = "predictions.jsonl"
+
+LONGBENCH_16 = [
+    "narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report", "qmsum",
+    "multi_news", "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p",
+]
+
+# Canonical method ids: the harness's method names, plus the paper's baselines we do not implement.
+METHOD_ORDER = [
+    "full", "oracle_topk", "snapkv", "streaming_llm", "h2o", "quest", "omnikv", "magicpig", "pqcache", "arkvale",
+    "icecache", "icecache_reuse",
+]
+DISPLAY_NAME = {
+    "full": "FULL", "oracle_topk": "TOPK", "snapkv": "SnapKV", "streaming_llm": "StreamingLLM", "h2o": "H2O",
+    "quest": "Quest", "omnikv": "OmniKV", "magicpig": "MagicPIG", "pqcache": "PQCache", "arkvale": "ArkVale",
+    "icecache": "IceCache", "icecache_reuse": "IceCache(r)",
+}
+NOT_IMPLEMENTED = ("omnikv", "magicpig", "pqcache")  # shown with the paper's numbers only
+# Every spelling the paper and paper_results.md use, lower-cased and without spaces.
+_ALIASES = {
+    "full": "full", "fullkv": "full", "topk": "oracle_topk", "top-k": "oracle_topk", "snapkv": "snapkv",
+    "skv": "snapkv", "streamingllm": "streaming_llm", "slm": "streaming_llm", "arkvale": "arkvale", "akv": "arkvale",
+    "icecache": "icecache", "ice": "icecache", "icecache(r)": "icecache_reuse", "ice(r)": "icecache_reuse",
+    "omnikv": "omnikv", "okv": "omnikv", "magicpig": "magicpig", "mpg": "magicpig", "pqcache": "pqcache",
+    "pqc": "pqcache", "quest": "quest", "h2o": "h2o",
+}
+# Methods whose result does not depend on the budget: their rows are keyed by budget None.
+BUDGET_FREE_METHODS = frozenset({"full"})
+
+# The paper's RULER columns as means over RULER subtasks.
+RULER_CATEGORIES = {
+    "single_niah": ("niah_single_1", "niah_single_2", "niah_single_3"),
+    "multikey_niah": ("niah_multikey_1", "niah_multikey_2", "niah_multikey_3"),
+    "qa": ("qa_1", "qa_2"),
+}
+RULER_CATEGORY_NAMES = {"single_niah": "Single-NIAH", "multikey_niah": "Multi-keys NIAH", "qa": "QA"}
+
+SCORE_COLUMNS = ["task", "model", "method", "budget", "dataset", "length", "score", "n", "run_dir", "finished"]
+
+
+def canonical_method(name: str) -> str:
+    """A paper or harness method name -> the harness id (unknown names pass through, lower-cased)."""
+    key = str(name).strip().lower().replace(" ", "")
+    return _ALIASES.get(key, key)
+
+
+def display_name(method: str) -> str:
+    return DISPLAY_NAME.get(method, method)
+
+
+def canonical_model(name: str) -> str:
+    """Model names compare case-insensitively: the runs say llama-3.1-8b-instruct, the paper Llama-3.1-8B-Instruct."""
+    return str(name).strip().lower()
+
+
+def normalise_budget(method: str, budget: Any) -> int | None:
+    if method in BUDGET_FREE_METHODS or budget is None or budget == "" or _isnan(budget):
+        return None
+    return int(budget)
+
+
+def _isnan(value: Any) -> bool:
+    return isinstance(value, float) and math.isnan(value)
+
+
+def method_sort_key(method: str) -> tuple[int, str]:
+    return (METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER), method)
+
+
+def row_sort_key(method: str, budget: Any) -> tuple:
+    return (*method_sort_key(method), -1 if budget is None or _isnan(budget) else int(budget))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Runs
+
+
+@dataclass
+class RunResult:
+    """One finished run: its ``metrics.json`` and where it lies."""
+
+    run_dir: Path
+    task: str
+    model: str
+    method: str
+    budget: int | None
+    n_samples: int
+    metrics: dict[str, Any]
+    latency: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+    config_hash: str | None = None
+    finished: float = 0.0  # mtime of metrics.json: the newer of two conflicting runs wins a tie
+
+    @classmethod
+    def from_file(cls, path: Path) -> "RunResult":
+        payload = json.loads(path.read_text(encoding="utf-8"))
+        method = str(payload["method"])
+        return cls(
+            run_dir=path.parent,
+            task=str(payload["task"]),
+            model=str(payload["model"]),
+            method=method,
+            budget=normalise_budget(method, payload.get("budget")),
+            n_samples=int(payload.get("n_samples") or 0),
+            metrics=payload.get("metrics") or {},
+            latency=payload.get("latency") or {},
+            settings=payload.get("settings") or {},
+            config_hash=payload.get("config_hash"),
+            finished=path.stat().st_mtime,
+        )
+
+
+@dataclass
+class PartialRun:
+    """A run directory without ``metrics.json``: started, not finished (or still running)."""
+
+    run_dir: Path
+    n_written: int
+
+
+def _as_roots(roots: str | Path | Iterable[str | Path]) -> list[Path]:
+    if isinstance(roots, (str, Path)):
+        roots = [roots]
+    return [Path(r) for r in roots]
+
+
+def load_runs(roots: str | Path | Iterable[str | Path]) -> list[RunResult]:
+    """Every finished run under ``roots`` (unreadable metrics files are skipped with a warning)."""
+    runs = []
+    for root in _as_roots(roots):
+        for path in sorted(root.rglob(METRICS)):
+            try:
+                runs.append(RunResult.from_file(path))
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                warnings.warn(f"skipping unreadable {path}: {error}", stacklevel=2)
+    return runs
+
+
+def count_complete_lines(path: Path) -> int:
+    """Complete, parseable JSON lines (distinct sample ids) of a predictions file; a torn tail does not count."""
+    seen = set()
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for line in handle:
+            try:
+                seen.add(json.loads(line)["sample_id"])
+            except (ValueError, KeyError, TypeError):
+                continue
+    return len(seen)
+
+
+def find_partial_runs(roots: str | Path | Iterable[str | Path]) -> list[PartialRun]:
+    partial = []
+    for root in _as_roots(roots):
+        for path in sorted(root.rglob(PREDICTIONS)):
+            if not (path.parent / METRICS).exists():
+                partial.append(PartialRun(path.parent, count_complete_lines(path)))
+    return partial
+
+
+def runs_frame(runs: list[RunResult]) -> pd.DataFrame:
+    """One row per finished run (what ran, where, how many samples, headline score and latency)."""
+    rows = []
+    for run in runs:
+        rows.append({
+            "task": run.task, "model": run.model, "method": run.method, "budget": run.budget,
+            "n_samples": run.n_samples, "score": run.metrics.get("score"),
+            **{k: run.latency.get(k) for k in ("median_ttft_s", "median_tt2t_s", "median_tpot_s",
+                                                "mean_attended_tokens", "max_peak_gpu_bytes")},
+            "config_hash": run.config_hash, "run_dir": str(run.run_dir),
+        })
+    columns = ["task", "model", "method", "budget", "n_samples", "score", "median_ttft_s", "median_tt2t_s",
+               "median_tpot_s", "mean_attended_tokens", "max_peak_gpu_bytes", "config_hash", "run_dir"]
+    return pd.DataFrame(rows, columns=columns)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Scores: long form, whatever the task's aggregate looks like
+
+
+def _length_key(value: Any) -> int | str:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def score_rows(run: RunResult) -> list[dict[str, Any]]:
+    """The per-(dataset, length) scores present in one run's aggregate, as long-form rows.
+
+    Reads what is there: LongBench ``datasets`` (and LongBench-E ``buckets``), RULER ``tasks`` (task -> length ->
+    score, or task -> score), passkey ``by_length``, else the task's headline ``score``.
+    """
+    metrics = run.metrics
+    base = {"task": run.task, "model": run.model, "method": run.method, "budget": run.budget,
+            "run_dir": str(run.run_dir), "finished": run.finished}
+    rows: list[dict[str, Any]] = []
+
+    def add(dataset: str, length: Any, score: Any, n: Any) -> None:
+        if score is None or _isnan(score):
+            return  # an empty cell stays missing; it is never a zero
+        rows.append({**base, "dataset": dataset, "length": length, "score": float(score),
+                     "n": int(n) if n is not None else None})
+
+    if isinstance(metrics.get("datasets"), dict):
+        per_dataset_n = metrics.get("n_per_dataset") or {}
+        for name, score in metrics["datasets"].items():
+            add(name, None, score, per_dataset_n.get(name, run.n_samples if len(metrics["datasets"]) == 1 else None))
+        for name, buckets in (metrics.get("buckets") or {}).items():
+            for bucket, score in (buckets or {}).items():
+                add(name, str(bucket), score, None)
+    elif isinstance(metrics.get("tasks"), dict):
+        for name, per_length in metrics["tasks"].items():
+            if isinstance(per_length, dict):
+                for length, score in per_length.items():
+                    add(name, _length_key(length), score, None)
+            else:
+                add(name, None, per_length, None)
+    elif isinstance(metrics.get("by_length"), dict):
+        n_lengths = len(metrics["by_length"])
+        for length, score in metrics["by_length"].items():
+            add(run.task, _length_key(length), score, run.n_samples // n_lengths if n_lengths else None)
+    else:
+        add(run.task, None, metrics.get("score"), metrics.get("n", run.n_samples))
+    return rows
+
+
+def collect_scores(runs: list[RunResult]) -> pd.DataFrame:
+    """Long-form scores of all runs; where two runs hold the same cell, the one with more samples wins, then the
+    newer one (a smoke run with task.limit never hides the full run)."""
+    rows = [row for run in runs for row in score_rows(run)]
+    frame = pd.DataFrame(rows, columns=SCORE_COLUMNS)
+    if frame.empty:
+        return frame
+    frame["_n"] = frame["n"].fillna(-1)
+    frame["_length"] = frame["length"].astype(str)
+    frame["_budget"] = frame["budget"].astype(str)
+    frame = frame.sort_values(["_n", "finished"]).drop_duplicates(
+        ["task", "model", "method", "_budget", "dataset", "_length"], keep="last"
+    )
+    frame = frame.drop(columns=["_n", "_length", "_budget"])
+    return frame.reset_index(drop=True)
+
+
+def collect_latency(runs: list[RunResult]) -> pd.DataFrame:
+    """Per (task, model, method, budget): the median over runs of each run's median TTFT / TT2T / TPOT (a table
+    split into one job per dataset has one median per dataset)."""
+    groups: dict[tuple, list[RunResult]] = {}
+    for run in runs:
+        groups.setdefault((run.task, canonical_model(run.model), run.method, run.budget), []).append(run)
+    rows = []
+    for (task, model, method, budget), members in groups.items():
+        row = {"task": task, "model": members[0].model, "method": method, "budget": budget,
+               "n_runs": len(members), "n_samples": sum(r.n_samples for r in members)}
+        for key in ("median_ttft_s", "median_tt2t_s", "median_tpot_s", "mean_attended_tokens"):
+            values = [r.latency.get(key) for r in members if r.latency.get(key) is not None]
+            row[key] = statistics.median(values) if values else None
+        peaks = [r.latency.get("max_peak_gpu_bytes") for r in members if r.latency.get("max_peak_gpu_bytes")]
+        row["max_peak_gpu_bytes"] = max(peaks) if peaks else None
+        rows.append(row)
+    columns = ["task", "model", "method", "budget", "n_runs", "n_samples", "median_ttft_s", "median_tt2t_s",
+               "median_tpot_s", "mean_attended_tokens", "max_peak_gpu_bytes"]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def ruler_categories(scores: pd.DataFrame) -> pd.DataFrame:
+    """RULER subtask scores -> the paper's three columns (mean over the subtasks present) per context length."""
+    ruler = scores[scores["task"] == "ruler"]
+    rows = []
+    keys = ["model", "method", "budget", "length"]
+    for key, group in ruler.groupby([ruler[k].astype(str) for k in keys], sort=False):
+        first = group.iloc[0]
+        for category, members in RULER_CATEGORIES.items():
+            present = group[group["dataset"].isin(members)]
+            if present.empty:
+                continue
+            rows.append({"model": first["model"], "method": first["method"], "budget": first["budget"],
+                         "length": first["length"], "category": category, "score": float(present["score"].mean()),
+                         "n_subtasks": len(present)})
+    return pd.DataFrame(rows, columns=["model", "method", "budget", "length", "category", "score", "n_subtasks"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Latency benchmarks (scripts/bench_latency.py)
+
+
+def load_bench(roots: str | Path | Iterable[str | Path]) -> pd.DataFrame:
+    """Summary rows of every ``latency_*.json`` under ``roots``: one row per (file, method, context)."""
+    rows = []
+    for root in _as_roots(roots):
+        paths = [root] if root.is_file() else sorted(root.rglob("latency_*.json"))
+        for path in paths:
+            try:
+                payload = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as error:
+                warnings.warn(f"skipping unreadable {path}: {error}", stacklevel=2)
+                continue
+            settings = payload.get("settings", {})
+            provenance = payload.get("provenance", {})
+            for entry in payload.get("summary", []):
+                row = {key: value for key, value in entry.items() if key != "phases_s"}
+                for phase, seconds in (entry.get("phases_s") or {}).items():
+                    row[f"phase_{phase}_s"] = seconds
+                row.setdefault("model", settings.get("model_name"))
+                row["host"] = provenance.get("host")
+                row["gpu"] = provenance.get("gpu")
+                row["date"] = provenance.get("date")
+                row["file"] = str(path)
+                rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def latest_bench(bench: pd.DataFrame) -> pd.DataFrame:
+    """Of several benchmark files, keep the newest measurement of each (model, method, budget, context)."""
+    if bench.empty:
+        return bench
+    ordered = bench.sort_values(["date", "file"])
+    keys = [k for k in ("model", "method", "budget", "context") if k in bench]
+    return ordered.drop_duplicates(keys, keep="last").reset_index(drop=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The paper's numbers (results/reference/)
+
+
+def load_paper_longbench(path: str | Path) -> pd.DataFrame:
+    """paper_longbench.csv with a canonical ``method`` column (the paper's name kept as ``paper_method``)."""
+    frame = pd.read_csv(path)
+    frame["paper_method"] = frame["method"]
+    frame["method"] = frame["method"].map(canonical_method)
+    frame["budget"] = [normalise_budget(m, b) for m, b in zip(frame["method"], frame["budget"])]
+    frame["budget"] = frame["budget"].astype(object)
+    return frame
+
+
+def _load_reference(path: str | Path) -> pd.DataFrame:
+    frame = pd.read_csv(path)
+    frame["paper_method"] = frame["method"]
+    frame["method"] = frame["method"].map(canonical_method)
+    return frame
+
+
+load_paper_latency = _load_reference
+load_paper_scaling = _load_reference
+
+
+def load_paper_ruler(path: str | Path) -> pd.DataFrame:
+    frame = _load_reference(path)
+    frame = frame.rename(columns={"context_tokens": "length"})
+    frame["budget"] = [normalise_budget(m, b) for m, b in zip(frame["method"], frame["budget"])]
+    frame["budget"] = frame["budget"].astype(object)
+    return frame
+
+
+@dataclass
+class References:
+    """The paper's numbers, each ``None`` when its file is absent."""
+
+    longbench: pd.DataFrame | None = None
+    latency: pd.DataFrame | None = None
+    scaling: pd.DataFrame | None = None
+    ruler: pd.DataFrame | None = None
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "References":
+        directory = Path(directory)
+
+        def maybe(name: str, loader):
+            path = directory / name
+            return loader(path) if path.exists() else None
+
+        return cls(
+            longbench=maybe("paper_longbench.csv", load_paper_longbench),
+            latency=maybe("paper_latency.csv", load_paper_latency),
+            scaling=maybe("paper_scaling.csv", load_paper_scaling),
+            ruler=maybe("paper_ruler.csv", load_paper_ruler),
+        )
+
+
+def length_label(tokens: Any) -> str:
+    """150000 -> '150k', 4096 -> '4k'; the paper labels context lengths in thousands."""
+    try:
+        value = int(tokens)
+    except (TypeError, ValueError):
+        return str(tokens)
+    if value % 1024 == 0 and value >= 1024 and value % 1000 != 0:
+        return f"{value // 1024}k"
+    return f"{round(value / 1000)}k" if value >= 1000 else str(value)
+
+
+def safe_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", str(text)).strip("_")

@@ -1,0 +1,309 @@
+"""The paper's figures from collected results, ours filled, the paper's as hollow markers, PNG and PDF.
+
+Figures are built with ``matplotlib.figure.Figure`` directly (no pyplot state, no backend switch), so the
+functions work the same in a test, a script and a notebook. Every function returns the written paths (empty when
+there is nothing to draw) and never draws a missing value as zero.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+
+from .collect import METHOD_ORDER, canonical_model, display_name, length_label, method_sort_key
+from .tables import ComparisonTable
+
+# One colour per method across every figure (tab20 has enough distinct hues for the twelve ids).
+_PALETTE = [
+    "#222222", "#7f7f7f", "#1f77b4", "#ff7f0e", "#bcbd22", "#17becf", "#9467bd", "#8c564b", "#e377c2", "#2ca02c",
+    "#d62728", "#ff9896",
+]
+COLORS = dict(zip(METHOD_ORDER, _PALETTE))
+# Our phases -> the paper's breakdown parts; the generation loop's remainder ("model") is the paper's "decoding".
+PHASE_GROUPS = {
+    "query": ("query", "select", "search", "index_query"),
+    "load": ("load", "transfer", "copy", "gather", "scatter"),
+    "compute": ("model", "attention", "compute", "decoding"),
+}
+PHASE_COLORS = {"query": "#1f77b4", "load": "#ff7f0e", "compute": "#2ca02c", "other": "#7f7f7f"}
+
+
+def color(method: str) -> str:
+    return COLORS.get(method, "#444444")
+
+
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def save(fig: Figure, stem: str | Path) -> list[Path]:
+    """``<stem>.png`` (150 dpi) and ``<stem>.pdf``."""
+    stem = Path(stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    paths = [Path(f"{stem}.png"), Path(f"{stem}.pdf")]
+    fig.savefig(paths[0], dpi=150, bbox_inches="tight")
+    fig.savefig(paths[1], bbox_inches="tight")
+    return paths
+
+
+def _source_legend(ax, methods: list[str], loc: str = "best") -> None:
+    """One colour per method drawn (ours or the paper's), plus the filled = ours / hollow = paper convention."""
+    handles = [Line2D([], [], color=color(m), marker="s", linestyle="-", label=display_name(m))
+               for m in sorted(set(methods), key=method_sort_key)]
+    handles += [Line2D([], [], marker="o", color="k", linestyle="none", label="ours (filled)"),
+                Line2D([], [], marker="o", markerfacecolor="none", color="k", linestyle="none",
+                       label="paper (hollow)")]
+    ax.legend(handles=handles, fontsize=7, loc=loc, framealpha=0.9, ncol=2 if len(handles) > 8 else 1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def accuracy_vs_budget(table: ComparisonTable, stem: str | Path, ylabel: str = "LongBench average score") -> list[Path]:
+    """Avg score against the token budget, one line per method; the full cache as horizontal lines."""
+    fig = Figure(figsize=(6.4, 4.2))
+    ax = fig.add_subplot()
+    drawn: list[str] = []
+    methods = sorted({m for m, _ in table.rows}, key=method_sort_key)
+    budgets = sorted({b for _, b in table.rows if not _missing(b)})
+    for method in methods:
+        for source, hollow in (("ours", False), ("paper", True)):
+            points = [(b, table.value(source, method, b, "Avg")) for m, b in table.rows if m == method]
+            if method == "full":
+                value = next((v for b, v in points if v is not None), None)
+                if value is not None:
+                    ax.axhline(value, color=color(method), linestyle=":" if hollow else "-", linewidth=1)
+                    drawn.append(method)
+                continue
+            points = sorted((b, v) for b, v in points if v is not None and not _missing(b))
+            if not points:
+                continue
+            xs, ys = zip(*points)
+            style = dict(color=color(method), marker="o", markersize=6)
+            if hollow:
+                ax.plot(xs, ys, linestyle="none", markerfacecolor="none", markeredgewidth=1.5, **style)
+            else:
+                ax.plot(xs, ys, linestyle="-", **style)
+            drawn.append(method)
+    if not drawn:
+        return []
+    ax.set_xscale("log", base=2)
+    if budgets:
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.set_xlabel("KV budget per query head (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(table.title + "\n(FULL: horizontal line, solid = ours, dotted = paper)", fontsize=10)
+    ax.grid(alpha=0.3)
+    _source_legend(ax, drawn)
+    return save(fig, stem)
+
+
+def accuracy_vs_tpot(points: pd.DataFrame, stem: str | Path, title: str = "Accuracy vs decode latency") -> list[Path]:
+    """The paper's trade-off plot: accuracy relative to the full cache (%) against TPOT (s).
+
+    ``points`` columns: method, budget, tpot_s, rel_accuracy_pct, source (ours | paper).
+    """
+    points = points.dropna(subset=["tpot_s", "rel_accuracy_pct"])
+    if points.empty:
+        return []
+    fig = Figure(figsize=(6.4, 4.2))
+    ax = fig.add_subplot()
+    for row in points.itertuples():
+        hollow = row.source == "paper"
+        ax.plot(row.tpot_s, row.rel_accuracy_pct, marker="o" if hollow else "s", markersize=8 if hollow else 7,
+                color=color(row.method), markerfacecolor="none" if hollow else color(row.method),
+                markeredgewidth=1.5, linestyle="none")
+        budget = "" if _missing(row.budget) else f"@{int(row.budget)}"
+        ax.annotate(display_name(row.method) + budget, (row.tpot_s, row.rel_accuracy_pct), fontsize=6,
+                    xytext=(4, 3), textcoords="offset points", color=color(row.method))
+    ax.set_xlabel("time per output token, TPOT (s)")
+    ax.set_ylabel("accuracy relative to full cache (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(handles=[Line2D([], [], marker="s", color="k", linestyle="none", label="ours (filled)"),
+                       Line2D([], [], marker="o", markerfacecolor="none", color="k", linestyle="none",
+                              label="paper (hollow)")], fontsize=7)
+    return save(fig, stem)
+
+
+def latency_bars(ours: pd.DataFrame, paper: pd.DataFrame | None, stem: str | Path, *, value: str = "tt2t_s",
+                 ylabel: str = "time to the second token, TT2T (s)", title: str = "TT2T") -> list[Path]:
+    """One bar per method (ours, with min-max whiskers when known), the paper's value as a hollow marker.
+
+    ``ours`` columns: method, ``value`` and optionally ``value_min`` / ``value_max``; ``paper``: method, value.
+    """
+    methods = sorted(set(ours["method"]) | (set(paper["method"]) if paper is not None else set()),
+                     key=method_sort_key)
+    if not methods:
+        return []
+    fig = Figure(figsize=(max(4.8, 0.8 * len(methods) + 1.5), 4.0))
+    ax = fig.add_subplot()
+    for x, method in enumerate(methods):
+        mine = ours[ours["method"] == method]
+        if not mine.empty and not _missing(mine.iloc[0][value]):
+            height = float(mine.iloc[0][value])
+            err = None
+            if f"{value}_min" in mine and f"{value}_max" in mine and not _missing(mine.iloc[0][f"{value}_min"]):
+                err = [[height - mine.iloc[0][f"{value}_min"]], [mine.iloc[0][f"{value}_max"] - height]]
+            ax.bar(x, height, color=color(method), yerr=err, capsize=3, width=0.6)
+        if paper is not None:
+            theirs = paper[paper["method"] == method]
+            if not theirs.empty:
+                ax.plot(x, float(theirs.iloc[0]["value"]), marker="D", markersize=8, markerfacecolor="none",
+                        markeredgecolor="k", markeredgewidth=1.5, linestyle="none")
+    ax.set_xticks(range(len(methods)), [display_name(m) for m in methods], rotation=30, ha="right")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(handles=[Patch(color="#888888", label="ours (bar; whiskers: min-max)"),
+                       Line2D([], [], marker="D", markerfacecolor="none", color="k", linestyle="none",
+                              label="paper (hollow)")], fontsize=7)
+    return save(fig, stem)
+
+
+def group_phases(phases: dict[str, float], total: float | None = None) -> dict[str, float]:
+    """Our per-phase medians -> query / load / compute / other (other: everything unnamed, and the part of the
+    measured TPOT the parts do not account for, when ``total`` is given)."""
+    grouped = {name: 0.0 for name in PHASE_COLORS}
+    for phase, seconds in phases.items():
+        if _missing(seconds):
+            continue
+        group = next((g for g, names in PHASE_GROUPS.items() if phase in names), "other")
+        grouped[group] += float(seconds)
+    if total is not None and not _missing(total):
+        grouped["other"] += max(0.0, float(total) - sum(grouped.values()))
+    return grouped
+
+
+def tpot_breakdown(breakdowns: dict[str, dict[str, float]], paper: dict[str, dict[str, float]] | None,
+                   stem: str | Path, title: str = "TPOT breakdown") -> list[Path]:
+    """Stacked bars of query / load / compute / other per method; the paper's breakdown as hollow stacked bars.
+
+    ``breakdowns``: method -> grouped seconds (group_phases); ``paper``: method -> grouped seconds.
+    """
+    bars = [(m, b, False) for m, b in breakdowns.items()]
+    bars += [(m, b, True) for m, b in (paper or {}).items()]
+    bars.sort(key=lambda item: (method_sort_key(item[0]), item[2]))
+    if not bars:
+        return []
+    fig = Figure(figsize=(max(4.8, 0.9 * len(bars) + 1.5), 4.0))
+    ax = fig.add_subplot()
+    for x, (method, parts, hollow) in enumerate(bars):
+        bottom = 0.0
+        for group, part_color in PHASE_COLORS.items():
+            height = 1000 * parts.get(group, 0.0)
+            if hollow:
+                ax.bar(x, height, bottom=bottom, width=0.6, facecolor="none", edgecolor=part_color, linewidth=1.5,
+                       hatch="//")
+            else:
+                ax.bar(x, height, bottom=bottom, width=0.6, color=part_color)
+            bottom += height
+    labels = [display_name(m) + ("\n(paper)" if hollow else "") for m, _, hollow in bars]
+    ax.set_xticks(range(len(bars)), labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("time per output token (ms)")
+    ax.set_title(title)
+    ax.grid(axis="y", alpha=0.3)
+    handles = [Patch(color=c, label=g) for g, c in PHASE_COLORS.items()]
+    handles.append(Patch(facecolor="none", edgecolor="k", hatch="//", label="paper (hollow)"))
+    ax.legend(handles=handles, fontsize=7)
+    return save(fig, stem)
+
+
+def latency_vs_context(ours: pd.DataFrame, paper: pd.DataFrame | None, stem: str | Path,
+                       title: str = "Decode latency vs context length") -> list[Path]:
+    """TPOT (ms) against context length, one line per method; the paper's points hollow.
+
+    ``ours`` columns: method, context, tpot_ms (and optionally tpot_ms_min / tpot_ms_max);
+    ``paper``: method, context_tokens, tpot_ms.
+    """
+    fig = Figure(figsize=(6.4, 4.2))
+    ax = fig.add_subplot()
+    drawn: list[str] = []
+    for method, group in sorted(ours.groupby("method"), key=lambda item: method_sort_key(item[0])):
+        group = group.dropna(subset=["tpot_ms"]).sort_values("context")
+        if group.empty:
+            continue
+        ax.plot(group["context"], group["tpot_ms"], marker="o", color=color(method))
+        if "tpot_ms_min" in group and group["tpot_ms_min"].notna().all():
+            ax.fill_between(group["context"], group["tpot_ms_min"], group["tpot_ms_max"], color=color(method),
+                            alpha=0.15, linewidth=0)
+        drawn.append(method)
+    if paper is not None:
+        for row in paper.itertuples():
+            ax.plot(row.context_tokens, row.tpot_ms, marker="o", markersize=8, markerfacecolor="none",
+                    markeredgewidth=1.5, color=color(row.method), linestyle="none")
+            drawn.append(row.method)
+    if not drawn:
+        return []
+    ticks = sorted(set(ours["context"].dropna().astype(int)) | (
+        set(paper["context_tokens"].astype(int)) if paper is not None else set()))
+    ax.set_xticks(ticks, [length_label(t) for t in ticks])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("decode latency per token (ms)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    _source_legend(ax, drawn)
+    return save(fig, stem)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Adapters from collect's frames to the plot inputs
+
+
+def tradeoff_points(table: ComparisonTable, latency: pd.DataFrame, paper_latency: pd.DataFrame | None,
+                    model: str) -> pd.DataFrame:
+    """Points for accuracy_vs_tpot: ours (rel. accuracy from the table, TPOT from the LongBench runs' medians)
+    and the paper's (paper_latency.csv's tpot and rel_accuracy rows)."""
+    rows = []
+    wanted = canonical_model(model)
+    mine = latency[(latency["task"] == "longbench") & (latency["model"].map(canonical_model) == wanted)] \
+        if not latency.empty else latency
+    for method, budget in table.rows:
+        rel = table.rel_full.at[_row(method, budget), "ours"]
+        match = mine[(mine["method"] == method) & (mine["budget"].astype(str) == str(budget))] \
+            if not mine.empty else mine
+        tpot = match.iloc[0]["median_tpot_s"] if not match.empty else None
+        if not _missing(rel) and not _missing(tpot):
+            rows.append({"method": method, "budget": budget, "tpot_s": float(tpot), "rel_accuracy_pct": float(rel),
+                         "source": "ours"})
+    if paper_latency is not None:
+        theirs = paper_latency[paper_latency["model"].map(canonical_model) == wanted]
+        for method, group in theirs.groupby("method"):
+            values = dict(zip(group["metric"], group["value"]))
+            if "tpot" in values and "rel_accuracy" in values:
+                rows.append({"method": method, "budget": None, "tpot_s": float(values["tpot"]),
+                             "rel_accuracy_pct": float(values["rel_accuracy"]), "source": "paper"})
+    return pd.DataFrame(rows, columns=["method", "budget", "tpot_s", "rel_accuracy_pct", "source"])
+
+
+def _row(method: str, budget: Any) -> str:
+    from .tables import row_id
+
+    return row_id(method, budget)
+
+
+def paper_metric(paper_latency: pd.DataFrame | None, metric: str, model: str | None = None) -> pd.DataFrame | None:
+    """The paper's rows of one metric as (method, value), optionally for one model."""
+    if paper_latency is None:
+        return None
+    frame = paper_latency[paper_latency["metric"] == metric]
+    if model is not None:
+        frame = frame[frame["model"].map(canonical_model) == canonical_model(model)]
+    return frame[["method", "value"]] if not frame.empty else None
+
+
+def paper_breakdown(paper_latency: pd.DataFrame | None) -> dict[str, dict[str, float]]:
+    if paper_latency is None:
+        return {}
+    out: dict[str, dict[str, float]] = {}
+    for row in paper_latency[paper_latency["metric"].str.startswith("breakdown_")].itertuples():
+        part = row.metric.removeprefix("breakdown_")
+        if part != "total":
+            out.setdefault(row.method, {})[part] = float(row.value)
+    return out

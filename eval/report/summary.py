@@ -1,0 +1,189 @@
+"""Everything results/ holds, turned into the paper's tables and figures in one directory.
+
+``write_summary`` is what ``scripts/collect.py`` and the notebook call: it reads finished runs, latency
+benchmarks and the paper's reference numbers, and writes
+
+* ``runs.csv`` (one line per finished run), ``partial_runs.csv`` (started, not finished), ``scores_long.csv``;
+* ``table2_<model>.{md,csv,tex}`` for every model with LongBench runs or paper numbers;
+* ``ruler_<model>_<length>.{md,csv,tex}``, ``<task>.{md,csv}`` for passkey, GSM8K and any other task;
+* ``latency.{md,csv}`` from the benchmark files;
+* ``plots/``: accuracy vs budget, accuracy vs TPOT, TT2T bars, TPOT breakdown, decode latency vs context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from . import plots as P
+from .collect import (
+    References,
+    canonical_model,
+    collect_latency,
+    collect_scores,
+    find_partial_runs,
+    latest_bench,
+    length_label,
+    load_bench,
+    load_runs,
+    ruler_categories,
+    runs_frame,
+    safe_name,
+)
+from .tables import ComparisonTable, frame_to_markdown, latency_table, longbench_table, ruler_table, task_table
+
+
+@dataclass
+class Summary:
+    """What was read and what was written."""
+
+    runs: pd.DataFrame
+    partial: pd.DataFrame
+    scores: pd.DataFrame
+    latency: pd.DataFrame
+    bench: pd.DataFrame
+    references: References
+    tables: dict[str, ComparisonTable | pd.DataFrame] = field(default_factory=dict)
+    files: list[Path] = field(default_factory=list)
+
+    def describe(self) -> str:
+        lines = [f"{len(self.runs)} finished run(s), {len(self.partial)} unfinished, "
+                 f"{len(self.bench)} benchmark row(s); wrote {len(self.files)} file(s)"]
+        lines += [f"  {path}" for path in self.files]
+        return "\n".join(lines)
+
+
+def _models_with_longbench(scores: pd.DataFrame, references: References) -> list[str]:
+    names: dict[str, str] = {}
+    if references.longbench is not None:
+        for model in references.longbench["model"]:
+            names.setdefault(canonical_model(model), model)
+    if not scores.empty:
+        for model in scores.loc[scores["task"] == "longbench", "model"]:
+            names.setdefault(canonical_model(model), model)
+    return list(names.values())
+
+
+def _has_ours(table: ComparisonTable) -> bool:
+    return bool((table.n_ours > 0).any())
+
+
+def write_summary(runs_root: str | Path | list, out: str | Path, *, bench_root: str | Path | None = None,
+                  reference_dir: str | Path | None = "results/reference", plots: bool = True,
+                  paper_only_tables: bool = False) -> Summary:
+    """Read results, write tables and plots under ``out``; returns what was done.
+
+    Tables for models we have no runs of are written only with ``paper_only_tables`` (they would be the paper's
+    numbers alone).
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_dir = out / "plots"
+    runs = load_runs(runs_root)
+    references = References.load(reference_dir) if reference_dir and Path(reference_dir).exists() else References()
+    bench = latest_bench(load_bench(bench_root)) if bench_root and Path(bench_root).exists() else pd.DataFrame()
+    summary = Summary(
+        runs=runs_frame(runs),
+        partial=pd.DataFrame([{"run_dir": str(p.run_dir), "n_written": p.n_written}
+                              for p in find_partial_runs(runs_root)], columns=["run_dir", "n_written"]),
+        scores=collect_scores(runs),
+        latency=collect_latency(runs),
+        bench=bench,
+        references=references,
+    )
+    files = summary.files
+    for name, frame in (("runs", summary.runs), ("partial_runs", summary.partial), ("scores_long", summary.scores),
+                        ("run_latency", summary.latency)):
+        path = out / f"{name}.csv"
+        frame.to_csv(path, index=False, na_rep="")
+        files.append(path)
+
+    # Table 2 and its figures, per model
+    for model in _models_with_longbench(summary.scores, references):
+        table = longbench_table(summary.scores, references.longbench, model)
+        if not _has_ours(table) and not paper_only_tables:
+            continue
+        stem = f"table2_{safe_name(canonical_model(model))}"
+        summary.tables[stem] = table
+        files += table.write(out / stem)
+        if plots:
+            files += P.accuracy_vs_budget(table, plot_dir / f"accuracy_vs_budget_{safe_name(canonical_model(model))}")
+            points = P.tradeoff_points(table, summary.latency, references.latency, model)
+            files += P.accuracy_vs_tpot(points, plot_dir / f"accuracy_vs_tpot_{safe_name(canonical_model(model))}",
+                                        title=f"Accuracy vs TPOT, {model}")
+
+    # RULER, per model and context length
+    categories = ruler_categories(summary.scores) if not summary.scores.empty else pd.DataFrame()
+    ruler_keys: set[tuple[str, str]] = set()
+    for frame in (categories, references.ruler if paper_only_tables else None):
+        if frame is not None and not frame.empty:
+            ruler_keys |= {(m, length) for m, length in zip(frame["model"], frame["length"])}
+    seen_labels: set[tuple[str, str]] = set()
+    for model, length in sorted(ruler_keys, key=lambda k: (canonical_model(k[0]), int(k[1]))):
+        label = (canonical_model(model), length_label(length))
+        if label in seen_labels:
+            continue
+        seen_labels.add(label)
+        table = ruler_table(categories, references.ruler, model, int(length))
+        stem = f"ruler_{safe_name(label[0])}_{label[1]}"
+        summary.tables[stem] = table
+        files += table.write(out / stem)
+
+    # Every other task as a plain wide table
+    if not summary.scores.empty:
+        for task in sorted(set(summary.scores["task"]) - {"longbench", "ruler"}):
+            wide = task_table(summary.scores, task)
+            summary.tables[task] = wide
+            (out / f"{task}.md").write_text(f"**{task}**\n\n" + frame_to_markdown(wide), encoding="utf-8")
+            wide.to_csv(out / f"{task}.csv", na_rep="")
+            files += [out / f"{task}.md", out / f"{task}.csv"]
+
+    # Latency benchmarks
+    if not bench.empty:
+        wide = latency_table(bench)
+        summary.tables["latency"] = wide
+        (out / "latency.md").write_text("**Latency (scripts/bench_latency.py)**\n\n" + frame_to_markdown(wide, 3),
+                                        encoding="utf-8")
+        wide.to_csv(out / "latency.csv", na_rep="")
+        files += [out / "latency.md", out / "latency.csv"]
+        if plots:
+            files += _latency_plots(bench, references, plot_dir)
+    return summary
+
+
+def _latency_plots(bench: pd.DataFrame, references: References, plot_dir: Path) -> list[Path]:
+    files: list[Path] = []
+    for model, frame in bench.groupby("model"):
+        name = safe_name(canonical_model(model))
+        contexts = sorted(frame["context"].dropna().astype(int).unique())
+        # Bars at the context nearest the paper's breakdown (36k); the paper's LongBench TT2T is drawn alongside.
+        context = min(contexts, key=lambda c: abs(c - 36000)) if contexts else None
+        at = frame[frame["context"] == context]
+        bars = pd.DataFrame({"method": at["method"], "tt2t_s": at.get("tt2t_s_median"),
+                             "tt2t_s_min": at.get("tt2t_s_min"), "tt2t_s_max": at.get("tt2t_s_max")})
+        files += P.latency_bars(bars, P.paper_metric(references.latency, "tt2t", model), plot_dir / f"tt2t_{name}",
+                                title=f"TT2T at {length_label(context)} tokens, {model}")
+        breakdowns = {}
+        for row in at.to_dict("records"):
+            phases = {k.removeprefix("phase_").removesuffix("_s"): v for k, v in row.items()
+                      if k.startswith("phase_") and not pd.isna(v)}
+            if phases:
+                breakdowns[row["method"]] = P.group_phases(phases, row.get("tpot_s_median"))
+        paper_parts = P.paper_breakdown(references.latency) if canonical_model(model).startswith("llama") else {}
+        files += P.tpot_breakdown(breakdowns, paper_parts, plot_dir / f"tpot_breakdown_{name}",
+                                  title=f"TPOT breakdown at {length_label(context)} tokens, {model}")
+        curve = pd.DataFrame({
+            "method": frame["method"], "context": frame["context"].astype(float),
+            "tpot_ms": 1000 * frame["tpot_s_median"],
+            "tpot_ms_min": 1000 * frame["tpot_s_min"] if "tpot_s_min" in frame else None,
+            "tpot_ms_max": 1000 * frame["tpot_s_max"] if "tpot_s_max" in frame else None,
+        })
+        paper_curve = None
+        if references.scaling is not None:
+            paper_curve = references.scaling[references.scaling["model"].map(canonical_model) == canonical_model(model)]
+            paper_curve = paper_curve if not paper_curve.empty else None
+        files += P.latency_vs_context(curve, paper_curve, plot_dir / f"latency_vs_context_{name}",
+                                      title=f"Decode latency vs context, {model}")
+    return files

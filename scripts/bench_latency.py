@@ -1,0 +1,274 @@
+#!/usr/bin/env python
+"""Latency benchmark: TTFT, TT2T, TPOT (with its phase breakdown) and KV memory of several methods, side by side.
+
+    python scripts/bench_latency.py --experiment latency                     # the paper's latency figures
+    python scripts/bench_latency.py --experiment scaling                     # decode latency vs context
+    python scripts/bench_latency.py --model llama31_8b --lengths 36000 --methods full icecache --budget 256
+
+One process builds the model once (by default the real architecture with random weights: exact for time and
+memory), then for each context length runs every method on the same random prompt, interleaved (A B A B ...),
+``warmup`` unmeasured rounds first, then ``repeats`` measured rounds; each run generates N >= 64 tokens with the
+phase timers on. Plain transformers decode is bound by launches and host overhead, so a latency is only meaningful
+next to the full cache measured in the same process: every summary row carries its ratio to full.
+
+Writes results/bench/latency_<host>_<date>.json (settings, provenance, every measurement, the summary) and
+prints a table. Needs only argparse and PyYAML (a transformers dependency): no Hydra on the GPU host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import re
+import socket
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+MIN_DECODE_STEPS = 64
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    import yaml
+
+    return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """A config group file with its plain defaults list resolved (``/group/name@_here_`` entries and ``_self_``),
+    the subset of Hydra composition the model and method files use; anything else is refused, not guessed."""
+    values = read_yaml(path)
+    defaults = values.pop("defaults", None) or ["_self_"]
+    if "_self_" not in defaults:
+        defaults = [*defaults, "_self_"]
+    merged: dict[str, Any] = {}
+    for entry in defaults:
+        if entry == "_self_":
+            merged = _merge(merged, values)
+            continue
+        if not isinstance(entry, str) or not entry.startswith("/") or entry.split("@")[-1] not in ("_here_", entry):
+            raise SystemExit(f"error: {path}: defaults entry {entry!r} is beyond this driver; compose it with Hydra")
+        merged = _merge(merged, read_config(REPO / "configs" / (entry.split("@")[0].lstrip("/") + ".yaml")))
+    return merged
+
+
+def experiment_defaults(name: str | None) -> dict[str, Any]:
+    """The ``bench`` block of configs/experiment/<name>.yaml (the single place the figures' settings live)."""
+    if not name:
+        return {}
+    path = REPO / "configs" / "experiment" / f"{name}.yaml"
+    if not path.exists():
+        raise SystemExit(f"error: no experiment {name!r} (looked for {path})")
+    bench = read_yaml(path).get("bench")
+    if not bench:
+        raise SystemExit(f"error: {path} has no bench block; latency experiments are latency and scaling")
+    return bench
+
+
+def model_spec(name: str, source: str | None, device: str, dtype: str):
+    from icecache.core.models import ModelSpec
+
+    path = Path(name) if name.endswith(".yaml") else REPO / "configs" / "model" / f"{name}.yaml"
+    if not path.exists():
+        raise SystemExit(f"error: no model config {path}")
+    values = read_config(path)
+    if source:
+        values["source"] = source
+    if values.get("source") == "random":
+        values.setdefault("tokenizer", "bytes")  # prompts are random ids; no tokenizer download
+    values["device"], values["dtype"] = device, dtype
+    return ModelSpec.from_dict(values)
+
+
+_INTERPOLATION = re.compile(r"\$\{([^}]*)\}")
+
+
+def method_values(name: str, budget: int | None, overrides: list[str]) -> dict[str, Any]:
+    """configs/method/<name>.yaml with ``${budget}`` filled in, and ``method.key=value`` overrides applied."""
+    import yaml
+
+    path = REPO / "configs" / "method" / f"{name}.yaml"
+    if not path.exists():
+        raise SystemExit(f"error: no method config {path}")
+    values = read_config(path)
+    for key, value in list(values.items()):
+        if isinstance(value, str) and _INTERPOLATION.search(value):
+            if value.strip() != "${budget}":
+                raise SystemExit(f"error: {path}: {key}: {value} is an interpolation this driver cannot resolve")
+            values[key] = budget
+    for override in overrides:
+        target, _, assignment = override.partition(".")
+        if target == name:
+            key, _, raw = assignment.partition("=")
+            values[key] = yaml.safe_load(raw)
+    return values
+
+
+def spread(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"median": None, "min": None, "max": None}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def summarise(measurements: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (method, context): median and min-max over repeats, the median phase breakdown, memory, ratios."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for m in measurements:
+        groups.setdefault((m["method"], m["context"]), []).append(m)
+    rows = []
+    for (method, context), group in groups.items():
+        row: dict[str, Any] = {"method": method, "budget": group[0]["budget"], "context": context,
+                               "model": group[0]["model"], "repeats": len(group)}
+        for key in ("ttft_s", "tt2t_s", "tpot_s"):
+            stats = spread([g[key] for g in group if g[key] is not None])
+            row.update({f"{key}_median": stats["median"], f"{key}_min": stats["min"], f"{key}_max": stats["max"]})
+        phases = sorted({p for g in group for p in g["phases_s"]})
+        row["phases_s"] = {p: statistics.median(g["phases_s"].get(p, 0.0) for g in group) for p in phases}
+        for key in ("gpu_kv_bytes", "cpu_kv_bytes", "peak_gpu_bytes", "mean_attended_tokens"):
+            values = [g[key] for g in group if g.get(key) is not None]
+            row[key] = max(values) if values and key != "mean_attended_tokens" else (
+                statistics.fmean(values) if values else None)
+        rows.append(row)
+    for row in rows:
+        full = next((r for r in rows if r["method"] == "full" and r["context"] == row["context"]), None)
+        for key in ("ttft_s", "tt2t_s", "tpot_s"):
+            ours, base = row[f"{key}_median"], full and full[f"{key}_median"]
+            row[f"{key.removesuffix('_s')}_ratio_to_full"] = ours / base if ours is not None and base else None
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    header = f"{'context':>8} {'method':<16} {'TTFT s':>8} {'TT2T s':>8} {'TPOT ms':>9} {'(min-max)':>15} " \
+             f"{'x full':>7} {'GPU KV MiB':>10} {'CPU KV MiB':>10} {'peak GiB':>8}  phases ms"
+    print(header)
+    print("-" * len(header))
+    for r in sorted(rows, key=lambda r: (r["context"], r["method"] != "full", r["method"])):
+        def fmt(value, scale=1.0, digits=3):
+            return "-" if value is None else f"{value * scale:.{digits}f}"
+
+        phases = " ".join(f"{k}={v * 1000:.1f}" for k, v in r["phases_s"].items())
+        print(f"{r['context']:>8} {r['method']:<16} {fmt(r['ttft_s_median']):>8} {fmt(r['tt2t_s_median']):>8} "
+              f"{fmt(r['tpot_s_median'], 1000, 2):>9} "
+              f"{fmt(r['tpot_s_min'], 1000, 1) + '-' + fmt(r['tpot_s_max'], 1000, 1):>15} "
+              f"{fmt(r['tpot_ratio_to_full'], 1, 2):>7} {fmt(r['gpu_kv_bytes'], 2 ** -20, 0):>10} "
+              f"{fmt(r['cpu_kv_bytes'], 2 ** -20, 0):>10} {fmt(r['peak_gpu_bytes'], 2 ** -30, 1):>8}  {phases}")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--experiment", help="read defaults from configs/experiment/<name>.yaml (latency, scaling)")
+    parser.add_argument("--model", help="model config name in configs/model (or a YAML path); default llama31_8b")
+    parser.add_argument("--source", help="model source; default random (real architecture, random weights)")
+    parser.add_argument("--lengths", type=int, nargs="+", help="context lengths in tokens")
+    parser.add_argument("--methods", nargs="+", help="method config names (full is added for the ratios)")
+    parser.add_argument("--budget", type=int, help="KV token budget per query head")
+    parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument("--repeats", type=int, help="measured rounds")
+    parser.add_argument("--warmup", type=int, help="unmeasured rounds first")
+    parser.add_argument("--decode-steps", type=int, help=f"N decode steps per run (>= {MIN_DECODE_STEPS})")
+    parser.add_argument("--prefill-chunk-size", type=int, help="prefill in chunks of this many tokens")
+    parser.add_argument("--set", nargs="*", default=[], metavar="METHOD.KEY=VALUE",
+                        help="method setting overrides, e.g. icecache.n_reuse_layers=4")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
+    parser.add_argument("--out", default=str(REPO / "results" / "bench"), help="output folder")
+    args = parser.parse_args(argv)
+    defaults = {"model": "llama31_8b", "source": "random", "lengths": [16384], "methods": ["full", "icecache"],
+                "budget": 256, "threads": None, "repeats": 3, "warmup": 1, "decode_steps": MIN_DECODE_STEPS,
+                "prefill_chunk_size": None}
+    defaults.update({k: v for k, v in experiment_defaults(args.experiment).items() if k != "driver"})
+    for key, value in defaults.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.decode_steps < MIN_DECODE_STEPS:
+        parser.error(f"--decode-steps must be at least {MIN_DECODE_STEPS} (TPOT is the median of steps 2..N)")
+    if args.repeats < 1 or args.warmup < 0:
+        parser.error("--repeats must be >= 1 and --warmup >= 0")
+    if "full" not in args.methods:
+        args.methods = ["full", *args.methods]
+    return args
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = parse_args(argv)
+    import torch
+
+    from icecache import provenance
+    from icecache.core.cache import ATTENTION_NAME, HarnessCache
+    from icecache.core.errors import ConfigError
+    from icecache.core.generation import GenerationRequest, greedy_generate
+    from icecache.core.method import build_method
+    from icecache.core.models import load_model, model_info
+    from icecache.core.timing import PhaseTimer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    spec = model_spec(args.model, args.source, args.device, args.dtype)
+    info = model_info(spec)
+    try:
+        methods = {name: build_method(method_values(name, args.budget, args.set), info) for name in args.methods}
+    except ConfigError as error:
+        raise SystemExit(f"error: {error}") from None
+    print(f"building {spec.name} ({spec.source}) on {spec.resolved_device()} / {spec.resolved_dtype()} ...",
+          flush=True)
+    model, _ = load_model(spec, ATTENTION_NAME)
+    device = spec.resolved_device()
+    vocab = model.config.vocab_size
+
+    measurements: list[dict[str, Any]] = []
+    for context in args.lengths:
+        generator = torch.Generator().manual_seed(args.seed + context)
+        prompt = torch.randint(0, vocab, (context,), generator=generator).tolist()
+        request = GenerationRequest(input_ids=prompt, max_new_tokens=args.decode_steps + 1, eos_token_ids=())
+        for round_index in range(args.warmup + args.repeats):
+            measured = round_index >= args.warmup
+            for name, method in methods.items():  # interleaved: A B A B ...
+                cache = HarnessCache(method, PhaseTimer(device, enabled=True))
+                result = greedy_generate(model, cache, request, prefill_chunk_size=args.prefill_chunk_size)
+                if measured:
+                    measurements.append({
+                        "model": spec.name, "method": name, "budget": method.config.budget, "context": context,
+                        "round": round_index - args.warmup, "ttft_s": result.ttft_s, "tt2t_s": result.tt2t_s,
+                        "tpot_s": result.tpot_s, "phases_s": result.phase_breakdown(),
+                        "decode_steps": len(result.step_times_s), "gpu_kv_bytes": result.gpu_kv_bytes,
+                        "cpu_kv_bytes": result.cpu_kv_bytes, "peak_gpu_bytes": result.peak_gpu_bytes,
+                        "mean_attended_tokens": result.counters.get("mean_attended_tokens"),
+                    })
+                del cache, result
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            print(f"context {context}: round {round_index + 1}/{args.warmup + args.repeats}"
+                  f"{'' if measured else ' (warm-up)'} done", flush=True)
+
+    summary = summarise(measurements)
+    print_table(summary)
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    settings.update({"model_name": spec.name, "device_resolved": str(device), "dtype_resolved": str(spec.resolved_dtype())})
+    payload = {"kind": "latency", "settings": settings, "provenance": provenance.collect(),
+               "measurements": measurements, "summary": summary}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = out / f"latency_{socket.gethostname()}_{stamp}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str), encoding="utf-8")
+    tmp.replace(path)
+    print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()

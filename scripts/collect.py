@@ -1,0 +1,52 @@
+#!/usr/bin/env python
+"""Collect finished runs and latency benchmarks into the paper's tables and figures.
+
+    python scripts/collect.py results/runs --out results/summary
+    python scripts/collect.py results/runs other/runs --bench results/bench --out results/summary --no-plots
+
+Reads only what is on disk (metrics.json marks a finished run), so it works after any launcher, after a sweep
+that failed half-way, and while a sweep is still running. Writes Markdown, CSV and LaTeX tables next to the
+paper's numbers (results/reference/) and PNG + PDF plots under <out>/plots/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="*", default=[str(REPO / "results" / "runs")], help="run roots to search")
+    parser.add_argument("--out", default=str(REPO / "results" / "summary"), help="output folder")
+    parser.add_argument("--bench", default=str(REPO / "results" / "bench"), help="latency_*.json folder")
+    parser.add_argument("--reference", default=str(REPO / "results" / "reference"), help="paper numbers folder")
+    parser.add_argument("--no-plots", action="store_true", help="tables only")
+    parser.add_argument("--paper-only", action="store_true",
+                        help="also write tables for models with the paper's numbers but no runs of ours")
+    args = parser.parse_args(argv)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from eval.report.summary import write_summary
+
+    missing = [r for r in args.runs if not Path(r).exists()]
+    if missing:
+        print(f"note: no such run folder: {', '.join(missing)}", file=sys.stderr)
+    summary = write_summary([r for r in args.runs if Path(r).exists()], args.out, bench_root=args.bench,
+                            reference_dir=args.reference, plots=not args.no_plots,
+                            paper_only_tables=args.paper_only)
+    print(summary.describe())
+    if len(summary.partial):
+        print(f"{len(summary.partial)} run(s) started but unfinished (resubmit the sweep to resume them): "
+              f"see {Path(args.out) / 'partial_runs.csv'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

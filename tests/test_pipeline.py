@@ -1,0 +1,244 @@
+"""The reproduction pipeline: experiment configs compose, dry runs list the right jobs, the Slurm launcher config
+says what the issue asks, a tiny sweep survives an interruption and is collected, the latency driver writes its
+file. CPU only."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+import sweep  # noqa: E402  scripts/sweep.py
+
+EXPERIMENTS = sorted(p.stem for p in (REPO / "configs" / "experiment").glob("*.yaml"))
+PY = sys.executable
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=sweep.normalise_overrides(overrides),
+                             return_hydra_config=True)
+
+
+def test_all_experiments_exist():
+    assert {"table2", "ruler", "passkey", "gsm8k", "latency", "scaling"} <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("experiment", EXPERIMENTS)
+@pytest.mark.parametrize("launcher", ["local", "slurm"])
+def test_experiment_composes(experiment, launcher):
+    cfg = compose([f"experiment={experiment}", f"hydra/launcher={launcher}"])
+    if "bench" in cfg:
+        # driver experiments: every method and the model they name have configs
+        assert (REPO / "configs" / "model" / f"{cfg.bench.model}.yaml").exists()
+        for method in cfg.bench.methods:
+            assert (REPO / "configs" / "method" / f"{method}.yaml").exists(), method
+        assert cfg.bench.decode_steps >= 64 and cfg.measure_phases
+        return
+    params = cfg.hydra.sweeper.params
+    assert "method" in params and cfg.task.name == experiment.replace("table2", "longbench")
+    # deterministic sweep dir (no ${now:}), so a resubmitted sweep reuses it
+    assert "now" not in str(cfg.hydra.sweep.dir)
+    for method in str(params.method).split(","):
+        assert (REPO / "configs" / "method" / f"{method}.yaml").exists(), method
+
+
+@pytest.mark.parametrize("experiment", ["table2", "ruler", "passkey", "gsm8k"])
+def test_every_grid_point_composes_and_builds_a_run_config(experiment):
+    """One job per swept method (the first value of every other swept key) composes into a RunConfig."""
+    jobs, _ = sweep.expand([f"experiment={experiment}"], resolve_dirs=False)
+    firsts: dict[str, list[str]] = {}
+    for job in jobs:
+        method = next(o for o in job.overrides if o.startswith("method="))
+        firsts.setdefault(method, job.overrides)
+    resolved, _ = sweep.expand(next(iter(firsts.values()))[:0] + [f"experiment={experiment}"] + [
+        "method=" + ",".join(m.split("=", 1)[1] for m in firsts)] + _first_values(experiment))
+    assert resolved and not [job.error for job in resolved if job.error]
+
+
+def _first_values(experiment: str) -> list[str]:
+    """Pin every swept key except method to its first value (keeps the test fast)."""
+    cfg = compose([f"experiment={experiment}"])
+    out = []
+    for key, value in cfg.hydra.sweeper.params.items():
+        if key in ("method",):
+            continue
+        first = str(value).split("],")[0] + "]" if str(value).startswith("[") else str(value).split(",")[0]
+        out.append(f"{key}={first}")
+    return out
+
+
+def test_table2_grid_size_and_reference_runs():
+    # 8 budgeted methods x 3 budgets x 16 datasets, plus the full cache once per dataset (budget null)
+    jobs, base = sweep.expand(["experiment=table2"], resolve_dirs=False)
+    assert len(jobs) == 8 * 3 * 16 + 16
+    full = [j for j in jobs if "method=full" in j.overrides]
+    assert len(full) == 16 and all("budget=null" in j.overrides for j in full)
+    # a command-line override replaces the swept key (Hydra's BasicSweeper rule); naming the method also drops the
+    # full-cache reference sweep (method=icecache asks for IceCache only)
+    jobs, _ = sweep.expand(["experiment=table2", "method=icecache", "budget=128"], resolve_dirs=False)
+    assert len(jobs) == 16 and all("method=icecache" in j.overrides for j in jobs)
+
+
+def test_dry_run_lists_the_expected_jobs_and_the_slurm_array(tmp_path):
+    overrides = ["experiment=table2", "model=tiny_llama", "method=snapkv,quest", "budget=64,256",
+                 "task.datasets=[trec],[lcc]", f"output_root={tmp_path}", "hydra/launcher=slurm"]
+    jobs, _ = sweep.expand(overrides, device="cpu")
+    # 2 methods x 2 budgets x 2 datasets (the methods are named, so no full-cache reference sweep)
+    assert len(jobs) == 8 and not [j.error for j in jobs if j.error]
+    dirs = [j.run_dir for j in jobs]
+    assert len(set(dirs)) == 8
+    parts = sorted((d.parts[-3], d.parts[-2]) for d in dirs)
+    assert parts == sorted([(m, f"budget-{b}") for m in ("snapkv", "quest") for b in (64, 256)] * 2)
+    assert all(str(d).startswith(str(tmp_path / "longbench" / "tiny-llama")) for d in dirs)
+
+    result = subprocess.run([PY, str(REPO / "scripts" / "sweep.py"), *overrides, "--dry-run"], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "8 jobs: 8 distinct runs (0 done)" in result.stdout
+    assert "--array=0-7%8" in result.stdout and "--gpus-per-node=1" in result.stdout
+    assert "--requeue" in result.stdout and "--signal=USR2@120" in result.stdout
+    assert result.stdout.count("python run.py ") == 8
+    # without a method override the full cache comes in once per dataset, budget-free
+    jobs, _ = sweep.expand(["experiment=table2", "model=tiny_llama", "budget=64", "task.datasets=[trec],[lcc]",
+                            f"output_root={tmp_path}"], device="cpu", resolve_dirs=False)
+    assert sum("method=full" in j.overrides and "budget=null" in j.overrides for j in jobs) == 2
+
+
+def test_dry_run_of_a_driver_experiment_prints_the_driver():
+    result = subprocess.run([PY, str(REPO / "scripts" / "sweep.py"), "experiment=scaling", "--dry-run"], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "bench_latency.py --experiment scaling" in result.stdout
+
+
+def test_slurm_launcher_settings():
+    launcher = compose(["hydra/launcher=slurm"]).hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert launcher.gpus_per_node == 1 and launcher.cpus_per_task >= 1 and launcher.mem_gb > 0
+    assert launcher.timeout_min > 0 and launcher.array_parallelism >= 1
+    assert launcher.max_num_timeout > 0  # requeue on timeout (preemption always requeues)
+    assert launcher.additional_parameters.requeue is True
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A tiny sweep, interrupted, resumed and collected
+
+
+def _second_method() -> str:
+    for name in ("streaming_llm", "snapkv", "h2o", "oracle_topk"):
+        if (REPO / "configs" / "method" / f"{name}.yaml").exists():
+            return name
+    pytest.skip("no second method config yet")
+
+
+def _sweep_command(tmp_path: Path, method: str) -> list[str]:
+    # 400 tokens: the passkey prompt's fixed text alone is 247 byte-tokens, so 200 cannot fit
+
+    return [PY, str(REPO / "run.py"), "-m", "model=tiny_llama", f"method=full,{method}", "budget=32",
+            "task=passkey", "task.lengths=[400]", "task.num_depths=2", f"output_root={tmp_path / 'runs'}",
+            f"hydra.sweep.dir={tmp_path / 'sweeps'}"]
+
+
+def _predictions(root: Path) -> dict[Path, list[str]]:
+    return {p.parent: p.read_text().splitlines(keepends=True) for p in root.rglob("predictions.jsonl")}
+
+
+def test_tiny_sweep_interrupted_resumed_and_collected(tmp_path):
+    method = _second_method()
+    command = _sweep_command(tmp_path, method)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HYDRA_FULL_ERROR": "1"}
+    runs = tmp_path / "runs"
+
+    # 1. start the sweep and kill it (SIGKILL, as a preempted node would) once a first sample is on disk
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and process.poll() is None:
+        if any(lines for lines in _predictions(runs).values()):
+            break
+        time.sleep(0.02)
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    before = _predictions(runs)
+    assert before, "the sweep wrote nothing before it was stopped"
+    # and tear the last line of one file, as a kill in the middle of a write leaves it
+    torn_dir = next(iter(before))
+    with open(torn_dir / "predictions.jsonl", "a") as handle:
+        handle.write('{"sample_id": "torn-')
+    finished_before = {p.parent for p in runs.rglob("metrics.json")}
+    assert len(finished_before) < 2, "the kill came after the sweep had finished: nothing was interrupted"
+
+    # 2. resubmit the same sweep as is: it finishes, keeps what was written, writes no sample twice
+    resumed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    after = _predictions(runs)
+    metrics = sorted(runs.rglob("metrics.json"))
+    assert len(metrics) == 2
+    for run_dir, lines in after.items():
+        ids = [json.loads(line)["sample_id"] for line in lines]
+        assert len(ids) == len(set(ids)) == 2, run_dir  # two depths, each once; the torn line is gone
+        kept = before.get(run_dir, [])
+        assert lines[: len(kept)] == kept  # samples written before the kill are untouched
+
+    # 3. a third submission finds everything done and rewrites nothing
+    stamps = {p: p.stat().st_mtime_ns for p in metrics}
+    again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and again.stdout.count("already done") == 2
+    assert {p: p.stat().st_mtime_ns for p in metrics} == stamps
+    assert finished_before <= {p.parent for p in metrics}
+
+    # 4. collect, independent of the launcher
+    out = tmp_path / "summary"
+    collected = subprocess.run([PY, str(REPO / "scripts" / "collect.py"), str(runs), "--out", str(out),
+                                "--bench", str(tmp_path / "no-bench"), "--no-plots"], cwd=REPO, env=env,
+                               capture_output=True, text=True, timeout=300)
+    assert collected.returncode == 0, collected.stderr
+    import pandas as pd
+
+    table = pd.read_csv(out / "passkey.csv")
+    assert sorted(table["method"]) == sorted(["full", method])
+    assert table["budget"].isna().tolist() == [m == "full" for m in table["method"]]  # full is budget-free
+    runs_csv = pd.read_csv(out / "runs.csv")
+    assert (runs_csv["n_samples"] == 2).all()
+
+
+def test_bench_latency_driver_writes_its_file(tmp_path):
+    method = _second_method()
+    command = [PY, str(REPO / "scripts" / "bench_latency.py"), "--model", "tiny_llama", "--lengths", "48",
+               "--methods", method, "--budget", "32", "--repeats", "1", "--warmup", "0", "--decode-steps", "64",
+               "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    files = list(tmp_path.glob("latency_*.json"))
+    assert len(files) == 1
+    payload = json.loads(files[0].read_text())
+    assert payload["provenance"]["git_commit"] is not None or "git_commit" in payload["provenance"]
+    summary = {row["method"]: row for row in payload["summary"]}
+    assert set(summary) == {"full", method}  # full is always measured alongside
+    assert summary["full"]["tpot_ratio_to_full"] == 1.0
+    for row in summary.values():
+        assert row["tpot_s_median"] > 0 and row["tt2t_s_median"] > row["ttft_s_median"]
+        assert row["phases_s"]  # measure_phases on: at least the model remainder
+    # 64 decode steps per run (N >= 64), one measured round per method
+    assert [m["decode_steps"] for m in payload["measurements"]] == [64, 64]
+    assert "TPOT ms" in result.stdout
+
+    short = subprocess.run(command[:-4] + ["--decode-steps", "8", "--out", str(tmp_path)], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+    assert short.returncode != 0 and "at least 64" in short.stderr

@@ -1,0 +1,224 @@
+"""Table and plot builders on synthetic result files (eval/report), and the notebook that redraws them."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pandas as pd
+import pytest
+
+from eval.report.collect import (
+    LONGBENCH_16,
+    References,
+    collect_scores,
+    load_bench,
+    load_runs,
+    ruler_categories,
+)
+from eval.report.summary import write_summary
+from eval.report.tables import longbench_table, ruler_table
+
+REPO = Path(__file__).resolve().parent.parent
+REFERENCE = REPO / "results" / "reference"
+LLAMA = "llama-3.1-8b-instruct"
+
+
+def write_run(root: Path, task: str, model: str, method: str, budget, metrics: dict, n: int, tag: str,
+              latency: dict | None = None) -> Path:
+    """A finished run as the runner lays it out: <root>/<task>/<model>/<method>/budget-<b>/<hash>/metrics.json."""
+    run_dir = root / task / model / method / f"budget-{'none' if budget is None else budget}" / tag
+    run_dir.mkdir(parents=True)
+    payload = {"task": task, "model": model, "method": method, "budget": budget, "config_hash": tag,
+               "n_samples": n, "metrics": metrics, "latency": latency or {}, "settings": {}, "provenance": {}}
+    (run_dir / "metrics.json").write_text(json.dumps(payload))
+    return run_dir
+
+
+def longbench_metrics(scores: dict[str, float], n_each: int = 10) -> dict:
+    return {"score": statistics.fmean(scores.values()), "datasets": scores,
+            "n_per_dataset": {k: n_each for k in scores}, "categories": {}}
+
+
+@pytest.fixture
+def results(tmp_path: Path) -> Path:
+    """Synthetic results/: LongBench full (all 16, one job per dataset), IceCache@256 (all 16, split in two jobs,
+    plus a smaller conflicting smoke run), SnapKV@256 with only 3 datasets; RULER; passkey; one benchmark file."""
+    runs = tmp_path / "results" / "runs"
+    # full: dataset i scores 40 + i, one job per dataset (the table2 sweep's layout), budget-free
+    for i, name in enumerate(LONGBENCH_16):
+        write_run(runs, "longbench", LLAMA, "full", None, longbench_metrics({name: 40.0 + i}), 10, f"f{i}",
+                  latency={"median_tpot_s": 0.03, "median_tt2t_s": 1.0})
+    # icecache@256: 39 + i, datasets split over two jobs
+    first, second = LONGBENCH_16[:8], LONGBENCH_16[8:]
+    write_run(runs, "longbench", LLAMA, "icecache", 256,
+              longbench_metrics({d: 39.0 + LONGBENCH_16.index(d) for d in first}), 80, "ia",
+              latency={"median_tpot_s": 0.10})
+    write_run(runs, "longbench", LLAMA, "icecache", 256,
+              longbench_metrics({d: 39.0 + LONGBENCH_16.index(d) for d in second}), 80, "ib",
+              latency={"median_tpot_s": 0.12})
+    # a smoke run (task.limit=2) of the same cell with a different score: fewer samples, so it must lose
+    write_run(runs, "longbench", LLAMA, "icecache", 256, longbench_metrics({"narrativeqa": 0.0}, n_each=2), 2, "ismoke")
+    write_run(runs, "longbench", LLAMA, "snapkv", 256,
+              longbench_metrics({"narrativeqa": 20.0, "qasper": 21.0, "trec": 22.0}), 30, "s")
+    ruler = {"score": 0, "n": 0, "lengths": {"150000": 95.0},
+             "tasks": {"niah_single_1": {"150000": 100.0}, "niah_single_2": {"150000": 90.0},
+                       "niah_multikey_1": {"150000": 80.0}, "qa_1": {"150000": 70.0}, "qa_2": {"150000": 60.0},
+                       "vt": {"150000": 10.0}}}
+    write_run(runs, "ruler", "qwen3-4b-instruct-2507", "icecache", 256, ruler, 600, "r")
+    write_run(runs, "passkey", "tiny-llama", "streaming_llm", 32,
+              {"score": 50.0, "n": 4, "by_length": {"200": 100.0, "400": 0.0}}, 4, "p")
+    # an unfinished run: predictions without metrics.json (one complete line and a torn one)
+    partial = runs / "passkey" / "tiny-llama" / "quest" / "budget-32" / "q"
+    partial.mkdir(parents=True)
+    (partial / "predictions.jsonl").write_text('{"sample_id": "a", "score": 1}\n{"sample_id": "b", "sc')
+    bench = tmp_path / "results" / "bench"
+    bench.mkdir(parents=True)
+    summary = []
+    for context, full_ms, ice_ms in ((16384, 40.0, 60.0), (36000, 50.0, 70.0)):
+        for method, ms in (("full", full_ms), ("icecache", ice_ms)):
+            summary.append({"method": method, "budget": 256, "context": context, "model": LLAMA, "repeats": 3,
+                            "ttft_s_median": 2.0, "ttft_s_min": 1.9, "ttft_s_max": 2.1, "tt2t_s_median": 2.1,
+                            "tt2t_s_min": 2.0, "tt2t_s_max": 2.2, "tpot_s_median": ms / 1000,
+                            "tpot_s_min": ms / 1000 - 0.002, "tpot_s_max": ms / 1000 + 0.002,
+                            "phases_s": {"select": 0.01, "load": 0.005, "model": ms / 1000 - 0.015},
+                            "tpot_ratio_to_full": ms / full_ms})
+    (bench / "latency_host_20260101-000000.json").write_text(json.dumps(
+        {"kind": "latency", "settings": {}, "provenance": {"host": "host", "date": "2026-01-01"}, "summary": summary}))
+    shutil.copytree(REFERENCE, tmp_path / "results" / "reference")
+    return tmp_path / "results"
+
+
+def test_reference_files_are_complete():
+    # paper_results.md: every reference table has a source column (paper_longbench.csv is the shared copy)
+    for name in ("paper_latency.csv", "paper_scaling.csv", "paper_ruler.csv"):
+        frame = pd.read_csv(REFERENCE / name)
+        assert "source" in frame and frame["source"].notna().all(), name
+    longbench = pd.read_csv(REFERENCE / "paper_longbench.csv")
+    assert len(longbench) == 22 and list(longbench.columns[3:19]) == LONGBENCH_16
+    # the paper's Avg is the plain mean of its 16 columns to within 0.7 (paper_results.md)
+    assert ((longbench[LONGBENCH_16].mean(axis=1) - longbench["avg_reported"]).abs() <= 0.75).all()
+    assert (REFERENCE / "paper_longbench.csv").read_bytes() == Path(
+        "/work/shared/reference/paper_longbench.csv").read_bytes() if Path("/work/shared/reference").exists() else True
+    scaling = pd.read_csv(REFERENCE / "paper_scaling.csv")
+    # paper_results.md scaling table: IceCache (r) at 300k is 153 ms
+    assert scaling.query("method == 'IceCache(r)' and context_tokens == 300000")["tpot_ms"].item() == 153
+
+
+def test_scores_merge_split_jobs_and_prefer_the_larger_run(results):
+    scores = collect_scores(load_runs(results / "runs"))
+    ice = scores[(scores["method"] == "icecache") & (scores["task"] == "longbench")]
+    assert sorted(ice["dataset"]) == sorted(LONGBENCH_16)  # two jobs of 8 datasets each, merged
+    # the smoke run (2 samples, narrativeqa = 0) loses to the 10-sample run (narrativeqa = 39 + 0)
+    assert ice.loc[ice["dataset"] == "narrativeqa", "score"].item() == 39.0
+    full = scores[scores["method"] == "full"]
+    assert full["budget"].isna().all() and len(full) == 16
+
+
+def test_table2_cells_deltas_avg_and_missing(results, tmp_path):
+    scores = collect_scores(load_runs(results / "runs"))
+    refs = References.load(results / "reference")
+    table = longbench_table(scores, refs.longbench, "Llama-3.1-8B-Instruct")
+    paper = refs.longbench.set_index(["paper_method"])
+    # our narrativeqa for icecache@256 is 39.0; the paper's is 30.6 -> delta +8.4
+    assert table.value("ours", "icecache", 256, "narrativeqa") == 39.0
+    assert table.value("paper", "icecache", 256, "narrativeqa") == 30.6
+    assert math.isclose(table.value("delta", "icecache", 256, "narrativeqa"), 39.0 - 30.6)
+    # Avg: mean of 39..54 = 46.5 for icecache, 40..55 = 47.5 for full; relative = 46.5 / 47.5
+    assert math.isclose(table.value("ours", "icecache", 256, "Avg"), 46.5)
+    assert math.isclose(table.value("ours", "full", None, "Avg"), 47.5)
+    rel = table.rel_full.at["icecache@256", "ours"]
+    assert math.isclose(rel, 100 * 46.5 / 47.5)
+    # the paper's own relative accuracy uses its reported Avg: 49.0 / 49.5
+    assert math.isclose(table.rel_full.at["icecache@256", "paper"], 100 * 49.0 / 49.5)
+    # SnapKV has 3 of 16 datasets: those cells are there, the rest and the Avg are missing (not zero)
+    assert table.value("ours", "snapkv", 256, "trec") == 22.0
+    assert table.value("ours", "snapkv", 256, "qasper") == 21.0
+    assert table.value("ours", "snapkv", 256, "lcc") is None
+    assert table.value("ours", "snapkv", 256, "Avg") is None
+    assert table.value("delta", "snapkv", 256, "lcc") is None
+    # rows the paper has but we never ran: present, ours missing; paper-only methods keep their numbers
+    assert table.value("ours", "arkvale", 256, "trec") is None
+    assert table.value("paper", "omnikv", 256, "Avg") == paper.loc["OmniKV"].query(
+        "model == 'Llama-3.1-8B-Instruct'")["avg_reported"].item()
+
+    paths = table.write(tmp_path / "out" / "table2_llama")
+    assert [p.suffix for p in paths] == [".md", ".csv", ".tex"] and all(p.stat().st_size for p in paths)
+    markdown = paths[0].read_text()
+    assert "| IceCache | 256 | ours | 39.0 (+8.4) |" in markdown
+    snapkv_line = next(line for line in markdown.splitlines() if line.startswith("| SnapKV | 256 | ours"))
+    assert snapkv_line.count("—") == 13 + 1 + 1  # 13 missing datasets, Avg and % of full
+    assert " 0.0 " not in snapkv_line
+    csv = pd.read_csv(paths[1], keep_default_na=True)
+    snap = csv[(csv["method"] == "snapkv") & (csv["source"] == "ours")].iloc[0]
+    assert snap["trec"] == 22.0 and pd.isna(snap["lcc"]) and pd.isna(snap["Avg"])
+    delta = csv[(csv["method"] == "icecache") & (csv["budget"] == 256) & (csv["source"] == "delta")].iloc[0]
+    assert math.isclose(delta["narrativeqa"], 8.4, abs_tol=1e-9)
+    latex = paths[2].read_text()
+    assert r"\begin{tabular}" in latex and r"multifieldqa\_en" in latex and "--" in latex
+
+
+def test_ruler_categories_and_table(results):
+    scores = collect_scores(load_runs(results / "runs"))
+    categories = ruler_categories(scores)
+    by = categories.set_index("category")["score"]
+    # Single-NIAH: mean(100, 90) = 95; Multi-keys: 80 alone; QA: mean(70, 60) = 65; vt belongs to no column
+    assert by["single_niah"] == 95.0 and by["multikey_niah"] == 80.0 and by["qa"] == 65.0
+    refs = References.load(results / "reference")
+    table = ruler_table(categories, refs.ruler, "qwen3-4b-instruct-2507", 150000)
+    # paper_results.md: IceCache at 150k, Multi-keys NIAH 98.0 -> delta 80 - 98 = -18
+    assert table.value("paper", "icecache", 256, "Multi-keys NIAH") == 98.0
+    assert math.isclose(table.value("delta", "icecache", 256, "Multi-keys NIAH"), -18.0)
+    # the full cache has only the paper's numbers here
+    assert table.value("ours", "full", None, "QA") is None and table.value("paper", "full", None, "QA") == 93.0
+
+
+def test_write_summary_writes_tables_and_all_plots(results, tmp_path):
+    out = tmp_path / "summary"
+    summary = write_summary(results / "runs", out, bench_root=results / "bench",
+                            reference_dir=results / "reference")
+    names = {p.name for p in summary.files}
+    for stem in ("table2_llama-3.1-8b-instruct", "ruler_qwen3-4b-instruct-2507_150k"):
+        assert {f"{stem}.md", f"{stem}.csv", f"{stem}.tex"} <= names
+    assert {"passkey.md", "passkey.csv", "latency.md", "runs.csv", "partial_runs.csv"} <= names
+    for plot in ("accuracy_vs_budget_llama-3.1-8b-instruct", "accuracy_vs_tpot_llama-3.1-8b-instruct",
+                 "tt2t_llama-3.1-8b-instruct", "tpot_breakdown_llama-3.1-8b-instruct",
+                 "latency_vs_context_llama-3.1-8b-instruct"):
+        for suffix in (".png", ".pdf"):
+            path = out / "plots" / (plot + suffix)
+            assert path.exists() and path.stat().st_size > 1000, path
+    # no table for Mistral: we have no runs of it (paper-only tables are opt-in)
+    assert not any("mistral" in n for n in names)
+    # 16 full + 3 icecache (two halves and the smoke run) + snapkv + ruler + passkey
+    assert len(summary.runs) == 16 + 3 + 1 + 1 + 1 and summary.partial["n_written"].tolist() == [1]
+    passkey = pd.read_csv(out / "passkey.csv")
+    assert passkey.loc[0, "400"] == 0.0 and passkey.loc[0, "200"] == 100.0  # a real zero stays
+
+
+def test_bench_summary_is_read(results):
+    bench = load_bench(results / "bench")
+    assert len(bench) == 4 and "phase_select_s" in bench
+    assert bench.query("method == 'icecache' and context == 36000")["tpot_ratio_to_full"].item() == 70.0 / 50.0
+
+
+def test_notebook_runs_top_to_bottom(results, tmp_path, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    monkeypatch.setenv("ICECACHE_RESULTS", str(results))
+    monkeypatch.setenv("ICECACHE_SUMMARY", str(tmp_path / "nb_summary"))
+    notebook = nbformat.read(REPO / "notebooks" / "reproduce.ipynb", as_version=4)
+    client = nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
+                                     resources={"metadata": {"path": str(REPO / "notebooks")}})
+    client.execute()
+    outputs = json.dumps([cell.get("outputs", []) for cell in notebook.cells])
+    assert "image/png" in outputs and "IceCache" in outputs
+    assert (tmp_path / "nb_summary" / "plots" / "tt2t_llama-3.1-8b-instruct.png").exists()
+    assert os.environ["ICECACHE_RESULTS"] == str(results)
