@@ -80,10 +80,13 @@ class Forest {
     float* TS = tscores.mutable_data();
     dci::SearchConfig sc{fov, pr, pv};
     {
+      const int nthreads = std::max(1, static_cast<int>(std::min<int64_t>(nq, threads_)));
+      if (static_cast<int>(scratch_.size()) < nthreads) scratch_.resize(nthreads);
       py::gil_scoped_release nogil;
-#pragma omp parallel num_threads(std::max(1, static_cast<int>(std::min<int64_t>(nq, threads_))))
+#pragma omp parallel num_threads(nthreads)
       {
-        dci::Scratch s;
+        // per-thread buffers kept across calls: a query allocates nothing once they have grown
+        dci::Scratch& s = scratch_[omp_get_thread_num()];
 #pragma omp for schedule(dynamic, 1)
         for (int64_t h = 0; h < nq; ++h)
           inst_[h / ratio]->query(q + h * dim, K, sc, s, P + h * K, T + h * K, PS + h * K, TS + h * K);
@@ -201,6 +204,7 @@ class Forest {
   dci::IndexConfig cfg_;
   std::vector<float> dirs_;
   std::vector<std::unique_ptr<Instance>> inst_;
+  std::vector<dci::Scratch> scratch_;  // one per query thread (a Forest is used from one Python thread at a time)
   int threads_;
 };
 

@@ -79,6 +79,36 @@ struct Candidate {
   bool operator<(const Candidate& o) const { return dist < o.dist || (dist == o.dist && id < o.id); }
 };
 
+// The k best of a stream of candidates in (dist, id) order. Ids are unique, so the result does not depend on the
+// order in which candidates arrive (nor on the thread count).
+struct TopK {
+  std::vector<Candidate> items;
+  int cap = 0;
+  int worst = -1;  // index of the worst kept item once full
+  void reset(int k) {
+    items.clear();
+    cap = k;
+    worst = -1;
+  }
+  bool full() const { return static_cast<int>(items.size()) == cap; }
+  // true when c would be kept; cheap enough to run before building c's page/best bookkeeping
+  bool admits(const Candidate& c) const { return !full() || c < items[worst]; }
+  void push(const Candidate& c) {
+    if (cap <= 0) return;
+    if (!full()) {
+      items.push_back(c);
+      if (!full()) return;
+    } else if (c < items[worst]) {
+      items[worst] = c;
+    } else {
+      return;
+    }
+    worst = 0;
+    for (int i = 1; i < cap; ++i)
+      if (items[worst] < items[i]) worst = i;
+  }
+};
+
 // Per-thread buffers of a search, reused across calls.
 struct Scratch {
   std::vector<uint8_t> counter;     // [num_comp * n] pops per point per composite index
@@ -89,6 +119,12 @@ struct Scratch {
   std::vector<Candidate> cands;
   std::vector<Candidate> level_out;
   std::vector<Candidate> next;
+  std::vector<Candidate> part;
+  std::vector<Candidate> fed;
+  std::vector<Candidate> page_best;    // [pages] best fed point of each page; dist = +inf when none yet
+  std::vector<int32_t> pages_hit;      // pages whose page_best is set, to reset them afterwards
+  std::vector<uint8_t> page_seen;      // [pages] distinct-page marks of the intermediate-level coverage
+  TopK best_tokens, best_pages;        // the query's two result accumulators (ALGORITHMS.md 1.7 A and B)
 };
 
 // What the distance of a child is measured against: a query (score -q.k in transform mode) or another key.
@@ -153,8 +189,16 @@ class Instance {
   // distances and search (sections 1.3, 1.7)
   float key_dist(const float* a, float a_sq, const float* b, float b_sq) const;
   void score(const Probe& p, const int32_t* ids, int m, float* out) const;
+  // all_scored: return every scored child unsorted (the last level of a query) instead of the best k.
   void search_children(const ChildIndex& ci, const float* qproj, const Probe& p, int k, int coverage,
-                       const SearchConfig& sc, Scratch& s, std::vector<Candidate>& out) const;
+                       const SearchConfig& sc, Scratch& s, std::vector<Candidate>& out,
+                       bool all_scored = false) const;
+  // Last level of a query with one direction (L = 1): the children search pops a contiguous run of the sorted
+  // projections, and the leaves hold the children in that same order, so the run is scored leaf by leaf straight
+  // from the page key buffers and fed to the accumulators without building a candidate list.
+  void scan_last_level(const ChildIndex& ci, float qproj, const Probe& p, int k, const SearchConfig& sc,
+                       Scratch& s) const;
+  void feed(const Candidate& c, Scratch& s) const;
   int32_t cover(int32_t node) const {
     const Node& nd = nodes_[node];
     return 1 + (nd.kid_slot >= 0 ? kids_[nd.kid_slot].pages_under : 0);

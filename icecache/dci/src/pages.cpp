@@ -396,6 +396,13 @@ std::string Instance::check() const {
       total += lf.count;
     }
     if (total != ci.size()) { err << "parent " << ci.node << " leaf total " << total << " != " << ci.size(); return err.str(); }
+    // the query scans a run of direction-0 positions leaf by leaf: the leaves must list ids[0] in order
+    {
+      int64_t i = 0;
+      for (const int32_t p : ci.leaves)
+        for (int t = 0; t < leaves_[p].count; ++t, ++i)
+          if (leaves_[p].item[t] != ci.ids[0][i]) { err << "parent " << ci.node << " leaves differ from ids[0]"; return err.str(); }
+    }
     for (int j = 0; j < L; ++j)
       for (int64_t i = 1; i < ci.size(); ++i)
         if (ci.proj[j][i - 1] > ci.proj[j][i]) { err << "sorted array broken"; return err.str(); }

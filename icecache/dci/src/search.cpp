@@ -3,7 +3,6 @@
 // construction and insertion (sections 1.5 and 1.6).
 #include <algorithm>
 #include <cmath>
-#include <unordered_set>
 
 #include "dci.hpp"
 
@@ -48,7 +47,8 @@ void Instance::score(const Probe& p, const int32_t* ids, int m, float* out) cons
 // there are k candidates and either the visit or the retrieve budget is spent. Returns candidates sorted by
 // distance: the best k, extended until they cover `coverage` finest-level pages.
 void Instance::search_children(const ChildIndex& ci, const float* qproj, const Probe& p, int k, int coverage,
-                               const SearchConfig& sc, Scratch& s, std::vector<Candidate>& out) const {
+                               const SearchConfig& sc, Scratch& s, std::vector<Candidate>& out,
+                               bool all_scored) const {
   out.clear();
   const int n = ci.size();
   if (n == 0 || k <= 0) return;
@@ -72,7 +72,9 @@ void Instance::search_children(const ChildIndex& ci, const float* qproj, const P
       prio[j] = 0.0;
       done[j] = false;
     }
-    const bool counting = m > 1;
+    // the processed mask is needed whenever a point can be popped twice: by several simple indices of one
+    // composite index, or by several composite indices (each would otherwise make it a candidate again)
+    const bool counting = m > 1 || nc > 1;
     if (counting) {
       const size_t need = static_cast<size_t>(nodes_.size());
       if (s.processed.size() < need) s.processed.assign(need, 0);
@@ -133,6 +135,10 @@ void Instance::search_children(const ChildIndex& ci, const float* qproj, const P
       }
     }
   }
+  if (all_scored) {
+    out.assign(cands.begin(), cands.end());
+    return;
+  }
   // only the best k need ordering; the rest is sorted only when coverage asks for more
   int keep = std::min<int>(k, static_cast<int>(cands.size()));
   if (keep < static_cast<int>(cands.size())) {
@@ -152,8 +158,90 @@ void Instance::search_children(const ChildIndex& ci, const float* qproj, const P
   out.assign(cands.begin(), cands.begin() + keep);
 }
 
-// dci_query_single_point, cumulative mode. Every point the descent retains or reaches at the last level is fed to
-// the result: its token (best K tokens) and its page (first K distinct pages in distance order).
+// How many projections the children search pops with one simple index (L = 1): whole batches of 128 until there
+// are at least k candidates and the visit or the retrieve budget is met, or the children run out. This is the
+// stopping rule of search_children with got = visited.
+static int popped_with_one_index(int n, int k, const SearchConfig& sc) {
+  if (k >= n) return n;
+  const int64_t to_visit = static_cast<int64_t>(std::ceil(sc.prop_to_visit * n * 1));
+  const int64_t to_retrieve = static_cast<int64_t>(std::ceil(sc.prop_to_retrieve * n));
+  const int64_t need = std::max<int64_t>(k, std::min(to_visit, to_retrieve));
+  const int64_t rounds = (need + kBatch - 1) / kBatch;
+  return static_cast<int>(std::min<int64_t>(n, rounds * kBatch));
+}
+
+void Instance::scan_last_level(const ChildIndex& ci, float qp, const Probe& p, int k, const SearchConfig& sc,
+                               Scratch& s) const {
+  const int n = ci.size();
+  if (n == 0 || k <= 0) return;
+  // the run the expanding left/right merge of search_children pops: [lo + 1, hi)
+  const auto& arr = ci.proj[0];
+  int first = 0, last = n;
+  const int c = popped_with_one_index(n, k, sc);
+  if (c < n) {
+    int hi = static_cast<int>(std::lower_bound(arr.begin(), arr.end(), qp) - arr.begin());
+    int lo = hi - 1;
+    for (int b = 0; b < c; ++b) {
+      if (lo < 0) ++hi;
+      else if (hi >= n) --lo;
+      else if (std::fabs(arr[hi] - qp) <= std::fabs(qp - arr[lo])) ++hi;
+      else --lo;
+    }
+    first = lo + 1;
+    last = hi;
+  }
+  const int dim = cfg_->dim;
+  float dots[kPageSlots];
+  int pos = 0;
+  const size_t nleaves = ci.leaves.size();
+  for (size_t li = 0; li < nleaves; ++li) {
+    if (pos >= last) break;
+    const int32_t page = ci.leaves[li];
+    const Leaf& lf = leaves_[page];
+    if (li + 1 < nleaves && pos + lf.count < last) {
+      // the next page's rows: pages of one parent need not be adjacent, so help the hardware prefetcher
+      const char* nxt = reinterpret_cast<const char*>(&page_keys_[static_cast<int64_t>(ci.leaves[li + 1]) * kPageSlots * dim]);
+      const int bytes = leaves_[ci.leaves[li + 1]].count * dim * static_cast<int>(sizeof(float));
+      for (int off = 0; off < bytes; off += 64) __builtin_prefetch(nxt + off);
+    }
+    const int s0 = std::max(first - pos, 0), s1 = std::min(last - pos, static_cast<int>(lf.count));
+    pos += lf.count;
+    if (s0 >= s1) continue;
+    dot_rows(p.vec, &page_keys_[(static_cast<int64_t>(page) * kPageSlots + s0) * dim], nullptr, s1 - s0, dim, dots);
+    Candidate best{INFINITY, -1};
+    for (int t = s0; t < s1; ++t) {
+      const double ab = dots[t - s0];
+      const int32_t id = lf.item[t];
+      const float d = cfg_->transform ? static_cast<float>(-ab)
+                                      : static_cast<float>(p.sq_norm + static_cast<double>(sq_norm_[id]) - 2.0 * ab);
+      const Candidate cand{d, id};
+      s.best_tokens.push(cand);
+      if (best.id < 0 || cand < best) best = cand;
+    }
+    // every fed point of this page is in this run (a page has one parent, expanded once): feed the page once
+    s.best_pages.push(best);
+  }
+}
+
+// A fed point whose page may also receive other fed points: its page's best is settled at the end of the query.
+void Instance::feed(const Candidate& c, Scratch& s) const {
+  s.best_tokens.push(c);
+  const int32_t pg = nodes_[c.id].page;
+  Candidate& b = s.page_best[pg];
+  if (b.id < 0) s.pages_hit.push_back(pg);
+  if (b.id < 0 || c < b) b = c;
+}
+
+// dci_query_single_point, cumulative mode. Every point the descent retains, and every child scored at the last
+// level, is fed to the two accumulators: the K best tokens, and the K pages with the best best-token distance
+// (the first K distinct pages of the fed points in distance order).
+//
+// The last level feeds every scored child, not only the best K per expanded parent (ALGORITHMS.md 1.7 step 3).
+// The token list is the same either way: a token in the overall best K is among the best K of its parent. The
+// page list is not: a parent's best K children can sit on fewer pages than it owns, so a page whose best token
+// ranks below K among its parent's children was lost even when the budgets covered everything. Feeding every
+// scored child gives the page list as if each parent had been extended until its candidates cover K distinct
+// pages, and a query with fov >= n and prop_to_retrieve = 1 returns every page.
 void Instance::query(const float* q, int K, const SearchConfig& sc, Scratch& s, int32_t* pages, int32_t* tokens,
                      float* page_scores, float* token_scores) const {
   std::fill(pages, pages + K, -1);
@@ -169,66 +257,75 @@ void Instance::query(const float* q, int K, const SearchConfig& sc, Scratch& s, 
   for (int j = 0; j < L; ++j) qproj[j] = dot(dirs_ + static_cast<int64_t>(j) * stride, q, dim) / qnorm;
   const Probe probe{q, q_sq, true};
 
-  std::vector<Candidate> fed;
   std::vector<Candidate>& cur = s.level_out;
   std::vector<Candidate>& next = s.next;
-  std::vector<Candidate> part;
+  std::vector<Candidate>& part = s.part;
+  s.best_tokens.reset(K);
+  s.best_pages.reset(K);
+  if (s.page_best.size() < leaves_.size()) s.page_best.resize(leaves_.size(), Candidate{INFINITY, -1});
+  if (s.page_seen.size() < leaves_.size()) s.page_seen.resize(leaves_.size(), 0);
+  s.pages_hit.clear();
+  // the last level: every scored child of `ci` is fed
+  auto expand_last = [&](const ChildIndex& ci, int k) {
+    if (L == 1) {
+      scan_last_level(ci, qproj[0], probe, k, sc, s);
+    } else {
+      search_children(ci, qproj, probe, k, 0, sc, s, part, true);
+      for (const Candidate& c : part) feed(c, s);
+    }
+  };
   const int top = num_levels() - 1;
   const int fov = std::max(1, sc.field_of_view);
   if (top == 0) {
-    search_children(kids_[kRootSlot], qproj, probe, std::max(fov, K), K, sc, s, cur);
-    fed.insert(fed.end(), cur.begin(), cur.end());
+    // the root's children are the finest level: it is the last level
+    expand_last(kids_[kRootSlot], std::max(fov, K));
   } else {
     search_children(kids_[kRootSlot], qproj, probe, fov, K, sc, s, cur);
-    std::unordered_set<int32_t> seen_pages;
     for (int level = top; level >= 1; --level) {
-      fed.insert(fed.end(), cur.begin(), cur.end());
+      for (const Candidate& c : cur) feed(c, s);
+      if (level == 1) {
+        for (const Candidate& c : cur)
+          if (nodes_[c.id].kid_slot >= 0) expand_last(kids_[nodes_[c.id].kid_slot], K);
+        break;
+      }
       next.clear();
-      const bool last = level == 1;
       for (const Candidate& c : cur) {
         const int32_t slot = nodes_[c.id].kid_slot;
         if (slot < 0) continue;
-        search_children(kids_[slot], qproj, probe, last ? K : fov, last ? 0 : K, sc, s, part);
+        search_children(kids_[slot], qproj, probe, fov, K, sc, s, part);
         next.insert(next.end(), part.begin(), part.end());
       }
       std::sort(next.begin(), next.end());
-      if (last) {
-        fed.insert(fed.end(), next.begin(), next.end());
-        break;
-      }
       // keep enough to cover K pages: a new page counts its whole subtree, a repeated page one less
-      seen_pages.clear();
       int64_t cov = 0;
       int needed = 0;
       while (needed < static_cast<int>(next.size()) && cov < K) {
         const int32_t id = next[needed++].id;
-        cov += cover(id) - (seen_pages.insert(nodes_[id].page).second ? 0 : 1);
+        uint8_t& seen = s.page_seen[nodes_[id].page];
+        cov += cover(id) - (seen ? 1 : 0);
+        seen = 1;
       }
+      for (int i = 0; i < needed; ++i) s.page_seen[nodes_[next[i].id].page] = 0;
       const int keep = std::max(std::min(fov, static_cast<int>(next.size())), needed);
       cur.assign(next.begin(), next.begin() + keep);
     }
   }
-  std::sort(fed.begin(), fed.end());
+  for (int32_t pg : s.pages_hit) {
+    s.best_pages.push(s.page_best[pg]);
+    s.page_best[pg] = Candidate{INFINITY, -1};
+  }
   const float sign = -1.0f;  // distances are -q.k (or |q-k|^2): report the negated value as the score
-  int nt = 0, np = 0;
-  int32_t last_tok = -1;
-  std::vector<int32_t> chosen;
-  for (const Candidate& c : fed) {
-    if (c.id == last_tok) continue;  // a point is fed once per path; guard against duplicates anyway
-    last_tok = c.id;
-    if (nt < K) {
-      tokens[nt] = c.id;
-      token_scores[nt] = sign * c.dist;
-      ++nt;
-    }
-    const int32_t pg = nodes_[c.id].page;
-    if (np < K && std::find(chosen.begin(), chosen.end(), pg) == chosen.end()) {
-      chosen.push_back(pg);
-      pages[np] = pg;
-      page_scores[np] = sign * c.dist;
-      ++np;
-    }
-    if (nt >= K && np >= K) break;
+  auto& bp = s.best_pages.items;
+  std::sort(bp.begin(), bp.end());
+  for (size_t i = 0; i < bp.size(); ++i) {
+    pages[i] = nodes_[bp[i].id].page;
+    page_scores[i] = sign * bp[i].dist;
+  }
+  auto& bt = s.best_tokens.items;
+  std::sort(bt.begin(), bt.end());
+  for (size_t i = 0; i < bt.size(); ++i) {
+    tokens[i] = bt[i].id;
+    token_scores[i] = sign * bt[i].dist;
   }
 }
 
