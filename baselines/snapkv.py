@@ -1,0 +1,125 @@
+"""SnapKV (Li et al., NeurIPS 2024): compress the prompt by what its last queries attend to.
+
+The last ``observation_window`` prompt tokens act as an observation window. Their queries' attention over the
+prompt prefix (softmax over the whole causal row, as in the model) is summed over the window's queries, giving one
+vote per prefix token and head; the votes are max-pooled along the sequence (``pooling_kernel``, stride 1, same
+padding) so that the neighbours of a strong token survive with it, and each KV head keeps its top
+``budget - observation_window`` prefix tokens plus the whole window. With GQA the votes of a KV group's query heads
+are averaged before pooling. This is the setting the IceCache paper ran (window 32, max pooling, kernel 7).
+
+Decoding (SnapKV itself only compresses the prompt and lets the cache grow): to stay within ``budget`` we keep the
+selected prefix tokens fixed and treat everything after them as a sliding window of ``budget - n_selected``
+tokens, the new token included; the oldest non-selected token is evicted at each step. A prompt that fits the
+budget is not compressed, and its prefix (all but the last ``observation_window`` tokens) stays pinned the same
+way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from baselines.streaming_llm import TokenEvictionKV
+from icecache.core.errors import ConfigError
+from icecache.core.method import METHODS, Method, MethodConfig
+
+
+@dataclass
+class SnapKVConfig(MethodConfig):
+    name: str = "snapkv"
+    observation_window: int = 32  # last prompt tokens whose queries vote
+    pooling_kernel: int = 7  # max-pooling kernel over the votes (odd: same padding)
+
+
+def pooled_votes(window_query: torch.Tensor, keys: torch.Tensor, scaling: float, pooling_kernel: int) -> torch.Tensor:
+    """SnapKV's per-KV-head votes for the prompt prefix.
+
+    ``window_query [Hq, W, D]`` are the queries of the last W of the ``keys [Hkv, T, D]`` positions. Returns
+    ``[Hkv, T - W]`` float32: causal softmax rows over all T keys, summed over the W queries, averaged over each KV
+    group's query heads, then max-pooled along the prefix.
+    """
+    n_heads, window, head_dim = window_query.shape
+    n_kv_heads, n_keys = keys.shape[:2]
+    group = n_heads // n_kv_heads
+    q = window_query.float().view(n_kv_heads, group, window, head_dim)
+    scores = torch.einsum("hgwd,htd->hgwt", q, keys.float()) * scaling
+    rows = torch.arange(n_keys - window, n_keys, device=keys.device)
+    columns = torch.arange(n_keys, device=keys.device)
+    scores = scores.masked_fill(columns[None, :] > rows[:, None], float("-inf"))
+    votes = torch.softmax(scores, dim=-1)[..., : n_keys - window].sum(dim=2).mean(dim=1)  # [Hkv, T - W]
+    return F.max_pool1d(votes[:, None], pooling_kernel, stride=1, padding=pooling_kernel // 2)[:, 0]
+
+
+class SnapKVKV(TokenEvictionKV):
+    def __init__(self, layer_idx, model, seq, budget: int, observation_window: int, pooling_kernel: int):
+        super().__init__(layer_idx, model, seq, budget)
+        self.observation_window = observation_window
+        self.pooling_kernel = pooling_kernel
+        self.window_query: torch.Tensor | None = None  # [Hq, <= W, D]: the last prompt queries seen so far
+        self.scaling = 1.0
+        self.pinned: torch.Tensor | None = None  # [Hkv, T] bool, aligned with the kept tokens
+
+    def observe_prefill(self, query, scaling):
+        # The window may straddle prefill chunks: keep the last W queries across them.
+        recent = query[0] if self.window_query is None else torch.cat([self.window_query, query[0]], dim=1)
+        self.window_query = recent[:, -self.observation_window :]
+        self.scaling = scaling
+
+    def on_prompt_stored(self):
+        n_kv_heads, n_prompt = self.kept_positions.shape
+        window = self.window_query.shape[1]
+        n_prefix = n_prompt - window
+        n_selected = self.budget - self.observation_window
+        self.pinned = torch.zeros(n_kv_heads, n_prompt, dtype=torch.bool, device=self.kept_positions.device)
+        if n_prompt <= self.budget:
+            self.pinned[:, :n_prefix] = True
+        else:
+            votes = pooled_votes(self.window_query, self.kept_keys, self.scaling, self.pooling_kernel)
+            selected = votes.topk(n_selected, dim=-1).indices.sort(dim=-1).values
+            window_index = torch.arange(n_prefix, n_prompt, device=selected.device).expand(n_kv_heads, -1)
+            self.pinned.scatter_(1, selected, True)
+            self.gather_kept(torch.cat([selected, window_index], dim=1))
+        self.window_query = None
+
+    def choose_kept(self, n_keep):
+        # Keep every pinned token and the newest unpinned ones; pinned counts are equal across heads.
+        n_pinned = int(self.pinned[0].sum())
+        n_recent = n_keep - n_pinned
+        n_tokens = self.pinned.shape[1]
+        newest_unpinned = (~self.pinned).long().flip(1).cumsum(1).flip(1) <= n_recent  # rank from the end
+        keep = self.pinned | (~self.pinned & newest_unpinned)
+        index = torch.arange(n_tokens, device=keep.device).expand_as(keep)
+        return index[keep].view(keep.shape[0], n_keep)
+
+    def gather_kept(self, index):
+        super().gather_kept(index)
+        self.pinned = self.pinned.gather(1, index)
+
+    def decode(self, query, key, value, scaling):
+        self.pinned = torch.cat([self.pinned, self.pinned.new_zeros(self.pinned.shape[0], 1)], dim=1)
+        return super().decode(query, key, value, scaling)
+
+
+@METHODS.register("snapkv")
+class SnapKV(Method):
+    config_class = SnapKVConfig
+
+    def check(self) -> None:
+        super().check()
+        config = self.config
+        if config.observation_window < 1:
+            raise ConfigError(f"snapkv: observation_window={config.observation_window} must be >= 1")
+        if config.pooling_kernel < 1 or config.pooling_kernel % 2 == 0:
+            raise ConfigError(f"snapkv: pooling_kernel={config.pooling_kernel} must be odd and >= 1")
+        if config.budget < config.observation_window + 1:
+            raise ConfigError(
+                f"snapkv: budget={config.budget} must exceed observation_window={config.observation_window} "
+                f"(at least one selected prompt token besides the window)"
+            )
+
+    def make_sparse_layer(self, layer_idx, seq):
+        return SnapKVKV(
+            layer_idx, self.model, seq, self.config.budget, self.config.observation_window, self.config.pooling_kernel
+        )

@@ -1,0 +1,201 @@
+"""DESIGN.md section 2 invariants, for every registered method except the full cache, on the four tiny models.
+
+1. With a budget at least the sequence length, greedy tokens equal the full cache's and decode logits agree.
+2. Prefill output (the first token's logits) never depends on the method.
+3. With a small budget, the attended-token count never exceeds the budget, and sinks and the current window are
+   always attended.
+4. A sparse layer's output equals dense attention masked to exactly the positions it reports as attended.
+Plus: a budget too small for a method's fixed parts stops at start-up with a ConfigError naming the numbers.
+
+A method that lands later (IceCache) joins automatically: add its small test config and its always-attended
+positions below.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+from tests.conftest import tiny_model
+from icecache.core.cache import HarnessCache
+from icecache.core.errors import ConfigError
+from icecache.core.generation import GenerationRequest, greedy_generate
+from icecache.core.method import METHODS, ModelInfo, SequenceContext, build_method
+
+import baselines  # noqa: F401  registers the baselines
+import icecache.method  # noqa: F401  registers IceCache (when it lands)
+
+SPARSE_METHODS = [name for name in METHODS.names() if name != "full"]
+ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3"]
+
+SMALL_BUDGET = 64
+PROMPT_TOKENS = 300
+NEW_TOKENS = 8
+
+# Small settings per method for these tests (pages of 8 so that a 64-token budget holds several pages).
+TEST_CONFIGS: dict[str, dict] = {
+    "streaming_llm": {},
+    "h2o": {},
+    "snapkv": {"observation_window": 16},
+    "oracle_topk": {},
+    "quest": {"page_size": 8},
+    "arkvale": {"page_size": 8},
+    # IceCache pages are DCI leaves of 16 tokens: 64 tokens are 4 pages, 1 sink + 1 window + 2 selected.
+    "icecache": {"n_sink_pages": 1, "n_window_pages": 1},
+    "icecache_reuse": {"n_sink_pages": 1, "n_window_pages": 1},
+}
+
+# A budget just below what each method needs for its fixed parts (derivations in the comments).
+TOO_SMALL_BUDGETS: dict[str, int] = {
+    "streaming_llm": 5,  # 4 sinks + the new token + one recent token = 6
+    "h2o": 3,  # round(1.5) = 2 heavy hitters leave a recent window of 1 < 2
+    "snapkv": 16,  # observation window 16 + one selected token = 17
+    "oracle_topk": 0,  # any positive budget works
+    "quest": 15,  # the current page plus one selected page of 8 = 16
+    "arkvale": 31,  # (1 sink page + 2 window pages + 1 middle page) x 8 = 32
+    "icecache": 47,  # (1 sink page + 1 window page + 1 selected page) x 16 = 48
+    "icecache_reuse": 47,
+}
+
+
+def method_config(name: str, budget: int) -> dict:
+    return {"name": name, "budget": budget, **TEST_CONFIGS.get(name, {})}
+
+
+def always_attended(name: str, config: dict, n_tokens: int) -> list[int] | None:
+    """Positions a method must attend at a step with ``n_tokens`` tokens (new one included), from each paper's
+    definition; None when the test does not know the method."""
+    budget = config["budget"]
+    if name == "streaming_llm":  # 4 sinks + the most recent budget - 4 tokens
+        return list(range(4)) + list(range(n_tokens - (budget - 4), n_tokens))
+    if name == "h2o":  # recent window: budget - round(budget / 2) tokens
+        n_recent = budget - round(0.5 * budget)
+        return list(range(n_tokens - n_recent, n_tokens))
+    if name == "snapkv":  # the observation window's length of most recent tokens
+        return list(range(n_tokens - config["observation_window"], n_tokens))
+    if name == "quest":  # the current page, pages aligned from position 0
+        page_size = config["page_size"]
+        return list(range((n_tokens - 1) // page_size * page_size, n_tokens))
+    if name == "arkvale":  # 1 sink page and the last 2 pages (the current one included)
+        page_size = config["page_size"]
+        n_pages = math.ceil(n_tokens / page_size)
+        return list(range(page_size)) + list(range((n_pages - 2) * page_size, n_tokens))
+    if name == "oracle_topk":  # nothing is forced in
+        return []
+    if name in ("icecache", "icecache_reuse"):  # sink pages, and the window always holds >= (nw-1) pages + 1 token
+        page_size = config.get("page_size", 16)
+        n_window = (config["n_window_pages"] - 1) * page_size + 1
+        return list(range(config["n_sink_pages"] * page_size)) + list(range(n_tokens - n_window, n_tokens))
+    return None
+
+
+def prompt_ids(n: int, vocab: int = 500) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(7)).tolist()
+
+
+@functools.lru_cache(maxsize=None)
+def full_run(arch: str, n_prompt: int, n_new: int, chunk: int | None):
+    model, _, info = tiny_model(arch)
+    cache = HarnessCache(build_method({"name": "full"}, info))
+    return greedy_generate(
+        model, cache, GenerationRequest(prompt_ids(n_prompt), n_new), keep_logits=True, prefill_chunk_size=chunk
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("name", SPARSE_METHODS)
+def test_large_budget_matches_full_cache(name, arch):
+    model, _, info = tiny_model(arch)
+    n_prompt, n_new, chunk = 120, 6, 48  # chunked prefill exercises the methods' multi-chunk paths
+    reference = full_run(arch, n_prompt, n_new, chunk)
+    cache = HarnessCache(build_method(method_config(name, 256), info))  # 256 >= 126 tokens
+    result = greedy_generate(
+        model, cache, GenerationRequest(prompt_ids(n_prompt), n_new), keep_logits=True, prefill_chunk_size=chunk
+    )
+    assert result.token_ids == reference.token_ids
+    for ours, theirs in zip(result.logits, reference.logits):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("name", SPARSE_METHODS)
+def test_small_budget_prefill_is_dense_and_budget_holds(name, arch):
+    model, _, info = tiny_model(arch)
+    config = method_config(name, SMALL_BUDGET)
+    method = build_method(config, info)
+    cache = HarnessCache(method, trace_selection=True)
+    steps: list[tuple[int, torch.Tensor]] = []
+    for kv in cache.layer_kvs[method.config.n_dense_layers :]:
+        def recording(query, key, value, scaling, kv=kv, decode=kv.decode):
+            out = decode(query, key, value, scaling)
+            steps.append((kv.seq_len + 1, kv.last_attended.clone()))
+            return out
+        kv.decode = recording
+    result = greedy_generate(model, cache, GenerationRequest(prompt_ids(PROMPT_TOKENS), NEW_TOKENS), keep_logits=True)
+
+    # Invariant 2: the first token comes from the prompt's dense attention alone.
+    reference = full_run(arch, PROMPT_TOKENS, NEW_TOKENS, None)
+    torch.testing.assert_close(result.logits[0], reference.logits[0], atol=1e-5, rtol=1e-5)
+
+    # Invariant 3, at every decode step of every sparse layer.
+    n_sparse = info.n_layers - method.config.n_dense_layers
+    assert len(steps) == n_sparse * (NEW_TOKENS - 1)
+    for n_tokens, attended in steps:
+        assert attended.shape == (info.n_heads, n_tokens)
+        assert int(attended.sum(-1).max()) <= SMALL_BUDGET
+        forced = always_attended(name, config, n_tokens)
+        if forced is not None:
+            assert attended[:, forced].all(), f"{name} skipped a sink or window position at length {n_tokens}"
+    assert result.counters["mean_attended_tokens"] <= SMALL_BUDGET
+
+
+@pytest.mark.parametrize("name", SPARSE_METHODS)
+def test_budget_too_small_is_a_config_error(name):
+    _, _, info = tiny_model("llama")
+    budget = TOO_SMALL_BUDGETS.get(name, 0)
+    with pytest.raises(ConfigError, match=rf"budget(=| ){budget}\b|positive budget"):
+        build_method(method_config(name, budget), info)
+    build_method(method_config(name, budget + 1), info)  # one more token is enough
+
+
+def masked_dense_attention(query, keys, values, attended, scaling):
+    """Reference for invariant 4: ``query [Hq, D]`` over ``keys [Hkv, T, D]`` masked to ``attended [Hq, T]``."""
+    group = query.shape[0] // keys.shape[0]
+    k = keys.repeat_interleave(group, dim=0)
+    v = values.repeat_interleave(group, dim=0)
+    scores = torch.einsum("hd,htd->ht", query, k) * scaling
+    probs = torch.softmax(scores.masked_fill(~attended, float("-inf")), dim=-1)
+    return torch.einsum("ht,htd->hd", probs, v)
+
+
+ON_CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+)
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
+@pytest.mark.parametrize("name", SPARSE_METHODS)
+def test_output_equals_dense_attention_masked_to_the_selection(name, device):
+    # On CUDA this runs the Triton paged attention and the pinned-memory bulk loader (ArkVale's recalls).
+    info = ModelInfo(n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, device=torch.device(device))
+    method = build_method({**method_config(name, SMALL_BUDGET), "n_dense_layers": 0}, info)
+    layer = method.make_layer(0, SequenceContext(trace_selection=True))
+    gen = torch.Generator().manual_seed(3)
+    scaling = info.head_dim**-0.5
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device)
+
+    n_prompt = 150
+    keys, values = randn(1, 2, n_prompt, 16), randn(1, 2, n_prompt, 16)
+    layer.forward(randn(1, 4, n_prompt, 16), keys, values, None, scaling)
+    for _ in range(20):
+        query, key, value = randn(1, 4, 1, 16), randn(1, 2, 1, 16), randn(1, 2, 1, 16)
+        keys, values = torch.cat([keys, key], dim=2), torch.cat([values, value], dim=2)
+        out = layer.forward(query, key, value, None, scaling)
+        expected = masked_dense_attention(query[0, :, 0], keys[0], values[0], layer.last_attended, scaling)
+        torch.testing.assert_close(out[0, 0], expected, atol=1e-5, rtol=1e-5)
+        assert int(layer.last_attended.sum(-1).max()) <= SMALL_BUDGET
