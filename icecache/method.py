@@ -199,6 +199,7 @@ class IceCacheLayer(DenseKV):
         self._keys = self._values = None  # the full prompt leaves the GPU
         self.offloaded = True
         self._ready = self._worker().submit(self._index_prompt, middle_k, middle_v, copied)
+        self.seq.shared.setdefault("icecache_jobs", []).append(self._ready)
 
     @torch.inference_mode()  # inference mode is per thread; the store's tensors were made under it
     def _index_prompt(self, middle_k: torch.Tensor, middle_v: torch.Tensor, copied) -> None:
@@ -273,7 +274,9 @@ class IceCacheLayer(DenseKV):
         positions = np.arange(self.window_start, self.window_start + ps)
         self.window_start += ps
         with self.seq.timer.phase("insert"):
-            self._ready.result()
+            # Every layer's prompt job must be done before the owner's index changes under the reusers' feet.
+            for job in self.seq.shared["icecache_jobs"]:
+                job.result()
             cpu_k = page_k.to("cpu", self.store.dtype)
             cpu_v = page_v.to("cpu", self.store.dtype)
             self.token_keys = torch.cat([self.token_keys, cpu_k], dim=1)
