@@ -172,6 +172,22 @@ def wall_time_us(fn, reps: int = 50, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+def host_time_us(fn, reps: int = 20, repeats: int = 20) -> float:
+    """Median over ``repeats`` of the host wall time per call of ``reps`` calls followed by one device sync (what a
+    decode step that syncs once per token sees when the host, not the GPU, is the bottleneck)."""
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e6 / reps)
+    return statistics.median(times)
+
+
 def bench_attention() -> list[dict]:
     rows = []
     gen = torch.Generator().manual_seed(1)
@@ -190,6 +206,27 @@ def bench_attention() -> list[dict]:
                 lambda: triton_kernels.paged_decode_attention(*args, block_tokens=block_tokens))
         row["triton_us"] = row[f"triton_us_block{triton_kernels.DEFAULT_BLOCK_TOKENS}"]
         row["triton_us_8warps"] = cuda_time_us(lambda: triton_kernels.paged_decode_attention(*args, num_warps=8))
+        # Per-call host cost (issue 8): direct launches (default), Triton's own launch path, one split, out=.
+        row["n_splits"] = triton_kernels.attention_plan(query, key_pages, table)[0]
+        row["triton_host_us"] = host_time_us(lambda: triton_kernels.paged_decode_attention(*args))
+        out = torch.empty_like(query)
+        row["triton_host_out_us"] = host_time_us(lambda: triton_kernels.paged_decode_attention(*args, out=out))
+        row["triton_host_1split_us"] = host_time_us(lambda: triton_kernels.paged_decode_attention(*args, n_splits=1))
+        row["triton_us_1split"] = cuda_time_us(lambda: triton_kernels.paged_decode_attention(*args, n_splits=1))
+        previous = triton_kernels.set_fast_launch(False)
+        try:
+            row["triton_host_jit_launch_us"] = host_time_us(lambda: triton_kernels.paged_decode_attention(*args))
+        finally:
+            triton_kernels.set_fast_launch(previous)
+        try:  # device time alone: the calls replayed from a CUDA graph carry no host cost
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(20):
+                    triton_kernels.paged_decode_attention(*args, out=out)
+            row["triton_graph_us"] = cuda_time_us(graph.replay, reps=10) / 20
+        except Exception as error:  # noqa: BLE001 - a report line, not a failure
+            row["triton_graph_us"] = float("nan")
+            print(f"graph capture failed: {error!r}")
         row["reference_us"] = cuda_time_us(lambda: paged_decode_attention_reference(*args), reps=50)
         row["sdpa_dense_us"] = cuda_time_us(lambda: F.scaled_dot_product_attention(
             dense_query, dense_keys, dense_values, scale=scaling, enable_gqa=True))
@@ -232,6 +269,12 @@ def bench_bulk_loader() -> list[dict]:
         start = time.perf_counter()
         for _ in range(20):
             gather()
+        gather_index_select_us = (time.perf_counter() - start) * 1e6 / 20
+        pinned_bytes = pinned.view(torch.uint8).reshape(2, n_blocks, -1).numpy()
+        rows_np = rows_index.numpy()
+        start = time.perf_counter()
+        for _ in range(20):
+            loader.gather(store, rows_np, pinned_bytes)  # what load() uses: one thread for loads up to 8 MiB
         gather_us = (time.perf_counter() - start) * 1e6 / 20
         on_device = torch.empty_like(pinned, device="cuda")
         copy_us = cuda_time_us(lambda: on_device.copy_(pinned, non_blocking=True), reps=20)
@@ -239,10 +282,12 @@ def bench_bulk_loader() -> list[dict]:
         scatter_us = cuda_time_us(lambda: triton_kernels.scatter_pages(
             on_device[0], on_device[1], pool.key_pages, pool.value_pages, device_slots, device_heads), reps=50)
         total_us = wall_time_us(lambda: loader.load(store, page_ids, heads, pool, slots), reps=20)
+        load_host_us = host_time_us(lambda: loader.load(store, page_ids, heads, pool, slots))
         rows.append({
             "load": label, "blocks": n_blocks, "bytes": n_bytes, "total_us": total_us,
             "total_gb_s": n_bytes / total_us / 1e3, "gather_us": gather_us, "h2d_copy_us": copy_us,
             "h2d_gb_s": n_bytes / copy_us / 1e3, "scatter_us": scatter_us,
+            "gather_index_select_us": gather_index_select_us, "load_host_us": load_host_us,
         })
     return rows
 
@@ -286,10 +331,16 @@ def main() -> int:
                 report["attention"], ["n_pages", "n_tokens", "triton_us", "triton_us_block32",
                                       "triton_us_block128", "triton_us_8warps", "reference_us", "sdpa_dense_us",
                                       "triton_gb_s"])
+    print_table("Paged decode attention, host time per call (20 calls per sync), microseconds",
+                report["attention"], ["n_pages", "n_splits", "triton_host_us", "triton_host_out_us",
+                                      "triton_host_1split_us", "triton_us_1split", "triton_host_jit_launch_us",
+                                      "triton_graph_us"])
     report["bulk_loader"] = bench_bulk_loader()
     print_table("Bulk loader (gather + one H2D copy + scatter), bf16 pages of 16 x 128",
                 report["bulk_loader"], ["load", "bytes", "total_us", "total_gb_s", "gather_us", "h2d_copy_us",
                                         "h2d_gb_s", "scatter_us"])
+    print_table("Bulk loader host time per load (20 loads per sync) and the two gathers, microseconds",
+                report["bulk_loader"], ["load", "load_host_us", "gather_us", "gather_index_select_us"])
 
     host = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in socket.gethostname())
     out = Path(args.out) if args.out else REPO / "results" / "bench" / f"kernels_{host}.json"

@@ -385,3 +385,61 @@ def test_kernel_choose_splits_covers_every_page_once():
             assert pages_per_split % pages_per_block == 0
             assert (n_splits - 1) * pages_per_split < n_table <= n_splits * pages_per_split
             assert n_splits <= math.ceil(n_table / pages_per_block)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host-overhead paths: the serial gather, index checks, direct (cached) kernel launches
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("serial", [True, False], ids=["numpy-take", "index_select"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_bulk_loader_gather_copies_the_requested_rows_bytewise(serial, dtype):
+    # Both gathers (one thread's copy loop for small loads, index_select for large ones) must give, block i, the
+    # bytes of store page (page_ids[i], heads[i]); compared against direct indexing of the store.
+    gen = torch.Generator().manual_seed(9)
+    store = filled_store(gen, 40, 4, 8, 16, dtype, pin_memory=False)
+    loader = BulkLoader(8, 16, dtype, "cpu", max_pages=4)
+    loader.serial_gather_max_bytes = 1 << 30 if serial else 0
+    page_ids, heads, _ = random_load_request(gen, 40, 40, 4, 50)
+    out = torch.full((2, 50, 8, 16), float("nan"), dtype=dtype)
+    rows = (page_ids * 4 + heads).numpy()
+    loader.gather(store, rows, out.view(torch.uint8).reshape(2, 50, -1).numpy())
+    assert torch.equal(out[0], store.key_pages[page_ids, heads])
+    assert torch.equal(out[1], store.value_pages[page_ids, heads])
+
+
+@pytest.mark.parametrize("bad", ["page", "head", "slot"])
+def test_bulk_loader_rejects_out_of_range_indices(bad):
+    # A head == n_kv_heads would otherwise address head 0 of the next page, and a bad slot would write outside
+    # the pool; each is refused before anything is copied.
+    gen = torch.Generator().manual_seed(10)
+    store = filled_store(gen, 6, 2, 4, 8, torch.float32, pin_memory=False)
+    pool = GpuPagePool(3, 2, 4, 8, torch.float32, "cpu")
+    page_ids, heads, slots = torch.tensor([1, 5]), torch.tensor([0, 1]), torch.tensor([0, 2])
+    {"page": page_ids, "head": heads, "slot": slots}[bad][1] = {"page": 6, "head": 2, "slot": 3}[bad]
+    with pytest.raises(IndexError):
+        BulkLoader(4, 8, torch.float32, "cpu", max_pages=2).load(store, page_ids, heads, pool, slots)
+    assert not pool.key_pages.any() and not pool.value_pages.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fast_launch", [True, False], ids=["direct", "jit"])
+@pytest.mark.parametrize("n_entries", [16, 300])
+def test_triton_attention_repeated_calls_reuse_the_plan_correctly(fast_launch, n_entries):
+    # The first call of a geometry compiles and caches; later calls launch the cached kernel with new data (and
+    # the shared split scratch), into a fresh or a caller's output. Each must match the reference on its own data.
+    device = kernel_device()
+    previous = triton_kernels.set_fast_launch(fast_launch)
+    try:
+        out = None
+        for step in range(3):
+            gen = torch.Generator().manual_seed(100 + step)
+            args = random_pages_and_selection(gen, 8 if device.type == "cuda" else 2, 4, 128, 16, n_entries, 512,
+                                              torch.bfloat16, device)
+            out = triton_kernels.paged_decode_attention(*args, 0.09, out=out if step == 2 else None)
+            expected = paged_decode_attention_reference(*args, 0.09)
+            tolerance = TOLERANCES[torch.bfloat16]
+            torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    finally:
+        triton_kernels.set_fast_launch(previous)

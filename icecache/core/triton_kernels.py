@@ -200,15 +200,113 @@ if TRITON_IMPORT_ERROR is None:
         tl.store(pool_values_ptr + target, values.to(pool_values_ptr.dtype.element_ty), mask=ok)
 
 
+# ------------------------------------------------------------------------------------------------ host side
+#
+# A decode step calls the attention once per layer, so its host cost is paid ~30 times per token. Measured on the
+# H200 host (results/bench/kernels_h200_20261130.json), Triton's generic launch path (binding and specialising
+# ~30 arguments, then the launcher) plus a few small allocations cost ~130 us per call, against a kernel of a few
+# microseconds. So the host side keeps one ``_AttentionPlan`` per call geometry (splits, grid, scratch buffers,
+# the compiled kernel) and, after the first call of a geometry, launches the compiled kernel directly.
+
+
+def _fast_launch_enabled() -> bool:
+    """Direct launches of compiled kernels (Triton >= 3.3, not interpreted, not disabled by
+    ``ICECACHE_TRITON_FAST_LAUNCH=0``). Older Triton passes a different argument list to its launcher."""
+    if TRITON_IMPORT_ERROR is not None or interpreted():
+        return False
+    if os.environ.get("ICECACHE_TRITON_FAST_LAUNCH", "1") in ("", "0"):
+        return False
+    try:
+        major, minor = (int(part) for part in triton.__version__.split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (3, 3)
+
+
+_FAST_LAUNCH = _fast_launch_enabled()
+
+
+def set_fast_launch(enabled: bool) -> bool:
+    """Turn direct launches on or off (benchmarks and tests compare both); returns the previous setting. Turning
+    them on has no effect where ``_fast_launch_enabled`` says they cannot work."""
+    global _FAST_LAUNCH
+    previous = _FAST_LAUNCH
+    _FAST_LAUNCH = bool(enabled) and _fast_launch_enabled()
+    return previous
+
+
+def _current_stream(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+try:  # the raw-handle query Triton itself uses; much cheaper than building a torch Stream object
+    from torch._C import _cuda_getCurrentRawStream as _raw_stream
+except ImportError:  # pragma: no cover - CPU-only builds
+    _raw_stream = None
+
+
+def _stream_handle(device: torch.device) -> int:
+    if _raw_stream is not None and device.type == "cuda":
+        return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
+    return _current_stream(device)
+
+
+def _launch(kernel, compiled, grid: tuple[int, ...], args: tuple, stream: int, options: dict):
+    """Launch ``kernel`` on ``grid``; returns the compiled kernel to reuse for later launches of the same
+    specialisation.
+
+    The first launch of a specialisation goes through Triton's JIT (which compiles, or finds the kernel in its
+    cache). Later ones call the compiled kernel with the same full argument list (constexprs included, as
+    Triton >= 3.3 does itself), skipping the per-call binding and specialisation. The caller's cache key must pin
+    everything Triton specialises on: argument dtypes, integers' value class (== 1, multiple of 16, 32/64-bit)
+    and 16-byte pointer alignment.
+    """
+    global _FAST_LAUNCH
+    if compiled is not None and _FAST_LAUNCH:
+        try:
+            compiled[grid](*args, stream=stream)
+            return compiled
+        except (AttributeError, TypeError) as error:  # an unexpected Triton internals: use the JIT path from now on
+            import warnings
+
+            warnings.warn(f"direct Triton launch failed ({error!r}); using Triton's launch path", RuntimeWarning)
+            _FAST_LAUNCH = False
+    result = kernel[grid](*args, **options)
+    return result if _FAST_LAUNCH and hasattr(result, "function") else None
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """All pointers 16-byte aligned (what Triton assumes of tensors by default); then one compiled kernel serves
+    every call of a geometry. Otherwise the call takes the JIT path, which specialises per pointer."""
+    address = 0
+    for tensor in tensors:
+        address |= tensor.data_ptr()
+    return address & 15 == 0
+
+
 @functools.lru_cache(maxsize=None)
 def _multiprocessor_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def choose_splits(n_table: int, n_kv_heads: int, pages_per_block: int, device: torch.device) -> tuple[int, int]:
-    """``(n_splits, pages_per_split)``: enough programs to fill the GPU, no split without pages, whole blocks each."""
+#: Tokens per KV head up to which one split (one kernel, no combine pass) is used on CUDA: below this the second
+#: launch costs more than the extra programs would save. 512 tokens are 8 loop steps of 64 rows per program.
+SINGLE_SPLIT_MAX_TOKENS = 512
+
+
+def choose_splits(
+    n_table: int, n_kv_heads: int, pages_per_block: int, device: torch.device, page_size: int | None = None
+) -> tuple[int, int]:
+    """``(n_splits, pages_per_split)``: enough programs to fill the GPU, no split without pages, whole blocks each.
+
+    On CUDA, a selection of at most ``SINGLE_SPLIT_MAX_TOKENS`` tokens per KV head (``n_table * page_size``) gets
+    one split, so the call is one kernel launch."""
     n_blocks = max(1, math.ceil(n_table / pages_per_block))
     if device.type == "cuda":
+        if page_size is not None and n_table * page_size <= SINGLE_SPLIT_MAX_TOKENS:
+            return 1, n_blocks * pages_per_block
         target_programs = PROGRAMS_PER_SM * _multiprocessor_count(device.index or 0)
     else:  # interpreter: a few splits, so that the combine path is exercised too
         target_programs = 4 * n_kv_heads
@@ -216,6 +314,99 @@ def choose_splits(n_table: int, n_kv_heads: int, pages_per_block: int, device: t
     blocks_per_split = math.ceil(n_blocks / n_splits)
     n_splits = math.ceil(n_blocks / blocks_per_split)
     return n_splits, blocks_per_split * pages_per_block
+
+
+class _AttentionPlan:
+    """Everything about a paged attention call that depends only on its geometry: split count, grids, the
+    constexpr arguments, the float32 scratch for the partial results (reused: calls on one stream run in order),
+    and the compiled kernels once launched."""
+
+    __slots__ = ("n_splits", "pages_per_split", "grid", "combine_grid", "constants", "combine_constants",
+                 "options", "part_acc", "part_max", "part_sum", "split_kernel", "combine_kernel")
+
+    def __init__(self, query, key_pages, page_table, n_splits, block_tokens, num_warps, stream):
+        n_heads, head_dim = query.shape
+        _, n_kv_heads, page_size, _ = key_pages.shape
+        if n_heads % n_kv_heads:
+            raise ValueError(f"{n_heads} query heads are not a multiple of {n_kv_heads} KV heads")
+        if page_size & (page_size - 1) or page_size > 64:
+            raise ValueError(f"page_size must be a power of two <= 64, got {page_size}")
+        block_tokens = max(block_tokens, page_size, 16)
+        if block_tokens & (block_tokens - 1):
+            raise ValueError(f"block_tokens must be a power of two, got {block_tokens}")
+        device = query.device
+        n_table = page_table.shape[1]
+        pages_per_block = block_tokens // page_size
+        if n_splits is None:
+            n_splits, pages_per_split = choose_splits(n_table, n_kv_heads, pages_per_block, device, page_size)
+        else:
+            n_blocks = max(1, math.ceil(n_table / pages_per_block))
+            blocks_per_split = math.ceil(n_blocks / max(1, min(n_splits, n_blocks)))
+            n_splits = math.ceil(n_blocks / blocks_per_split)
+            pages_per_split = blocks_per_split * pages_per_block
+        self.n_splits, self.pages_per_split = n_splits, pages_per_split
+        self.grid = (n_kv_heads, n_splits)
+        self.combine_grid = (n_heads,)
+        # Scratch for the partial results, shared by the plans of one stream (the single-split path ignores it).
+        self.part_acc, self.part_max, self.part_sum = _split_scratch(device, stream, n_heads, head_dim, n_splits)
+        block_dim = triton.next_power_of_2(head_dim)
+        # Exact float32 products for float32 inputs. Triton's CPU interpreter multiplies bf16 tiles wrongly (it sees
+        # their bits as integers), so there every dot runs in float32 too; compiled 16-bit inputs use tensor cores.
+        fp32_inputs = query.dtype == torch.float32 or key_pages.dtype == torch.float32 or interpreted()
+        group = n_heads // n_kv_heads
+        # GROUP, BLOCK_GROUP, HEAD_DIM, BLOCK_DIM, PAGE_SIZE, BLOCK_TOKENS, N_SPLITS, IEEE_FP32 (kernel order).
+        self.constants = (group, max(16, triton.next_power_of_2(group)), head_dim, block_dim, page_size,
+                          block_tokens, n_splits, fp32_inputs)
+        # Exact float32 dots run on FMA units and need 8 warps to hold a 64-row tile without spilling (ptxas, sm_90).
+        self.options = {"num_warps": num_warps or (8 if fp32_inputs else 4), "num_stages": 2}
+        # HEAD_DIM, BLOCK_DIM, N_SPLITS, BLOCK_SPLITS.
+        self.combine_constants = (head_dim, block_dim, n_splits, max(2, triton.next_power_of_2(n_splits)))
+        self.split_kernel = None
+        self.combine_kernel = None
+
+
+_ATTENTION_PLANS: dict[tuple, _AttentionPlan] = {}
+_MAX_PLANS = 512
+_SPLIT_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_scratch(device, stream: int, n_heads: int, head_dim: int, n_splits: int):
+    """Float32 ``(acc [Hq, n, D], max [Hq, n], sum [Hq, n])`` with ``n >= n_splits``, per stream and geometry.
+
+    The kernels index them as ``head * N_SPLITS + split``, so the first ``Hq * n_splits`` rows of a larger buffer
+    serve. A larger request replaces the entry; plans made earlier keep (and still use) their smaller buffers.
+    Calls on one stream run in order, so sharing them between calls is safe."""
+    key = (device, stream, n_heads, head_dim)
+    scratch = _SPLIT_SCRATCH.get(key)
+    if scratch is None or scratch[1].numel() < n_heads * n_splits:
+        if device.type == "cuda":  # room for the largest automatic split count, so that this rarely grows
+            n_splits = max(n_splits, math.ceil(PROGRAMS_PER_SM * _multiprocessor_count(device.index or 0)))
+        scratch = (torch.empty(n_heads * n_splits * head_dim, device=device, dtype=torch.float32),
+                   torch.empty(n_heads * n_splits, device=device, dtype=torch.float32),
+                   torch.empty(n_heads * n_splits, device=device, dtype=torch.float32))
+        _SPLIT_SCRATCH[key] = scratch
+    return scratch
+
+
+def clear_plans() -> None:
+    """Forget the cached launch plans (and free their scratch buffers)."""
+    _ATTENTION_PLANS.clear()
+    _SPLIT_SCRATCH.clear()
+    _SCATTER_KERNELS.clear()
+
+
+def attention_plan(
+    query: torch.Tensor,
+    key_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    *,
+    n_splits: int | None = None,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+) -> tuple[int, int]:
+    """``(n_splits, pages_per_split)`` that ``paged_decode_attention`` uses for these shapes (benchmarks)."""
+    _require_triton()
+    plan = _AttentionPlan(query, key_pages, page_table, n_splits, block_tokens, None, _stream_handle(query.device))
+    return plan.n_splits, plan.pages_per_split
 
 
 def paged_decode_attention(
@@ -229,76 +420,77 @@ def paged_decode_attention(
     n_splits: int | None = None,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
     num_warps: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton flash-decoding over selected pages: ``query [Hq, D]``, ``key_pages``/``value_pages [P, Hkv, S, D]``,
-    ``page_table``/``valid_counts [Hkv, N]`` (entries < 0 are padding) -> ``[Hq, D]`` in the query's dtype.
+    ``page_table``/``valid_counts [Hkv, N]`` (entries < 0 are padding; any integer dtype) -> ``[Hq, D]`` in the
+    query's dtype, written into ``out`` when given (same shape and dtype as the query, on its device).
 
     ``n_splits`` overrides the split count (tests); ``block_tokens`` is the token rows per loop step (a power of two,
     at least 16 and at least the page size); ``num_warps`` overrides the warps per program (benchmarks).
+
+    The host cost per call is a dictionary look-up and one or two direct kernel launches: nothing synchronises
+    with the device, and no tensor is allocated except the output (none when ``out`` is given). The plan's scratch
+    buffers are shared by calls of the same geometry on the same stream, which run in order.
     """
     _require_triton()
-    n_heads, head_dim = query.shape
-    _, n_kv_heads, page_size, _ = key_pages.shape
-    if n_heads % n_kv_heads:
-        raise ValueError(f"{n_heads} query heads are not a multiple of {n_kv_heads} KV heads")
-    if page_size & (page_size - 1) or page_size > 64:
-        raise ValueError(f"page_size must be a power of two <= 64, got {page_size}")
-    block_tokens = max(block_tokens, page_size, 16)
-    if block_tokens & (block_tokens - 1):
-        raise ValueError(f"block_tokens must be a power of two, got {block_tokens}")
     device = query.device
-    group = n_heads // n_kv_heads
+    # Tables are used in place when they are on the device with unit stride along the entries (the kernel takes
+    # any row stride and any integer dtype), so the usual call copies nothing.
+    if page_table.device != device or page_table.stride(-1) != 1:
+        page_table = page_table.to(device=device, non_blocking=True).contiguous()
+    if valid_counts.device != device or valid_counts.stride(-1) != 1:
+        valid_counts = valid_counts.to(device=device, non_blocking=True).contiguous()
+    if out is None:
+        out = torch.empty_like(query)
+    elif out.shape != query.shape or out.dtype != query.dtype or out.device != device:
+        raise ValueError(f"out must be {tuple(query.shape)} {query.dtype} on {device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
     n_table = page_table.shape[1]
-    page_table = page_table.to(device=device, non_blocking=True).contiguous()
-    valid_counts = valid_counts.to(device=device, dtype=torch.int32, non_blocking=True).contiguous()
-    out = torch.empty_like(query)
     if n_table == 0:
         return out.zero_()
 
-    pages_per_block = block_tokens // page_size
-    if n_splits is None:
-        n_splits, pages_per_split = choose_splits(n_table, n_kv_heads, pages_per_block, device)
-    else:
-        n_blocks = math.ceil(n_table / pages_per_block)
-        blocks_per_split = math.ceil(n_blocks / max(1, min(n_splits, n_blocks)))
-        n_splits = math.ceil(n_blocks / blocks_per_split)
-        pages_per_split = blocks_per_split * pages_per_block
+    stream = _stream_handle(device)
+    # Everything Triton specialises on is in the key: dtypes, shapes and strides (the integer arguments follow
+    # from them) and, through ``aligned``, the pointers' 16-byte alignment.
+    aligned = _aligned(query, key_pages, value_pages, page_table, valid_counts, out)
+    key = (device, stream, aligned, n_splits, block_tokens, num_warps,
+           query.dtype, query.shape, query.stride(), out.dtype, out.stride(),
+           key_pages.dtype, key_pages.shape, key_pages.stride(), value_pages.dtype, value_pages.stride(),
+           page_table.dtype, page_table.shape, page_table.stride(), valid_counts.dtype, valid_counts.stride())
+    plan = _ATTENTION_PLANS.get(key)
+    if plan is None:
+        if valid_counts.shape != page_table.shape:
+            raise ValueError(f"valid_counts {tuple(valid_counts.shape)} and page_table {tuple(page_table.shape)} "
+                             "must have the same shape")
+        if len(_ATTENTION_PLANS) >= _MAX_PLANS:  # e.g. a table width that changes every step; Triton keeps the binaries
+            _ATTENTION_PLANS.clear()
+        plan = _ATTENTION_PLANS[key] = _AttentionPlan(query, key_pages, page_table, n_splits, block_tokens,
+                                                      num_warps, stream)
 
-    if n_splits > 1:
-        part_acc = torch.empty(n_heads, n_splits, head_dim, device=device, dtype=torch.float32)
-        part_max = torch.empty(n_heads, n_splits, device=device, dtype=torch.float32)
-        part_sum = torch.empty(n_heads, n_splits, device=device, dtype=torch.float32)
-    else:  # unused by the single-split path; any float32 tensors will do as arguments
-        part_acc = part_max = part_sum = out.new_empty(1, dtype=torch.float32)
-
-    block_dim = triton.next_power_of_2(head_dim)
-    # Exact float32 products for float32 inputs. Triton's CPU interpreter multiplies bf16 tiles wrongly (it sees
-    # their bits as integers), so there every dot runs in float32 too; compiled 16-bit inputs use tensor cores.
-    fp32_inputs = query.dtype == torch.float32 or key_pages.dtype == torch.float32 or interpreted()
-    _paged_decode_split_kernel[(n_kv_heads, n_splits)](
+    args = (
         query, key_pages, value_pages, page_table, valid_counts,
-        out, part_acc, part_max, part_sum,
-        n_table, pages_per_split, float(scaling) * math.log2(math.e),
-        query.stride(0), query.stride(1),
-        *key_pages.stride(), *value_pages.stride(),
-        page_table.stride(0), valid_counts.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_DIM=block_dim,
-        PAGE_SIZE=page_size, BLOCK_TOKENS=block_tokens,
-        N_SPLITS=n_splits, IEEE_FP32=fp32_inputs,
-        # Exact float32 dots run on FMA units and need 8 warps to hold a 64-row tile without spilling (ptxas, sm_90).
-        num_warps=num_warps or (8 if fp32_inputs else 4), num_stages=2,
+        out, plan.part_acc, plan.part_max, plan.part_sum,
+        n_table, plan.pages_per_split, float(scaling) * _LOG2_E,
+        *query.stride(), *key_pages.stride(), *value_pages.stride(),
+        page_table.stride(0), valid_counts.stride(0), *out.stride(),
+        *plan.constants,
     )
-    if n_splits > 1:
-        _combine_splits_kernel[(n_heads,)](
-            out, part_acc, part_max, part_sum,
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_DIM=block_dim,
-            N_SPLITS=n_splits, BLOCK_SPLITS=max(2, triton.next_power_of_2(n_splits)),
-            num_warps=4,
-        )
+    compiled = _launch(_paged_decode_split_kernel, plan.split_kernel, plan.grid, args, stream, plan.options)
+    if aligned:  # unaligned calls always take the JIT path, which specialises on alignment itself
+        plan.split_kernel = compiled
+    if plan.n_splits > 1:
+        combine_args = (out, plan.part_acc, plan.part_max, plan.part_sum, *out.stride(), *plan.combine_constants)
+        compiled = _launch(_combine_splits_kernel, plan.combine_kernel, plan.combine_grid, combine_args, stream,
+                           {"num_warps": 4})
+        if aligned:
+            plan.combine_kernel = compiled
     return out
+
+
+_LOG2_E = math.log2(math.e)
+
+_SCATTER_KERNELS: dict[tuple, object] = {}
 
 
 def scatter_pages(
@@ -313,7 +505,8 @@ def scatter_pages(
 
     The pools are ``[n_slots, Hkv, S, D]`` and must be contiguous in their last two dimensions (one page block is
     one run of ``S * D`` elements); the transit blocks likewise. Values are cast to the pool dtype.
-    ``(slots[i], heads[i])`` pairs must be distinct, as for ``index_put_``.
+    ``(slots[i], heads[i])`` pairs must be distinct, as for ``index_put_``. Launched directly after the first call
+    of a layout, like the attention.
     """
     _require_triton()
     n = transit_keys.shape[0]
@@ -328,11 +521,19 @@ def scatter_pages(
     if transit_keys.stride(0) != transit_values.stride(0) or pool_keys.stride()[:2] != pool_values.stride()[:2]:
         raise ValueError("keys and values must have the same layout")
     device = pool_keys.device
-    slots = slots.to(device=device, non_blocking=True)
-    heads = heads.to(device=device, non_blocking=True)
-    _scatter_pages_kernel[(n,)](
+    if slots.device != device:
+        slots = slots.to(device=device, non_blocking=True)
+    if heads.device != device:
+        heads = heads.to(device=device, non_blocking=True)
+    args = (
         transit_keys, transit_values, pool_keys, pool_values, slots, heads,
         transit_keys.stride(0), pool_keys.stride(0), pool_keys.stride(1),
-        BLOCK_SIZE=block_size, BLOCK_ELEMENTS=triton.next_power_of_2(block_size),
-        num_warps=4,
+        block_size, triton.next_power_of_2(block_size),
     )
+    stream = _stream_handle(device)
+    aligned = _aligned(transit_keys, transit_values, pool_keys, pool_values, slots, heads)
+    key = (device, aligned, transit_keys.dtype, transit_values.dtype, pool_keys.dtype, pool_values.dtype,
+           slots.dtype, heads.dtype, *args[6:])
+    compiled = _launch(_scatter_pages_kernel, _SCATTER_KERNELS.get(key), (n,), args, stream, {"num_warps": 4})
+    if aligned and compiled is not None:
+        _SCATTER_KERNELS[key] = compiled
