@@ -14,8 +14,8 @@ Recall, per query head, averaged:
 Data: per head, a mixture of Gaussian clusters with log-normal norm scales and a few large-norm outliers; each
 query is aimed at a few keys of one cluster, so attention is concentrated as in real decoding.
 
-    python scripts/bench_dci.py --sizes 8192 32768 131072 --threads 1 4 16
-writes results/bench/dci_<hostname>_<date>.json and prints a table.
+    python scripts/bench_dci.py --sizes 8192 32768 131072 --threads 1 4 16 [--shared-aim] [--out DIR_OR_FILE.json]
+writes results/bench/dci_<hostname>_<date>.json (or into/at --out) and prints a table.
 """
 
 from __future__ import annotations
@@ -58,13 +58,16 @@ def make_keys(rng: np.random.Generator, n: int, n_heads: int = N_KV_HEADS, dim: 
     return keys
 
 
-def make_queries(rng: np.random.Generator, keys: np.ndarray, ratio: int) -> np.ndarray:
+def make_queries(rng: np.random.Generator, keys: np.ndarray, ratio: int, shared_aim: bool = False) -> np.ndarray:
     """Each query head aims at 3 random keys of its KV head (their normalised mean) plus noise, scaled so the best
-    logits stand out by several units, as in a real decode step."""
+    logits stand out by several units, as in a real decode step. With shared_aim, the heads of one GQA group aim at
+    the same 3 keys (each with its own noise), so they expand mostly the same parents."""
     n_heads, n, dim = keys.shape
     q = np.empty((n_heads * ratio, dim), dtype=np.float32)
+    group_picks = [rng.integers(0, n, size=3) for _ in range(n_heads)] if shared_aim else None
     for h in range(n_heads * ratio):
-        picks = keys[h // ratio, rng.integers(0, n, size=3)]
+        idx = group_picks[h // ratio] if shared_aim else rng.integers(0, n, size=3)
+        picks = keys[h // ratio, idx]
         direction = picks.mean(0)
         direction /= np.linalg.norm(direction)
         noise = rng.standard_normal(dim).astype(np.float32)
@@ -109,11 +112,11 @@ def recall_metrics(index: DCIIndex, scores: torch.Tensor, pages: np.ndarray, tok
     }
 
 
-def bench_size(n: int, threads: list[int], repeats: int, seed: int) -> list[dict]:
+def bench_size(n: int, threads: list[int], repeats: int, seed: int, shared_aim: bool = False) -> list[dict]:
     rng = np.random.default_rng(seed)
     keys = make_keys(rng, n)
     ratio = N_Q_HEADS // N_KV_HEADS
-    queries = make_queries(rng, keys, ratio)
+    queries = make_queries(rng, keys, ratio, shared_aim)
     keys_t, q_t = torch.from_numpy(keys), torch.from_numpy(queries)
     rows = []
     for t in threads:
@@ -139,7 +142,8 @@ def bench_size(n: int, threads: list[int], repeats: int, seed: int) -> list[dict
             scores, exact_tokens = exact_reference(keys_t, q_t, ratio, K_PAGES)
             exact_times.append(time.perf_counter() - t0)
         row = {
-            "n": n, "threads": t, "levels": index.num_levels(0), "pages_per_head": float(index.num_pages().mean()),
+            "n": n, "threads": t, "shared_aim": shared_aim, "levels": index.num_levels(0),
+            "pages_per_head": float(index.num_pages().mean()),
             "query_fov": fov,
             "build_s": statistics.median(build_times),
             "query_ms": 1e3 * statistics.median(query_times),
@@ -172,12 +176,15 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--repeats", type=int, default=50, help="query repetitions (build: repeats // 10)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--shared-aim", action="store_true",
+                    help="the query heads of a GQA group aim at the same keys (default: every head aims on its own)")
+    ap.add_argument("--out", type=Path, default=REPO / "results" / "bench",
+                    help="a directory (gets dci_<host>_<date>.json) or a .json file path")
     args = ap.parse_args()
 
     rows = []
     for n in args.sizes:
-        rows.extend(bench_size(n, args.threads, args.repeats, args.seed))
+        rows.extend(bench_size(n, args.threads, args.repeats, args.seed, args.shared_aim))
     info = provenance()
     info["threads"] = args.threads
     result = {
@@ -190,7 +197,7 @@ def main() -> None:
         "rows": rows,
     }
     date = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out or REPO / "results" / "bench" / f"dci_{socket.gethostname()}_{date}.json"
+    out = args.out if args.out.suffix == ".json" else args.out / f"dci_{socket.gethostname()}_{date}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
 

@@ -80,9 +80,12 @@ class Forest {
     float* TS = tscores.mutable_data();
     dci::SearchConfig sc{fov, pr, pv};
     {
+    py::gil_scoped_release nogil;
+    if (cfg_.num_dirs() == 1) {
+      query_grouped(q, nq, K, sc, ratio, P, T, PS, TS);
+    } else {
       const int nthreads = std::max(1, static_cast<int>(std::min<int64_t>(nq, threads_)));
       if (static_cast<int>(scratch_.size()) < nthreads) scratch_.resize(nthreads);
-      py::gil_scoped_release nogil;
 #pragma omp parallel num_threads(nthreads)
       {
         // per-thread buffers kept across calls: a query allocates nothing once they have grown
@@ -92,7 +95,115 @@ class Forest {
           inst_[h / ratio]->query(q + h * dim, K, sc, s, P + h * K, T + h * K, PS + h * K, TS + h * K);
       }
     }
+    }
     return py::make_tuple(pages, tokens, pscores, tscores);
+  }
+
+  // The query with one direction (IceCache): the query heads of a GQA group search the same tree, and most of the
+  // time goes to scoring the key rows of the level-1 parents they expand, which the heads share. So:
+  //   1. every head descends to the last level (parallel over heads); the runs of children it would scan there are
+  //      recorded instead of scanned;
+  //   2. per instance, the runs of its heads are grouped by parent, and each parent's rows are read once and scored
+  //      against all heads that expand it (parallel over parents of all instances); every thread feeds its own
+  //      per-head accumulators;
+  //   3. per head, the accumulators of the descent and of every thread are merged and written out.
+  // A head is fed exactly the points it is fed alone, with the same scores, and the accumulators keep the best K
+  // in (distance, id) order with unique ids, so the result is the one of the per-head query for any thread count
+  // and any grouping.
+  void query_grouped(const float* q, int64_t nq, int K, const dci::SearchConfig& sc, int ratio, int32_t* P,
+                     int32_t* T, float* PS, float* TS) {
+    const int dim = cfg_.dim;
+    const int I = num_instances();
+    const int nthreads = std::max(1, threads_);
+    if (static_cast<int>(scratch_.size()) < nthreads) scratch_.resize(nthreads);
+    if (static_cast<int>(acc_.size()) < nthreads) acc_.resize(nthreads);
+    if (static_cast<int64_t>(heads_.size()) < nq) heads_.resize(nq);
+    if (static_cast<int>(jobs_.size()) < I) jobs_.resize(I);
+#pragma omp parallel num_threads(nthreads)
+    {
+      const int tid = omp_get_thread_num();
+      dci::Scratch& s = scratch_[tid];
+      ThreadAcc& acc = acc_[tid];
+      // this thread's per-head accumulators, allocated by the thread itself (its own malloc arena)
+      if (static_cast<int64_t>(acc.topk.size()) < 2 * nq) acc.topk.resize(2 * nq);
+      for (int64_t i = 0; i < 2 * nq; ++i) acc.topk[i].reset(K);
+      acc.used = false;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t h = 0; h < nq; ++h) {
+        HeadState& hs = heads_[h];
+        hs.runs.clear();
+        inst_[h / ratio]->descend(q + h * dim, K, sc, s, &hs.runs);
+        std::swap(hs.best_tokens, s.best_tokens);
+        std::swap(hs.best_pages, s.best_pages);
+        hs.probe = dci::Probe{q + h * dim, dci::dot(q + h * dim, q + h * dim, dim), true};
+      }
+      // group each instance's runs by parent: one work item = one parent and up to kMaxGroupHeads heads
+#pragma omp for schedule(dynamic, 1)
+      for (int i = 0; i < I; ++i) {
+        auto& jobs = jobs_[i];
+        jobs.clear();
+        for (int64_t h = static_cast<int64_t>(i) * ratio; h < static_cast<int64_t>(i + 1) * ratio && h < nq; ++h)
+          for (const dci::LastLevelRun& r : heads_[h].runs)
+            jobs.push_back({r.kid_slot, static_cast<int32_t>(h), r.first, r.last});
+        std::sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) {
+          return a.kid_slot < b.kid_slot || (a.kid_slot == b.kid_slot && a.head < b.head);
+        });
+      }
+#pragma omp single
+      {
+        items_.clear();
+        for (int i = 0; i < I; ++i) {
+          const auto& jobs = jobs_[i];
+          size_t b = 0;
+          while (b < jobs.size()) {
+            size_t e = b + 1;
+            int lo = jobs[b].first, hi = jobs[b].last;
+            while (e < jobs.size() && jobs[e].kid_slot == jobs[b].kid_slot && e - b < dci::kMaxGroupHeads) {
+              lo = std::min(lo, jobs[e].first);
+              hi = std::max(hi, jobs[e].last);
+              ++e;
+            }
+            items_.push_back({i, static_cast<int32_t>(b), static_cast<int32_t>(e),
+                              static_cast<int64_t>(hi - lo) * static_cast<int64_t>(e - b + 1)});
+            b = e;
+          }
+        }
+        // largest first, so that the dynamic schedule ends balanced
+        std::sort(items_.begin(), items_.end(), [](const Item& a, const Item& b) {
+          return a.cost > b.cost || (a.cost == b.cost && (a.inst < b.inst || (a.inst == b.inst && a.begin < b.begin)));
+        });
+      }
+      const int64_t n_items = static_cast<int64_t>(items_.size());
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t w = 0; w < n_items; ++w) {
+        const Item& it = items_[w];
+        const Job* jb = jobs_[it.inst].data() + it.begin;
+        const int nh = it.end - it.begin;
+        dci::Probe probes[dci::kMaxGroupHeads];
+        int32_t first[dci::kMaxGroupHeads], last[dci::kMaxGroupHeads];
+        dci::TopK* bt[dci::kMaxGroupHeads];
+        dci::TopK* bp[dci::kMaxGroupHeads];
+        for (int j = 0; j < nh; ++j) {
+          probes[j] = heads_[jb[j].head].probe;
+          first[j] = jb[j].first;
+          last[j] = jb[j].last;
+          bt[j] = &acc.topk[2 * static_cast<int64_t>(jb[j].head)];
+          bp[j] = &acc.topk[2 * static_cast<int64_t>(jb[j].head) + 1];
+        }
+        inst_[it.inst]->scan_runs(jb[0].kid_slot, nh, probes, first, last, bt, bp);
+        acc.used = true;
+      }
+#pragma omp for schedule(static)
+      for (int64_t h = 0; h < nq; ++h) {
+        HeadState& hs = heads_[h];
+        for (int t = 0; t < nthreads; ++t) {
+          if (!acc_[t].used) continue;
+          for (const dci::Candidate& c : acc_[t].topk[2 * h].items) hs.best_tokens.push(c);
+          for (const dci::Candidate& c : acc_[t].topk[2 * h + 1].items) hs.best_pages.push(c);
+        }
+        inst_[h / ratio]->emit(hs.best_tokens, hs.best_pages, K, P + h * K, T + h * K, PS + h * K, TS + h * K);
+      }
+    }
   }
 
   int num_instances() const { return static_cast<int>(inst_.size()); }
@@ -205,6 +316,27 @@ class Forest {
   std::vector<float> dirs_;
   std::vector<std::unique_ptr<Instance>> inst_;
   std::vector<dci::Scratch> scratch_;  // one per query thread (a Forest is used from one Python thread at a time)
+  // query_grouped's state, kept across calls so that a query allocates nothing once it has grown
+  struct alignas(64) HeadState {
+    dci::TopK best_tokens, best_pages;
+    std::vector<dci::LastLevelRun> runs;
+    dci::Probe probe;
+  };
+  struct alignas(64) ThreadAcc {
+    std::vector<dci::TopK> topk;  // [2 * nq]: best tokens, best pages of each head
+    bool used = false;
+  };
+  struct Job {
+    int32_t kid_slot, head, first, last;
+  };
+  struct Item {
+    int32_t inst, begin, end;  // jobs_[inst][begin, end): one parent, up to kMaxGroupHeads heads
+    int64_t cost;
+  };
+  std::vector<HeadState> heads_;
+  std::vector<ThreadAcc> acc_;
+  std::vector<std::vector<Job>> jobs_;
+  std::vector<Item> items_;
   int threads_;
 };
 

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace dci {
@@ -109,8 +110,9 @@ struct TopK {
   }
 };
 
-// Per-thread buffers of a search, reused across calls.
-struct Scratch {
+// Per-thread buffers of a search, reused across calls. Aligned to a cache line so that two threads' buffers never
+// share one (their TopK headers are written on every fed point).
+struct alignas(64) Scratch {
   std::vector<uint8_t> counter;     // [num_comp * n] pops per point per composite index
   std::vector<uint8_t> processed;   // [n]
   std::vector<int32_t> touched;
@@ -134,6 +136,16 @@ struct Probe {
   bool is_query = true;
 };
 
+// The last level of one query head's descent, deferred (L = 1): positions [first, last) of the sorted children of
+// kids_[kid_slot] are to be scored and fed. Recording them instead of scanning at once lets the heads of one GQA
+// group that expand the same parent score its key rows in one pass (`scan_runs`).
+struct LastLevelRun {
+  int32_t kid_slot;
+  int32_t first, last;
+};
+
+constexpr int kMaxGroupHeads = 16;  // query heads scored together in one pass over a parent's rows
+
 struct QueryResult {
   std::vector<int32_t> pages, tokens;
   std::vector<float> page_scores, token_scores;
@@ -151,6 +163,17 @@ class Instance {
   // section 1.7
   void query(const float* q, int K, const SearchConfig& sc, Scratch& s, int32_t* pages, int32_t* tokens,
              float* page_scores, float* token_scores) const;
+  // The query without its output: leaves s.best_tokens / s.best_pages holding every fed point. With `runs` (and
+  // L = 1) the last level is not scanned but appended to *runs, to be finished by scan_runs.
+  void descend(const float* q, int K, const SearchConfig& sc, Scratch& s, std::vector<LastLevelRun>* runs) const;
+  // Scores the union of the heads' runs over one parent's children once, each key row against all `nh` probes
+  // (nh <= kMaxGroupHeads), and feeds head j only the rows of its own run [first[j], last[j]). Per head this feeds
+  // exactly what scan_last_level would, with bit-identical scores.
+  void scan_runs(int32_t kid_slot, int nh, const Probe* probes, const int32_t* first, const int32_t* last,
+                 TopK* const* best_tokens, TopK* const* best_pages) const;
+  // Writes the two accumulators (which they sort) as the query's K pages and K tokens, -1 / NaN padded.
+  void emit(TopK& best_tokens, TopK& best_pages, int K, int32_t* pages, int32_t* tokens, float* page_scores,
+            float* token_scores) const;
 
   int64_t num_tokens() const { return static_cast<int64_t>(nodes_.size()); }
   int num_levels() const { return static_cast<int>(levels_.size()); }
@@ -198,6 +221,8 @@ class Instance {
   // from the page key buffers and fed to the accumulators without building a candidate list.
   void scan_last_level(const ChildIndex& ci, float qproj, const Probe& p, int k, const SearchConfig& sc,
                        Scratch& s) const;
+  // The run [first, last) of ci's sorted children that the children search pops with one simple index.
+  std::pair<int, int> last_level_run(const ChildIndex& ci, float qproj, int k, const SearchConfig& sc) const;
   void feed(const Candidate& c, Scratch& s) const;
   int32_t cover(int32_t node) const {
     const Node& nd = nodes_[node];
@@ -235,5 +260,8 @@ class Instance {
 // kernels.cpp
 void dot_rows(const float* q, const float* rows, const int32_t* ids, int m, int dim, float* out);
 float dot(const float* a, const float* b, int dim);
+// out[j * out_stride + r] = qs[j] . rows[r] for j < nq (any nq), reading each row once; every value is bit-identical
+// to dot_rows' value for the same query and row.
+void dot_rows_multi(const float* const* qs, int nq, const float* rows, int m, int dim, float* out, int out_stride);
 
 }  // namespace dci

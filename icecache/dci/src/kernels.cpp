@@ -69,4 +69,41 @@ void dot_rows(const float* q, const float* rows, const int32_t* ids, int m, int 
   for (; r < m; ++r) out[r] = dot_impl(q, row(r), dim);
 }
 
+// NH queries against one row at a time: the row is loaded once for all of them (the heads of a GQA group share the
+// keys). Query j's sum over a row is the same sequence of operations as in dot_rows, so the values are identical.
+template <int NH>
+__attribute__((always_inline)) static inline void dot_rows_heads(const float* const* qs, const float* rows, int m,
+                                                                 int dim, float* out, int out_stride) {
+  for (int r = 0; r < m; ++r) {
+    const float* p = rows + static_cast<int64_t>(r) * dim;
+    v8 x[NH], y[NH];
+    for (int j = 0; j < NH; ++j) x[j] = y[j] = v8{0};
+    for (int i = 0; i < dim; i += 16) {
+      const v8 pa = load8(p + i), pb = load8(p + i + 8);
+      for (int j = 0; j < NH; ++j) {
+        x[j] += load8(qs[j] + i) * pa;
+        y[j] += load8(qs[j] + i + 8) * pb;
+      }
+    }
+    for (int j = 0; j < NH; ++j) out[j * out_stride + r] = hsum(x[j], y[j], 0.0f);
+  }
+}
+
+DCI_CLONES
+void dot_rows_multi(const float* const* qs, int nq, const float* rows, int m, int dim, float* out, int out_stride) {
+  if ((dim & 15) != 0) {
+    for (int j = 0; j < nq; ++j)
+      for (int r = 0; r < m; ++r) out[j * out_stride + r] = dot_impl(qs[j], rows + static_cast<int64_t>(r) * dim, dim);
+    return;
+  }
+  int j = 0;
+  for (; j + 4 <= nq; j += 4) dot_rows_heads<4>(qs + j, rows, m, dim, out + j * out_stride, out_stride);
+  switch (nq - j) {
+    case 3: dot_rows_heads<3>(qs + j, rows, m, dim, out + j * out_stride, out_stride); break;
+    case 2: dot_rows_heads<2>(qs + j, rows, m, dim, out + j * out_stride, out_stride); break;
+    case 1: dot_rows_heads<1>(qs + j, rows, m, dim, out + j * out_stride, out_stride); break;
+    default: break;
+  }
+}
+
 }  // namespace dci

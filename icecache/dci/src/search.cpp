@@ -170,26 +170,28 @@ static int popped_with_one_index(int n, int k, const SearchConfig& sc) {
   return static_cast<int>(std::min<int64_t>(n, rounds * kBatch));
 }
 
+std::pair<int, int> Instance::last_level_run(const ChildIndex& ci, float qp, int k, const SearchConfig& sc) const {
+  const int n = ci.size();
+  // the run the expanding left/right merge of search_children pops: [lo + 1, hi)
+  const auto& arr = ci.proj[0];
+  const int c = popped_with_one_index(n, k, sc);
+  if (c >= n) return {0, n};
+  int hi = static_cast<int>(std::lower_bound(arr.begin(), arr.end(), qp) - arr.begin());
+  int lo = hi - 1;
+  for (int b = 0; b < c; ++b) {
+    if (lo < 0) ++hi;
+    else if (hi >= n) --lo;
+    else if (std::fabs(arr[hi] - qp) <= std::fabs(qp - arr[lo])) ++hi;
+    else --lo;
+  }
+  return {lo + 1, hi};
+}
+
 void Instance::scan_last_level(const ChildIndex& ci, float qp, const Probe& p, int k, const SearchConfig& sc,
                                Scratch& s) const {
   const int n = ci.size();
   if (n == 0 || k <= 0) return;
-  // the run the expanding left/right merge of search_children pops: [lo + 1, hi)
-  const auto& arr = ci.proj[0];
-  int first = 0, last = n;
-  const int c = popped_with_one_index(n, k, sc);
-  if (c < n) {
-    int hi = static_cast<int>(std::lower_bound(arr.begin(), arr.end(), qp) - arr.begin());
-    int lo = hi - 1;
-    for (int b = 0; b < c; ++b) {
-      if (lo < 0) ++hi;
-      else if (hi >= n) --lo;
-      else if (std::fabs(arr[hi] - qp) <= std::fabs(qp - arr[lo])) ++hi;
-      else --lo;
-    }
-    first = lo + 1;
-    last = hi;
-  }
+  const auto [first, last] = last_level_run(ci, qp, k, sc);
   const int dim = cfg_->dim;
   float dots[kPageSlots];
   int pos = 0;
@@ -223,6 +225,57 @@ void Instance::scan_last_level(const ChildIndex& ci, float qp, const Probe& p, i
   }
 }
 
+void Instance::scan_runs(int32_t kid_slot, int nh, const Probe* probes, const int32_t* first, const int32_t* last,
+                         TopK* const* best_tokens, TopK* const* best_pages) const {
+  const ChildIndex& ci = kids_[kid_slot];
+  int lo = first[0], hi = last[0];
+  for (int j = 1; j < nh; ++j) {
+    lo = std::min(lo, first[j]);
+    hi = std::max(hi, last[j]);
+  }
+  const int dim = cfg_->dim;
+  const float* qs[kMaxGroupHeads];
+  for (int j = 0; j < nh; ++j) qs[j] = probes[j].vec;
+  float dots[kMaxGroupHeads * kPageSlots];
+  int pos = 0;
+  const size_t nleaves = ci.leaves.size();
+  for (size_t li = 0; li < nleaves; ++li) {
+    if (pos >= hi) break;
+    const int32_t page = ci.leaves[li];
+    const Leaf& lf = leaves_[page];
+    if (li + 1 < nleaves && pos + lf.count < hi) {
+      const char* nxt = reinterpret_cast<const char*>(&page_keys_[static_cast<int64_t>(ci.leaves[li + 1]) * kPageSlots * dim]);
+      const int bytes = leaves_[ci.leaves[li + 1]].count * dim * static_cast<int>(sizeof(float));
+      for (int off = 0; off < bytes; off += 64) __builtin_prefetch(nxt + off);
+    }
+    const int s0 = std::max(lo - pos, 0), s1 = std::min(hi - pos, static_cast<int>(lf.count));
+    const int base = pos;
+    pos += lf.count;
+    if (s0 >= s1) continue;
+    dot_rows_multi(qs, nh, &page_keys_[(static_cast<int64_t>(page) * kPageSlots + s0) * dim], s1 - s0, dim, dots,
+                   kPageSlots);
+    for (int j = 0; j < nh; ++j) {
+      // head j's own rows of this page, as scan_last_level would take them
+      const int t0 = std::max(first[j] - base, s0), t1 = std::min(last[j] - base, s1);
+      if (t0 >= t1) continue;
+      const float* dj = dots + j * kPageSlots - s0;
+      TopK& bt = *best_tokens[j];
+      Candidate best{INFINITY, -1};
+      for (int t = t0; t < t1; ++t) {
+        const double ab = dj[t];
+        const int32_t id = lf.item[t];
+        const float d = cfg_->transform
+                            ? static_cast<float>(-ab)
+                            : static_cast<float>(probes[j].sq_norm + static_cast<double>(sq_norm_[id]) - 2.0 * ab);
+        const Candidate cand{d, id};
+        bt.push(cand);
+        if (best.id < 0 || cand < best) best = cand;
+      }
+      best_pages[j]->push(best);
+    }
+  }
+}
+
 // A fed point whose page may also receive other fed points: its page's best is settled at the end of the query.
 void Instance::feed(const Candidate& c, Scratch& s) const {
   s.best_tokens.push(c);
@@ -244,10 +297,14 @@ void Instance::feed(const Candidate& c, Scratch& s) const {
 // pages, and a query with fov >= n and prop_to_retrieve = 1 returns every page.
 void Instance::query(const float* q, int K, const SearchConfig& sc, Scratch& s, int32_t* pages, int32_t* tokens,
                      float* page_scores, float* token_scores) const {
-  std::fill(pages, pages + K, -1);
-  std::fill(tokens, tokens + K, -1);
-  std::fill(page_scores, page_scores + K, NAN);
-  std::fill(token_scores, token_scores + K, NAN);
+  descend(q, K, sc, s, nullptr);
+  emit(s.best_tokens, s.best_pages, K, pages, tokens, page_scores, token_scores);
+}
+
+void Instance::descend(const float* q, int K, const SearchConfig& sc, Scratch& s,
+                       std::vector<LastLevelRun>* runs) const {
+  s.best_tokens.reset(std::max(K, 0));
+  s.best_pages.reset(std::max(K, 0));
   if (levels_.empty() || K <= 0) return;
   const int dim = cfg_->dim, L = cfg_->num_dirs(), stride = cfg_->dir_stride();
   const float q_sq = dot(q, q, dim);
@@ -260,14 +317,16 @@ void Instance::query(const float* q, int K, const SearchConfig& sc, Scratch& s, 
   std::vector<Candidate>& cur = s.level_out;
   std::vector<Candidate>& next = s.next;
   std::vector<Candidate>& part = s.part;
-  s.best_tokens.reset(K);
-  s.best_pages.reset(K);
   if (s.page_best.size() < leaves_.size()) s.page_best.resize(leaves_.size(), Candidate{INFINITY, -1});
   if (s.page_seen.size() < leaves_.size()) s.page_seen.resize(leaves_.size(), 0);
   s.pages_hit.clear();
   // the last level: every scored child of `ci` is fed
   auto expand_last = [&](const ChildIndex& ci, int k) {
-    if (L == 1) {
+    if (L == 1 && runs) {
+      if (ci.size() == 0 || k <= 0) return;
+      const auto [first, last] = last_level_run(ci, qproj[0], k, sc);
+      runs->push_back({static_cast<int32_t>(&ci - kids_.data()), first, last});
+    } else if (L == 1) {
       scan_last_level(ci, qproj[0], probe, k, sc, s);
     } else {
       search_children(ci, qproj, probe, k, 0, sc, s, part, true);
@@ -314,14 +373,22 @@ void Instance::query(const float* q, int K, const SearchConfig& sc, Scratch& s, 
     s.best_pages.push(s.page_best[pg]);
     s.page_best[pg] = Candidate{INFINITY, -1};
   }
+}
+
+void Instance::emit(TopK& best_tokens, TopK& best_pages, int K, int32_t* pages, int32_t* tokens, float* page_scores,
+                    float* token_scores) const {
+  std::fill(pages, pages + K, -1);
+  std::fill(tokens, tokens + K, -1);
+  std::fill(page_scores, page_scores + K, NAN);
+  std::fill(token_scores, token_scores + K, NAN);
   const float sign = -1.0f;  // distances are -q.k (or |q-k|^2): report the negated value as the score
-  auto& bp = s.best_pages.items;
+  auto& bp = best_pages.items;
   std::sort(bp.begin(), bp.end());
   for (size_t i = 0; i < bp.size(); ++i) {
     pages[i] = nodes_[bp[i].id].page;
     page_scores[i] = sign * bp[i].dist;
   }
-  auto& bt = s.best_tokens.items;
+  auto& bt = best_tokens.items;
   std::sort(bt.begin(), bt.end());
   for (size_t i = 0; i < bt.size(); ++i) {
     tokens[i] = bt[i].id;
