@@ -374,7 +374,7 @@ class IceCacheLayer(DenseKV):
         """bool [Hq, seq_len + 1] of the positions each query head attends (trace_selection)."""
         total = self.seq_len + 1
         index = self._shared()["index"]
-        mask = torch.zeros(self.model.n_kv_heads, total, dtype=torch.bool)
+        mask = torch.zeros(self.model.n_kv_heads, total, dtype=torch.bool, device=self.pool.key_pages.device)
         mask[:, : self.sink_len] = True
         mask[:, self.window_start : total] = True
         for head in range(self.model.n_kv_heads):

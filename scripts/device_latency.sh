@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# One GPU-host call: build the DCI extension, run the GPU tests of the methods, time every method against the
+# full cache on the Llama-3.1-8B architecture (random weights). Results and the log go to $OUT (or results/bench).
+# Usage: bash scripts/device_latency.sh "<lengths>" "<methods>"
+set -uo pipefail
+export PYTHONUNBUFFERED=1 OMP_PROC_BIND=false
+out=${OUT:-results/bench}
+lengths=${1:-8192 32768}
+methods=${2:-icecache icecache_reuse arkvale quest h2o streaming_llm snapkv oracle_topk}
+python3 setup.py build_ext --inplace -q 2>&1 | grep -i error
+python3 -m pytest -q -m gpu tests/test_gpu_methods.py tests/test_method_invariants.py 2>&1 | tail -2
+python3 scripts/bench_latency.py --model llama31_8b --lengths $lengths --methods $methods \
+    --budget 256 --repeats 2 --warmup 1 --threads 16 --out "$out" 2>&1 | tail -45
