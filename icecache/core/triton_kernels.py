@@ -266,9 +266,9 @@ def _launch(kernel, compiled, grid: tuple[int, ...], args: tuple, stream: int, o
     global _FAST_LAUNCH
     if compiled is not None and _FAST_LAUNCH:
         try:
-            compiled[grid](*args, stream=stream)
+            compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, stream=stream)  # compiled kernels take 3-D grids
             return compiled
-        except (AttributeError, TypeError) as error:  # an unexpected Triton internals: use the JIT path from now on
+        except (AttributeError, TypeError, IndexError) as error:  # an unexpected Triton internals: use the JIT path from now on
             import warnings
 
             warnings.warn(f"direct Triton launch failed ({error!r}); using Triton's launch path", RuntimeWarning)
