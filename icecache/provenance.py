@@ -38,7 +38,8 @@ def collect() -> dict[str, Any]:
     import transformers
 
     info: dict[str, Any] = {
-        "git_commit": _git("rev-parse", "HEAD"),
+        # A copied tree without .git (e.g. a GPU host) names its commit through the environment.
+        "git_commit": _git("rev-parse", "HEAD") or os.environ.get("ICECACHE_GIT_COMMIT"),
         "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "host": socket.gethostname(),

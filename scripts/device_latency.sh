@@ -4,6 +4,8 @@
 # Usage: bash scripts/device_latency.sh "<lengths>" "<methods>"
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OMP_PROC_BIND=false
+# A git-archive copy has no .git: name the commit (ICECACHE_GIT_COMMIT=<sha> bash ...) so result files carry it.
+export ICECACHE_GIT_COMMIT=${ICECACHE_GIT_COMMIT:-unknown}
 out=${OUT:-results/bench}
 lengths=${1:-8192 32768}
 methods=${2:-icecache icecache_reuse arkvale quest h2o streaming_llm snapkv oracle_topk}
