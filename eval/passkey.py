@@ -37,6 +37,7 @@ class PasskeyConfig(TaskConfig):
     lengths: list[int] = field(default_factory=lambda: [4096])  # prompt tokens, at most
     num_depths: int = 20  # depths i / num_depths for i = 0 .. num_depths-1, one sample each per length
     extra_new_tokens: int = 1  # IceCache generates len(answer_ids) + 1 tokens; ArkVale uses 0
+    decode_question: bool = False  # feed the question line token by token as decode steps (Quest's protocol)
 
 
 def build_prompt(n_filler_chars: int, depth: float, key: int) -> str:
@@ -87,12 +88,18 @@ class Passkey(Task):
                 depth = i / self.config.num_depths
                 answer_ids = tokenizer.encode(str(key), add_special_tokens=False)
                 input_ids = tokenizer(build_prompt(chars, depth, key))["input_ids"]
+                suffix_ids: list[int] = []
+                if self.config.decode_question:
+                    n_question = len(tokenizer.encode("\n" + QUESTION, add_special_tokens=False))
+                    input_ids, suffix_ids = input_ids[:-n_question], input_ids[-n_question:]
                 yield Sample(
                     sample_id=f"len{length}-depth{i:02d}",
                     input_ids=input_ids,
+                    suffix_ids=suffix_ids,
                     max_new_tokens=len(answer_ids) + self.config.extra_new_tokens,
                     answers=[str(key)],
-                    meta={"length": length, "depth": depth, "answer_ids": answer_ids, "prompt_tokens": len(input_ids)},
+                    meta={"length": length, "depth": depth, "answer_ids": answer_ids,
+                          "prompt_tokens": len(input_ids) + len(suffix_ids)},
                 )
 
     def score(self, sample: Sample, prediction: str, output_ids: list[int]) -> dict[str, float]:

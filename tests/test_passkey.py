@@ -53,3 +53,12 @@ def test_score_uses_the_tail_tokens():
     assert task.score(sample, " " + sample.answers[0], [32] + answer_ids)["score"] == 1.0
     assert task.score(sample, sample.answers[0] + "1", answer_ids + [49])["score"] == 0.0
     assert task.score(sample, "the key 9", [1, 2])["first_integer"] == 0.0
+
+
+def test_decode_question_moves_the_question_into_decode_steps():
+    plain = make_samples(lengths=[600], num_depths=2)
+    split = make_samples(lengths=[600], num_depths=2, decode_question=True)
+    tokenizer = byte_tokenizer()
+    for whole, parts in zip(plain, split):
+        assert parts.input_ids + parts.suffix_ids == whole.input_ids
+        assert tokenizer.decode(parts.suffix_ids) == "\nWhat is the pass key? The pass key is"
