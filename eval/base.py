@@ -5,13 +5,12 @@ Tasks never import torch kernels or methods; what they need of the model is a ``
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterator
 
-from icecache.core.errors import ConfigError
+from icecache.core.errors import dataclass_from_dict
 from icecache.core.registry import Registry
 
 
@@ -50,14 +49,7 @@ class TaskConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "TaskConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(
-                f"task {values.get('name', cls.__name__)!r} has no setting {', '.join(unknown)}; "
-                f"its settings are: {', '.join(sorted(known))}"
-            )
-        return cls(**values)
+        return dataclass_from_dict(cls, values, "task")
 
 
 class Task(ABC):

@@ -12,7 +12,6 @@ decode step in a sparsified layer, sink, selected and recent tokens included.
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -20,7 +19,7 @@ from typing import Any, ClassVar
 import torch
 
 from .attention import dense_attention
-from .errors import ConfigError
+from .errors import ConfigError, dataclass_from_dict
 from .registry import Registry
 from .timing import DecodeCounters, PhaseTimer
 
@@ -64,14 +63,7 @@ class MethodConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "MethodConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(
-                f"method {values.get('name', cls.__name__)!r} has no setting {', '.join(unknown)}; "
-                f"its settings are: {', '.join(sorted(known))}"
-            )
-        return cls(**values)
+        return dataclass_from_dict(cls, values, "method")
 
 
 @dataclass

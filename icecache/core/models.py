@@ -7,7 +7,6 @@ published checksum checked before use.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import importlib.util
 import os
@@ -17,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, dataclass_from_dict
 from .method import ModelInfo
 from .registry import Registry
 
@@ -46,11 +45,7 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "ModelSpec":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"model setting(s) {', '.join(unknown)} unknown; known: {', '.join(sorted(known))}")
-        return cls(**values)
+        return dataclass_from_dict(cls, values, "model")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
