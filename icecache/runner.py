@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from icecache.core.errors import ConfigError
+from icecache.core.method import method_class
 from icecache.core.models import ModelSpec, check_model, model_info
 
 PREDICTIONS = "predictions.jsonl"
@@ -42,7 +43,10 @@ class RunConfig:
         values = dict(values)
         known = {f.name for f in dataclasses.fields(cls)}
         extra = {k: values.pop(k) for k in list(values) if k not in known}
-        return cls(model=ModelSpec.from_dict(dict(values.pop("model"))), extra=extra, **values)
+        method = dict(values.pop("method"))
+        if not method_class(method.get("name")).uses_budget:
+            method["budget"] = None  # the full cache ignores it: one run directory whatever budget was asked
+        return cls(model=ModelSpec.from_dict(dict(values.pop("model"))), method=method, extra=extra, **values)
 
     def identity(self) -> dict[str, Any]:
         """The settings that can change a result (device and dtype included, threads and paths not)."""

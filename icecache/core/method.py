@@ -200,13 +200,17 @@ class Method(ABC):
 METHODS: Registry[type[Method]] = Registry("method")
 
 
-def build_method(values: dict[str, Any], model: ModelInfo) -> Method:
-    """Config dict (from Hydra or a test) -> checked ``Method``; raises ``ConfigError`` on bad settings."""
+def method_class(name: str | None) -> type[Method]:
+    """The registered class of a method name (importing the modules that register methods)."""
     import baselines  # noqa: F401  registers the baselines
     import icecache.method  # noqa: F401  registers IceCache
 
-    name = values.get("name")
-    method_cls = METHODS.get(name)
+    return METHODS.get(name)
+
+
+def build_method(values: dict[str, Any], model: ModelInfo) -> Method:
+    """Config dict (from Hydra or a test) -> checked ``Method``; raises ``ConfigError`` on bad settings."""
+    method_cls = method_class(values.get("name"))
     config = method_cls.config_class.from_dict(dict(values))
     method = method_cls(config, model)
     method.check()
