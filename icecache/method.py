@@ -225,6 +225,19 @@ class IceCacheLayer(DenseKV):
             shared["index"] = index
             shared["changed"] = index.pop_changed_pages() if middle_k.shape[1] else None
         self._rewrite_pages(shared["changed"])
+        self._progress().update()
+
+    def _progress(self):
+        """One bar per sequence over the sparsified layers' prompt indexing (shown on a terminal only)."""
+        bar = self.seq.shared.get("icecache_progress")
+        if bar is None:
+            from tqdm.auto import tqdm
+
+            n_layers = self.model.n_layers - self.cfg.n_dense_layers
+            bar = self.seq.shared["icecache_progress"] = tqdm(
+                total=n_layers, desc="indexing prompt", unit="layer", leave=False, disable=None
+            )
+        return bar
 
     def _rewrite_pages(self, changed: np.ndarray | None) -> None:
         """Lay out the pages flagged in ``changed [Hkv, pages]`` from the token store (the owner's page map)."""
