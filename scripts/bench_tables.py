@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Markdown tables for BENCHMARKS.md from result files in results/bench/ (latency, DCI, kernels).
+"""Markdown tables for BENCHMARKS.md from result files: results/bench/ (latency, DCI) and run metrics.json files.
 
     python scripts/bench_tables.py results/bench/latency_h200_*.json results/bench/dci_h200_*.json
+    python scripts/bench_tables.py results/runs/passkey/*/*/*/*/metrics.json
 """
 
 from __future__ import annotations
@@ -36,8 +37,32 @@ def dci(data: dict) -> str:
     return "\n".join(lines)
 
 
-def main(paths: list[str]) -> None:
+def runs(paths: list[str]) -> str:
+    lines = ["| task | model | method | budget | protocol | samples | score | details | mean attended tokens | median TPOT s | commit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for path in paths:
+        data = json.loads(Path(path).read_text())
+        metrics = data["metrics"]
+        details = {k: v for k, v in metrics.items() if k not in ("score", "n") and not isinstance(v, (list,))}
+        attended = data["latency"].get("mean_attended_tokens")
+        tpot = data["latency"].get("median_tpot_s")
+        task = data["settings"]["task"]
+        protocol = "question as decode steps" if task.get("decode_question") else ""
+        if "lengths" in task:
+            protocol = f"{task['lengths']} tokens {protocol}".strip()
+        lines.append(
+            f"| {data['task']} | {data['model']} | {data['method']} | {data['budget']} | {protocol} | {data['n_samples']} | "
+            f"{metrics.get('score')} | {json.dumps(details)} | {'' if attended is None else f'{attended:.0f}'} | "
+            f"{'' if tpot is None else f'{tpot:.3f}'} | {str(data['provenance'].get('git_commit'))[:7]} |"
+        )
+    return "\n".join(lines)
+
+
+def main(paths: list[str]) -> None:
+    run_files = [p for p in paths if Path(p).name == "metrics.json"]
+    if run_files:
+        print(runs(run_files))
+    for path in [p for p in paths if p not in run_files]:
         data = json.loads(Path(path).read_text())
         kind = data.get("kind") or data.get("benchmark")
         provenance = data.get("provenance", {})
