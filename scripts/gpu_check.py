@@ -148,25 +148,9 @@ def cuda_time_us(fn, reps: int = 200, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def wall_time_us(fn, reps: int = 50, repeats: int = 5) -> float:
-    """Median over ``repeats`` of the mean host wall time per call, each call followed by a device sync."""
-    for _ in range(5):
-        fn()
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(reps):
-            fn()
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e6 / reps)
-    return statistics.median(times)
-
-
-def host_time_us(fn, reps: int = 20, repeats: int = 20) -> float:
-    """Median over ``repeats`` of the host wall time per call of ``reps`` calls followed by one device sync (what a
-    decode step that syncs once per token sees when the host, not the GPU, is the bottleneck)."""
-    for _ in range(reps):
+def _time_per_call_us(fn, reps: int, repeats: int, sync_every_call: bool) -> float:
+    """Median over ``repeats`` of the mean host wall time per call of ``reps`` calls, after a warm-up."""
+    for _ in range(max(reps, 5)):
         fn()
     torch.cuda.synchronize()
     times = []
@@ -174,9 +158,22 @@ def host_time_us(fn, reps: int = 20, repeats: int = 20) -> float:
         start = time.perf_counter()
         for _ in range(reps):
             fn()
+            if sync_every_call:
+                torch.cuda.synchronize()
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e6 / reps)
     return statistics.median(times)
+
+
+def wall_time_us(fn, reps: int = 50, repeats: int = 5) -> float:
+    """Each call followed by a device sync: host and device time of one call together."""
+    return _time_per_call_us(fn, reps, repeats, sync_every_call=True)
+
+
+def host_time_us(fn, reps: int = 20, repeats: int = 20) -> float:
+    """``reps`` calls, then one device sync (what a decode step that syncs once per token sees when the host, not
+    the GPU, is the bottleneck)."""
+    return _time_per_call_us(fn, reps, repeats, sync_every_call=False)
 
 
 def bench_attention() -> list[dict]:
