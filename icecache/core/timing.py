@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -42,10 +42,6 @@ class PhaseTimer:
             synchronize(self.device)
             self._step[name] += time.perf_counter() - start
 
-    def add(self, name: str, seconds: float) -> None:
-        if self.enabled:
-            self._step[name] += seconds
-
     def take_step(self) -> dict[str, float]:
         """Return the phases of the step just finished and start a new one."""
         step, self._step = dict(self._step), defaultdict(float)
@@ -60,7 +56,6 @@ class DecodeCounters:
     attended_tokens: float = 0.0  # sum over those pairs of the mean attended tokens per query head
     pages_loaded: int = 0
     bytes_to_gpu: int = 0
-    extra: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
     def record_attention(self, mean_tokens_per_head: float) -> None:
         self.decode_layer_steps += 1
@@ -77,5 +72,4 @@ class DecodeCounters:
             "mean_attended_tokens": self.mean_attended_tokens,
             "pages_loaded": self.pages_loaded,
             "bytes_to_gpu": self.bytes_to_gpu,
-            **dict(self.extra),
         }
