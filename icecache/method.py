@@ -81,6 +81,11 @@ class IceCache(Method):
         return self.config.budget // self.config.page_size
 
     @property
+    def gpu_tokens(self) -> int:
+        """Tokens the budget's GPU pages hold; a sequence no longer than this is attended densely."""
+        return self.page_budget * self.config.page_size
+
+    @property
     def n_selected_pages(self) -> int:
         return self.page_budget - self.config.n_sink_pages - self.config.n_window_pages
 
@@ -152,7 +157,7 @@ class IceCacheLayer(DenseKV):
         if query.shape[0] != 1:
             raise ValueError("icecache runs batch size 1")
         out = super().prefill(query, key, value, attention_mask, scaling)
-        over_budget = self.length > self.method.page_budget * self.cfg.page_size
+        over_budget = self.length > self.method.gpu_tokens
         if not self.seq.more_prefill_chunks and (over_budget or self.cfg.offload_short_prompts):
             self._offload_prompt()
         return out
@@ -308,7 +313,7 @@ class IceCacheLayer(DenseKV):
     # ------------------------------------------------------------------ decode
     def decode(self, query, key, value, scaling):
         if not self.offloaded:
-            if self.length + 1 <= self.method.page_budget * self.cfg.page_size:
+            if self.length + 1 <= self.method.gpu_tokens:
                 out = super().decode(query, key, value, scaling)
                 self.seq.counters.record_attention(self.length)
                 return out
