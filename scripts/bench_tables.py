@@ -12,15 +12,20 @@ import sys
 from pathlib import Path
 
 
+def ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def latency(data: dict) -> str:
-    lines = ["| context | method | TTFT s | TT2T s | TPOT ms (min-max) | x full | phases ms | GPU KV MiB | CPU KV MiB | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| context | method | TTFT s | TT2T s | TPOT ms (min-max) | x full | x full_static | phases ms | GPU KV MiB | "
+             "CPU KV MiB | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in data["summary"]:
         phases = " ".join(f"{k}={1000 * v:.1f}" for k, v in sorted((row.get("phases_s") or {}).items()) if v)
         lines.append(
             f"| {row['context']} | {row['method']} | {row['ttft_s_median']:.3f} | {row['tt2t_s_median']:.3f} | "
             f"{1000 * row['tpot_s_median']:.1f} ({1000 * row['tpot_s_min']:.1f}-{1000 * row['tpot_s_max']:.1f}) | "
-            f"{row['tpot_ratio_to_full']:.2f} | {phases} | {row['gpu_kv_bytes'] / 2**20:.0f} | "
+            f"{row['tpot_ratio_to_full']:.2f} | {ratio(row.get('tpot_ratio_to_full_static'))} | {phases} | {row['gpu_kv_bytes'] / 2**20:.0f} | "
             f"{row['cpu_kv_bytes'] / 2**20:.0f} | {(row['peak_gpu_bytes'] or 0) / 2**30:.1f} |"
         )
     return "\n".join(lines)

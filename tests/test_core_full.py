@@ -99,3 +99,33 @@ def test_sliding_window_models_are_refused(architecture):
                              "sliding_window": 4096})
     with pytest.raises(ConfigError, match="sliding_window=null"):
         model_info(spec)
+
+
+@pytest.mark.parametrize("prefill_chunk_size", [None, 40])
+def test_static_full_cache_equals_full_cache(tiny, prefill_chunk_size):
+    """full_static (buffers sized once, positions read on the device, paged kernel) computes what full does."""
+    model, _, info = tiny
+    ids = torch.randint(0, 500, (90,), generator=torch.Generator().manual_seed(5)).tolist()
+    full = greedy_generate(model, HarnessCache(build_method({"name": "full"}, info)), GenerationRequest(ids, 24),
+                           keep_logits=True)
+    cache = HarnessCache(build_method({"name": "full_static"}, info))
+    static = greedy_generate(model, cache, GenerationRequest(ids, 24), prefill_chunk_size=prefill_chunk_size,
+                             keep_logits=True)
+    assert static.token_ids == full.token_ids
+    for mine, theirs in zip(static.logits, full.logits):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    # Sized once for the announced sequence (rounded up to whole pages), never grown.
+    assert {kv.capacity for kv in cache.layer_kvs} == {128}  # 90 + 24 tokens, in pages of 16
+    assert all(kv.seq_len == 90 + 23 for kv in cache.layer_kvs)
+
+
+def test_static_full_cache_grows_under_transformers_generate(tiny):
+    """Without an announced length (transformers' generate) the buffers grow, and the tokens stay the full cache's."""
+    model, _, info = tiny
+    ids = torch.randint(0, 500, (250,), generator=torch.Generator().manual_seed(6)).tolist()
+    ref_tokens, _ = reference_generate(model, ids, 12)
+    cache = HarnessCache(build_method({"name": "full_static"}, info))
+    out = model.generate(torch.tensor([ids]), past_key_values=cache, max_new_tokens=12, min_new_tokens=12,
+                         do_sample=False, pad_token_id=0)
+    assert out[0, len(ids):].tolist() == ref_tokens
+    assert all(kv.capacity >= 250 + 11 for kv in cache.layer_kvs)

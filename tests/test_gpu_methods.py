@@ -33,3 +33,32 @@ def test_gpu_path_gives_the_cpu_tokens(name):
     assert name in METHODS
     assert on_gpu.token_ids == on_cpu.token_ids
     assert on_gpu.counters["pages_loaded"] == on_cpu.counters["pages_loaded"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("architecture", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_decode_replays_the_eager_step(architecture, dtype):
+    """full_static replays a captured decode step: the same kernels as its eager step, so bitwise the same logits;
+    and in float32 the tokens of the eager full cache (SDPA) too."""
+    from tests.conftest import tiny_model
+
+    model, _, info = tiny_model(architecture)
+    gpu_model = copy.deepcopy(model).to("cuda", dtype)
+    gpu_info = ModelInfo(info.n_layers, info.n_heads, info.n_kv_heads, info.head_dim, torch.device("cuda"), dtype)
+    ids = torch.randint(0, 500, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    request = GenerationRequest(ids, 40)
+    method = build_method({"name": "full_static"}, gpu_info)
+    graphed = greedy_generate(gpu_model, HarnessCache(method), request, keep_logits=True)
+    eager = greedy_generate(gpu_model, HarnessCache(method), request, keep_logits=True, cuda_graph=False)
+    assert graphed.counters["graph_replays"] == 38  # every decode step after the first, eager one
+    assert "graph_replays" not in eager.counters
+    assert graphed.token_ids == eager.token_ids
+    for mine, theirs in zip(graphed.logits, eager.logits):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+    if dtype == torch.float32:
+        full = greedy_generate(gpu_model, HarnessCache(build_method({"name": "full"}, gpu_info)), request,
+                               keep_logits=True)
+        assert graphed.token_ids == full.token_ids
+        for mine, theirs in zip(graphed.logits, full.logits):
+            torch.testing.assert_close(mine, theirs, rtol=1e-3, atol=1e-3)

@@ -230,13 +230,14 @@ def test_bench_latency_driver_writes_its_file(tmp_path):
     payload = json.loads(files[0].read_text())
     assert payload["provenance"]["git_commit"] is not None or "git_commit" in payload["provenance"]
     summary = {row["method"]: row for row in payload["summary"]}
-    assert set(summary) == {"full", method}  # full is always measured alongside
+    assert set(summary) == {"full", "full_static", method}  # both full caches are always measured alongside
     assert summary["full"]["tpot_ratio_to_full"] == 1.0
+    assert summary["full_static"]["tpot_ratio_to_full_static"] == 1.0
     for row in summary.values():
         assert row["tpot_s_median"] > 0 and row["tt2t_s_median"] > row["ttft_s_median"]
         assert row["phases_s"]  # measure_phases on: at least the model remainder
     # 64 decode steps per run (N >= 64), one measured round per method
-    assert [m["decode_steps"] for m in payload["measurements"]] == [64, 64]
+    assert [m["decode_steps"] for m in payload["measurements"]] == [64, 64, 64]
     assert "TPOT ms" in result.stdout
 
     short = subprocess.run(command[:-4] + ["--decode-steps", "8", "--out", str(tmp_path)], cwd=REPO,

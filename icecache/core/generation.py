@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from .cache import HarnessCache
+from .graphs import GraphedDecodeStep
 from .timing import synchronize
 
 
@@ -75,6 +76,7 @@ class GenerationResult:
 
 def _forward(model, ids: torch.Tensor, start: int, cache: HarnessCache) -> torch.Tensor:
     positions = torch.arange(start, start + ids.shape[-1], device=ids.device)[None]
+    cache.seq.position = positions[0]
     out = model(input_ids=ids[None], position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
     return out.logits[0, -1]
 
@@ -88,8 +90,12 @@ def greedy_generate(
     prefill_chunk_size: int | None = None,
     tokenizer=None,
     keep_logits: bool = False,
+    cuda_graph: bool = True,
 ) -> GenerationResult:
-    """Batch-1 greedy decoding on ``cache``; ``tokenizer`` is needed only for stop strings."""
+    """Batch-1 greedy decoding on ``cache``; ``tokenizer`` is needed only for stop strings.
+
+    On CUDA, decode steps of a method that ``captures_decode_step`` replay a CUDA graph (``cuda_graph=False``
+    turns that off); the first decode step, which TT2T includes, always runs eagerly."""
     device = model.device
     if request.stop_strings and tokenizer is None:
         raise ValueError("stop strings need a tokenizer")
@@ -111,6 +117,8 @@ def greedy_generate(
     prompt = torch.tensor(list(request.input_ids), dtype=torch.long, device=device)
     n_prompt = prompt.shape[0]
     chunk = prefill_chunk_size or n_prompt
+    cache.seq.max_total_tokens = n_prompt + len(request.suffix_ids) + request.max_new_tokens
+    graphed = GraphedDecodeStep(model, cache) if is_cuda and cuda_graph and cache.method.captures_decode_step else None
     position = 0
     for begin in range(0, n_prompt, chunk):
         piece = prompt[begin : begin + chunk]
@@ -142,7 +150,10 @@ def greedy_generate(
         if len(generated) >= request.max_new_tokens:
             break
         step_start = time.perf_counter()
-        logits = _forward(model, torch.tensor([generated[-1]], device=device), position, cache)
+        if graphed is not None:
+            logits = graphed(generated[-1], position)
+        else:
+            logits = _forward(model, torch.tensor([generated[-1]], device=device), position, cache)
         position += 1
         generated.append(pick(logits, len(generated)))
         step_times.append(time.perf_counter() - step_start)
@@ -159,7 +170,7 @@ def greedy_generate(
         tpot_s=statistics.median(step_times[1:]) if len(step_times) > 1 else None,
         step_times_s=step_times,
         step_phases=step_phases,
-        counters=cache.seq.counters.as_dict(),
+        counters={**cache.seq.counters.as_dict(), **({"graph_replays": graphed.replays} if graphed else {})},
         gpu_kv_bytes=cache.gpu_kv_bytes(),
         cpu_kv_bytes=cache.cpu_kv_bytes(),
         peak_gpu_bytes=torch.cuda.max_memory_allocated(device) if is_cuda else None,

@@ -75,6 +75,11 @@ class SequenceContext:
     more_prefill_chunks: bool = False  # set by the generation loop for every prefill chunk but the last
     trace_selection: bool = False  # layers record the token positions they attend to (tests, analysis)
     shared: dict[str, Any] = field(default_factory=dict)  # e.g. a selection one layer hands to the next
+    # Set by the generation loop: the device tensor [S] of the current forward's positions (a CUDA-graphed step
+    # reads it on every replay, so layers that support graphs take positions from it, never from Python ints),
+    # and the most tokens the sequence will reach (prompt + suffix + new tokens), for static buffers.
+    position: torch.Tensor | None = None
+    max_total_tokens: int | None = None
 
 
 class LayerKV(ABC):
@@ -173,6 +178,12 @@ class Method(ABC):
 
     config_class: ClassVar[type[MethodConfig]] = MethodConfig
     uses_budget: ClassVar[bool] = True
+
+    @property
+    def captures_decode_step(self) -> bool:
+        """Whether the generation loop may capture a decode step in a CUDA graph: the layers' decode does no host
+        work that must rerun per step (no host decisions, no synchronisation, device-side positions only)."""
+        return False
 
     def __init__(self, config: MethodConfig, model: ModelInfo):
         self.config = config
