@@ -37,10 +37,12 @@ def collect() -> dict[str, Any]:
     import torch
     import transformers
 
+    # A copied tree (e.g. a git-archive snapshot on a GPU host) names its commit through the environment; that wins
+    # over git, which would otherwise find whatever checkout encloses the copy.
+    named_commit = os.environ.get("ICECACHE_GIT_COMMIT")
     info: dict[str, Any] = {
-        # A copied tree without .git (e.g. a GPU host) names its commit through the environment.
-        "git_commit": _git("rev-parse", "HEAD") or os.environ.get("ICECACHE_GIT_COMMIT"),
-        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "git_commit": named_commit or _git("rev-parse", "HEAD"),
+        "git_dirty": False if named_commit else bool(_git("status", "--porcelain", "--untracked-files=no")),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
         "python": sys.version.split()[0],

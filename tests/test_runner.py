@@ -113,3 +113,14 @@ def test_bad_input_gives_one_line_and_exit_code_2(overrides, message, tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
     assert not any(tmp_path.iterdir())  # stopped before any work
+
+
+def test_provenance_names_the_snapshot_commit_over_the_enclosing_checkout(monkeypatch):
+    """A git-archive copy inside another checkout (the GPU host) must record the commit it was made from."""
+    from icecache import provenance
+
+    monkeypatch.setenv("ICECACHE_GIT_COMMIT", "0123abcd")
+    info = provenance.collect()
+    assert info["git_commit"] == "0123abcd" and info["git_dirty"] is False
+    monkeypatch.delenv("ICECACHE_GIT_COMMIT")
+    assert provenance.collect()["git_commit"] != "0123abcd"
