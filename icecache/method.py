@@ -30,6 +30,7 @@ K = the rest are selected. A prompt that fits in the budget is attended densely,
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -106,6 +107,13 @@ class IceCache(Method):
             raise ConfigError("n_reuse_layers must be >= 1 (1 = no reuse)")
         if cfg.cpu_kv_dtype != "auto" and cfg.cpu_kv_dtype not in _DTYPES:
             raise ConfigError(f"cpu_kv_dtype={cfg.cpu_kv_dtype}: use auto, {', '.join(_DTYPES)}")
+
+    @property
+    def index_threads(self) -> int:
+        """OpenMP threads of the index: ``cpu_threads``, or every core this process may run on."""
+        if self.config.cpu_threads:
+            return self.config.cpu_threads
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
     def owner_of(self, layer_idx: int) -> int:
         """The layer whose index and selection ``layer_idx`` uses (itself unless reused)."""
@@ -192,9 +200,10 @@ class IceCacheLayer(DenseKV):
         pin = device.type == "cuda"
         self.store = CpuPageStore(n_kv_heads, ps, head_dim, cpu_dtype, pin_memory=pin)
         self.loader = BulkLoader(ps, head_dim, cpu_dtype, device, max_pages=n_kv_heads * k_sel)
+        self._make_decode_buffers(device)
         # Token store by offloaded-token id (the DCI's ids); pages are rewritten from it when they change.
-        self.token_keys = torch.empty(n_kv_heads, 0, head_dim, dtype=cpu_dtype)
-        self.token_values = torch.empty_like(self.token_keys)
+        empty = torch.empty(n_kv_heads, 0, head_dim, dtype=cpu_dtype)
+        self.tokens = TokenStore(empty, empty)
         self.token_positions = np.arange(sink_len, middle_end)
         middle_k = keys[:, sink_len:middle_end].to("cpu", cpu_dtype, non_blocking=pin)
         middle_v = values[:, sink_len:middle_end].to("cpu", cpu_dtype, non_blocking=pin)
@@ -210,7 +219,7 @@ class IceCacheLayer(DenseKV):
     def _index_prompt(self, middle_k: torch.Tensor, middle_v: torch.Tensor, copied) -> None:
         if copied is not None:
             copied.synchronize()
-        self.token_keys, self.token_values = middle_k, middle_v
+        self.tokens = TokenStore(middle_k, middle_v)
         shared = self._shared()
         if self.is_owner:
             cfg = self.cfg
@@ -219,16 +228,22 @@ class IceCacheLayer(DenseKV):
             index = DCIIndex(
                 self.model.head_dim, self.model.n_kv_heads, promotion_prob=cfg.promotion_prob,
                 promotion_prob_subseq=cfg.promotion_prob_subseq, transform=True, deterministic_levels=True,
-                seed=cfg.seed, num_threads=cfg.cpu_threads,
+                seed=cfg.seed, num_threads=self.method.index_threads,
             )
+            # This build runs beside the prefill of later layers, whose kernel launches need a core of their own:
+            # with every core building, TTFT at 64k doubled on the 16-core GPU host. Searches and inserts run while
+            # the main thread waits for them, so they use every core.
+            index.num_threads = max(1, self.method.index_threads - 1)
             if middle_k.shape[1]:
                 index.build(
                     middle_k.float().numpy(), field_of_view=cfg.build_field_of_view,
                     prop_to_retrieve=cfg.build_prop_to_retrieve, anchor_interval=cfg.anchor_interval,
                     anchor_neighbours=cfg.anchor_neighbours, anchor_threshold=cfg.anchor_threshold,
                 )
+            index.num_threads = self.method.index_threads
             shared["index"] = index
             shared["changed"] = index.pop_changed_pages() if middle_k.shape[1] else None
+            shared["page_counts"] = None
         self._rewrite_pages(shared["changed"])
         self._progress().update()
 
@@ -263,8 +278,8 @@ class IceCacheLayer(DenseKV):
         tokens_t = torch.from_numpy(np.concatenate(rows)).long()
         valid = tokens_t >= 0
         gather = tokens_t.clamp(min=0)
-        keys = self.token_keys[heads_t[:, None], gather] * valid[..., None]
-        values = self.token_values[heads_t[:, None], gather] * valid[..., None]
+        keys = self.tokens.keys[heads_t[:, None], gather] * valid[..., None]
+        values = self.tokens.values[heads_t[:, None], gather] * valid[..., None]
         self.store.write_pages(page_ids_t, heads_t, keys, values)
         n_pages = changed.shape[1]
         if self.stale.shape[1] < n_pages:
@@ -274,12 +289,15 @@ class IceCacheLayer(DenseKV):
     # ------------------------------------------------------------------ the window
     def _write_window(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Append tokens ``[Hkv, n, D]`` to the window pages (the caller makes room first)."""
-        ps = self.cfg.page_size
-        for i in range(keys.shape[1]):
-            slot = self.window_slot0 + self.window_count // ps
-            self.pool.key_pages[slot, :, self.window_count % ps] = keys[:, i]
-            self.pool.value_pages[slot, :, self.window_count % ps] = values[:, i]
-            self.window_count += 1
+        ps, written = self.cfg.page_size, 0
+        # One copy per window page touched: a decode step's single token is one slice write, with no temporaries.
+        while written < keys.shape[1]:
+            slot, offset = self.window_slot0 + self.window_count // ps, self.window_count % ps
+            n = min(ps - offset, keys.shape[1] - written)
+            self.pool.key_pages[slot, :, offset : offset + n] = keys[:, written : written + n]
+            self.pool.value_pages[slot, :, offset : offset + n] = values[:, written : written + n]
+            self.window_count += n
+            written += n
 
     def _evict_oldest_window_page(self) -> None:
         ps, first = self.cfg.page_size, self.window_slot0
@@ -297,8 +315,7 @@ class IceCacheLayer(DenseKV):
                 job.result()
             cpu_k = page_k.to("cpu", self.store.dtype)
             cpu_v = page_v.to("cpu", self.store.dtype)
-            self.token_keys = torch.cat([self.token_keys, cpu_k], dim=1)
-            self.token_values = torch.cat([self.token_values, cpu_v], dim=1)
+            self.tokens.append(cpu_k, cpu_v)
             self.token_positions = np.concatenate([self.token_positions, positions])
             shared = self._shared()
             if self.is_owner:
@@ -308,9 +325,34 @@ class IceCacheLayer(DenseKV):
                     prop_to_retrieve=cfg.insert_prop_to_retrieve, as_batch=True,
                 )
                 shared["changed"] = shared["index"].pop_changed_pages()
+                shared["page_counts"] = None
             self._rewrite_pages(shared["changed"])
 
     # ------------------------------------------------------------------ decode
+    def _make_decode_buffers(self, device: torch.device) -> None:
+        """The attention's page table and valid-token counts, and the pinned staging of a decode step's copies.
+
+        Made once, so that a step's host work builds no tensor and waits for the device only where the owner needs
+        its query on the CPU. The page table is slot ``i`` -> page ``i`` for good: an empty slot needs no -1 entry,
+        as a count of 0 already masks all its positions (in the Triton kernel and in the PyTorch reference alike).
+        Only the counts change, written once per step from a pinned host array with a non-blocking copy.
+        """
+        ps, n_kv_heads, n_slots = self.cfg.page_size, self.model.n_kv_heads, self.method.page_budget
+        self._slot_table = torch.arange(n_slots, device=device).expand(n_kv_heads, n_slots)
+        on_cuda = device.type == "cuda"
+        self._counts_staging = torch.zeros(n_kv_heads, n_slots, dtype=torch.int32, pin_memory=on_cuda)
+        self._counts_host = self._counts_staging.numpy()  # the same memory
+        sink_starts = np.arange(self.cfg.n_sink_pages) * ps
+        self._counts_host[:, : self.cfg.n_sink_pages] = np.clip(self.sink_len - sink_starts, 0, ps)
+        self._window_starts = np.arange(self.cfg.n_window_pages) * ps
+        # On CPU the attention reads the host array itself.
+        self._valid_counts = self._counts_staging.to(device) if on_cuda else self._counts_staging
+        self._counts_sent = torch.cuda.Event() if on_cuda else None
+        if on_cuda and self.is_owner:
+            self._query_host = torch.empty(self.model.n_heads, self.model.head_dim, pin_memory=True)
+            self._query_host_array = self._query_host.numpy()  # the same memory
+            self._query_copied = torch.cuda.Event()
+
     def decode(self, query, key, value, scaling):
         if not self.offloaded:
             if self.length + 1 <= self.method.gpu_tokens:
@@ -325,13 +367,12 @@ class IceCacheLayer(DenseKV):
         selection = self._select(query[0, :, 0, :])
         with self.seq.timer.phase("load"):
             self._load(selection)
-        page_table, valid_counts = self._page_table()
-        attended = valid_counts.sum(dim=1).float().mean().item()
-        self.seq.counters.record_attention(attended)
+        self.seq.counters.record_attention(self._send_valid_counts())
         if self.seq.trace_selection:
             self.last_attended = self._attended_positions()
         out = paged_decode_attention(
-            query[0, :, 0, :], self.pool.key_pages, self.pool.value_pages, page_table, valid_counts, scaling
+            query[0, :, 0, :], self.pool.key_pages, self.pool.value_pages, self._slot_table, self._valid_counts,
+            scaling,
         )
         return out[None, None]
 
@@ -347,46 +388,60 @@ class IceCacheLayer(DenseKV):
             return shared["selection"]
         with self.seq.timer.phase("query"):
             pages, _ = index.query(
-                query.float().cpu().numpy(), k_sel, field_of_view=self.cfg.query_field_of_view,
+                self._query_to_host(query), k_sel, field_of_view=self.cfg.query_field_of_view,
                 prop_to_retrieve=self.cfg.query_prop_to_retrieve, ratio=self.model.group_size,
             )
             shared["selection"] = merge_group_pages(pages, self.model.group_size, k_sel)
         return shared["selection"]
 
+    def _query_to_host(self, query: torch.Tensor) -> np.ndarray:
+        """``query [Hq, D]`` as float32 on the CPU: on CUDA one copy into a reused pinned buffer and a wait for that
+        copy alone (the decode step's one synchronisation; the buffer is free again once the search returns)."""
+        if not query.is_cuda:
+            return query.float().numpy()
+        self._query_host.copy_(query.float(), non_blocking=True)
+        self._query_copied.record()
+        self._query_copied.synchronize()
+        return self._query_host_array
+
     def _load(self, selection: np.ndarray) -> None:
-        slots_out, pages_out, heads_out = diff_selection(self.resident, self.stale, selection)
-        if not pages_out:
+        slots, pages, heads = diff_selection(self.resident, self.stale, selection)
+        if pages.size == 0:
             return
-        pages_t = torch.tensor(pages_out)
-        heads_t = torch.tensor(heads_out)
-        self.stale[heads_t.numpy(), pages_t.numpy()] = False
-        slots_t = torch.tensor(slots_out) + self.cfg.n_sink_pages
-        moved = self.loader.load(self.store, pages_t, heads_t, self.pool, slots_t)
-        self.seq.counters.pages_loaded += len(pages_out)
+        self.stale[heads, pages] = False
+        moved = self.loader.load(self.store, pages, heads, self.pool, slots + self.cfg.n_sink_pages)
+        self.seq.counters.pages_loaded += pages.size
         self.seq.counters.bytes_to_gpu += moved
 
-    def _page_table(self) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg, ps = self.cfg, self.cfg.page_size
-        n_kv_heads, k_sel = self.model.n_kv_heads, self.method.n_selected_pages
-        counts = self._shared()["index"].page_valid_counts()
-        selected_counts = np.zeros((n_kv_heads, k_sel), dtype=np.int64)
+    def _page_counts(self) -> np.ndarray:
+        """Valid tokens of every page of the owner's index ``[Hkv, pages]``; read again only after the index
+        changes (a build or an insert clears it: searches leave the pages as they are)."""
+        shared = self._shared()
+        if shared.get("page_counts") is None:
+            shared["page_counts"] = shared["index"].page_valid_counts()
+        return shared["page_counts"]
+
+    def _send_valid_counts(self) -> float:
+        """Write this step's valid tokens per slot (sinks, selected pages, window) to the device's counts in one
+        copy; returns the mean number of tokens a KV head attends."""
+        n_sink, k_sel, ps = self.cfg.n_sink_pages, self.method.n_selected_pages, self.cfg.page_size
+        if self._counts_sent is not None:
+            # Last step's copy must be done reading the pinned array before it is rewritten. It is, in practice:
+            # since then the owner's query copy and the generation loop's read of the sampled token have each waited
+            # for the stream that had this copy queued before them, so this returns at once. It is kept so that the
+            # array stays safe whatever the caller does between steps.
+            self._counts_sent.synchronize()
+        counts = self._counts_host
+        selected = counts[:, n_sink : n_sink + k_sel]  # a view: written in place
         held = self.resident >= 0
-        heads = np.nonzero(held)[0]
-        selected_counts[held] = counts[heads, self.resident[held]]
-        sink_counts = [min(ps, self.sink_len - p * ps) for p in range(cfg.n_sink_pages)]
-        n_window_pages = -(-self.window_count // ps)
-        window_counts = [
-            min(ps, self.window_count - p * ps) if p < n_window_pages else 0 for p in range(cfg.n_window_pages)
-        ]
-        row = list(range(self.method.page_budget))
-        table = np.tile(np.array(row), (n_kv_heads, 1))
-        valid = np.concatenate(
-            [np.tile(np.maximum(sink_counts, 0), (n_kv_heads, 1)), selected_counts,
-             np.tile(window_counts, (n_kv_heads, 1))], axis=1,
-        )
-        table[valid == 0] = -1
-        device = self.pool.key_pages.device
-        return torch.from_numpy(table).to(device), torch.from_numpy(valid).to(device, torch.int32)
+        selected.fill(0)
+        selected[held] = self._page_counts()[np.nonzero(held)[0], self.resident[held]]
+        counts[:, n_sink + k_sel :] = np.minimum(np.maximum(self.window_count - self._window_starts, 0), ps)
+        if self._counts_sent is not None:
+            self._valid_counts.copy_(self._counts_staging, non_blocking=True)
+            self._counts_sent.record()
+        # The float32 mean over KV heads, as the device reduction this replaces computed it.
+        return float(np.float32(counts.sum()) / np.float32(counts.shape[0]))
 
     def _attended_positions(self) -> torch.Tensor:
         """bool [Hq, seq_len + 1] of the positions each query head attends (trace_selection)."""
@@ -410,7 +465,43 @@ class IceCacheLayer(DenseKV):
     def cpu_kv_bytes(self) -> int:
         if not self.offloaded:
             return 0
-        return self.store.nbytes() + self.token_keys.nbytes + self.token_values.nbytes
+        return self.store.nbytes() + self.tokens.nbytes()
+
+
+class TokenStore:
+    """A layer's offloaded keys and values by DCI token id, ``[Hkv, n, D]`` each, in CPU memory.
+
+    Appending a window page must not copy the whole store (at 32k tokens that is 128 MB per layer every 16 steps),
+    so the storage grows by an eighth of its size at a time; ``nbytes`` counts what is held, spare room included.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self._keys, self._values = keys, values
+        self.n_tokens = keys.shape[1]
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._keys[:, : self.n_tokens]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._values[:, : self.n_tokens]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        needed = self.n_tokens + keys.shape[1]
+        if needed > self._keys.shape[1]:
+            capacity = needed + max(needed // 8, 256)
+            for name in ("_keys", "_values"):
+                old = getattr(self, name)
+                grown = old.new_empty(old.shape[0], capacity, old.shape[2])
+                grown[:, : self.n_tokens] = old[:, : self.n_tokens]
+                setattr(self, name, grown)
+        self._keys[:, self.n_tokens : needed] = keys
+        self._values[:, self.n_tokens : needed] = values
+        self.n_tokens = needed
+
+    def nbytes(self) -> int:
+        return self._keys.nbytes + self._values.nbytes
 
 
 def merge_group_pages(pages: np.ndarray, group_size: int, k: int) -> np.ndarray:
@@ -418,40 +509,55 @@ def merge_group_pages(pages: np.ndarray, group_size: int, k: int) -> np.ndarray:
 
     ``pages [Hq, K]`` (-1 padded) -> ``[Hkv, k]`` (-1 padded).
     """
-    n_kv_heads = pages.shape[0] // group_size
+    n_kv_heads, n_ranks = pages.shape[0] // group_size, pages.shape[1]
+    # Row g: KV head g's candidates rank-major (rank 0 of each of its query heads, then rank 1, ...).
+    ranked = (
+        pages[: n_kv_heads * group_size].reshape(n_kv_heads, group_size, n_ranks).transpose(0, 2, 1)
+        .reshape(n_kv_heads, -1)
+    )
+    flat, width = ranked.reshape(-1), ranked.shape[1]
+    # A stable sort of each row puts equal pages side by side in their order of appearance: the first of each run
+    # is the page's first appearance in the row. ``order`` indexes the flat array, so no per-axis helper is needed.
+    order = np.argsort(ranked, axis=1, kind="stable")
+    order += np.arange(0, flat.size, width)[:, None]
+    in_order = flat[order]
+    starts_run = np.empty(in_order.shape, dtype=bool)
+    starts_run[:, :1] = True
+    np.not_equal(in_order[:, 1:], in_order[:, :-1], out=starts_run[:, 1:])
+    first_seen = np.empty(flat.shape, dtype=bool)
+    first_seen[order.reshape(-1)] = starts_run.reshape(-1)
+    keep = first_seen.reshape(ranked.shape) & (ranked >= 0)
+    column = np.cumsum(keep, axis=1) - 1  # where a kept page goes in its row of the result
+    keep &= column < k
     merged = np.full((n_kv_heads, k), -1, dtype=np.int64)
-    for head in range(n_kv_heads):
-        ranked = pages[head * group_size : (head + 1) * group_size].T.reshape(-1)  # rank-major
-        ranked = ranked[ranked >= 0]
-        _, first_seen = np.unique(ranked, return_index=True)
-        distinct = ranked[np.sort(first_seen)][:k]
-        merged[head, : distinct.size] = distinct
+    merged[np.nonzero(keep)[0], column[keep]] = ranked[keep]
     return merged
 
 
 def diff_selection(
     resident: np.ndarray, stale: np.ndarray, selection: np.ndarray
-) -> tuple[list[int], list[int], list[int]]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Update ``resident [Hkv, K]`` (page per slot) in place to hold ``selection [Hkv, K]``.
 
-    Pages still selected and not stale keep their slot; the others are loaded into freed slots. Returns the
-    (slot, page, head) triples to load. Slots that end up unused hold -1.
+    Pages still selected and not stale keep their slot; the others are loaded into freed slots, the n-th freed slot
+    of a head (in slot order) taking the n-th page to load (in selection order). Returns the (slot, page, head)
+    triples to load as three int64 arrays, by head then slot. Slots that end up unused hold -1.
     """
-    slots_out, pages_out, heads_out = [], [], []
-    for head in range(resident.shape[0]):
-        wanted = [int(p) for p in selection[head] if p >= 0]
-        wanted_set = set(wanted)
-        keep = {
-            int(p) for p in resident[head]
-            if p >= 0 and p in wanted_set and not (p < stale.shape[1] and stale[head, p])
-        }
-        free = [s for s, p in enumerate(resident[head]) if p < 0 or int(p) not in keep]
-        to_load = [p for p in wanted if p not in keep]
-        for slot in free:
-            resident[head, slot] = -1
-        for slot, page in zip(free, to_load):
-            resident[head, slot] = page
-            slots_out.append(slot)
-            pages_out.append(page)
-            heads_out.append(head)
-    return slots_out, pages_out, heads_out
+    held = resident >= 0
+    same = resident[:, :, None] == selection[:, None, :]  # [head, slot, rank]: the slot holds that selected page
+    # Page ids beyond the stale map have never been flagged.
+    in_map = held & (resident < stale.shape[1])
+    was_stale = np.zeros_like(held)
+    was_stale[in_map] = stale[np.nonzero(in_map)[0], resident[in_map]]
+    kept = held & ~was_stale & same.any(axis=2)
+    free = ~kept
+    to_load = (selection >= 0) & ~(same & kept[:, :, None]).any(axis=1)
+    # Pair the n-th free slot with the n-th page to load, up to the shorter of the two lists.
+    n_pairs = np.minimum(free.sum(axis=1), to_load.sum(axis=1))[:, None]
+    filled = free & (np.cumsum(free, axis=1) <= n_pairs)
+    loaded = to_load & (np.cumsum(to_load, axis=1) <= n_pairs)
+    heads, slots = np.nonzero(filled)
+    pages = selection[loaded].astype(np.int64, copy=False)
+    resident[free] = -1
+    resident[heads, slots] = pages
+    return slots, pages, heads

@@ -109,3 +109,111 @@ def test_diff_never_loses_or_duplicates_a_page(data):
                     assert resident[head, slot] == page and page not in loaded
             assert {p for p in held if p not in before[head] or stale[head, p]} <= loaded
         assert len(set(zip(slots, heads))) == len(slots)  # one load per slot
+
+
+def merge_group_pages_loop(pages, group_size, k):
+    """The per-head loop that ``merge_group_pages`` replaces, kept as its reference."""
+    n_kv_heads = pages.shape[0] // group_size
+    merged = np.full((n_kv_heads, k), -1, dtype=np.int64)
+    for head in range(n_kv_heads):
+        ranked = pages[head * group_size : (head + 1) * group_size].T.reshape(-1)
+        ranked = ranked[ranked >= 0]
+        _, first_seen = np.unique(ranked, return_index=True)
+        distinct = ranked[np.sort(first_seen)][:k]
+        merged[head, : distinct.size] = distinct
+    return merged
+
+
+def diff_selection_loop(resident, stale, selection):
+    """The per-head loop with sets that ``diff_selection`` replaces, kept as its reference."""
+    slots_out, pages_out, heads_out = [], [], []
+    for head in range(resident.shape[0]):
+        wanted = [int(p) for p in selection[head] if p >= 0]
+        wanted_set = set(wanted)
+        keep = {
+            int(p) for p in resident[head]
+            if p >= 0 and p in wanted_set and not (p < stale.shape[1] and stale[head, p])
+        }
+        free = [s for s, p in enumerate(resident[head]) if p < 0 or int(p) not in keep]
+        to_load = [p for p in wanted if p not in keep]
+        for slot in free:
+            resident[head, slot] = -1
+        for slot, page in zip(free, to_load):
+            resident[head, slot] = page
+            slots_out.append(slot)
+            pages_out.append(page)
+            heads_out.append(head)
+    return slots_out, pages_out, heads_out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_merge_matches_the_per_head_loop(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(200):
+        group, n_kv, ranks = rng.integers(1, 5), rng.integers(1, 5), rng.integers(1, 8)
+        # Few distinct pages, so that query heads of a group often rank the same page; -1 anywhere.
+        pages = rng.integers(-1, rng.integers(1, 3 * ranks + 2), size=(group * n_kv, ranks)).astype(np.int32)
+        k = int(rng.integers(1, ranks + 3))
+        expected = merge_group_pages_loop(pages, group, k)
+        merged = merge_group_pages(pages, group, k)
+        assert merged.dtype == expected.dtype and np.array_equal(merged, expected)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_diff_matches_the_per_head_loop(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        n_heads, k, n_pages = rng.integers(1, 9), rng.integers(1, 13), rng.integers(1, 40)
+        resident = np.full((n_heads, k), -1, dtype=np.int64)
+        reference = resident.copy()
+        for _ in range(8):
+            selection = np.full((n_heads, k), -1, dtype=np.int64)
+            for head in range(n_heads):
+                chosen = rng.permutation(n_pages)[: rng.integers(0, k + 1)]
+                selection[head, : chosen.size] = chosen
+            # A stale map narrower than the page ids at times, as before the index first grows it.
+            stale = rng.random((n_heads, rng.integers(0, n_pages + 1))) < 0.3
+            expected = diff_selection_loop(reference, stale, selection)
+            slots, pages, heads = diff_selection(resident, stale, selection)
+            assert (slots.tolist(), pages.tolist(), heads.tolist()) == expected
+            assert np.array_equal(resident, reference)
+
+
+@pytest.mark.parametrize("name", ["icecache", "icecache_reuse"])
+def test_valid_counts_cover_exactly_the_attended_positions(tiny, name):
+    """The per-slot counts the attention reads (kept on the device, index counts cached between inserts) give,
+    per KV head, as many tokens as the traced attended set, and the counter records their mean."""
+    model, _, info = tiny
+    method = build_method({"name": name, "budget": 96, "n_reuse_layers": 2}, info)
+    cache = HarnessCache(method, trace_selection=True)
+    per_step = []
+    for layer in cache.layer_kvs[method.config.n_dense_layers:]:
+        def recording(query, key, value, scaling, layer=layer, decode=layer.decode):
+            out = decode(query, key, value, scaling)
+            if layer.offloaded:
+                attended = layer.last_attended[:: info.group_size].sum(1)  # one query head per KV head
+                assert torch.equal(layer._valid_counts.sum(1).long(), attended)
+            per_step.append(layer.last_attended[:: info.group_size].sum(1).float().mean().item())
+            return out
+        layer.decode = recording
+    result = greedy_generate(model, cache, GenerationRequest(prompt(300, 3), 40))  # 40 steps: window offloads
+    assert len(per_step) == cache.seq.counters.decode_layer_steps
+    assert result.counters["mean_attended_tokens"] == pytest.approx(sum(per_step) / len(per_step), rel=1e-12)
+
+
+def test_token_store_appends_like_concatenation_with_bounded_spare_room():
+    from icecache.method import TokenStore
+
+    generator = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, 100, 4, generator=generator), torch.randn(2, 100, 4, generator=generator)
+    store, reference_k, reference_v = TokenStore(keys, values), keys, values
+    storage_ids = set()
+    for _ in range(40):
+        page_k, page_v = torch.randn(2, 16, 4, generator=generator), torch.randn(2, 16, 4, generator=generator)
+        store.append(page_k, page_v)
+        reference_k, reference_v = torch.cat([reference_k, page_k], 1), torch.cat([reference_v, page_v], 1)
+        storage_ids.add(store._keys.data_ptr())
+        assert torch.equal(store.keys, reference_k) and torch.equal(store.values, reference_v)
+        # an eighth of spare room (or the 256-token minimum step), not a doubling
+        assert store.nbytes() <= (reference_k.nbytes + reference_v.nbytes) * 9 / 8 + 2 * (256 * 2 * 4 * 4)
+    assert len(storage_ids) < 10  # grown a few times, not once per page

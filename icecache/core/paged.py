@@ -202,7 +202,8 @@ class BulkLoader:
 
     1. the blocks are gathered (one thread's copy loop for small loads, ``index_select`` over PyTorch's threads for
        large ones) into one contiguous pinned transit buffer, after the slot and head indices;
-    2. one non-blocking host-to-device copy on a side stream moves the whole buffer to a GPU transit buffer;
+    2. one non-blocking host-to-device copy on a side stream moves the whole buffer to a GPU transit buffer (the
+       side stream waits only for the previous scatter out of that buffer, so the copy overlaps earlier kernels);
     3. the current stream waits for that copy (on the device, the host does not block) and one scatter kernel
        writes each block into its slot.
 
@@ -228,7 +229,7 @@ class BulkLoader:
         if self.on_cuda:
             self._stream = torch.cuda.Stream(self.device)
             self._copy_done = torch.cuda.Event()
-            self._scatter_issued = torch.cuda.Event()
+            self._scatter_done = torch.cuda.Event()  # never recorded yet: a stream waiting on it does not wait
             self._copy_pending = False
             self._reserve(self._transit_bytes(max_pages, dtype))
 
@@ -258,25 +259,26 @@ class BulkLoader:
     def load(
         self,
         store: CpuPageStore,
-        page_ids: torch.Tensor,
-        heads: torch.Tensor,
+        page_ids: torch.Tensor | np.ndarray,
+        heads: torch.Tensor | np.ndarray,
         pool: GpuPagePool,
-        slots: torch.Tensor,
+        slots: torch.Tensor | np.ndarray,
     ) -> int:
         """Copy page ``(page_ids[i], heads[i])`` of ``store`` into ``pool[slots[i], heads[i]]``; returns the key and
-        value bytes moved. ``(slots[i], heads[i])`` pairs must be distinct. Asynchronous on CUDA: later work on the
-        current stream sees the pages; the host does not wait for them."""
-        n = page_ids.numel()
-        if not (heads.numel() == slots.numel() == n):
-            raise ValueError(f"page_ids, heads and slots must have one entry per block, got {n}, {heads.numel()}, "
-                             f"{slots.numel()}")
+        value bytes moved. ``(slots[i], heads[i])`` pairs must be distinct. The indices are CPU or device tensors or
+        numpy arrays (numpy int64 is used as is). Asynchronous on CUDA: later work on the current stream sees the
+        pages; the host does not wait for them."""
+        # The indices are handled as numpy arrays: a reduction or an elementwise op on ~100 integers costs about a
+        # microsecond there, several times less than a PyTorch op.
+        page_np, heads_np, slots_np = _index_array(page_ids), _index_array(heads), _index_array(slots)
+        n = page_np.size
+        if not (heads_np.size == slots_np.size == n):
+            raise ValueError(f"page_ids, heads and slots must have one entry per block, got {n}, {heads_np.size}, "
+                             f"{slots_np.size}")
         if (store.page_size, store.head_dim, store.n_kv_heads) != (pool.page_size, pool.head_dim, pool.n_kv_heads):
             raise ValueError("the CPU store and the GPU pool have different page geometry")
         if n == 0:
             return 0
-        # The indices are handled as numpy arrays: a reduction or an elementwise op on ~100 integers costs about a
-        # microsecond there, several times less than a PyTorch op.
-        page_np, heads_np, slots_np = (_index_array(t) for t in (page_ids, heads, slots))
         if page_np.min() < 0 or page_np.max() >= store.n_pages:
             raise IndexError(f"page id out of range [0, {store.n_pages})")
         if heads_np.min() < 0 or heads_np.max() >= store.n_kv_heads:
@@ -318,9 +320,9 @@ class BulkLoader:
         self.gather(store, rows, self._host_bytes[header:total].reshape(2, n, -1))
 
         current = torch.cuda.current_stream(self.device)
-        # The previous scatter (on the current stream) may still be reading the device transit buffer.
-        self._scatter_issued.record(current)
-        self._stream.wait_event(self._scatter_issued)
+        # The previous scatter may still be reading the device transit buffer. Waiting for that scatter alone, not
+        # for everything queued on the current stream, lets the copy run while the model's earlier kernels do.
+        self._stream.wait_event(self._scatter_done)
         host = self._host_buffer[:total]
         device_buffer = self._device_buffer[:total]
         with torch.cuda.stream(self._stream):
@@ -334,6 +336,7 @@ class BulkLoader:
         scatter_pages(
             device_blocks[0], device_blocks[1], pool.key_pages, pool.value_pages, device_index[0], device_index[1]
         )
+        self._scatter_done.record(current)
         return kv_bytes
 
     def gather(self, store: CpuPageStore, rows: np.ndarray, out: np.ndarray) -> None:
@@ -357,8 +360,10 @@ class BulkLoader:
                 torch.index_select(torch.from_numpy(source), 0, index, out=torch.from_numpy(target))
 
 
-def _index_array(indices: torch.Tensor) -> np.ndarray:
-    """A CPU int64 numpy array of ``indices`` (no copy when they already are CPU int64)."""
+def _index_array(indices: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A flat CPU int64 numpy array of ``indices`` (no copy when they already are CPU int64)."""
+    if isinstance(indices, np.ndarray):
+        return indices.astype(np.int64, copy=False).reshape(-1)
     if indices.device.type != "cpu" or indices.dtype != torch.long:
         indices = indices.to("cpu", torch.long)
     return indices.reshape(-1).numpy()
