@@ -33,6 +33,7 @@ class RunConfig:
     task: dict[str, Any]
     output_root: str = "results/runs"
     prefill_chunk_size: int | None = None
+    layer_by_layer_prefill: bool = False  # same result; bounds prefill memory (generation._prefill_layer_by_layer)
     threads: int | None = None
     measure_phases: bool = False
     resume: bool = True
@@ -209,7 +210,8 @@ def run(config: RunConfig) -> dict[str, Any]:
                     suffix_ids=sample.suffix_ids,
                 )
                 result = greedy_generate(
-                    model, cache, request, prefill_chunk_size=config.prefill_chunk_size, tokenizer=tokenizer
+                    model, cache, request, prefill_chunk_size=config.prefill_chunk_size, tokenizer=tokenizer,
+                    layer_by_layer=config.layer_by_layer_prefill,
                 )
                 prediction = tokenizer.decode(result.token_ids, skip_special_tokens=True)
                 record = {

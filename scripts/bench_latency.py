@@ -185,6 +185,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, help="unmeasured rounds first")
     parser.add_argument("--decode-steps", type=int, help=f"N decode steps per run (>= {MIN_DECODE_STEPS})")
     parser.add_argument("--prefill-chunk-size", type=int, help="prefill in chunks of this many tokens")
+    parser.add_argument("--layer-by-layer", action="store_true", default=None,
+                        help="prefill one decoder layer at a time (same result; bounds prefill memory)")
     parser.add_argument("--set", nargs="*", default=[], metavar="METHOD.KEY=VALUE",
                         help="method setting overrides, e.g. icecache.n_reuse_layers=4")
     parser.add_argument("--device", default="auto")
@@ -194,7 +196,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     defaults = {"model": "llama31_8b", "source": "random", "lengths": [16384], "methods": ["full", "icecache"],
                 "budget": 256, "threads": None, "repeats": 3, "warmup": 1, "decode_steps": MIN_DECODE_STEPS,
-                "prefill_chunk_size": None}
+                "prefill_chunk_size": None, "layer_by_layer": False}
     defaults.update({k: v for k, v in experiment_defaults(args.experiment).items() if k != "driver"})
     for key, value in defaults.items():
         if getattr(args, key, None) is None:
@@ -242,7 +244,8 @@ def main(argv: list[str] | None = None) -> Path:
             measured = round_index >= args.warmup
             for name, method in methods.items():  # interleaved: A B A B ...
                 cache = HarnessCache(method, PhaseTimer(device, enabled=True))
-                result = greedy_generate(model, cache, request, prefill_chunk_size=args.prefill_chunk_size)
+                result = greedy_generate(model, cache, request, prefill_chunk_size=args.prefill_chunk_size,
+                                         layer_by_layer=args.layer_by_layer)
                 if measured:
                     measurements.append({
                         "model": spec.name, "method": name, "budget": method.config.budget, "context": context,

@@ -81,6 +81,32 @@ def _forward(model, ids: torch.Tensor, start: int, cache: HarnessCache) -> torch
     return out.logits[0, -1]
 
 
+def _prefill_layer_by_layer(model, prompt: torch.Tensor, cache: HarnessCache, chunk: int) -> torch.Tensor:
+    """The prompt through one decoder layer at a time, in chunks: the same computation as a chunked prefill (each
+    layer sees its chunks in order, each chunk attends to the layer's earlier ones), reordered so that only one
+    layer's prompt keys and values need be on the device at once (a method that offloads moves them out when its
+    layer's last chunk is done) and activations stay at one chunk's. Peak memory at 128k tokens is then the weights,
+    one ``[T, hidden]`` residual stream, one layer's prompt KV and one chunk's activations. Returns the last
+    position's logits."""
+    decoder = model.model
+    n_prompt = prompt.shape[0]
+    positions = torch.arange(n_prompt, device=prompt.device)[None]
+    hidden = decoder.embed_tokens(prompt[None])
+    chunks = [slice(begin, min(begin + chunk, n_prompt)) for begin in range(0, n_prompt, chunk)]
+    rotary = [decoder.rotary_emb(hidden[:, piece], positions[:, piece]) for piece in chunks]
+    for layer in decoder.layers[: model.config.num_hidden_layers]:
+        for piece, position_embeddings in zip(chunks, rotary):
+            cache.seq.more_prefill_chunks = piece.stop < n_prompt
+            cache.seq.position = positions[0, piece]
+            # In place: later chunks of this layer read only its cache, and the next layer reads this output.
+            hidden[:, piece] = layer(
+                hidden[:, piece], attention_mask=None, position_embeddings=position_embeddings,
+                position_ids=positions[:, piece], past_key_values=cache, use_cache=True,
+            )
+    cache.seq.more_prefill_chunks = False
+    return model.lm_head(decoder.norm(hidden[:, -1:]))[0, -1]
+
+
 @torch.inference_mode()
 def greedy_generate(
     model,
@@ -91,11 +117,13 @@ def greedy_generate(
     tokenizer=None,
     keep_logits: bool = False,
     cuda_graph: bool = True,
+    layer_by_layer: bool = False,
 ) -> GenerationResult:
     """Batch-1 greedy decoding on ``cache``; ``tokenizer`` is needed only for stop strings.
 
     On CUDA, decode steps of a method that ``captures_decode_step`` replay a CUDA graph (``cuda_graph=False``
-    turns that off); the first decode step, which TT2T includes, always runs eagerly."""
+    turns that off); the first decode step, which TT2T includes, always runs eagerly. ``layer_by_layer`` runs the
+    prefill one decoder layer at a time (``_prefill_layer_by_layer``): same result, bounded memory."""
     device = model.device
     if request.stop_strings and tokenizer is None:
         raise ValueError("stop strings need a tokenizer")
@@ -119,13 +147,14 @@ def greedy_generate(
     chunk = prefill_chunk_size or n_prompt
     cache.seq.max_total_tokens = n_prompt + len(request.suffix_ids) + request.max_new_tokens
     graphed = GraphedDecodeStep(model, cache) if is_cuda and cuda_graph and cache.method.captures_decode_step else None
-    position = 0
-    for begin in range(0, n_prompt, chunk):
-        piece = prompt[begin : begin + chunk]
-        cache.seq.more_prefill_chunks = begin + chunk < n_prompt
-        logits = _forward(model, piece, position, cache)
-        position += piece.shape[0]
-    cache.seq.more_prefill_chunks = False
+    if layer_by_layer:
+        logits = _prefill_layer_by_layer(model, prompt, cache, chunk)
+    else:
+        for begin in range(0, n_prompt, chunk):
+            cache.seq.more_prefill_chunks = begin + chunk < n_prompt
+            logits = _forward(model, prompt[begin : begin + chunk], begin, cache)
+        cache.seq.more_prefill_chunks = False
+    position = n_prompt
     for token in request.suffix_ids:
         logits = _forward(model, torch.tensor([token], device=device), position, cache)
         position += 1
