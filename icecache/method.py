@@ -68,6 +68,9 @@ class IceCacheConfig(MethodConfig):
     query_field_of_view: int | None = None  # None: max(int(1.5e-3 * tokens), 30)
     query_prop_to_retrieve: float = 0.8
     cpu_threads: int | None = None  # OpenMP threads of the index (None: all cores)
+    # Key rows a search scores first: "half" keeps a half copy and re-scores in float32 only what error bounds cannot
+    # rule out; the same pages and scores bit for bit as "float32", from about half the bytes (docs/dci.md).
+    dci_score_precision: str = "half"
     cpu_kv_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16
     offload_short_prompts: bool = False  # index even prompts that fit in the budget (tests, analysis)
     seed: int = 0
@@ -105,6 +108,8 @@ class IceCache(Method):
             )
         if cfg.n_reuse_layers < 1:
             raise ConfigError("n_reuse_layers must be >= 1 (1 = no reuse)")
+        if cfg.dci_score_precision not in ("float32", "half"):
+            raise ConfigError(f"dci_score_precision={cfg.dci_score_precision}: use float32 or half")
         if cfg.cpu_kv_dtype != "auto" and cfg.cpu_kv_dtype not in _DTYPES:
             raise ConfigError(f"cpu_kv_dtype={cfg.cpu_kv_dtype}: use auto, {', '.join(_DTYPES)}")
 
@@ -228,7 +233,7 @@ class IceCacheLayer(DenseKV):
             index = DCIIndex(
                 self.model.head_dim, self.model.n_kv_heads, promotion_prob=cfg.promotion_prob,
                 promotion_prob_subseq=cfg.promotion_prob_subseq, transform=True, deterministic_levels=True,
-                seed=cfg.seed, num_threads=self.method.index_threads,
+                seed=cfg.seed, num_threads=self.method.index_threads, score_precision=cfg.dci_score_precision,
             )
             # This build runs beside the prefill of later layers, whose kernel launches need a core of their own:
             # with every core building, TTFT at 64k doubled on the 16-core GPU host. Searches and inserts run while

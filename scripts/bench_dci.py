@@ -14,7 +14,12 @@ Recall, per query head, averaged:
 Data: per head, a mixture of Gaussian clusters with log-normal norm scales and a few large-norm outliers; each
 query is aimed at a few keys of one cluster, so attention is concentrated as in real decoding.
 
-    python scripts/bench_dci.py --sizes 8192 32768 131072 --threads 1 4 16 [--shared-aim] [--out DIR_OR_FILE.json]
+Score precision (--score-precision float32 half): one index per precision over the same keys and queries. Their
+queries are timed in alternation (one call each, round robin), so that load from elsewhere hits both alike.
+`same` is the fraction of query heads whose pages, tokens and scores equal the float32 index's bit for bit.
+
+    python scripts/bench_dci.py --sizes 8192 32768 131072 --threads 1 4 16 [--shared-aim] \
+        [--score-precision float32 half] [--out DIR_OR_FILE.json]
 writes results/bench/dci_<hostname>_<date>.json (or into/at --out) and prints a table.
 """
 
@@ -112,48 +117,65 @@ def recall_metrics(index: DCIIndex, scores: torch.Tensor, pages: np.ndarray, tok
     }
 
 
-def bench_size(n: int, threads: list[int], repeats: int, seed: int, shared_aim: bool = False) -> list[dict]:
+def bench_size(n: int, threads: list[int], repeats: int, seed: int, shared_aim: bool = False,
+               precisions: tuple[str, ...] = ("float32",)) -> list[dict]:
     rng = np.random.default_rng(seed)
     keys = make_keys(rng, n)
     ratio = N_Q_HEADS // N_KV_HEADS
     queries = make_queries(rng, keys, ratio, shared_aim)
     keys_t, q_t = torch.from_numpy(keys), torch.from_numpy(queries)
+    fov = default_query_field_of_view(n)
+
+    def query(index: DCIIndex):
+        return index.query(queries, K_PAGES, field_of_view=fov, prop_to_retrieve=0.8, ratio=ratio, return_scores=True)
+
     rows = []
     for t in threads:
-        index = DCIIndex(HEAD_DIM, N_KV_HEADS, promotion_prob=0.01, promotion_prob_subseq=0.2, transform=True,
-                         deterministic_levels=True, seed=seed, num_threads=t)
-        build_times = []
-        for _ in range(max(1, repeats // 10)):
-            t0 = time.perf_counter()
-            index.build(keys, field_of_view=30, prop_to_retrieve=1.0, anchor_interval=60, anchor_neighbours=60,
-                        anchor_threshold=1.02)
-            build_times.append(time.perf_counter() - t0)
-        fov = default_query_field_of_view(n)
-        index.query(queries, K_PAGES, field_of_view=fov, prop_to_retrieve=0.8, ratio=ratio)  # warm-up
-        query_times = []
+        indexes, build_times = {}, {}
+        for precision in precisions:
+            index = DCIIndex(HEAD_DIM, N_KV_HEADS, promotion_prob=0.01, promotion_prob_subseq=0.2, transform=True,
+                             deterministic_levels=True, seed=seed, num_threads=t, score_precision=precision)
+            times = []
+            for _ in range(max(1, repeats // 10)):
+                t0 = time.perf_counter()
+                index.build(keys, field_of_view=30, prop_to_retrieve=1.0, anchor_interval=60, anchor_neighbours=60,
+                            anchor_threshold=1.02)
+                times.append(time.perf_counter() - t0)
+            indexes[precision], build_times[precision] = index, times
+            query(index)  # warm-up
+        query_times: dict[str, list[float]] = {p: [] for p in precisions}
+        results = {}
         for _ in range(repeats):
-            t0 = time.perf_counter()
-            pages, tokens = index.query(queries, K_PAGES, field_of_view=fov, prop_to_retrieve=0.8, ratio=ratio)
-            query_times.append(time.perf_counter() - t0)
+            for precision, index in indexes.items():
+                t0 = time.perf_counter()
+                results[precision] = query(index)
+                query_times[precision].append(time.perf_counter() - t0)
         torch.set_num_threads(t)
         exact_times = []
         for _ in range(max(3, repeats // 10)):
             t0 = time.perf_counter()
             scores, exact_tokens = exact_reference(keys_t, q_t, ratio, K_PAGES)
             exact_times.append(time.perf_counter() - t0)
-        row = {
-            "n": n, "threads": t, "shared_aim": shared_aim, "levels": index.num_levels(0),
-            "pages_per_head": float(index.num_pages().mean()),
-            "query_fov": fov,
-            "build_s": statistics.median(build_times),
-            "query_ms": 1e3 * statistics.median(query_times),
-            "query_ms_p90": 1e3 * float(np.percentile(query_times, 90)),
-            "exact_ms": 1e3 * statistics.median(exact_times),
-        }
-        row.update(recall_metrics(index, scores, pages, tokens, ratio, exact_tokens))
-        rows.append(row)
-        print(f"  n={n:>7} threads={t:>2}: build {row['build_s']:.3f} s, query {row['query_ms']:.3f} ms, "
-              f"mass {row['mass_recall']:.3f}", flush=True)
+        for precision, index in indexes.items():
+            pages, tokens = results[precision][:2]
+            row = {
+                "n": n, "threads": t, "shared_aim": shared_aim, "score_precision": precision,
+                "levels": index.num_levels(0), "pages_per_head": float(index.num_pages().mean()),
+                "query_fov": fov,
+                "build_s": statistics.median(build_times[precision]),
+                "query_ms": 1e3 * statistics.median(query_times[precision]),
+                "query_ms_p90": 1e3 * float(np.percentile(query_times[precision], 90)),
+                "exact_ms": 1e3 * statistics.median(exact_times),
+            }
+            row.update(recall_metrics(index, scores, pages, tokens, ratio, exact_tokens))
+            if "float32" in results:
+                same = np.ones(len(queries), dtype=bool)
+                for mine, ref in zip(results[precision], results["float32"]):
+                    same &= np.array([np.array_equal(a, b, equal_nan=True) for a, b in zip(mine, ref)])
+                row["same_as_float32"] = float(same.mean())
+            rows.append(row)
+            print(f"  n={n:>7} threads={t:>2} {precision:>7}: build {row['build_s']:.3f} s, "
+                  f"query {row['query_ms']:.3f} ms, mass {row['mass_recall']:.3f}", flush=True)
     return rows
 
 
@@ -178,13 +200,16 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shared-aim", action="store_true",
                     help="the query heads of a GQA group aim at the same keys (default: every head aims on its own)")
+    ap.add_argument("--score-precision", nargs="+", choices=["float32", "half"], default=["float32"],
+                    help="DCIIndex score_precision values to bench side by side on the same data")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "bench",
                     help="a directory (gets dci_<host>_<date>.json) or a .json file path")
     args = ap.parse_args()
 
     rows = []
     for n in args.sizes:
-        rows.extend(bench_size(n, args.threads, args.repeats, args.seed, args.shared_aim))
+        rows.extend(bench_size(n, args.threads, args.repeats, args.seed, args.shared_aim,
+                               tuple(dict.fromkeys(args.score_precision))))
     info = provenance()
     info["threads"] = args.threads
     result = {
@@ -193,7 +218,7 @@ def main() -> None:
                      "num_comp_indices": 1, "num_simp_indices": 1, "transform": True, "deterministic_levels": True,
                      "promotion_prob": [0.01, 0.2], "build": {"field_of_view": 30, "prop_to_retrieve": 1.0,
                      "anchors": [60, 60, 1.02]}, "query": {"field_of_view": "max(int(1.5e-3*n), 30)",
-                     "prop_to_retrieve": 0.8, "prop_to_visit": 1.0}},
+                     "prop_to_retrieve": 0.8, "prop_to_visit": 1.0}, "score_precision": args.score_precision},
         "rows": rows,
     }
     date = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -201,13 +226,14 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
 
-    head = (f"{'n':>7} {'thr':>3} {'lvls':>4} {'build s':>8} {'query ms':>9} {'exact ms':>9} "
-            f"{'page rec':>8} {'tok rec':>8} {'mass rec':>8} {'oracle':>7}")
+    head = (f"{'n':>7} {'thr':>3} {'scores':>7} {'lvls':>4} {'build s':>8} {'query ms':>9} {'exact ms':>9} "
+            f"{'page rec':>8} {'tok rec':>8} {'mass rec':>8} {'oracle':>7} {'same':>5}")
     print(head)
     for r in rows:
-        print(f"{r['n']:>7} {r['threads']:>3} {r['levels']:>4} {r['build_s']:>8.3f} {r['query_ms']:>9.3f} "
-              f"{r['exact_ms']:>9.2f} {r['page_recall']:>8.3f} {r['token_recall']:>8.3f} {r['mass_recall']:>8.3f} "
-              f"{r['oracle_mass']:>7.3f}")
+        same = f"{r['same_as_float32']:>5.2f}" if "same_as_float32" in r else f"{'-':>5}"
+        print(f"{r['n']:>7} {r['threads']:>3} {r['score_precision']:>7} {r['levels']:>4} {r['build_s']:>8.3f} "
+              f"{r['query_ms']:>9.3f} {r['exact_ms']:>9.2f} {r['page_recall']:>8.3f} {r['token_recall']:>8.3f} "
+              f"{r['mass_recall']:>8.3f} {r['oracle_mass']:>7.3f} {same}")
     print(f"wrote {out}")
 
 

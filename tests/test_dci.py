@@ -324,6 +324,112 @@ def test_heads_of_a_group_get_exactly_what_each_gets_alone(dim):
             assert np.allclose(token_scores[h], exact, rtol=1e-4, atol=1e-3)
 
 
+def half_and_float_indexes(keys: np.ndarray, transform: bool = True, threads: int = 2, **build):
+    dim, n_inst = keys.shape[2], keys.shape[0]
+    indexes = [DCIIndex(dim, n_inst, transform=transform, num_threads=threads, score_precision=p)
+               for p in ("float32", "half")]
+    for index in indexes:
+        index.build(keys, **build)
+    return indexes
+
+
+def assert_exact_scores(keys: np.ndarray, q: np.ndarray, ratio: int, result, transform: bool = True) -> None:
+    """Token and page scores are the float32 q.k (or -|q-k|^2) of the returned tokens (compared in float64)."""
+    _, tokens, page_scores, token_scores = result
+    for h in range(len(q)):
+        rows = keys[h // ratio][tokens[h]].astype(np.float64)
+        qh = q[h].astype(np.float64)
+        exact = rows @ qh if transform else -((rows - qh) ** 2).sum(1)
+        assert np.allclose(token_scores[h], exact, rtol=1e-4, atol=1e-3)
+        assert page_scores[h][0] == token_scores[h][0]  # the best page is the best token's
+
+
+@pytest.mark.parametrize("transform", [True, False])
+@pytest.mark.parametrize("dim", [32, 24])  # 32: the F16C kernel (where the CPU has it); 24: the portable one
+def test_half_scores_give_the_float32_result(transform, dim):
+    """score_precision='half' scores the last level with half-precision rows first and re-scores in float32 only the
+    rows that an error bound cannot rule out. The promise is stronger than high recall: pages, tokens and scores equal
+    the float32 path's bit for bit, after inserts (splits, re-parenting, growing M) as after a build, for several
+    search settings, with GQA groups whose heads share parents (near-copies) or not."""
+    rng = np.random.default_rng(30 + dim)
+    n_inst, ratio = 2, 6
+    keys = clustered_keys(rng, n_inst, 3200, dim)
+    q = aimed_queries(rng, keys, ratio)
+    q[:ratio] = q[0] + 0.05 * rng.standard_normal((ratio, dim)).astype(np.float32)  # group 0: near-copies
+    exact, half = half_and_float_indexes(keys[:, :2600], transform=transform)
+    assert (exact.score_precision, half.score_precision) == ("float32", "half")
+    for start in range(2600, 3200, 200):
+        batch = keys[:, start:start + 200] * np.float32(1.0 + start / 3200)  # louder keys: M grows
+        for index in (exact, half):
+            index.insert(batch)
+    assert_page_invariants(half)  # includes check(): the half rows and their error bounds are current
+    for fov, prop, K in ((None, 0.8, 12), (12, 0.5, 5), (4000, 1.0, 40)):
+        want = exact.query(q, K, field_of_view=fov, prop_to_retrieve=prop, ratio=ratio, return_scores=True)
+        got = half.query(q, K, field_of_view=fov, prop_to_retrieve=prop, ratio=ratio, return_scores=True)
+        for g, w in zip(got, want):
+            assert np.array_equal(g, w, equal_nan=True)
+        all_keys = np.concatenate([keys[:, :2600], np.concatenate(
+            [keys[:, s:s + 200] * np.float32(1.0 + s / 3200) for s in range(2600, 3200, 200)], axis=1)], axis=1)
+        assert_exact_scores(all_keys, q, ratio, got, transform)
+
+
+def test_half_scores_with_values_beyond_the_half_range_and_any_thread_count():
+    """Rows with values beyond half's range (|x| > 65504) get an unbounded error and are always re-scored; tiny values
+    (half subnormals) are bounded like any other. A zero query (|q| = 0 against an unbounded row) is handled too."""
+    rng = np.random.default_rng(31)
+    keys = clustered_keys(rng, 2, 3000, 32)
+    keys[:, ::97] *= np.float32(3e4)     # some rows far beyond 65504
+    keys[:, 5::89] *= np.float32(1e-7)   # some rows of subnormal halves
+    q = aimed_queries(rng, keys, 2)
+    q[3] = 0.0
+    want = None
+    for threads in (1, 3):
+        exact, half = half_and_float_indexes(keys, threads=threads)
+        assert half.check(0) == "" and half.check(1) == ""
+        got = half.query(q, 12, ratio=2, return_scores=True)
+        want = exact.query(q, 12, ratio=2, return_scores=True) if want is None else want
+        for g, w in zip(got, want):
+            assert np.array_equal(g, w, equal_nan=True)
+    assert_exact_scores(keys, q, 2, got)
+
+
+def test_half_scores_rank_near_duplicates_that_only_float32_tells_apart():
+    """600 copies of one large key, perturbed at a relative 1e-4 (below half's resolution, 2^-11), and queries aimed
+    at it: the best tokens and pages are all among the copies, their half rows are near ties in a scrambled order,
+    and only the float32 re-scoring ranks them. Scoring with the half rows but no error bound changes the result of
+    every query head here, so a bound too tight to cover the rounding shows as a difference."""
+    rng = np.random.default_rng(33)
+    dim, n_inst, ratio = 32, 2, 2
+    keys = clustered_keys(rng, n_inst, 3000, dim)
+    q = np.empty((n_inst * ratio, dim), dtype=np.float32)
+    for i in range(n_inst):
+        copies = rng.choice(3000, 600, replace=False)
+        base = keys[i, copies[0]] * np.float32(3.0)
+        keys[i, copies] = base * (1.0 + 1e-4 * rng.standard_normal((600, dim))).astype(np.float32)
+        for h in range(i * ratio, (i + 1) * ratio):
+            q[h] = base / np.linalg.norm(base) * 8.0 + 0.01 * rng.standard_normal(dim).astype(np.float32)
+    exact, half = half_and_float_indexes(keys)
+    for fov, prop in ((None, 0.8), (4000, 1.0)):
+        want = exact.query(q, 24, field_of_view=fov, prop_to_retrieve=prop, ratio=ratio, return_scores=True)
+        got = half.query(q, 24, field_of_view=fov, prop_to_retrieve=prop, ratio=ratio, return_scores=True)
+        for g, w in zip(got, want):
+            assert np.array_equal(g, w, equal_nan=True)
+
+
+def test_half_scores_recall_matches_float32_on_random_data():
+    """The recall view of the same promise, on unclustered random keys: the pages the half path returns overlap the
+    float32 path's at least 98 % on average (they are in fact identical), and its scores are the returned tokens'."""
+    rng = np.random.default_rng(32)
+    keys = rng.standard_normal((2, 6000, 64)).astype(np.float32)
+    q = rng.standard_normal((8, 64)).astype(np.float32)
+    exact, half = half_and_float_indexes(keys)
+    want = exact.query(q, 12, ratio=4, return_scores=True)
+    got = half.query(q, 12, ratio=4, return_scores=True)
+    overlap = [len(set(g.tolist()) & set(w.tolist())) / len(w) for g, w in zip(got[0], want[0])]
+    assert np.mean(overlap) >= 0.98
+    assert_exact_scores(keys, q, 4, got)
+
+
 def test_torch_cpu_tensors_are_accepted():
     rng = np.random.default_rng(10)
     keys = clustered_keys(rng, 2, 300, 16)
@@ -368,3 +474,7 @@ def test_bad_inputs_raise_clear_errors():
         DCIIndex(8, 2, directions=np.ones((1, 8), np.float32) / math.sqrt(8))
     with pytest.raises(ValueError, match="num_threads"):
         DCIIndex(8, 2, num_threads=0)
+    with pytest.raises(ValueError, match="score_precision must be one of"):
+        DCIIndex(8, 2, score_precision="fp16")
+    with pytest.raises(ValueError, match="num_comp_indices \\* num_simp_indices == 1"):
+        DCIIndex(8, 2, num_comp_indices=2, score_precision="half")

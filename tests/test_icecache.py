@@ -217,3 +217,17 @@ def test_token_store_appends_like_concatenation_with_bounded_spare_room():
         # an eighth of spare room (or the 256-token minimum step), not a doubling
         assert store.nbytes() <= (reference_k.nbytes + reference_v.nbytes) * 9 / 8 + 2 * (256 * 2 * 4 * 4)
     assert len(storage_ids) < 10  # grown a few times, not once per page
+
+
+def test_half_precision_search_selects_the_float32_pages(tiny):
+    """IceCache's default half-precision first pass changes nothing a run computes: same tokens, same loads."""
+    model, _, info = tiny
+    ids = torch.randint(0, 500, (400,), generator=torch.Generator().manual_seed(11)).tolist()
+    runs = {}
+    for precision in ("float32", "half"):
+        values = {"name": "icecache", "budget": 96, "dci_score_precision": precision}
+        cache = HarnessCache(build_method(values, info))
+        runs[precision] = greedy_generate(model, cache, GenerationRequest(ids, 40))
+        assert cache.layer_kvs[-1]._shared()["index"].score_precision == precision
+    assert runs["half"].token_ids == runs["float32"].token_ids
+    assert runs["half"].counters == runs["float32"].counters and runs["half"].counters["pages_loaded"] > 0

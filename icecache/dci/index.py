@@ -18,6 +18,7 @@ from . import _dci
 
 PAGE_SLOTS: int = _dci.PAGE_SLOTS
 BRUTE_FORCE_THRESHOLD = 3000  # numa_threshold: parents searched exhaustively up to this many upper-level points
+SCORE_PRECISIONS = ("float32", "half")
 
 
 def _as_float32(name: str, array: Any, ndim: int) -> np.ndarray:
@@ -60,6 +61,10 @@ class DCIIndex:
         seed: seeds the directions (when not given) and random levels.
         num_threads: OpenMP threads for every call (default: all CPUs).
         directions: [L, dim+1] (transform) or [L, dim] unit rows, shared by all instances.
+        score_precision: "float32" scores the last level of a query from the float32 key rows. "half" also keeps an
+            IEEE half copy of them (+50% key memory), scores with it first and re-scores in float32 only the rows
+            that error bounds cannot rule out: same results and scores, bit for bit, from about half the bytes read.
+            Needs num_comp_indices * num_simp_indices == 1. See docs/dci.md.
     """
 
     def __init__(
@@ -76,6 +81,7 @@ class DCIIndex:
         seed: int = 0,
         num_threads: int | None = None,
         directions: np.ndarray | None = None,
+        score_precision: str = "float32",
     ) -> None:
         if dim < 1 or num_instances < 1:
             raise ValueError(f"dim and num_instances must be positive, got {dim} and {num_instances}")
@@ -83,6 +89,13 @@ class DCIIndex:
             raise ValueError("need 1 <= num_comp_indices * num_simp_indices <= 64")
         if not 0.0 < promotion_prob < 1.0 or not 0.0 <= promotion_prob_subseq < 1.0:
             raise ValueError("promotion probabilities must lie in (0, 1) (promotion_prob_subseq may be 0)")
+        if score_precision not in SCORE_PRECISIONS:
+            raise ValueError(f"score_precision must be one of {SCORE_PRECISIONS}, got {score_precision!r}")
+        if score_precision == "half" and num_comp_indices * num_simp_indices != 1:
+            raise ValueError(
+                "score_precision='half' needs num_comp_indices * num_simp_indices == 1 (it speeds up the L = 1 "
+                f"last-level scan); got {num_comp_indices} x {num_simp_indices}: use score_precision='float32'"
+            )
         self.dim = dim
         self.num_instances = num_instances
         self.transform = transform
@@ -104,7 +117,7 @@ class DCIIndex:
             raise ValueError(f"num_threads must be positive, got {threads}")
         self._forest = _dci.Forest(
             dim, num_instances, num_comp_indices, num_simp_indices, promotion_prob, promotion_prob_subseq,
-            transform, deterministic_levels, seed, directions, threads,
+            transform, deterministic_levels, seed, directions, threads, score_precision == "half",
         )
 
     # ------------------------------------------------------------------ threads
@@ -118,6 +131,11 @@ class DCIIndex:
         if value < 1:
             raise ValueError(f"num_threads must be positive, got {value}")
         self._forest.num_threads = int(value)
+
+    @property
+    def score_precision(self) -> str:
+        """"float32" or "half": the key rows the last level of a query is scored with first (see __init__)."""
+        return "half" if self._forest.half_scores else "float32"
 
     # ------------------------------------------------------------------ building
     def _check_keys(self, keys: Any) -> np.ndarray:

@@ -21,7 +21,7 @@ using FArray = py::array_t<float, py::array::c_style>;
 class Forest {
  public:
   Forest(int dim, int num_instances, int num_comp, int num_simp, double p0, double p1, bool transform,
-         bool deterministic, uint64_t seed, FArray directions, int threads)
+         bool deterministic, uint64_t seed, FArray directions, int threads, bool half_scores)
       : threads_(std::max(1, threads)) {
     cfg_.dim = dim;
     cfg_.num_comp = num_comp;
@@ -30,8 +30,11 @@ class Forest {
     cfg_.deterministic = deterministic;
     cfg_.promotion_prob = p0;
     cfg_.promotion_prob_subseq = p1;
+    cfg_.half_scores = half_scores;
     if (num_comp * num_simp > 64) throw std::invalid_argument("at most 64 directions");
     if (num_simp > 255) throw std::invalid_argument("at most 255 simple indices per composite index");
+    if (half_scores && num_comp * num_simp != 1)
+      throw std::invalid_argument("half scores need num_comp * num_simp == 1");
     if (directions.ndim() != 2 || directions.shape(0) != cfg_.num_dirs() || directions.shape(1) != cfg_.dir_stride())
       throw std::invalid_argument("directions must have shape [num_comp*num_simp, dim(+1 with transform)]");
     dirs_.assign(directions.data(), directions.data() + directions.size());
@@ -119,6 +122,10 @@ class Forest {
     if (static_cast<int>(acc_.size()) < nthreads) acc_.resize(nthreads);
     if (static_cast<int64_t>(heads_.size()) < nq) heads_.resize(nq);
     if (static_cast<int>(jobs_.size()) < I) jobs_.resize(I);
+    if (bars_capacity_ < nq) {
+      bars_.reset(new dci::SharedBars[nq]);
+      bars_capacity_ = nq;
+    }
 #pragma omp parallel num_threads(nthreads)
     {
       const int tid = omp_get_thread_num();
@@ -136,6 +143,9 @@ class Forest {
         std::swap(hs.best_tokens, s.best_tokens);
         std::swap(hs.best_pages, s.best_pages);
         hs.probe = dci::Probe{q + h * dim, dci::dot(q + h * dim, q + h * dim, dim), true};
+        // the descent's fed points are part of the head's result: their K-th best is a bar for the half scan
+        bars_[h].tokens.store(hs.best_tokens.bar(), std::memory_order_relaxed);
+        bars_[h].pages.store(hs.best_pages.bar(), std::memory_order_relaxed);
       }
       // group each instance's runs by parent: one work item = one parent and up to kMaxGroupHeads heads
 #pragma omp for schedule(dynamic, 1)
@@ -183,14 +193,16 @@ class Forest {
         int32_t first[dci::kMaxGroupHeads], last[dci::kMaxGroupHeads];
         dci::TopK* bt[dci::kMaxGroupHeads];
         dci::TopK* bp[dci::kMaxGroupHeads];
+        dci::SharedBars* sb[dci::kMaxGroupHeads];
         for (int j = 0; j < nh; ++j) {
+          sb[j] = &bars_[jb[j].head];
           probes[j] = heads_[jb[j].head].probe;
           first[j] = jb[j].first;
           last[j] = jb[j].last;
           bt[j] = &acc.topk[2 * static_cast<int64_t>(jb[j].head)];
           bp[j] = &acc.topk[2 * static_cast<int64_t>(jb[j].head) + 1];
         }
-        inst_[it.inst]->scan_runs(jb[0].kid_slot, nh, probes, first, last, bt, bp);
+        inst_[it.inst]->scan_runs(jb[0].kid_slot, nh, probes, first, last, bt, bp, sb);
         acc.used = true;
       }
 #pragma omp for schedule(static)
@@ -337,6 +349,8 @@ class Forest {
   std::vector<ThreadAcc> acc_;
   std::vector<std::vector<Job>> jobs_;
   std::vector<Item> items_;
+  std::unique_ptr<dci::SharedBars[]> bars_;  // [nq], for the half-precision scan
+  int64_t bars_capacity_ = 0;
   int threads_;
 };
 
@@ -346,7 +360,8 @@ PYBIND11_MODULE(_dci, m) {
   m.doc() = "Multi-level Prioritized DCI with M-DCI page leaves and the MIPS transform (see icecache/dci/index.py)";
   m.attr("PAGE_SLOTS") = dci::kPageSlots;
   py::class_<Forest>(m, "Forest")
-      .def(py::init<int, int, int, int, double, double, bool, bool, uint64_t, FArray, int>())
+      .def(py::init<int, int, int, int, double, double, bool, bool, uint64_t, FArray, int, bool>())
+      .def_property_readonly("half_scores", [](const Forest& f) { return f.cfg_.half_scores; })
       .def_property("num_threads", &Forest::threads, &Forest::set_threads)
       .def("build", &Forest::build)
       .def("insert", &Forest::insert)

@@ -6,6 +6,8 @@
 //   * one sorted projection array per direction: the simple indices the query walks.
 #pragma once
 
+#include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -29,6 +31,9 @@ struct IndexConfig {
   bool deterministic = true;
   double promotion_prob = 0.01;
   double promotion_prob_subseq = 0.2;
+  // Keep a half-precision copy of the page key rows and score the last level of a query with it first; only the
+  // rows that can still enter a result are re-scored in float32 (Instance::scan_runs_half). L = 1 only.
+  bool half_scores = false;
   int num_dirs() const { return num_comp * num_simp; }
   int dir_stride() const { return transform ? dim + 1 : dim; }
 };
@@ -92,6 +97,11 @@ struct TopK {
     worst = -1;
   }
   bool full() const { return static_cast<int>(items.size()) == cap; }
+  // The distance a candidate must beat to be kept (by distance alone; equal distances are decided by id).
+  float bar() const {
+    if (cap <= 0) return -INFINITY;
+    return full() ? items[worst].dist : INFINITY;
+  }
   // true when c would be kept; cheap enough to run before building c's page/best bookkeeping
   bool admits(const Candidate& c) const { return !full() || c < items[worst]; }
   void push(const Candidate& c) {
@@ -144,6 +154,19 @@ struct LastLevelRun {
   int32_t first, last;
 };
 
+// Distances that a query head's final K tokens and K pages are already known to reach: the K-th best of a set of
+// exact candidates that will all be merged into its result (its descent's, or one thread's accumulator). Shared by
+// the threads of a grouped query, so that the half-precision scan of one thread prunes with what others found.
+// Only lowered; any value they hold is a valid bar, so the result does not depend on the order of updates.
+struct alignas(64) SharedBars {
+  std::atomic<float> tokens{INFINITY}, pages{INFINITY};
+  static void lower(std::atomic<float>& bar, float v) {
+    float cur = bar.load(std::memory_order_relaxed);
+    while (v < cur && !bar.compare_exchange_weak(cur, v, std::memory_order_relaxed)) {
+    }
+  }
+};
+
 constexpr int kMaxGroupHeads = 16;  // query heads scored together in one pass over a parent's rows
 
 struct QueryResult {
@@ -169,8 +192,12 @@ class Instance {
   // Scores the union of the heads' runs over one parent's children once, each key row against all `nh` probes
   // (nh <= kMaxGroupHeads), and feeds head j only the rows of its own run [first[j], last[j]). Per head this feeds
   // exactly what scan_last_level would, with bit-identical scores.
+  // With half_scores the rows are scored by scan_runs_half, which reads and lowers `bars` (per head; may be null).
   void scan_runs(int32_t kid_slot, int nh, const Probe* probes, const int32_t* first, const int32_t* last,
-                 TopK* const* best_tokens, TopK* const* best_pages) const;
+                 TopK* const* best_tokens, TopK* const* best_pages, SharedBars* const* bars = nullptr) const;
+  // scan_runs with the half-precision rows: the same fed points with the same scores, as far as they can matter.
+  void scan_runs_half(int32_t kid_slot, int nh, const Probe* probes, const int32_t* first, const int32_t* last,
+                      TopK* const* best_tokens, TopK* const* best_pages, SharedBars* const* bars) const;
   // Writes the two accumulators (which they sort) as the query's K pages and K tokens, -1 / NaN padded.
   void emit(TopK& best_tokens, TopK& best_pages, int K, int32_t* pages, int32_t* tokens, float* page_scores,
             float* token_scores) const;
@@ -199,8 +226,11 @@ class Instance {
   // pages (section 1.2)
   int32_t alloc_page();
   void free_page(int32_t page);
-  // Flags a page as changed and refreshes its key rows in page_keys_ (the leaf's own buffer, slot order).
+  // Flags a page as changed and refreshes its key rows in page_keys_ (the leaf's own buffer, slot order), and with
+  // half_scores their half copies and error bounds.
   void mark(int32_t page);
+  // The half copy of one key row and its error slack (see page_slack_).
+  void encode_half_row(const float* key, uint16_t* half, float* slack) const;
   int32_t ensure_kids(int32_t node);
   ChildIndex& kids_of(int32_t node) { return kids_[node < 0 ? kRootSlot : nodes_[node].kid_slot]; }
   const ChildIndex& kids_of(int32_t node) const { return kids_[node < 0 ? kRootSlot : nodes_[node].kid_slot]; }
@@ -250,6 +280,12 @@ class Instance {
   std::vector<std::vector<int32_t>> levels_;
   std::vector<Leaf> leaves_;      // indexed by page id
   std::vector<float> page_keys_;  // [pages][16][dim]: keys in page/slot order, so a query reads pages contiguously
+  // half_scores only. page_half_[pages][16][dim]: page_keys_ rounded to IEEE half. page_slack_[pages][16]: for a row
+  // k with half copy h, an s such that the float32 dot products of any q with k and with h differ by at most |q| s:
+  // s = |k - h| + 2 max(dim, 16) 2^-24 (|k| + |h|), the second term covering the rounding of both sums. +inf (and
+  // a zero half row) when a value is beyond the half range: that row is always re-scored.
+  std::vector<uint16_t> page_half_;
+  std::vector<float> page_slack_;
   std::vector<int32_t> free_pages_;
   std::vector<uint8_t> changed_;
   double M_ = 0.0;                // running max squared key norm
@@ -263,5 +299,14 @@ float dot(const float* a, const float* b, int dim);
 // out[j * out_stride + r] = qs[j] . rows[r] for j < nq (any nq), reading each row once; every value is bit-identical
 // to dot_rows' value for the same query and row.
 void dot_rows_multi(const float* const* qs, int nq, const float* rows, int m, int dim, float* out, int out_stride);
+// IEEE binary16 conversions (round to nearest even; overflow gives infinity) and dot_rows_multi over half rows.
+// The half kernel's values are approximate in their order of summation; only the bound in page_slack_ is relied on.
+uint16_t float_to_half(float f);
+float half_to_float(uint16_t h);
+// Rounds src[0, n) to half into dst; sums = float32 sums of |src - half|^2, |src|^2 and |half|^2 (summation order
+// unspecified: each carries a relative error of at most n 2^-24).
+void encode_half(const float* src, int n, uint16_t* dst, float* sums);
+void dot_rows_multi_half(const float* const* qs, int nq, const uint16_t* rows, int m, int dim, float* out,
+                         int out_stride);
 
 }  // namespace dci

@@ -18,6 +18,8 @@ void Instance::reset() {
   levels_.clear();
   leaves_.clear();
   page_keys_.clear();
+  page_half_.clear();
+  page_slack_.clear();
   free_pages_.clear();
   changed_.clear();
   M_ = 0.0;
@@ -104,6 +106,30 @@ void Instance::mark(int32_t page) {
   float* dst = &page_keys_[static_cast<int64_t>(page) * kPageSlots * dim];
   for (int t = 0; t < lf.count; ++t)
     std::copy_n(&keys_[static_cast<int64_t>(lf.item[t]) * dim], dim, dst + static_cast<int64_t>(t) * dim);
+  if (cfg_->half_scores) {
+    const int64_t row0 = static_cast<int64_t>(page) * kPageSlots;
+    for (int t = 0; t < lf.count; ++t)
+      encode_half_row(dst + static_cast<int64_t>(t) * dim, &page_half_[(row0 + t) * dim], &page_slack_[row0 + t]);
+  }
+}
+
+void Instance::encode_half_row(const float* key, uint16_t* half, float* slack) const {
+  const int dim = cfg_->dim;
+  float sums[3];
+  encode_half(key, dim, half, sums);
+  // a value beyond the half range: a zero row, and a slack that makes every bound infinite
+  if (!std::isfinite(sums[2])) {
+    std::fill(half, half + dim, uint16_t{0});
+    *slack = INFINITY;
+    return;
+  }
+  // the sums are float32: allow them 4 dim 2^-24 of relative error
+  const double sum_margin = 1.0 + 4.0 * dim * 0x1p-24;
+  const double err = std::sqrt(sums[0] * sum_margin);
+  const double norms = std::sqrt(sums[1] * sum_margin) + std::sqrt(sums[2] * sum_margin);
+  const double s = err + 2.0 * std::max(dim, 16) * 0x1p-24 * norms;
+  // rounded up, and a relative 2^-20 more for the roundings in the lines above
+  *slack = std::nextafter(static_cast<float>(s * (1.0 + 0x1p-20)), INFINITY);
 }
 
 int32_t Instance::alloc_page() {
@@ -116,6 +142,10 @@ int32_t Instance::alloc_page() {
     leaves_.emplace_back();
     changed_.push_back(1);
     page_keys_.resize(leaves_.size() * kPageSlots * cfg_->dim);
+    if (cfg_->half_scores) {
+      page_half_.resize(leaves_.size() * kPageSlots * cfg_->dim);
+      page_slack_.resize(leaves_.size() * kPageSlots);
+    }
   }
   leaves_[page].count = 0;
   changed_[page] = 1;
@@ -390,6 +420,15 @@ std::string Instance::check() const {
         if (!std::equal(&keys_[static_cast<int64_t>(it) * cfg_->dim], &keys_[static_cast<int64_t>(it + 1) * cfg_->dim],
                         &page_keys_[(static_cast<int64_t>(p) * kPageSlots + t) * cfg_->dim])) {
           err << "page buffer of page " << p << " slot " << t << " stale"; return err.str();
+        }
+        if (cfg_->half_scores) {
+          const int64_t row = static_cast<int64_t>(p) * kPageSlots + t;
+          std::vector<uint16_t> half(cfg_->dim);
+          float slack;
+          encode_half_row(&keys_[static_cast<int64_t>(it) * cfg_->dim], half.data(), &slack);
+          if (!std::equal(half.begin(), half.end(), &page_half_[row * cfg_->dim]) || slack != page_slack_[row]) {
+            err << "half page buffer of page " << p << " slot " << t << " stale"; return err.str();
+          }
         }
         prev = lf.key[t];
       }

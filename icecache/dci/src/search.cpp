@@ -2,6 +2,7 @@
 // (sections 1.1 and 1.7), the cumulative multi-level page query (section 1.7) and the parent search used by
 // construction and insertion (sections 1.5 and 1.6).
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 
 #include "dci.hpp"
@@ -189,44 +190,20 @@ std::pair<int, int> Instance::last_level_run(const ChildIndex& ci, float qp, int
 
 void Instance::scan_last_level(const ChildIndex& ci, float qp, const Probe& p, int k, const SearchConfig& sc,
                                Scratch& s) const {
-  const int n = ci.size();
-  if (n == 0 || k <= 0) return;
-  const auto [first, last] = last_level_run(ci, qp, k, sc);
-  const int dim = cfg_->dim;
-  float dots[kPageSlots];
-  int pos = 0;
-  const size_t nleaves = ci.leaves.size();
-  for (size_t li = 0; li < nleaves; ++li) {
-    if (pos >= last) break;
-    const int32_t page = ci.leaves[li];
-    const Leaf& lf = leaves_[page];
-    if (li + 1 < nleaves && pos + lf.count < last) {
-      // the next page's rows: pages of one parent need not be adjacent, so help the hardware prefetcher
-      const char* nxt = reinterpret_cast<const char*>(&page_keys_[static_cast<int64_t>(ci.leaves[li + 1]) * kPageSlots * dim]);
-      const int bytes = leaves_[ci.leaves[li + 1]].count * dim * static_cast<int>(sizeof(float));
-      for (int off = 0; off < bytes; off += 64) __builtin_prefetch(nxt + off);
-    }
-    const int s0 = std::max(first - pos, 0), s1 = std::min(last - pos, static_cast<int>(lf.count));
-    pos += lf.count;
-    if (s0 >= s1) continue;
-    dot_rows(p.vec, &page_keys_[(static_cast<int64_t>(page) * kPageSlots + s0) * dim], nullptr, s1 - s0, dim, dots);
-    Candidate best{INFINITY, -1};
-    for (int t = s0; t < s1; ++t) {
-      const double ab = dots[t - s0];
-      const int32_t id = lf.item[t];
-      const float d = cfg_->transform ? static_cast<float>(-ab)
-                                      : static_cast<float>(p.sq_norm + static_cast<double>(sq_norm_[id]) - 2.0 * ab);
-      const Candidate cand{d, id};
-      s.best_tokens.push(cand);
-      if (best.id < 0 || cand < best) best = cand;
-    }
-    // every fed point of this page is in this run (a page has one parent, expanded once): feed the page once
-    s.best_pages.push(best);
-  }
+  if (ci.size() == 0 || k <= 0) return;
+  const std::pair<int, int> run = last_level_run(ci, qp, k, sc);
+  const int32_t first = run.first, last = run.second;
+  TopK* best_tokens = &s.best_tokens;
+  TopK* best_pages = &s.best_pages;
+  scan_runs(static_cast<int32_t>(&ci - kids_.data()), 1, &p, &first, &last, &best_tokens, &best_pages);
 }
 
 void Instance::scan_runs(int32_t kid_slot, int nh, const Probe* probes, const int32_t* first, const int32_t* last,
-                         TopK* const* best_tokens, TopK* const* best_pages) const {
+                         TopK* const* best_tokens, TopK* const* best_pages, SharedBars* const* bars) const {
+  if (cfg_->half_scores) {
+    scan_runs_half(kid_slot, nh, probes, first, last, best_tokens, best_pages, bars);
+    return;
+  }
   const ChildIndex& ci = kids_[kid_slot];
   int lo = first[0], hi = last[0];
   for (int j = 1; j < nh; ++j) {
@@ -272,6 +249,220 @@ void Instance::scan_runs(int32_t kid_slot, int nh, const Probe* probes, const in
         if (best.id < 0 || cand < best) best = cand;
       }
       best_pages[j]->push(best);
+    }
+  }
+}
+
+namespace {
+
+// The k smallest values of a stream; kth() is the k-th smallest, +inf until k values came.
+struct KSmallest {
+  std::vector<float> v;
+  int k = 0, worst = -1;
+  void reset(int kk) {
+    v.clear();
+    k = kk;
+    worst = -1;
+  }
+  void push(float x) {
+    if (k <= 0) return;
+    if (static_cast<int>(v.size()) < k) {
+      v.push_back(x);
+      if (static_cast<int>(v.size()) < k) return;
+    } else if (x < v[worst]) {
+      v[worst] = x;
+    } else {
+      return;
+    }
+    worst = static_cast<int>(std::max_element(v.begin(), v.end()) - v.begin());
+  }
+  float kth() const { return k > 0 && static_cast<int>(v.size()) == k ? v[worst] : INFINITY; }
+};
+
+// Rows [s0, s1) of `page`; its slot t sits at position base + t of the parent's sorted children.
+struct HalfSpan {
+  int32_t page, base, s0, s1;
+};
+
+struct HalfScanBuffers {
+  std::vector<HalfSpan> spans;
+  std::vector<float> lower;             // [nh][hi - lo]: approximate dots, then each row's lower distance bound
+  std::vector<float> page_lb, page_ub;  // [nh][spans]: bounds of the distance of each page's best row
+  KSmallest page_bars;
+  std::vector<std::pair<int, int>> picked;  // (span, slot) of the rows to re-score
+};
+
+thread_local HalfScanBuffers half_scan_buffers;
+
+}  // namespace
+
+// Half-precision first pass, exact second pass. For head j and a row with half copy h, the float32 dot q.k lies
+// within a +- e of the float32 half dot a, e = |q| slack (page_slack_), so the row's distance lies in [lb, ub].
+//   1. a for the union of the heads' runs, each half row read once for all heads;
+//   2. per head, the bounds of every row and of every page (the min over its rows), and the K-th smallest page
+//      upper bound: K pages, hence K rows, are at least that close;
+//   3. per head, exact scores (from page_keys_, with the float path's kernel) of
+//      * every row whose lb does not exceed the token bar: the smallest of that bound, the head's token
+//        accumulator's K-th distance and the shared bar (it might enter the K best tokens), and
+//      * for a page whose lb does not exceed the page bar (likewise), every row whose lb is within the page's ub:
+//        one of them is its best, which is fed as the page's best.
+//      The rows are picked first and their float rows prefetched (they lie anywhere in memory), then scored.
+// Every token and page of the exact top K is therefore fed with its exact distance, and what is fed besides is exact
+// and loses to it: the query's result is bit for bit the float32 path's.
+void Instance::scan_runs_half(int32_t kid_slot, int nh, const Probe* probes, const int32_t* first,
+                              const int32_t* last, TopK* const* best_tokens, TopK* const* best_pages,
+                              SharedBars* const* bars) const {
+  const ChildIndex& ci = kids_[kid_slot];
+  int lo = first[0], hi = last[0];
+  for (int j = 1; j < nh; ++j) {
+    lo = std::min(lo, first[j]);
+    hi = std::max(hi, last[j]);
+  }
+  if (lo >= hi) return;
+  const int dim = cfg_->dim;
+  const int width = hi - lo;
+  HalfScanBuffers& buf = half_scan_buffers;
+  const float* qs[kMaxGroupHeads];
+  for (int j = 0; j < nh; ++j) qs[j] = probes[j].vec;
+  if (buf.lower.size() < static_cast<size_t>(nh) * width) buf.lower.resize(static_cast<size_t>(nh) * width);
+  float* lower = buf.lower.data();
+
+  // 1. approximate dots
+  auto& spans = buf.spans;
+  spans.clear();
+  int pos = 0;
+  const size_t nleaves = ci.leaves.size();
+  for (size_t li = 0; li < nleaves; ++li) {
+    if (pos >= hi) break;
+    const int32_t page = ci.leaves[li];
+    const Leaf& lf = leaves_[page];
+    if (li + 2 < nleaves) __builtin_prefetch(&leaves_[ci.leaves[li + 2]].count);
+    if (li + 1 < nleaves && pos + lf.count < hi) {
+      const int32_t next = ci.leaves[li + 1];
+      const char* rows = reinterpret_cast<const char*>(&page_half_[static_cast<int64_t>(next) * kPageSlots * dim]);
+      const int bytes = leaves_[next].count * dim * static_cast<int>(sizeof(uint16_t));
+      for (int off = 0; off < bytes; off += 64) __builtin_prefetch(rows + off);
+      __builtin_prefetch(&page_slack_[static_cast<int64_t>(next) * kPageSlots]);
+    }
+    const int s0 = std::max(lo - pos, 0), s1 = std::min(hi - pos, static_cast<int>(lf.count));
+    const int base = pos;
+    pos += lf.count;
+    if (s0 >= s1) continue;
+    dot_rows_multi_half(qs, nh, &page_half_[(static_cast<int64_t>(page) * kPageSlots + s0) * dim], s1 - s0, dim,
+                        lower + (base + s0 - lo), width);
+    spans.push_back({page, base, s0, s1});
+  }
+  const int ns = static_cast<int>(spans.size());
+  if (buf.page_lb.size() < static_cast<size_t>(nh) * ns) {
+    buf.page_lb.resize(static_cast<size_t>(nh) * ns);
+    buf.page_ub.resize(static_cast<size_t>(nh) * ns);
+  }
+
+  for (int j = 0; j < nh; ++j) {
+    TopK& bt = *best_tokens[j];
+    TopK& bp = *best_pages[j];
+    SharedBars* shared = bars ? bars[j] : nullptr;
+    float* lj = lower + static_cast<int64_t>(j) * width - lo;  // lj[position]
+    float* plb = buf.page_lb.data() + static_cast<int64_t>(j) * ns;
+    float* pub = buf.page_ub.data() + static_cast<int64_t>(j) * ns;
+    // |q|, rounded up: its float square carries a relative error of about dim 2^-24. The float roundings of e and of
+    // a +- e below are far inside the second term of the slack, which is twice what the two dot products need.
+    const float qn = std::nextafter(static_cast<float>(std::sqrt(static_cast<double>(probes[j].sq_norm)) *
+                                                       (1.0 + 0x1p-12)), INFINITY);
+    const double q_sq = probes[j].sq_norm;
+
+    // 2. bounds
+    KSmallest& page_ubs = buf.page_bars;
+    page_ubs.reset(bp.cap);
+    for (int si = 0; si < ns; ++si) {
+      const HalfSpan& sp = spans[si];
+      const int t0 = std::max(first[j] - sp.base, sp.s0), t1 = std::min(last[j] - sp.base, sp.s1);
+      float page_lb = INFINITY, page_ub = INFINITY;
+      float* row = lj + sp.base;  // row[t]: slot t's approximate dot, then its lower bound
+      const float* slack = &page_slack_[static_cast<int64_t>(sp.page) * kPageSlots];
+      for (int t = t0; t < t1; ++t) {
+        float e = qn * slack[t];
+        if (!(e <= FLT_MAX)) e = INFINITY;  // a row beyond the half range (or 0 * inf): unbounded
+        float lb, ub;
+        if (cfg_->transform) {
+          lb = -(row[t] + e);
+          ub = -(row[t] - e);
+        } else {
+          const double base = q_sq + static_cast<double>(sq_norm_[leaves_[sp.page].item[t]]);
+          lb = static_cast<float>(base - 2.0 * (static_cast<double>(row[t]) + e));
+          ub = static_cast<float>(base - 2.0 * (static_cast<double>(row[t]) - e));
+        }
+        row[t] = lb;
+        page_lb = std::min(page_lb, lb);
+        page_ub = std::min(page_ub, ub);
+      }
+      if (t0 < t1) page_ubs.push(page_ub);
+      plb[si] = page_lb;
+      pub[si] = page_ub;
+    }
+    const float item_page_bar = page_ubs.kth();
+    const float item_token_bar = bt.cap <= bp.cap ? item_page_bar : INFINITY;
+    auto token_bar = [&] {
+      const float b = std::min(item_token_bar, bt.bar());
+      return shared ? std::min(b, shared->tokens.load(std::memory_order_relaxed)) : b;
+    };
+    auto page_bar = [&] {
+      const float b = std::min(item_page_bar, bp.bar());
+      return shared ? std::min(b, shared->pages.load(std::memory_order_relaxed)) : b;
+    };
+
+    // 3a. the rows to re-score, by the bars as they stand (they only fall); prefetch their float rows
+    auto& picked = buf.picked;
+    picked.clear();
+    {
+      const float tb = token_bar(), pb = page_bar();
+      for (int si = 0; si < ns; ++si) {
+        const HalfSpan& sp = spans[si];
+        const int t0 = std::max(first[j] - sp.base, sp.s0), t1 = std::min(last[j] - sp.base, sp.s1);
+        if (t0 >= t1) continue;
+        const bool page_in = !(plb[si] > pb);
+        if (!page_in && plb[si] > tb) continue;
+        const float row_bar = page_in ? std::max(tb, pub[si]) : tb;
+        const float* row_lb = lj + sp.base;
+        for (int t = t0; t < t1; ++t) {
+          if (row_lb[t] > row_bar) continue;
+          picked.push_back({si, t});
+          const float* row = &page_keys_[(static_cast<int64_t>(sp.page) * kPageSlots + t) * dim];
+          for (int off = 0; off < dim; off += 16) __builtin_prefetch(row + off);
+        }
+      }
+    }
+    // 3b. exact scores, fed; a page's rows are consecutive in `picked`
+    const size_t np = picked.size();
+    size_t i = 0;
+    while (i < np) {
+      const int si = picked[i].first;
+      const HalfSpan& sp = spans[si];
+      const Leaf& lf = leaves_[sp.page];
+      const float* rows = &page_keys_[static_cast<int64_t>(sp.page) * kPageSlots * dim];
+      const float* row_lb = lj + sp.base;
+      const bool page_in = !(plb[si] > page_bar());
+      Candidate best{INFINITY, -1};
+      for (; i < np && picked[i].first == si; ++i) {
+        const int t = picked[i].second;
+        const bool for_page = page_in && !(row_lb[t] > pub[si]);
+        if (!for_page && row_lb[t] > token_bar()) continue;
+        float dot_f;
+        dot_rows_multi(&qs[j], 1, rows + static_cast<int64_t>(t) * dim, 1, dim, &dot_f, 1);
+        const double ab = dot_f;
+        const int32_t id = lf.item[t];
+        const float d = cfg_->transform
+                            ? static_cast<float>(-ab)
+                            : static_cast<float>(probes[j].sq_norm + static_cast<double>(sq_norm_[id]) - 2.0 * ab);
+        const Candidate cand{d, id};
+        bt.push(cand);
+        if (best.id < 0 || cand < best) best = cand;
+      }
+      if (page_in && best.id >= 0) bp.push(best);
+    }
+    if (shared) {
+      SharedBars::lower(shared->tokens, bt.bar());
+      SharedBars::lower(shared->pages, bp.bar());
     }
   }
 }
