@@ -68,6 +68,9 @@ class IceCacheConfig(MethodConfig):
     query_field_of_view: int | None = None  # None: max(int(1.5e-3 * tokens), 30)
     query_prop_to_retrieve: float = 0.8
     cpu_threads: int | None = None  # OpenMP threads of the index (None: all cores)
+    # Threads of the prompt's index builds, which run beside the prefill (None: cpu_threads). Searches and inserts,
+    # which the decode step waits for, always use cpu_threads.
+    build_threads: int | None = None
     # Key rows a search scores first: "half" keeps a half copy and re-scores in float32 only what error bounds cannot
     # rule out; the same pages and scores bit for bit as "float32", from about half the bytes (docs/dci.md).
     dci_score_precision: str = "half"
@@ -205,7 +208,7 @@ class IceCacheLayer(DenseKV):
         pin = device.type == "cuda"
         self.store = CpuPageStore(n_kv_heads, ps, head_dim, cpu_dtype, pin_memory=pin)
         self.loader = BulkLoader(ps, head_dim, cpu_dtype, device, max_pages=n_kv_heads * k_sel)
-        self._make_decode_buffers(device)
+        self._decode_buffers_made = False  # made at the first decode step: prefill does no pinned allocation
         # Token store by offloaded-token id (the DCI's ids); pages are rewritten from it when they change.
         empty = torch.empty(n_kv_heads, 0, head_dim, dtype=cpu_dtype)
         self.tokens = TokenStore(empty, empty)
@@ -235,10 +238,7 @@ class IceCacheLayer(DenseKV):
                 promotion_prob_subseq=cfg.promotion_prob_subseq, transform=True, deterministic_levels=True,
                 seed=cfg.seed, num_threads=self.method.index_threads, score_precision=cfg.dci_score_precision,
             )
-            # This build runs beside the prefill of later layers, whose kernel launches need a core of their own:
-            # with every core building, TTFT at 64k doubled on the 16-core GPU host. Searches and inserts run while
-            # the main thread waits for them, so they use every core.
-            index.num_threads = max(1, self.method.index_threads - 1)
+            index.num_threads = cfg.build_threads or self.method.index_threads
             if middle_k.shape[1]:
                 index.build(
                     middle_k.float().numpy(), field_of_view=cfg.build_field_of_view,
@@ -365,6 +365,9 @@ class IceCacheLayer(DenseKV):
                 self.seq.counters.record_attention(self.length)
                 return out
             self._offload_prompt()
+        if not self._decode_buffers_made:
+            self._make_decode_buffers(self.pool.key_pages.device)
+            self._decode_buffers_made = True
         if self.window_count == self.cfg.n_window_pages * self.cfg.page_size:
             self._evict_oldest_window_page()
         self._write_window(key[0], value[0])
