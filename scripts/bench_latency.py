@@ -183,6 +183,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument("--repeats", type=int, help="measured rounds")
     parser.add_argument("--warmup", type=int, help="unmeasured rounds first")
+    parser.add_argument("--warmup-length", type=int,
+                        help="run the warm-up rounds once, at this context, instead of at every length (long contexts)")
     parser.add_argument("--decode-steps", type=int, help=f"N decode steps per run (>= {MIN_DECODE_STEPS})")
     parser.add_argument("--prefill-chunk-size", type=int, help="prefill in chunks of this many tokens")
     parser.add_argument("--layer-by-layer", action="store_true", default=None,
@@ -236,12 +238,17 @@ def main(argv: list[str] | None = None) -> Path:
     vocab = model.config.vocab_size
 
     measurements: list[dict[str, Any]] = []
-    for context in args.lengths:
+    def make_request(context: int) -> GenerationRequest:
         generator = torch.Generator().manual_seed(args.seed + context)
         prompt = torch.randint(0, vocab, (context,), generator=generator).tolist()
-        request = GenerationRequest(input_ids=prompt, max_new_tokens=args.decode_steps + 1, eos_token_ids=())
-        for round_index in range(args.warmup + args.repeats):
-            measured = round_index >= args.warmup
+        return GenerationRequest(input_ids=prompt, max_new_tokens=args.decode_steps + 1, eos_token_ids=())
+
+    for context_index, context in enumerate(args.lengths):
+        # With --warmup-length the warm-up rounds run once, at that (short) context, before the first length.
+        warmups = args.warmup if args.warmup_length is None else (args.warmup if context_index == 0 else 0)
+        for round_index in range(warmups + args.repeats):
+            measured = round_index >= warmups
+            request = make_request(context if measured or args.warmup_length is None else args.warmup_length)
             for name, method in methods.items():  # interleaved: A B A B ...
                 cache = HarnessCache(method, PhaseTimer(device, enabled=True))
                 result = greedy_generate(model, cache, request, prefill_chunk_size=args.prefill_chunk_size,
@@ -249,7 +256,7 @@ def main(argv: list[str] | None = None) -> Path:
                 if measured:
                     measurements.append({
                         "model": spec.name, "method": name, "budget": method.config.budget, "context": context,
-                        "round": round_index - args.warmup, "ttft_s": result.ttft_s, "tt2t_s": result.tt2t_s,
+                        "round": round_index - warmups, "ttft_s": result.ttft_s, "tt2t_s": result.tt2t_s,
                         "tpot_s": result.tpot_s, "phases_s": result.phase_breakdown(),
                         "decode_steps": len(result.step_times_s), "gpu_kv_bytes": result.gpu_kv_bytes,
                         "cpu_kv_bytes": result.cpu_kv_bytes, "peak_gpu_bytes": result.peak_gpu_bytes,
@@ -258,7 +265,7 @@ def main(argv: list[str] | None = None) -> Path:
                 del cache, result
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-            print(f"context {context}: round {round_index + 1}/{args.warmup + args.repeats}"
+            print(f"context {context}: round {round_index + 1}/{warmups + args.repeats}"
                   f"{'' if measured else ' (warm-up)'} done", flush=True)
 
     summary = summarise(measurements)
