@@ -443,3 +443,24 @@ def test_triton_attention_repeated_calls_reuse_the_plan_correctly(fast_launch, n
             torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
     finally:
         triton_kernels.set_fast_launch(previous)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_after_earlier_tokens_is_bottom_right_causal(device, dtype):
+    """dense_attention of a prefill chunk (S queries after T - S earlier keys, GQA) equals explicit masked softmax."""
+    from icecache.core.attention import dense_attention
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 8, 37, 64, generator=generator).to(device, dtype)
+    key = torch.randn(1, 2, 150, 64, generator=generator).to(device, dtype)
+    value = torch.randn(1, 2, 150, 64, generator=generator).to(device, dtype)
+    out = dense_attention(query, key, value, 0.125)
+    keys, values = key.float().repeat_interleave(4, 1), value.float().repeat_interleave(4, 1)
+    scores = query.float() @ keys.transpose(-1, -2) * 0.125
+    rows = torch.arange(37, device=device)[:, None] + 150 - 37
+    scores = scores.masked_fill(torch.arange(150, device=device)[None, :] > rows, float("-inf"))
+    expected = (scores.softmax(-1) @ values).transpose(1, 2)
+    tolerance = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)

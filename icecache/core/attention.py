@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 
 def dense_attention(
@@ -33,12 +34,11 @@ def dense_attention(
     elif q_len == kv_len:
         out = F.scaled_dot_product_attention(query, key, value, is_causal=q_len > 1, scale=scaling, enable_gqa=gqa)
     else:
-        # A chunk after earlier tokens: bottom-right aligned causal mask (SDPA's is_causal is top-left aligned).
-        offset = kv_len - q_len
-        rows = torch.arange(q_len, device=query.device)[:, None] + offset
-        cols = torch.arange(kv_len, device=query.device)[None, :]
+        # A chunk after earlier tokens: bottom-right aligned causal attention (SDPA's is_causal is top-left aligned).
+        # PyTorch's lower-right causal bias keeps the fused kernels; a boolean [S, T] mask would send SDPA to a
+        # masked kernel that is several times slower and, at 8k x 128k, materialises gigabytes.
         out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=cols <= rows, scale=scaling, enable_gqa=gqa
+            query, key, value, attn_mask=causal_lower_right(q_len, kv_len), scale=scaling, enable_gqa=gqa
         )
     return out.transpose(1, 2).contiguous()
 
