@@ -145,3 +145,12 @@ def test_layer_by_layer_prefill_equals_the_model_forward(tiny, name):
     assert layered.token_ids == whole.token_ids
     for mine, theirs in zip(layered.logits, whole.logits):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_full_cache_storage_is_sized_once_for_the_announced_length(tiny):
+    """No doubling at the first decode token: the storage holds prompt + new tokens from the first chunk on."""
+    model, _, info = tiny
+    ids = torch.randint(0, 500, (256,), generator=torch.Generator().manual_seed(8)).tolist()
+    cache = HarnessCache(build_method({"name": "full"}, info))
+    greedy_generate(model, cache, GenerationRequest(ids, 10), prefill_chunk_size=64)
+    assert {kv._keys.shape[2] for kv in cache.layer_kvs} == {256 + 10}

@@ -29,11 +29,11 @@ LONGBENCH_16 = [
 
 # Canonical method ids: the harness's method names, plus the paper's baselines we do not implement.
 METHOD_ORDER = [
-    "full", "oracle_topk", "snapkv", "streaming_llm", "h2o", "quest", "omnikv", "magicpig", "pqcache", "arkvale",
+    "full", "full_static", "oracle_topk", "snapkv", "streaming_llm", "h2o", "quest", "omnikv", "magicpig", "pqcache", "arkvale",
     "icecache", "icecache_reuse",
 ]
 DISPLAY_NAME = {
-    "full": "FULL", "oracle_topk": "TOPK", "snapkv": "SnapKV", "streaming_llm": "StreamingLLM", "h2o": "H2O",
+    "full": "FULL", "full_static": "FULL (static, graph)", "oracle_topk": "TOPK", "snapkv": "SnapKV", "streaming_llm": "StreamingLLM", "h2o": "H2O",
     "quest": "Quest", "omnikv": "OmniKV", "magicpig": "MagicPIG", "pqcache": "PQCache", "arkvale": "ArkVale",
     "icecache": "IceCache", "icecache_reuse": "IceCache(r)",
 }

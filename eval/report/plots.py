@@ -19,9 +19,9 @@ from matplotlib.patches import Patch
 from .collect import METHOD_ORDER, canonical_model, display_name, length_label, method_sort_key
 from .tables import ComparisonTable
 
-# One colour per method across every figure (tab20 has enough distinct hues for the twelve ids).
+# One colour per method across every figure (one per METHOD_ORDER id).
 _PALETTE = [
-    "#222222", "#7f7f7f", "#1f77b4", "#ff7f0e", "#bcbd22", "#17becf", "#9467bd", "#8c564b", "#e377c2", "#2ca02c",
+    "#222222", "#555555", "#7f7f7f", "#1f77b4", "#ff7f0e", "#bcbd22", "#17becf", "#9467bd", "#8c564b", "#e377c2", "#2ca02c",
     "#d62728", "#ff9896",
 ]
 COLORS = dict(zip(METHOD_ORDER, _PALETTE))

@@ -126,7 +126,9 @@ class LayerKV(ABC):
 
 
 class DenseKV(LayerKV):
-    """The full cache: every token kept on the model's device, dense attention. Storage grows by doubling."""
+    """The full cache: every token kept on the model's device, dense attention. Storage is sized for the length the
+    generation loop announces (``seq.max_total_tokens``), else grows by doubling: doubling alone would, at 128k,
+    double the whole cache at the first decode token."""
 
     def __init__(self, layer_idx: int, model: ModelInfo, seq: SequenceContext):
         super().__init__(layer_idx, model, seq)
@@ -138,7 +140,9 @@ class DenseKV(LayerKV):
         batch, n_kv_heads, n_new, head_dim = key.shape
         needed = self.length + n_new
         if self._keys is None or needed > self._keys.shape[2]:
-            capacity = max(needed, 2 * (self._keys.shape[2] if self._keys is not None else 0), 256)
+            announced = self.seq.max_total_tokens or 0
+            current = self._keys.shape[2] if self._keys is not None else 0
+            capacity = announced if announced >= needed else max(needed, 2 * current, 256)
             grown_k = key.new_empty(batch, n_kv_heads, capacity, head_dim)
             grown_v = value.new_empty(batch, n_kv_heads, capacity, head_dim)
             if self._keys is not None:
