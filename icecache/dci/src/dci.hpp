@@ -198,6 +198,12 @@ class Instance {
   // scan_runs with the half-precision rows: the same fed points with the same scores, as far as they can matter.
   void scan_runs_half(int32_t kid_slot, int nh, const Probe* probes, const int32_t* first, const int32_t* last,
                       TopK* const* best_tokens, TopK* const* best_pages, SharedBars* const* bars) const;
+  // A query's distance to point `id` from their inner product `ab`: -ab under the MIPS transform (the ranking is by
+  // inner product), else the squared Euclidean distance. One definition for every scan, so that paths agree bitwise.
+  float query_distance(const Probe& probe, int32_t id, double ab) const {
+    return cfg_->transform ? static_cast<float>(-ab)
+                           : static_cast<float>(probe.sq_norm + static_cast<double>(sq_norm_[id]) - 2.0 * ab);
+  }
   // Writes the two accumulators (which they sort) as the query's K pages and K tokens, -1 / NaN padded.
   void emit(TopK& best_tokens, TopK& best_pages, int K, int32_t* pages, int32_t* tokens, float* page_scores,
             float* token_scores) const;

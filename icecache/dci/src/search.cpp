@@ -33,7 +33,7 @@ void Instance::score(const Probe& p, const int32_t* ids, int m, float* out) cons
     const double ab = out[r];
     const double b_sq = sq_norm_[ids[r]];
     if (p.is_query) {
-      out[r] = cfg_->transform ? static_cast<float>(-ab) : static_cast<float>(p.sq_norm + b_sq - 2.0 * ab);
+      out[r] = query_distance(p, ids[r], ab);
     } else if (cfg_->transform) {
       out[r] = static_cast<float>(M_ - ab - std::sqrt(std::max(0.0, M_ - p.sq_norm) * std::max(0.0, M_ - b_sq)));
     } else {
@@ -239,12 +239,8 @@ void Instance::scan_runs(int32_t kid_slot, int nh, const Probe* probes, const in
       TopK& bt = *best_tokens[j];
       Candidate best{INFINITY, -1};
       for (int t = t0; t < t1; ++t) {
-        const double ab = dj[t];
         const int32_t id = lf.item[t];
-        const float d = cfg_->transform
-                            ? static_cast<float>(-ab)
-                            : static_cast<float>(probes[j].sq_norm + static_cast<double>(sq_norm_[id]) - 2.0 * ab);
-        const Candidate cand{d, id};
+        const Candidate cand{query_distance(probes[j], id, dj[t]), id};
         bt.push(cand);
         if (best.id < 0 || cand < best) best = cand;
       }
@@ -449,12 +445,8 @@ void Instance::scan_runs_half(int32_t kid_slot, int nh, const Probe* probes, con
         if (!for_page && row_lb[t] > token_bar()) continue;
         float dot_f;
         dot_rows_multi(&qs[j], 1, rows + static_cast<int64_t>(t) * dim, 1, dim, &dot_f, 1);
-        const double ab = dot_f;
         const int32_t id = lf.item[t];
-        const float d = cfg_->transform
-                            ? static_cast<float>(-ab)
-                            : static_cast<float>(probes[j].sq_norm + static_cast<double>(sq_norm_[id]) - 2.0 * ab);
-        const Candidate cand{d, id};
+        const Candidate cand{query_distance(probes[j], id, dot_f), id};
         bt.push(cand);
         if (best.id < 0 || cand < best) best = cand;
       }
