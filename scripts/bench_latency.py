@@ -139,10 +139,12 @@ def summarise(measurements: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row.update({f"{key}_median": stats["median"], f"{key}_min": stats["min"], f"{key}_max": stats["max"]})
         phases = sorted({p for g in group for p in g["phases_s"]})
         row["phases_s"] = {p: statistics.median(g["phases_s"].get(p, 0.0) for g in group) for p in phases}
-        for key in ("gpu_kv_bytes", "cpu_kv_bytes", "peak_gpu_bytes", "mean_attended_tokens"):
+        for key in ("gpu_kv_bytes", "cpu_kv_bytes", "peak_gpu_bytes"):  # the most any repeat held
             values = [g[key] for g in group if g.get(key) is not None]
-            row[key] = max(values) if values and key != "mean_attended_tokens" else (
-                statistics.fmean(values) if values else None)
+            row[key] = max(values) if values else None
+        for key in ("mean_attended_tokens", "pages_loaded_per_step", "bytes_to_gpu_per_step"):  # mean over repeats
+            values = [g[key] for g in group if g.get(key) is not None]
+            row[key] = statistics.fmean(values) if values else None
         rows.append(row)
     for row in rows:
         for reference in REFERENCES:
@@ -261,6 +263,8 @@ def main(argv: list[str] | None = None) -> Path:
                         "decode_steps": len(result.step_times_s), "gpu_kv_bytes": result.gpu_kv_bytes,
                         "cpu_kv_bytes": result.cpu_kv_bytes, "peak_gpu_bytes": result.peak_gpu_bytes,
                         "mean_attended_tokens": result.counters.get("mean_attended_tokens"),
+                        "pages_loaded_per_step": result.counters.get("pages_loaded", 0) / max(1, len(result.step_times_s)),
+                        "bytes_to_gpu_per_step": result.counters.get("bytes_to_gpu", 0) / max(1, len(result.step_times_s)),
                     })
                 del cache, result
                 if device.type == "cuda":

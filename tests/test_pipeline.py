@@ -238,6 +238,9 @@ def test_bench_latency_driver_writes_its_file(tmp_path):
         assert row["phases_s"]  # measure_phases on: at least the model remainder
     # 64 decode steps per run (N >= 64), one measured round per method
     assert [m["decode_steps"] for m in payload["measurements"]] == [64, 64, 64]
+    # the full caches load nothing; a page method's loads are counted per decode step
+    assert summary["full"]["pages_loaded_per_step"] == summary["full_static"]["pages_loaded_per_step"] == 0
+    assert all(row["bytes_to_gpu_per_step"] is not None for row in summary.values())
     assert "TPOT ms" in result.stdout
 
     short = subprocess.run(command[:-4] + ["--decode-steps", "8", "--out", str(tmp_path)], cwd=REPO,
