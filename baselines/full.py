@@ -2,7 +2,7 @@
 
 Two forms of the same computation:
 
-* ``full``: storage that grows by doubling, the plain transformers decode path (one Python pass per step).
+* ``full``: ``DenseKV`` storage, the plain transformers decode path (one Python pass per step).
 * ``full_static``: the fast full cache that latency ratios are measured against. Each layer's keys and values live
   in one buffer sized for the whole sequence before the first token, a decode step writes its token at a position
   read from a device tensor and attends with the split-K paged kernel over the buffer (seen as pages of 16 tokens
@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from icecache.core.attention import dense_attention, paged_decode_attention
-from icecache.core.method import METHODS, DenseKV, LayerKV, Method, MethodConfig, ModelInfo, SequenceContext
+from icecache.core.method import (
+    METHODS, DenseKV, LayerKV, Method, MethodConfig, ModelInfo, SequenceContext, storage_capacity,
+)
 
 
 @METHODS.register("full")
@@ -78,11 +80,9 @@ class StaticDenseKV(LayerKV):
         return 0 if self._keys is None else self._keys.shape[1]
 
     def _allocate(self, like: torch.Tensor, needed: int) -> None:
-        """Buffers for the sequence's announced length (rounded up to whole pages), or by doubling when the caller
-        announced none (transformers' own generate); growing is impossible inside a captured step, and the
-        generation loop always announces the length."""
-        announced = self.seq.max_total_tokens or 0
-        capacity = announced if announced >= needed else max(needed, 2 * self.capacity, 256)
+        """Buffers of ``storage_capacity`` tokens rounded up to whole pages. Growing is impossible inside a captured
+        step; the generation loop always announces the length, so only transformers' own generate grows them."""
+        capacity = storage_capacity(self.seq, needed, self.capacity)
         capacity = -(-capacity // self.page_size) * self.page_size
         n_kv_heads, head_dim = like.shape[1], like.shape[3]
         keys = like.new_zeros(n_kv_heads, capacity, head_dim)

@@ -82,6 +82,14 @@ class SequenceContext:
     max_total_tokens: int | None = None
 
 
+def storage_capacity(seq: SequenceContext, needed: int, current: int) -> int:
+    """Tokens a growing KV buffer should hold for ``needed`` tokens: the sequence's announced length when it covers
+    them (sized once: doubling alone would, at 128k, double the whole cache at the first decode token), else the
+    larger of ``needed`` and twice ``current`` (at least 256)."""
+    announced = seq.max_total_tokens or 0
+    return announced if announced >= needed else max(needed, 2 * current, 256)
+
+
 class LayerKV(ABC):
     """One layer's KV storage and attention. ``seq_len`` is the logical number of tokens seen."""
 
@@ -126,9 +134,8 @@ class LayerKV(ABC):
 
 
 class DenseKV(LayerKV):
-    """The full cache: every token kept on the model's device, dense attention. Storage is sized for the length the
-    generation loop announces (``seq.max_total_tokens``), else grows by doubling: doubling alone would, at 128k,
-    double the whole cache at the first decode token."""
+    """The full cache: every token kept on the model's device, dense attention. Storage follows
+    ``storage_capacity``: the announced length, else doubling."""
 
     def __init__(self, layer_idx: int, model: ModelInfo, seq: SequenceContext):
         super().__init__(layer_idx, model, seq)
@@ -140,9 +147,7 @@ class DenseKV(LayerKV):
         batch, n_kv_heads, n_new, head_dim = key.shape
         needed = self.length + n_new
         if self._keys is None or needed > self._keys.shape[2]:
-            announced = self.seq.max_total_tokens or 0
-            current = self._keys.shape[2] if self._keys is not None else 0
-            capacity = announced if announced >= needed else max(needed, 2 * current, 256)
+            capacity = storage_capacity(self.seq, needed, self._keys.shape[2] if self._keys is not None else 0)
             grown_k = key.new_empty(batch, n_kv_heads, capacity, head_dim)
             grown_v = value.new_empty(batch, n_kv_heads, capacity, head_dim)
             if self._keys is not None:
