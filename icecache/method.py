@@ -210,7 +210,7 @@ class IceCacheLayer(DenseKV):
         pin = device.type == "cuda"
         self.store = CpuPageStore(n_kv_heads, ps, head_dim, cpu_dtype, pin_memory=pin)
         self.loader = BulkLoader(ps, head_dim, cpu_dtype, device, max_pages=n_kv_heads * k_sel)
-        self._decode_buffers_made = False  # made at the first decode step: prefill does no pinned allocation
+        self._valid_counts = None  # decode buffers, made at the first decode step: prefill does no pinned allocation
         # Token store by offloaded-token id (the DCI's ids); pages are rewritten from it when they change.
         empty = torch.empty(n_kv_heads, 0, head_dim, dtype=cpu_dtype)
         self.tokens = TokenStore(empty, empty)
@@ -367,9 +367,8 @@ class IceCacheLayer(DenseKV):
                 self.seq.counters.record_attention(self.length)
                 return out
             self._offload_prompt()
-        if not self._decode_buffers_made:
+        if self._valid_counts is None:
             self._make_decode_buffers(self.pool.key_pages.device)
-            self._decode_buffers_made = True
         if self.window_count == self.cfg.n_window_pages * self.cfg.page_size:
             self._evict_oldest_window_page()
         self._write_window(key[0], value[0])
