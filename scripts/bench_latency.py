@@ -245,12 +245,14 @@ def main(argv: list[str] | None = None) -> Path:
         prompt = torch.randint(0, vocab, (context,), generator=generator).tolist()
         return GenerationRequest(input_ids=prompt, max_new_tokens=args.decode_steps + 1, eos_token_ids=())
 
+    warmup_request = make_request(args.warmup_length) if args.warmup_length is not None else None
     for context_index, context in enumerate(args.lengths):
         # With --warmup-length the warm-up rounds run once, at that (short) context, before the first length.
-        warmups = args.warmup if args.warmup_length is None else (args.warmup if context_index == 0 else 0)
+        warmups = args.warmup if warmup_request is None else (args.warmup if context_index == 0 else 0)
+        measured_request = make_request(context)
         for round_index in range(warmups + args.repeats):
             measured = round_index >= warmups
-            request = make_request(context if measured or args.warmup_length is None else args.warmup_length)
+            request = measured_request if measured or warmup_request is None else warmup_request
             for name, method in methods.items():  # interleaved: A B A B ...
                 cache = HarnessCache(method, PhaseTimer(device, enabled=True))
                 result = greedy_generate(model, cache, request, prefill_chunk_size=args.prefill_chunk_size,
