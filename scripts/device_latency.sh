@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# One GPU-host call: build the DCI extension, run the GPU tests of the methods, time every method against both
-# full caches on the Llama-3.1-8B architecture (random weights). Results and the log go to $OUT (or results/bench).
-# Usage: bash scripts/device_latency.sh "<lengths>" "<methods>" [extra bench_latency.py arguments]
+# One GPU-host call: build the DCI extension, run the GPU tests (kernels, methods on GPU vs CPU, the CUDA-graphed
+# full cache), optionally bench the DCI index (DCI_BENCH=1: float32 and half first passes side by side), then time
+# the methods against both full caches on the Llama-3.1-8B architecture (random weights). Results go to $OUT (or
+# results/bench).
+# Usage: [DCI_BENCH=1] bash scripts/device_latency.sh "<lengths>" "<methods>" [extra bench_latency.py arguments]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OMP_PROC_BIND=false
 # A git-archive copy has no .git: name the commit (ICECACHE_GIT_COMMIT=<sha> bash ...) so result files carry it.
@@ -10,11 +12,16 @@ out=${OUT:-results/bench}
 lengths=${1:-8192 32768}
 methods=${2:-icecache icecache_reuse arkvale quest h2o streaming_llm snapkv oracle_topk}
 shift 2 2>/dev/null || shift $#
+gpu_tests=(tests/test_gpu_methods.py tests/test_method_invariants.py tests/test_paged_attention.py)
 python3 setup.py build_ext --inplace -q 2>&1 | grep -i error
-python3 -m pytest -q -m gpu tests/test_gpu_methods.py 2>&1 | tail -4
+python3 -m pytest -q -m gpu "${gpu_tests[@]}" 2>&1 | tail -3
 graph=()
 if ! python3 -m pytest -q -m gpu tests/test_gpu_methods.py -k cuda_graph >/dev/null 2>&1; then
     echo "CUDA-graph test failed: full_static measured eagerly"; graph=(--set full_static.cuda_graph=false)
+fi
+if [ -n "${DCI_BENCH:-}" ]; then
+    python3 scripts/bench_dci.py --sizes 32768 131072 --threads 16 --score-precision float32 half --out "$out" \
+        2>&1 | tail -8
 fi
 python3 scripts/bench_latency.py --model llama31_8b --lengths $lengths --methods $methods \
     --budget 256 --repeats 2 --warmup 1 --threads 16 --out "$out" "${graph[@]}" "$@" 2>&1 | tail -40
