@@ -5,12 +5,13 @@ trace_selection. Checks reuse mechanics at every decode step of every sparsified
 mass captured by each run's selection under the full run's queries/keys.
 
 usage (from the repository root): python scripts/reuse_diagnosis.py SAMPLE_INDEX [R ...]
-(BENCHMARKS.md, "IceCache-reuse on SmolLM2", gives what it found.)
+(BENCHMARKS.md gives what it found; results/bench/reuse_diagnosis_smollm2_20261130.json summarises the raw output.)
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 import yaml
 
 from eval.base import PromptContext, build_task
+from icecache import provenance
 from icecache.core.cache import ATTENTION_NAME, HarnessCache
 from icecache.core.generation import GenerationRequest, _forward, greedy_generate
 from icecache.core.method import build_method
@@ -210,7 +212,6 @@ def forced(method_values, tokens, record_kv):
 
 
 t0 = time.time()
-import os
 n_new = int(os.environ.get("NEW", sample.max_new_tokens))
 full_result = greedy_generate(model, HarnessCache(build_method({"name": "full"}, info)),
                               GenerationRequest(ids, n_new, eos_token_ids=[]))
@@ -300,7 +301,10 @@ out = {"sample": sample.sample_id, "tokens": tokens, "needle": needle, "rows": r
        "checks": {n: logs[n][1]["checks"] for n in runs},
        "logits_steps": {n: [(int(l.argmax()), float(torch.log_softmax(l, -1)[tokens[i]]))
                             for i, l in enumerate(logits_by_run[n])] for n in runs}}
-Path(f"/tmp/reuse_diag/diag_{sample.sample_id}_{'_'.join(map(str, reuse_rs))}_new{n_new}.json").write_text(json.dumps(out))
+out["provenance"] = provenance.collect()
+out_dir = Path(os.environ.get("REUSE_DIAG_OUT", "/tmp/reuse_diag"))  # raw output: ~300 KB per sample
+out_dir.mkdir(parents=True, exist_ok=True)
+(out_dir / f"diag_{sample.sample_id}_{'_'.join(map(str, reuse_rs))}_new{n_new}.json").write_text(json.dumps(out))
 
 # Summary by group position for each reuse run.
 print("\nAttention mass captured (full-run q over full-run K), mean over query heads, decode steps, layers")
