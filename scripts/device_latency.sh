@@ -12,13 +12,20 @@ out=${OUT:-results/bench}
 lengths=${1:-8192 32768}
 methods=${2:-icecache icecache_reuse arkvale quest h2o streaming_llm snapkv oracle_topk}
 shift 2 2>/dev/null || shift $#
-gpu_tests=(tests/test_gpu_methods.py tests/test_method_invariants.py tests/test_paged_attention.py)
+gpu_tests=(tests/test_gpu_methods.py tests/test_method_invariants.py tests/test_paged_attention.py tests/test_cuda_driver.py)
 python3 setup.py build_ext --inplace -q 2>&1 | grep -i error
-python3 -m pytest -q -m gpu "${gpu_tests[@]}" 2>&1 | tail -3
+python3 -m pytest -q -m gpu "${gpu_tests[@]}" 2>&1 | grep -E "^(FAILED|ERROR)|Error|passed|failed" | tail -25
+# A method whose captured step fails its test is measured eagerly (and the output says so).
 graph=()
-if ! python3 -m pytest -q -m gpu tests/test_gpu_methods.py -k cuda_graph >/dev/null 2>&1; then
-    echo "CUDA-graph test failed: full_static measured eagerly"; graph=(--set full_static.cuda_graph=false)
+if ! python3 -m pytest -q -m gpu tests/test_gpu_methods.py -k cuda_graph_decode >/dev/null 2>&1; then
+    echo "CUDA-graph test failed: full_static measured eagerly"; graph+=(full_static.cuda_graph=false)
 fi
+if ! python3 -m pytest -q -m gpu tests/test_gpu_methods.py tests/test_cuda_driver.py -k "graph_replays or host_function" \
+        >/dev/null 2>&1; then
+    echo "IceCache graph test failed: IceCache measured eagerly"
+    graph+=(icecache.cuda_graph=false icecache_reuse.cuda_graph=false)
+fi
+[ ${#graph[@]} -gt 0 ] && graph=(--set "${graph[@]}")
 if [ -n "${DCI_BENCH:-}" ]; then
     python3 scripts/bench_dci.py --sizes 32768 131072 --threads 16 --score-precision float32 half --out "$out" \
         2>&1 | tail -8

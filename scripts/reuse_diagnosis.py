@@ -110,7 +110,7 @@ def check_layer(cache, layer, log, q, out, scaling):
     ns = method.config.n_sink_pages
     ps = method.config.page_size
     kv_ok, kv_not_owner, prefix_ok, count_ok = True, True, True, True
-    counts_dev = layer._valid_counts
+    counts_dev = layer._transit.device_views["counts"]
     page_counts = index.page_valid_counts()
     for h in range(info.n_kv_heads):
         ptoks = index.page_tokens(h)
@@ -140,7 +140,9 @@ def check_layer(cache, layer, log, q, out, scaling):
             n = min(ps, sl - s * ps)
             if not torch.equal(layer.pool.key_pages[s, h, :n], K[h, s * ps : s * ps + n]):
                 kv_ok = False
-        wk = layer.pool.key_pages[layer.window_slot0 :, h].reshape(-1, K.shape[-1])[: layer.window_count]
+        n_window = method.config.n_window_pages  # the window is a ring starting at window_head
+        ring = [layer.window_slot0 + (layer.window_head + j) % n_window for j in range(n_window)]
+        wk = layer.pool.key_pages[ring, h].reshape(-1, K.shape[-1])[: layer.window_count]
         if not torch.equal(wk, K[h, layer.window_start : total]):
             kv_ok = False
     res["mask_ok"] = bool(torch.equal(layer.last_attended, expected.repeat_interleave(info.group_size, 0)))

@@ -62,3 +62,30 @@ def test_cuda_graph_decode_replays_the_eager_step(architecture, dtype):
         assert graphed.token_ids == full.token_ids
         for mine, theirs in zip(graphed.logits, full.logits):
             torch.testing.assert_close(mine, theirs, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("architecture", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["icecache", "icecache_reuse"])
+def test_icecache_graph_replays_the_eager_step(architecture, name):
+    """IceCache's captured decode step (each layer's host work a host function of the graph) gives bitwise the
+    logits of its eager step, over enough steps for the window ring to turn several times and pages to be
+    reloaded after inserts."""
+    from tests.conftest import tiny_model
+
+    model, _, info = tiny_model(architecture)
+    gpu_model = copy.deepcopy(model).to("cuda", torch.bfloat16)
+    gpu_info = ModelInfo(info.n_layers, info.n_heads, info.n_kv_heads, info.head_dim, torch.device("cuda"),
+                         torch.bfloat16)
+    ids = torch.randint(0, 500, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    request = GenerationRequest(ids, 64)
+    values = {"name": name, **SETTINGS[name]}
+    graphed = greedy_generate(gpu_model, HarnessCache(build_method(values, gpu_info)), request, keep_logits=True)
+    eager = greedy_generate(gpu_model, HarnessCache(build_method(values, gpu_info)), request, keep_logits=True,
+                            cuda_graph=False)
+    assert graphed.counters["graph_replays"] == 62  # every decode step after the first, eager one
+    assert graphed.token_ids == eager.token_ids
+    assert graphed.counters["pages_loaded"] == eager.counters["pages_loaded"] > 0
+    assert graphed.counters["mean_attended_tokens"] == eager.counters["mean_attended_tokens"]
+    for mine, theirs in zip(graphed.logits, eager.logits):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)

@@ -192,7 +192,7 @@ def test_valid_counts_cover_exactly_the_attended_positions(tiny, name):
             out = decode(query, key, value, scaling)
             if layer.offloaded:
                 attended = layer.last_attended[:: info.group_size].sum(1)  # one query head per KV head
-                assert torch.equal(layer._valid_counts.sum(1).long(), attended)
+                assert torch.equal(layer._transit.device_views["counts"].sum(1).long(), attended)
             per_step.append(layer.last_attended[:: info.group_size].sum(1).float().mean().item())
             return out
         layer.decode = recording

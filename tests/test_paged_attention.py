@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from icecache.core import triton_kernels
 from icecache.core.attention import paged_decode_attention, paged_decode_attention_reference
-from icecache.core.paged import BulkLoader, CpuPageStore, GpuPagePool, scatter_pages_reference
+from icecache.core.paged import BulkLoader, CpuPageStore, GpuPagePool, StepTransit, scatter_pages_reference
 
 # ---------------------------------------------------------------------------------------------------------------
 # Helpers: a paged layout of random tokens, IceCache style (each KV head cuts its tokens into pages differently)
@@ -145,6 +146,36 @@ def test_scatter_reference_writes_each_block_to_its_slot_and_head():
     expected[0, 1] = 2.0
     assert torch.equal(pool_keys, expected)
     assert torch.equal(pool_values, -expected)
+
+
+def test_scatter_reference_skips_entries_with_a_negative_slot():
+    pool_keys, pool_values = torch.zeros(3, 2, 2, 2), torch.zeros(3, 2, 2, 2)
+    blocks = torch.arange(1.0, 4.0).view(3, 1, 1).expand(3, 2, 2)
+    slots, heads = torch.tensor([-1, 1, -1], dtype=torch.int32), torch.tensor([0, 0, 1], dtype=torch.int32)
+    scatter_pages_reference(blocks, -blocks, pool_keys, pool_values, slots, heads)
+    expected = torch.zeros(3, 2, 2, 2)
+    expected[1, 0] = 2.0  # only block 1 had a slot
+    assert torch.equal(pool_keys, expected) and torch.equal(pool_values, -expected)
+
+
+def test_step_transit_cpu_views_share_the_host_memory_and_stage_inputs_as_float32():
+    transit = StepTransit(n_heads=4, n_kv_heads=2, n_slots=5, max_blocks=3, page_size=4, head_dim=8,
+                          block_dtype=torch.bfloat16, device=torch.device("cpu"))
+    host, device_views = transit.host, transit.device_views
+    assert (host["slots"] == -1).all()  # nothing to load until the host says so
+    host["counts"][1, 4] = 7
+    host["window_rows"][:] = [11, 12]
+    host["slots"][0], host["heads"][0] = 2, 1
+    block = torch.randn(4, 8).to(torch.bfloat16)
+    host["keys"][0] = block.view(torch.uint8).reshape(-1).numpy()
+    transit.outputs_to_device()  # nothing to copy on CPU
+    assert device_views["counts"][1, 4] == 7 and device_views["window_rows"].tolist() == [11, 12]
+    assert device_views["slots"].tolist() == [2, -1, -1] and device_views["heads"][0] == 1
+    assert torch.equal(device_views["keys"][0], block)
+    query, key, value = torch.randn(4, 8).to(torch.bfloat16), torch.randn(2, 8), torch.randn(2, 8)
+    transit.inputs_to_host(query, key, value)
+    assert torch.equal(transit.inputs_host, torch.cat([query.float(), key, value]))
+    assert transit.inputs.dtype == np.float32 and transit.nbytes()[1] == 0
 
 
 def test_cpu_page_store_grows_by_doubling_and_keeps_its_pages():
@@ -339,6 +370,7 @@ def test_triton_scatter_matches_reference(transit_dtype, pool_dtype):
     n_slots, n_kv_heads, n_blocks = 20, 8, 100
     targets = torch.randperm(n_slots * n_kv_heads, generator=gen)[:n_blocks]
     slots, heads = targets // n_kv_heads, targets % n_kv_heads
+    slots[torch.randperm(n_blocks, generator=gen)[:30]] = -1  # unused entries of a fixed-size transfer: skipped
     transit = [torch.randn(n_blocks, 16, 128, generator=gen).to(device, transit_dtype) for _ in range(2)]
     pools = [torch.randn(n_slots, n_kv_heads, 16, 128, generator=gen).to(device, pool_dtype) for _ in range(2)]
     expected = [p.clone() for p in pools]

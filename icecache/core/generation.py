@@ -146,7 +146,10 @@ def greedy_generate(
     n_prompt = prompt.shape[0]
     chunk = prefill_chunk_size or n_prompt
     cache.seq.max_total_tokens = n_prompt + len(request.suffix_ids) + request.max_new_tokens
-    graphed = GraphedDecodeStep(model, cache) if is_cuda and cuda_graph and cache.method.captures_decode_step else None
+    # Traced runs stay eager: tracing builds per-step tensors in Python, which a replay would skip.
+    graphed = (GraphedDecodeStep(model, cache)
+               if is_cuda and cuda_graph and cache.method.captures_decode_step and not cache.seq.trace_selection
+               else None)
     if layer_by_layer:
         logits = _prefill_layer_by_layer(model, prompt, cache, chunk)
     else:

@@ -1,11 +1,13 @@
-"""A decode step captured in a CUDA graph, for methods whose decode needs no host work per step.
+"""A decode step captured in a CUDA graph, for methods whose decode makes no host decision a replay would skip.
 
 Batch-1 decode of an 8B model issues ~500 small kernels per token; launched one by one from Python that takes
 ~25 ms on our host while the GPU needs ~5 ms. Capturing the whole step (all layers, the LM head) once and
 replaying it removes the host from the loop. What changes between steps lives in device tensors that the graph
 reads on every replay: the input id, the position (RoPE and the cache's write index, through
 ``SequenceContext.position``). Python code in the model and the cache runs once, at capture; so only methods that
-declare ``captures_decode_step`` are captured, and their Python-side counters are advanced here per replay.
+declare ``captures_decode_step`` are captured, and their Python-side counters are advanced here per replay. Host
+work that must run at every step (IceCache's index search) is enqueued by the layer as a host function
+(``cuda_driver``), which the graph records as a node and the driver runs at every replay.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from .cache import HarnessCache
 
 
 class GraphedDecodeStep:
-    """Decode steps of ``model`` on ``cache``: the first runs eagerly (it warms up kernels and library handles on
-    the capture stream), the second is captured and every later one replays the graph."""
+    """Decode steps of ``model`` on ``cache``: steps run eagerly until one has run with every layer
+    ``graph_ready`` (it warms up kernels and library handles on the capture stream), the next is captured and every
+    later one replays the graph."""
 
     def __init__(self, model, cache: HarnessCache):
         self.model = model
@@ -29,6 +32,7 @@ class GraphedDecodeStep:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self.eager_steps = 0
+        self.warmed = False
         self.replays = 0
 
     def _forward(self) -> torch.Tensor:
@@ -45,16 +49,15 @@ class GraphedDecodeStep:
         self.positions.fill_(position)
         if self.graph is not None:
             self.graph.replay()
-            self.replays += 1
-            for layer in self.cache.layer_kvs:  # what LayerKV.forward does in Python, skipped by a replay
-                layer.seq_len += 1
-            return self.logits
+            return self._replayed()
+        ready = all(layer.graph_ready for layer in self.cache.layer_kvs)
         current = torch.cuda.current_stream(self.input_ids.device)
         self.stream.wait_stream(current)
-        if self.eager_steps == 0:
+        if not (ready and self.warmed):
             with torch.cuda.stream(self.stream):
                 logits = self._forward()
             self.eager_steps += 1
+            self.warmed = ready  # this step ran every kernel a capture would record
             current.wait_stream(self.stream)
             return logits
         graph = torch.cuda.CUDAGraph()
@@ -63,5 +66,14 @@ class GraphedDecodeStep:
         self.graph = graph
         current.wait_stream(self.stream)
         graph.replay()  # capture records; this step's work runs here (Python state advanced during capture)
+        return self._replayed()
+
+    def _replayed(self) -> torch.Tensor:
+        # Host functions in the graph take the GIL on the driver's thread, so wait here with it released (a stream
+        # synchronisation does), then surface any error they raised.
+        torch.cuda.current_stream(self.input_ids.device).synchronize()
+        self.cache.seq.host_functions.raise_pending()
         self.replays += 1
+        for layer in self.cache.layer_kvs:  # what LayerKV.forward does in Python, skipped by a replay
+            layer.seq_len += 1
         return self.logits

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import torch
 
 from .attention import dense_attention
+from .cuda_driver import HostFunctions
 from .errors import ConfigError, dataclass_from_dict
 from .registry import Registry
 from .timing import DecodeCounters, PhaseTimer
@@ -80,6 +81,8 @@ class SequenceContext:
     # and the most tokens the sequence will reach (prompt + suffix + new tokens), for static buffers.
     position: torch.Tensor | None = None
     max_total_tokens: int | None = None
+    # Host work a layer enqueues on the stream (cuda_driver): kept alive with the graphs that replay it.
+    host_functions: HostFunctions = field(default_factory=HostFunctions)
 
 
 def storage_capacity(seq: SequenceContext, needed: int, current: int) -> int:
@@ -125,6 +128,13 @@ class LayerKV(ABC):
     @abstractmethod
     def decode(self, query, key, value, scaling) -> torch.Tensor:
         """One new token (``S = 1``)."""
+
+    @property
+    def graph_ready(self) -> bool:
+        """Whether the next decode step may be captured in a CUDA graph (for methods that ``captures_decode_step``):
+        a layer whose decode still takes a host-side branch that a replay would not repeat (IceCache before its
+        prompt is offloaded) says no, and the step runs eagerly."""
+        return True
 
     def gpu_kv_bytes(self) -> int:
         return 0
@@ -190,8 +200,9 @@ class Method(ABC):
 
     @property
     def captures_decode_step(self) -> bool:
-        """Whether the generation loop may capture a decode step in a CUDA graph: the layers' decode does no host
-        work that must rerun per step (no host decisions, no synchronisation, device-side positions only)."""
+        """Whether the generation loop may capture a decode step in a CUDA graph: the layers' decode makes no host
+        decision that a replay would not repeat (device-side positions only; host work, if any, enqueued as host
+        functions, ``SequenceContext.host_functions``)."""
         return False
 
     def __init__(self, config: MethodConfig, model: ModelInfo):

@@ -169,8 +169,13 @@ def scatter_pages_reference(
     """Write block ``i`` of ``transit_keys``/``transit_values [n, S, D]`` into ``pool[slots[i], heads[i]]``.
 
     The PyTorch counterpart of ``triton_kernels.scatter_pages`` (values cast to the pool dtype;
-    ``(slots[i], heads[i])`` pairs must be distinct).
+    ``(slots[i], heads[i])`` pairs must be distinct; entries with a negative slot are padding and skipped).
     """
+    used = slots >= 0
+    if not bool(used.all()):
+        transit_keys = transit_keys[used.to(transit_keys.device)]
+        transit_values = transit_values[used.to(transit_values.device)]
+        slots, heads = slots[used], heads[used.to(heads.device)]
     index = (slots.to(pool_keys.device, torch.long), heads.to(pool_keys.device, torch.long))
     pool_keys.index_put_(index, transit_keys.to(pool_keys.device, pool_keys.dtype))
     pool_values.index_put_(index, transit_values.to(pool_values.device, pool_values.dtype))
@@ -341,23 +346,111 @@ class BulkLoader:
 
     def gather(self, store: CpuPageStore, rows: np.ndarray, out: np.ndarray) -> None:
         """Copy store rows ``rows`` (``page * n_kv_heads + head``) of the keys into ``out[0]`` and of the values into
-        ``out[1]`` (``out`` is ``[2, n, page_bytes]`` bytes).
+        ``out[1]`` (``out`` is ``[2, n, page_bytes]`` bytes); see ``gather_blocks``."""
+        gather_blocks(store, rows, out[0], out[1], self.serial_gather_max_bytes)
 
-        Up to ``serial_gather_max_bytes`` this is one thread's copy loop (numpy ``take``: a ``memcpy`` per block,
-        ~20 us for 768 KiB). PyTorch's ``index_select`` splits the same copy over its OpenMP threads, and waking
-        them dominated small loads: 1.5 ms for 768 KiB on the H200 VM, and 3 ms on a busy 2-core machine, against
-        10 us when they happen to be awake. Large loads, where bandwidth matters, still use it.
-        """
-        key_rows, value_rows = store.block_rows()
-        if out.nbytes <= self.serial_gather_max_bytes:
-            # 'clip' rather than the default 'raise', which would copy through a temporary buffer; the rows were
-            # range-checked by the caller.
-            np.take(key_rows, rows, axis=0, out=out[0], mode="clip")
-            np.take(value_rows, rows, axis=0, out=out[1], mode="clip")
-        else:
-            index = torch.from_numpy(rows)
-            for source, target in ((key_rows, out[0]), (value_rows, out[1])):
-                torch.index_select(torch.from_numpy(source), 0, index, out=torch.from_numpy(target))
+
+def gather_blocks(
+    store: CpuPageStore, rows: np.ndarray, out_keys: np.ndarray, out_values: np.ndarray,
+    serial_max_bytes: int = BulkLoader.serial_gather_max_bytes,
+) -> None:
+    """Copy store rows ``rows`` (``page * n_kv_heads + head``, range-checked by the caller) of the keys into
+    ``out_keys`` and of the values into ``out_values`` (``[n, page_bytes]`` bytes each).
+
+    Up to ``serial_max_bytes`` this is one thread's copy loop (numpy ``take``: a ``memcpy`` per block, ~20 us for
+    768 KiB). PyTorch's ``index_select`` splits the same copy over its OpenMP threads, and waking them dominated
+    small loads: 1.5 ms for 768 KiB on the H200 VM, and 3 ms on a busy 2-core machine, against 10 us when they
+    happen to be awake. Large loads, where bandwidth matters, still use it.
+    """
+    key_rows, value_rows = store.block_rows()
+    if out_keys.nbytes + out_values.nbytes <= serial_max_bytes:
+        # 'clip' rather than the default 'raise', which would copy through a temporary buffer
+        np.take(key_rows, rows, axis=0, out=out_keys, mode="clip")
+        np.take(value_rows, rows, axis=0, out=out_values, mode="clip")
+    else:
+        index = torch.from_numpy(rows)
+        for source, target in ((key_rows, out_keys), (value_rows, out_values)):
+            torch.index_select(torch.from_numpy(source), 0, index, out=torch.from_numpy(target))
+
+
+class StepTransit:
+    """A layer's fixed-size exchange between the device and the host at every decode step, for a step that may be
+    captured in a CUDA graph (every copy has the same size and address at every step).
+
+    To the host (``inputs``, float32 ``[n_heads + 2 * n_kv_heads, head_dim]``): the step's query and the new
+    token's key and value. To the device (one byte buffer, one copy): the flat pool rows the new token is written
+    to, the valid-token count of every slot, and up to ``max_blocks`` page blocks with their slot and head (slot
+    -1: an unused entry, skipped by the scatter). A step sends all ``max_blocks`` whether it loads them or not:
+    at 8 KV heads and 12 selected pages of 16 bf16 tokens that is 0.8 MB, ~16 us of PCIe per layer, the price of
+    a copy whose size the host need not decide before the step.
+
+    On CPU the "device" views are the host arrays themselves and nothing is copied.
+    """
+
+    def __init__(
+        self, n_heads: int, n_kv_heads: int, n_slots: int, max_blocks: int, page_size: int, head_dim: int,
+        block_dtype: torch.dtype, device: torch.device,
+    ):
+        self.device = torch.device(device)
+        self.on_cuda = self.device.type == "cuda"
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.max_blocks = max_blocks
+        self.block_shape = (page_size, head_dim)
+        self.block_dtype = block_dtype
+        pin = self.on_cuda
+        self.inputs_host = torch.zeros(n_heads + 2 * n_kv_heads, head_dim, dtype=torch.float32, pin_memory=pin)
+        self.inputs_device = torch.zeros_like(self.inputs_host, device=self.device) if pin else self.inputs_host
+        self.inputs = self.inputs_host.numpy()  # the same memory
+
+        page_bytes = _page_bytes(page_size, head_dim, block_dtype)
+        sections = (("window_rows", n_kv_heads * 8), ("counts", n_kv_heads * n_slots * 4), ("slots", max_blocks * 4),
+                    ("heads", max_blocks * 4), ("keys", max_blocks * page_bytes), ("values", max_blocks * page_bytes))
+        offsets, cursor = {}, 0
+        for name, size in sections:
+            cursor = -(-cursor // _HEADER_ALIGN_BYTES) * _HEADER_ALIGN_BYTES  # each section aligned for vector loads
+            offsets[name] = (cursor, cursor + size)
+            cursor += size
+        self.outputs_host = torch.zeros(cursor, dtype=torch.uint8, pin_memory=pin)
+        self.outputs_device = torch.zeros(cursor, dtype=torch.uint8, device=self.device) if pin else self.outputs_host
+
+        def views(buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+            part = {name: buffer[begin:end] for name, (begin, end) in offsets.items()}
+            return {
+                "window_rows": part["window_rows"].view(torch.int64),
+                "counts": part["counts"].view(torch.int32).view(n_kv_heads, n_slots),
+                "slots": part["slots"].view(torch.int32),
+                "heads": part["heads"].view(torch.int32),
+                "keys": part["keys"].view(block_dtype).view(max_blocks, page_size, head_dim),
+                "values": part["values"].view(block_dtype).view(max_blocks, page_size, head_dim),
+            }
+
+        self.host = {name: view.numpy() if name not in ("keys", "values") else view.view(torch.uint8).view(
+            max_blocks, page_bytes).numpy() for name, view in views(self.outputs_host).items()}
+        self.device_views = views(self.outputs_device)
+        self.host["slots"].fill(-1)
+
+    def inputs_to_host(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Stage ``query [Hq, D]``, ``key`` and ``value [Hkv, D]`` for the host (asynchronous on CUDA)."""
+        staged = self.inputs_device
+        staged[: self.n_heads].copy_(query)
+        staged[self.n_heads : self.n_heads + self.n_kv_heads].copy_(key)
+        staged[self.n_heads + self.n_kv_heads :].copy_(value)
+        if self.on_cuda:
+            from .cuda_driver import memcpy_async
+
+            memcpy_async(self.inputs_host, staged)
+
+    def outputs_to_device(self) -> None:
+        """Send what the host wrote to the device views (asynchronous on CUDA; nothing to do on CPU)."""
+        if self.on_cuda:
+            from .cuda_driver import memcpy_async
+
+            memcpy_async(self.outputs_device, self.outputs_host)
+
+    def nbytes(self) -> tuple[int, int]:
+        """(pinned host bytes, device bytes) held."""
+        host = self.inputs_host.nbytes + self.outputs_host.nbytes
+        return host, (host if self.on_cuda else 0)
 
 
 def _index_array(indices: torch.Tensor | np.ndarray) -> np.ndarray:

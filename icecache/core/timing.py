@@ -42,6 +42,19 @@ class PhaseTimer:
             synchronize(self.device)
             self._step[name] += time.perf_counter() - start
 
+    @contextmanager
+    def host_phase(self, name: str) -> Iterator[None]:
+        """A phase of pure host work, timed without synchronising: it may run inside a CUDA host function, where
+        synchronising is not allowed (and the device is idle, waiting for it, anyway)."""
+        if not self.enabled:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._step[name] += time.perf_counter() - start
+
     def take_step(self) -> dict[str, float]:
         """Return the phases of the step just finished and start a new one."""
         step, self._step = dict(self._step), defaultdict(float)

@@ -191,7 +191,7 @@ if TRITON_IMPORT_ERROR is None:
         slot = tl.load(slots_ptr + block).to(tl.int64)
         head = tl.load(heads_ptr + block).to(tl.int64)
         elements = tl.arange(0, BLOCK_ELEMENTS)
-        ok = elements < BLOCK_SIZE
+        ok = (elements < BLOCK_SIZE) & (slot >= 0)  # a negative slot is an unused entry of a fixed-size transfer
         source = block.to(tl.int64) * stride_tn + elements
         target = slot * stride_pool_slot + head * stride_pool_head + elements
         keys = tl.load(transit_keys_ptr + source, mask=ok)
@@ -505,8 +505,8 @@ def scatter_pages(
 
     The pools are ``[n_slots, Hkv, S, D]`` and must be contiguous in their last two dimensions (one page block is
     one run of ``S * D`` elements); the transit blocks likewise. Values are cast to the pool dtype.
-    ``(slots[i], heads[i])`` pairs must be distinct, as for ``index_put_``. Launched directly after the first call
-    of a layout, like the attention.
+    ``(slots[i], heads[i])`` pairs must be distinct, as for ``index_put_``; entries with a negative slot are skipped
+    (the padding of a fixed-size transfer). Launched directly after the first call of a layout, like the attention.
     """
     _require_triton()
     n = transit_keys.shape[0]

@@ -1,0 +1,93 @@
+"""Two CUDA driver calls PyTorch does not expose: a raw async copy and a host function on a stream.
+
+They let a decode step that needs host work in the middle of every layer (IceCache: the index search) still be
+captured in one CUDA graph. The step enqueues, per layer, a device-to-host copy of what the host needs, a host
+function that does the host work, and a host-to-device copy of its results; captured, the three become graph
+nodes, and on replay the driver runs the host function on its own thread exactly when the stream reaches it. The
+transformer's ~500 kernels are then launched by the graph, not one by one from Python.
+
+Both calls go to ``libcuda`` through ``ctypes`` rather than through PyTorch's copy ops: PyTorch's pinned-memory
+bookkeeping (events recorded per copy) is not meant for copies inside a capture, and these buffers are owned by
+one layer for the whole sequence anyway. A host function must not call CUDA (no tensor on the device, no event,
+no synchronisation); exceptions raised in it cannot cross the driver, so they are kept and re-raised by
+``HostFunctions.raise_pending`` once the step is done.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+from typing import Callable
+
+import torch
+
+_HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+@functools.lru_cache(maxsize=1)
+def _libcuda() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuMemcpyAsync.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+    lib.cuMemcpyAsync.restype = ctypes.c_int
+    lib.cuLaunchHostFunc.argtypes = [ctypes.c_void_p, _HOST_FN, ctypes.c_void_p]
+    lib.cuLaunchHostFunc.restype = ctypes.c_int
+    return lib
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        raise RuntimeError(f"{what} failed with CUDA driver error {result}")
+
+
+def _stream_handle(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def memcpy_async(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """Copy ``source`` into ``destination`` (contiguous, same byte size; pinned host or device memory) on the
+    current stream of whichever is on the device, without PyTorch's bookkeeping."""
+    if not (destination.is_contiguous() and source.is_contiguous()):
+        raise ValueError("memcpy_async needs contiguous tensors")
+    if destination.nbytes != source.nbytes:
+        raise ValueError(f"memcpy_async: {source.nbytes} bytes into {destination.nbytes}")
+    device = destination.device if destination.is_cuda else source.device
+    _check(
+        _libcuda().cuMemcpyAsync(destination.data_ptr(), source.data_ptr(), source.nbytes, _stream_handle(device)),
+        "cuMemcpyAsync",
+    )
+
+
+class HostFunctions:
+    """Host functions enqueued on CUDA streams, kept alive as long as a graph may replay them, with the first
+    exception any of them raised."""
+
+    def __init__(self):
+        self._keep: list = []
+        self._errors: list[BaseException] = []
+        self._lock = threading.Lock()
+
+    def launch(self, function: Callable[[], None], device: torch.device) -> None:
+        """Run ``function()`` on a driver thread once the current stream reaches this point (and on every replay
+        of a graph that captured it). It runs under inference mode, like the decode step that enqueued it."""
+        errors, lock = self._errors, self._lock
+
+        def trampoline(_user_data) -> None:
+            if errors:  # an earlier host function failed: the state it left is not to be built on
+                return
+            try:
+                with torch.inference_mode():
+                    function()
+            except BaseException as error:  # noqa: BLE001  re-raised on the caller's thread
+                with lock:
+                    errors.append(error)
+
+        callback = _HOST_FN(trampoline)
+        self._keep.append(callback)
+        _check(_libcuda().cuLaunchHostFunc(_stream_handle(device), callback, None), "cuLaunchHostFunc")
+
+    def raise_pending(self) -> None:
+        """Re-raise the first exception of a host function (call after the stream is synchronised)."""
+        if self._errors:
+            error = self._errors[0]
+            raise RuntimeError(f"a host function of the decode step failed: {error!r}") from error

@@ -1,0 +1,68 @@
+"""On a CUDA host: the driver calls behind IceCache's captured decode step (raw async copies, host functions).
+
+Run with `pytest -m gpu tests/test_cuda_driver.py` (make test-gpu); skipped without CUDA.
+"""
+
+import pytest
+import torch
+
+from icecache.core.cuda_driver import HostFunctions, memcpy_async
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def test_memcpy_async_round_trip_through_pinned_memory():
+    source = torch.randn(1000, device="cuda")
+    host = torch.empty(1000, pin_memory=True)
+    back = torch.empty(1000, device="cuda")
+    memcpy_async(host, source)
+    memcpy_async(back, host)
+    torch.cuda.synchronize()
+    assert torch.equal(host, source.cpu()) and torch.equal(back, source)
+    with pytest.raises(ValueError, match="bytes"):
+        memcpy_async(host[:10], source)
+
+
+def test_a_captured_host_function_runs_at_every_replay_between_its_copies():
+    """device -> host copy, host function (doubles on the host), host -> device copy, device op: captured once,
+    each replay sees the host function's result of that replay's input."""
+    functions = HostFunctions()
+    device_in = torch.zeros(4, device="cuda")
+    device_out = torch.zeros(4, device="cuda")
+    host = torch.zeros(4, pin_memory=True)
+    calls = []
+
+    def double_on_host():
+        calls.append(float(host[0]))
+        host.mul_(2)
+
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        memcpy_async(host, device_in)
+        functions.launch(double_on_host, device_in.device)
+        memcpy_async(device_out, host)
+        device_out.add_(1)
+    assert calls == []  # capture records, it does not run
+    for value in (1.0, 2.0, 5.0):
+        device_in.fill_(value)
+        graph.replay()
+        torch.cuda.current_stream().synchronize()
+        assert device_out.tolist() == [2 * value + 1] * 4
+    assert calls == [1.0, 2.0, 5.0]
+    functions.raise_pending()  # nothing failed
+
+
+def test_an_exception_in_a_host_function_is_raised_on_the_caller_after_the_step():
+    functions = HostFunctions()
+    ran = []
+
+    def fails():
+        raise KeyError("boom")
+
+    functions.launch(fails, torch.device("cuda"))
+    functions.launch(lambda: ran.append(1), torch.device("cuda"))  # skipped: the state after a failure is not used
+    torch.cuda.current_stream().synchronize()
+    with pytest.raises(RuntimeError, match="boom"):
+        functions.raise_pending()
+    assert ran == []
