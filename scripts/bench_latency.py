@@ -191,7 +191,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prefill-chunk-size", type=int, help="prefill in chunks of this many tokens")
     parser.add_argument("--layer-by-layer", action="store_true", default=None,
                         help="prefill one decoder layer at a time (same result; bounds prefill memory)")
-    parser.add_argument("--set", nargs="*", default=[], metavar="METHOD.KEY=VALUE",
+    parser.add_argument("--set", nargs="*", action="extend", default=[], metavar="METHOD.KEY=VALUE",
                         help="method setting overrides, e.g. icecache.n_reuse_layers=4")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")

@@ -79,7 +79,7 @@ def test_icecache_graph_replays_the_eager_step(architecture, name):
                          torch.bfloat16)
     ids = torch.randint(0, 500, (300,), generator=torch.Generator().manual_seed(5)).tolist()
     request = GenerationRequest(ids, 64)
-    values = {"name": name, **SETTINGS[name]}
+    values = {"name": name, **SETTINGS[name], "cuda_graph": True}
     graphed = greedy_generate(gpu_model, HarnessCache(build_method(values, gpu_info)), request, keep_logits=True)
     eager = greedy_generate(gpu_model, HarnessCache(build_method(values, gpu_info)), request, keep_logits=True,
                             cuda_graph=False)

@@ -231,3 +231,41 @@ def test_half_precision_search_selects_the_float32_pages(tiny):
         assert cache.layer_kvs[-1]._shared()["index"].score_precision == precision
     assert runs["half"].token_ids == runs["float32"].token_ids
     assert runs["half"].counters == runs["float32"].counters and runs["half"].counters["pages_loaded"] > 0
+
+
+@pytest.mark.parametrize("n_window_pages", [2, 3])
+def test_window_ring_turns_and_every_step_attends_exactly_its_selection(n_window_pages):
+    """Over 120 decode steps the window's oldest page is offloaded 7 times (the ring of window slots turns, the
+    page goes through its host copy into the index): at every step, in the owner and in a layer reusing its
+    selection, the output equals exact attention over the true keys and values of the positions it attended,
+    and the window positions are the most recent ones."""
+    from icecache.core.method import ModelInfo, SequenceContext
+    from tests.test_method_invariants import masked_dense_attention
+
+    info = ModelInfo(n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16)
+    budget = (1 + 2 + n_window_pages) * 16  # 1 sink page, 2 selected, the window
+    method = build_method({"name": "icecache_reuse", "budget": budget, "n_sink_pages": 1,
+                           "n_window_pages": n_window_pages, "n_dense_layers": 0, "n_reuse_layers": 2}, info)
+    seq = SequenceContext(trace_selection=True)
+    layers = [method.make_layer(0, seq), method.make_layer(1, seq)]
+    gen = torch.Generator().manual_seed(11)
+    scaling = info.head_dim**-0.5
+    n_prompt = 300
+    keys = [torch.randn(1, 2, n_prompt, 16, generator=gen) for _ in layers]
+    values = [torch.randn(1, 2, n_prompt, 16, generator=gen) for _ in layers]
+    for layer, k, v in zip(layers, keys, values):
+        layer.forward(torch.randn(1, 4, n_prompt, 16, generator=gen), k, v, None, scaling)
+    for step in range(120):
+        for i, layer in enumerate(layers):
+            query = torch.randn(1, 4, 1, 16, generator=gen)
+            key, value = torch.randn(1, 2, 1, 16, generator=gen), torch.randn(1, 2, 1, 16, generator=gen)
+            keys[i], values[i] = torch.cat([keys[i], key], dim=2), torch.cat([values[i], value], dim=2)
+            out = layer.forward(query, key, value, None, scaling)
+            attended = layer.last_attended
+            expected = masked_dense_attention(query[0, :, 0], keys[i][0], values[i][0], attended, scaling)
+            torch.testing.assert_close(out[0, 0], expected, atol=1e-5, rtol=1e-5)
+            n_tokens = n_prompt + step + 1
+            assert attended[:, layer.window_start : n_tokens].all()
+            assert n_tokens - layer.window_start == layer.window_count <= n_window_pages * 16
+        assert np.array_equal(layers[0].resident, layers[1].resident)  # the reuser holds the owner's pages
+    assert layers[0].window_start > n_prompt + 100 - n_window_pages * 16  # the window moved with the tokens

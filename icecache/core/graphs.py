@@ -49,7 +49,7 @@ class GraphedDecodeStep:
         self.positions.fill_(position)
         if self.graph is not None:
             self.graph.replay()
-            return self._replayed()
+            return self._replayed(advance_layers=True)
         ready = all(layer.graph_ready for layer in self.cache.layer_kvs)
         current = torch.cuda.current_stream(self.input_ids.device)
         self.stream.wait_stream(current)
@@ -65,15 +65,16 @@ class GraphedDecodeStep:
             self.logits = self._forward()
         self.graph = graph
         current.wait_stream(self.stream)
-        graph.replay()  # capture records; this step's work runs here (Python state advanced during capture)
-        return self._replayed()
+        graph.replay()  # capture records; this step's work runs here
+        return self._replayed(advance_layers=False)  # the layers' Python ran during the capture
 
-    def _replayed(self) -> torch.Tensor:
+    def _replayed(self, advance_layers: bool) -> torch.Tensor:
         # Host functions in the graph take the GIL on the driver's thread, so wait here with it released (a stream
         # synchronisation does), then surface any error they raised.
         torch.cuda.current_stream(self.input_ids.device).synchronize()
         self.cache.seq.host_functions.raise_pending()
         self.replays += 1
-        for layer in self.cache.layer_kvs:  # what LayerKV.forward does in Python, skipped by a replay
-            layer.seq_len += 1
+        if advance_layers:
+            for layer in self.cache.layer_kvs:  # what LayerKV.forward does in Python, skipped by a replay
+                layer.seq_len += 1
         return self.logits

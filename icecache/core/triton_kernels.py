@@ -191,7 +191,8 @@ if TRITON_IMPORT_ERROR is None:
         slot = tl.load(slots_ptr + block).to(tl.int64)
         head = tl.load(heads_ptr + block).to(tl.int64)
         elements = tl.arange(0, BLOCK_ELEMENTS)
-        ok = (elements < BLOCK_SIZE) & (slot >= 0)  # a negative slot is an unused entry of a fixed-size transfer
+        # A negative slot is an unused entry of a fixed-size transfer: no element of it is moved.
+        ok = elements < tl.where(slot >= 0, BLOCK_SIZE, 0)
         source = block.to(tl.int64) * stride_tn + elements
         target = slot * stride_pool_slot + head * stride_pool_head + elements
         keys = tl.load(transit_keys_ptr + source, mask=ok)
