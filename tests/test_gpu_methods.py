@@ -89,3 +89,31 @@ def test_icecache_graph_replays_the_eager_step(architecture, name):
     assert graphed.counters["mean_attended_tokens"] == eager.counters["mean_attended_tokens"]
     for mine, theirs in zip(graphed.logits, eager.logits):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_failed_capture_falls_back_to_eager_steps_with_the_same_tokens(monkeypatch):
+    """A decode step that synchronises (illegal while capturing) makes the capture fail: the generation goes on
+    eagerly, gives the eager tokens, and the result says why nothing was replayed."""
+    from icecache.core.static_kv import StaticDenseKV
+    from tests.conftest import tiny_model
+
+    model, _, info = tiny_model("llama")
+    gpu_model = copy.deepcopy(model).to("cuda")
+    gpu_info = ModelInfo(info.n_layers, info.n_heads, info.n_kv_heads, info.head_dim, torch.device("cuda"),
+                         torch.float32)
+    ids = torch.randint(0, 500, (200,), generator=torch.Generator().manual_seed(4)).tolist()
+    request = GenerationRequest(ids, 12)
+    method = build_method({"name": "full_static"}, gpu_info)
+    eager = greedy_generate(gpu_model, HarnessCache(method), request, cuda_graph=False)
+    decode = StaticDenseKV.decode
+
+    def synchronising_decode(self, query, key, value, scaling):
+        float(key.sum().item())  # a host read of a device value: a capture cannot record it
+        return decode(self, query, key, value, scaling)
+
+    monkeypatch.setattr(StaticDenseKV, "decode", synchronising_decode)
+    with pytest.warns(RuntimeWarning, match="capture"):
+        fallen_back = greedy_generate(gpu_model, HarnessCache(method), request)
+    assert fallen_back.token_ids == eager.token_ids
+    assert fallen_back.counters["graph_replays"] == 0 and fallen_back.counters["graph_capture_error"]

@@ -202,7 +202,7 @@ def greedy_generate(
         tpot_s=statistics.median(step_times[1:]) if len(step_times) > 1 else None,
         step_times_s=step_times,
         step_phases=step_phases,
-        counters={**cache.seq.counters.as_dict(), **({"graph_replays": graphed.replays} if graphed else {})},
+        counters={**cache.seq.counters.as_dict(), **(graphed.counters() if graphed else {})},
         gpu_kv_bytes=cache.gpu_kv_bytes(),
         cpu_kv_bytes=cache.cpu_kv_bytes(),
         peak_gpu_bytes=torch.cuda.max_memory_allocated(device) if is_cuda else None,

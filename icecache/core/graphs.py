@@ -12,6 +12,8 @@ work that must run at every step (IceCache's index search) is enqueued by the la
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .cache import HarnessCache
@@ -34,6 +36,7 @@ class GraphedDecodeStep:
         self.eager_steps = 0
         self.warmed = False
         self.replays = 0
+        self.capture_error: str | None = None  # why the step is not captured, if a capture failed
 
     def _forward(self) -> torch.Tensor:
         self.cache.seq.position = self.positions[0]
@@ -50,7 +53,7 @@ class GraphedDecodeStep:
         if self.graph is not None:
             self.graph.replay()
             return self._replayed(advance_layers=True)
-        ready = all(layer.graph_ready for layer in self.cache.layer_kvs)
+        ready = all(layer.graph_ready for layer in self.cache.layer_kvs) and self.capture_error is None
         current = torch.cuda.current_stream(self.input_ids.device)
         self.stream.wait_stream(current)
         if not (ready and self.warmed):
@@ -61,12 +64,27 @@ class GraphedDecodeStep:
             current.wait_stream(self.stream)
             return logits
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=self.stream):
-            self.logits = self._forward()
+        seq_lens = [layer.seq_len for layer in self.cache.layer_kvs]
+        try:
+            with torch.cuda.graph(graph, stream=self.stream):
+                self.logits = self._forward()
+        except Exception as error:  # noqa: BLE001  a capture runs no step: go on eagerly, and say so
+            # Nothing ran during the capture; only the layers' Python counters moved, so put them back.
+            for layer, seq_len in zip(self.cache.layer_kvs, seq_lens):
+                layer.seq_len = seq_len
+            self.capture_error = f"{type(error).__name__}: {error}"
+            warnings.warn(f"CUDA-graph capture of the decode step failed ({self.capture_error}); decoding eagerly",
+                          RuntimeWarning)
+            return self(token, position)
         self.graph = graph
         current.wait_stream(self.stream)
         graph.replay()  # capture records; this step's work runs here
         return self._replayed(advance_layers=False)  # the layers' Python ran during the capture
+
+    def counters(self) -> dict[str, int | str]:
+        """What a result records of the graph: replays, and why there were none if a capture failed."""
+        return {"graph_replays": self.replays, **({"graph_capture_error": self.capture_error}
+                                                   if self.capture_error else {})}
 
     def _replayed(self, advance_layers: bool) -> torch.Tensor:
         # Host functions in the graph take the GIL on the driver's thread, so wait here with it released (a stream
