@@ -50,6 +50,7 @@ from icecache.core.static_kv import StaticDenseKV
 from icecache.core.paged import CpuPageStore, GpuPagePool, StepTransit, gather_blocks, scatter_pages
 
 DCI_LEAF_CAPACITY = 16
+_STORE_HEADROOM_PAGES = 4 * DCI_LEAF_CAPACITY
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -239,9 +240,7 @@ class IceCacheLayer(DenseKV):
         self.stale = np.zeros((n_kv_heads, 0), dtype=bool)  # page content changed since it was loaded
         cpu_dtype = dtype if cfg.cpu_kv_dtype == "auto" else _DTYPES[cfg.cpu_kv_dtype]
         pin = device.type == "cuda"
-        # Pageable: pages reach the GPU through the pinned transit buffer they are gathered into, never straight
-        # from the store, and growing a pinned store would call CUDA where it must not (in a host function).
-        self.store = CpuPageStore(n_kv_heads, ps, head_dim, cpu_dtype, pin_memory=False)
+        self.store = CpuPageStore(n_kv_heads, ps, head_dim, cpu_dtype, pin_memory=pin)
         self._transit = None  # decode buffers, made at the first decode step: prefill does no pinned allocation
         # Token store by offloaded-token id (the DCI's ids); pages are rewritten from it when they change.
         empty = torch.empty(n_kv_heads, 0, head_dim, dtype=cpu_dtype)
@@ -375,6 +374,12 @@ class IceCacheLayer(DenseKV):
     @property
     def graph_ready(self) -> bool:
         return self.offloaded
+
+    def between_steps(self) -> None:
+        # Inserts add pages inside the step, where a captured step cannot pin new memory: keep room for a few
+        # window offloads ahead (one adds at most page_size pages per head, one every page_size steps).
+        if self.offloaded:
+            self.store.reserve(self.store.n_pages + _STORE_HEADROOM_PAGES)
 
     def _make_decode_buffers(self, device: torch.device) -> None:
         """The attention's page table and the step's fixed-size transit buffers (``StepTransit``).

@@ -6,7 +6,7 @@ Run with `pytest -m gpu tests/test_cuda_driver.py` (make test-gpu); skipped with
 import pytest
 import torch
 
-from icecache.core.cuda_driver import HostFunctions, memcpy_async
+from icecache.core.cuda_driver import HostFunctions, in_host_function, memcpy_async
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -66,3 +66,24 @@ def test_an_exception_in_a_host_function_is_raised_on_the_caller_after_the_step(
     with pytest.raises(RuntimeError, match="boom"):
         functions.raise_pending()
     assert ran == []
+
+
+def test_code_knows_it_runs_in_a_host_function_and_a_page_store_grows_there_without_pinning():
+    from icecache.core.paged import CpuPageStore
+
+    store = CpuPageStore(2, 4, 8, torch.float32, pin_memory=True, initial_pages=2)
+    assert store._keys.is_pinned() and not in_host_function()
+    seen = []
+
+    def grow():
+        seen.append(in_host_function())
+        store.ensure_capacity(5)  # would pin through CUDA, which a host function must not call
+
+    functions = HostFunctions()
+    functions.launch(grow, torch.device("cuda"))
+    torch.cuda.current_stream().synchronize()
+    functions.raise_pending()
+    assert seen == [True] and not in_host_function()
+    assert store.capacity == 8 and not store._keys.is_pinned()
+    store.reserve(20)  # outside: pinned again
+    assert store.capacity == 32 and store._keys.is_pinned()

@@ -269,3 +269,5 @@ def test_window_ring_turns_and_every_step_attends_exactly_its_selection(n_window
             assert n_tokens - layer.window_start == layer.window_count <= n_window_pages * 16
         assert np.array_equal(layers[0].resident, layers[1].resident)  # the reuser holds the owner's pages
     assert layers[0].window_start > n_prompt + 100 - n_window_pages * 16  # the window moved with the tokens
+    layers[0].between_steps()  # what a graphed step runs after each replay: room for several inserts ahead
+    assert layers[0].store.capacity >= layers[0].store.n_pages + 4 * 16

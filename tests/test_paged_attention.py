@@ -178,6 +178,16 @@ def test_step_transit_cpu_views_share_the_host_memory_and_stage_inputs_as_float3
     assert transit.inputs.dtype == np.float32 and transit.nbytes()[1] == 0
 
 
+def test_cpu_page_store_reserve_grows_without_making_pages_addressable():
+    store = CpuPageStore(2, 4, 8, torch.float32, pin_memory=False, initial_pages=4)
+    store.write_pages(torch.tensor([1]), torch.tensor([0]), torch.ones(1, 4, 8), torch.ones(1, 4, 8))
+    store.reserve(9)
+    assert store.capacity == 16 and store.n_pages == 2
+    assert torch.equal(store.key_pages[1, 0], torch.ones(4, 8))  # contents kept
+    store.reserve(3)  # never shrinks
+    assert store.capacity == 16
+
+
 def test_cpu_page_store_grows_by_doubling_and_keeps_its_pages():
     gen = torch.Generator().manual_seed(2)
     store = CpuPageStore(n_kv_heads=2, page_size=4, head_dim=8, dtype=torch.float32, pin_memory=False, initial_pages=2)

@@ -23,6 +23,12 @@ from typing import Callable
 import torch
 
 _HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_HOST_FUNCTION_THREAD = threading.local()
+
+
+def in_host_function() -> bool:
+    """Whether the calling code runs inside a host function (where CUDA must not be called, pinning included)."""
+    return getattr(_HOST_FUNCTION_THREAD, "active", False)
 
 
 @functools.lru_cache(maxsize=1)
@@ -75,12 +81,15 @@ class HostFunctions:
         def trampoline(_user_data) -> None:
             if errors:  # an earlier host function failed: the state it left is not to be built on
                 return
+            _HOST_FUNCTION_THREAD.active = True
             try:
                 with torch.inference_mode():
                     function()
             except BaseException as error:  # noqa: BLE001  re-raised on the caller's thread
                 with lock:
                     errors.append(error)
+            finally:
+                _HOST_FUNCTION_THREAD.active = False
 
         callback = _HOST_FN(trampoline)
         self._keep.append(callback)

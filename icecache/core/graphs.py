@@ -92,7 +92,8 @@ class GraphedDecodeStep:
         torch.cuda.current_stream(self.input_ids.device).synchronize()
         self.cache.seq.host_functions.raise_pending()
         self.replays += 1
-        if advance_layers:
-            for layer in self.cache.layer_kvs:  # what LayerKV.forward does in Python, skipped by a replay
+        for layer in self.cache.layer_kvs:
+            if advance_layers:  # what LayerKV.forward does in Python, skipped by a replay
                 layer.seq_len += 1
+            layer.between_steps()
         return self.logits

@@ -136,6 +136,10 @@ class LayerKV(ABC):
         prompt is offloaded) says no, and the step runs eagerly."""
         return True
 
+    def between_steps(self) -> None:
+        """Host-side upkeep the generation loop runs after every replayed decode step, outside the graph (where
+        CUDA may be called: allocating pinned memory, say)."""
+
     def gpu_kv_bytes(self) -> int:
         return 0
 

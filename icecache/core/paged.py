@@ -102,8 +102,13 @@ class CpuPageStore:
 
     def _allocate(self, capacity: int) -> torch.Tensor:
         shape = (capacity, self.n_kv_heads, self.page_size, self.head_dim)
+        # Pinning allocates through CUDA, which a CUDA host function must not call: growth there is pageable (the
+        # pages reach the GPU through a pinned transit buffer anyway); ``reserve`` between steps avoids it.
+        from .cuda_driver import in_host_function
+
+        pin = self.pinned and not in_host_function()
         # Zeroed: unused slots of a page must be finite, since a masked-out slot still meets a zero weight.
-        return torch.zeros(shape, dtype=self.dtype, pin_memory=self.pinned)
+        return torch.zeros(shape, dtype=self.dtype, pin_memory=pin)
 
     @property
     def capacity(self) -> int:
@@ -119,6 +124,12 @@ class CpuPageStore:
 
     def ensure_capacity(self, n_pages: int) -> None:
         """Make pages ``0 .. n_pages-1`` addressable, doubling the storage as often as needed (contents kept)."""
+        self.reserve(n_pages)
+        self.n_pages = max(self.n_pages, n_pages)
+
+    def reserve(self, n_pages: int) -> None:
+        """Grow the storage (by doubling, contents kept) so that ``n_pages`` pages fit, without making them
+        addressable."""
         if n_pages > self.capacity:
             capacity = self.capacity
             while capacity < n_pages:
@@ -128,7 +139,6 @@ class CpuPageStore:
             values[: self.n_pages].copy_(self._values[: self.n_pages])
             self._keys, self._values = keys, values
             self._block_rows = None
-        self.n_pages = max(self.n_pages, n_pages)
 
     def block_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """The whole key and value storage as numpy byte arrays ``[capacity * n_kv_heads, page_bytes]``: row
