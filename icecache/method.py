@@ -319,14 +319,11 @@ class IceCacheLayer(DenseKV):
             page_ids.append(pages)
             heads.append(np.full(pages.size, head))
             rows.append(tokens)
-        page_ids_t = torch.from_numpy(np.concatenate(page_ids))
-        heads_t = torch.from_numpy(np.concatenate(heads))
-        tokens_t = torch.from_numpy(np.concatenate(rows)).long()
-        valid = tokens_t >= 0
-        gather = tokens_t.clamp(min=0)
-        keys = self.tokens.keys[heads_t[:, None], gather] * valid[..., None]
-        values = self.tokens.values[heads_t[:, None], gather] * valid[..., None]
-        self.store.write_pages(page_ids_t, heads_t, keys, values)
+        page_ids_np, heads_np = np.concatenate(page_ids), np.concatenate(heads)
+        tokens = np.concatenate(rows).astype(np.int64, copy=False)
+        key_rows, value_rows, head_stride = self.tokens.rows()
+        source = np.where(tokens >= 0, heads_np[:, None] * head_stride + tokens, -1)
+        self.store.write_pages_from_rows(page_ids_np, heads_np, key_rows, value_rows, source)
         n_pages = changed.shape[1]
         if self.stale.shape[1] < n_pages:
             self.stale = np.pad(self.stale, ((0, 0), (0, n_pages - self.stale.shape[1])))
@@ -575,6 +572,15 @@ class TokenStore:
         self._keys[:, self.n_tokens : needed] = keys
         self._values[:, self.n_tokens : needed] = values
         self.n_tokens = needed
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Keys and values as ``[rows, D]`` views of the storage, and the row stride between heads: token ``t`` of
+        head ``h`` is row ``h * stride + t`` (no copy; the views change when the store grows)."""
+        n_heads, _, head_dim = self._keys.shape
+        stride = self._keys.stride(0) // head_dim
+        size = ((n_heads - 1) * stride + self.n_tokens, head_dim)
+        return (torch.as_strided(self._keys, size, (head_dim, 1)), torch.as_strided(self._values, size, (head_dim, 1)),
+                stride)
 
     def nbytes(self) -> int:
         return self._keys.nbytes + self._values.nbytes

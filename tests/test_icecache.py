@@ -271,3 +271,17 @@ def test_window_ring_turns_and_every_step_attends_exactly_its_selection(n_window
     assert layers[0].window_start > n_prompt + 100 - n_window_pages * 16  # the window moved with the tokens
     layers[0].between_steps()  # what a graphed step runs after each replay: room for several inserts ahead
     assert layers[0].store.capacity >= layers[0].store.n_pages + 4 * 16
+
+
+def test_token_store_rows_address_every_head_of_a_view_and_of_grown_storage():
+    from icecache.method import TokenStore
+
+    full = torch.randn(3, 10, 4)
+    store = TokenStore(full[:, :6], full[:, :6] * 2)  # a view: heads 10 rows apart
+    for _ in range(2):
+        keys, values, stride = store.rows()
+        for head in range(3):
+            for token in range(store.n_tokens):
+                assert torch.equal(keys[head * stride + token], store.keys[head, token])
+                assert torch.equal(values[head * stride + token], store.values[head, token])
+        store.append(torch.randn(3, 300, 4), torch.randn(3, 300, 4))  # grows: new storage, new stride

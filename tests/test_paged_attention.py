@@ -178,6 +178,17 @@ def test_step_transit_cpu_views_share_the_host_memory_and_stage_inputs_as_float3
     assert transit.inputs.dtype == np.float32 and transit.nbytes()[1] == 0
 
 
+def test_cpu_page_store_writes_pages_from_rows_with_zeros_for_padding():
+    store = CpuPageStore(2, 4, 8, torch.float32, pin_memory=False, initial_pages=1)
+    key_rows, value_rows = torch.randn(10, 8), torch.randn(10, 8)
+    source = np.array([[3, 1, -1, -1], [0, 9, 2, 5]])
+    store.write_pages_from_rows(np.array([2, 0]), np.array([1, 0]), key_rows, value_rows, source)
+    assert store.n_pages == 3 and store.capacity == 4
+    assert torch.equal(store.key_pages[2, 1], torch.cat([key_rows[[3, 1]], torch.zeros(2, 8)]))
+    assert torch.equal(store.value_pages[0, 0], value_rows[[0, 9, 2, 5]])
+    assert torch.equal(store.key_pages[0, 1], torch.zeros(4, 8))  # untouched
+
+
 def test_cpu_page_store_reserve_grows_without_making_pages_addressable():
     store = CpuPageStore(2, 4, 8, torch.float32, pin_memory=False, initial_pages=4)
     store.write_pages(torch.tensor([1]), torch.tensor([0]), torch.ones(1, 4, 8), torch.ones(1, 4, 8))

@@ -163,6 +163,30 @@ class CpuPageStore:
         self._keys[page_ids, heads] = keys.to("cpu", self.dtype)
         self._values[page_ids, heads] = values.to("cpu", self.dtype)
 
+    def write_pages_from_rows(
+        self, page_ids: np.ndarray, heads: np.ndarray, key_rows: torch.Tensor, value_rows: torch.Tensor,
+        source_rows: np.ndarray,
+    ) -> None:
+        """Lay out page ``page_ids[i]`` of head ``heads[i]`` from rows of ``key_rows``/``value_rows [R, D]``: its slot
+        ``j`` takes row ``source_rows[i, j]``, or zeros where that is -1. Row copies over PyTorch's threads, straight
+        into the store (no ``[n, page_size, D]`` temporaries, no masking pass): IceCache rewrites every page of a
+        layer this way after its prompt's index build."""
+        if page_ids.size == 0:
+            return
+        self.ensure_capacity(int(page_ids.max()) + 1)
+        slots = np.arange(self.page_size)
+        destination = ((page_ids[:, None] * self.n_kv_heads + heads[:, None]) * self.page_size + slots).reshape(-1)
+        source = source_rows.reshape(-1)
+        padding = source < 0
+        destination_t = torch.from_numpy(destination)
+        source_t = torch.from_numpy(np.where(padding, 0, source))
+        padded_t = torch.from_numpy(destination[padding]) if padding.any() else None
+        for rows, storage in ((key_rows, self._keys), (value_rows, self._values)):
+            flat = storage.view(-1, self.head_dim)
+            flat.index_copy_(0, destination_t, rows.index_select(0, source_t).to(self.dtype))
+            if padded_t is not None:
+                flat[padded_t] = 0
+
     def nbytes(self) -> int:
         """CPU bytes held (the whole capacity, which is what the process holds, pinned or not)."""
         return self._keys.nbytes + self._values.nbytes
