@@ -549,6 +549,8 @@ class TokenStore:
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        if keys.stride() != values.stride():  # ``rows`` addresses both with one stride
+            keys, values = keys.contiguous(), values.contiguous()
         self._keys, self._values = keys, values
         self.n_tokens = keys.shape[1]
 

@@ -276,8 +276,13 @@ def test_window_ring_turns_and_every_step_attends_exactly_its_selection(n_window
 def test_token_store_rows_address_every_head_of_a_view_and_of_grown_storage():
     from icecache.method import TokenStore
 
-    full = torch.randn(3, 10, 4)
-    store = TokenStore(full[:, :6], full[:, :6] * 2)  # a view: heads 10 rows apart
+    full, other = torch.randn(3, 10, 4), torch.randn(3, 10, 4)
+    for store in (TokenStore(full[:, :6], other[:, :6]),  # views: heads 10 rows apart
+                  TokenStore(full[:, :6], full[:, :6] * 2)):  # a view and a contiguous tensor
+        _check_rows(store)
+
+
+def _check_rows(store):
     for _ in range(2):
         keys, values, stride = store.rows()
         for head in range(3):
