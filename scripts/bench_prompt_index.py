@@ -1,0 +1,116 @@
+"""Time the parts of one IceCache layer's prompt job (what TT2T waits for, 30 times for Llama-3.1-8B).
+
+After a layer's prefill, IceCache copies the prompt's middle keys and values to the CPU and a worker thread builds the
+layer's DCI index and lays out its pages in the CPU store (``IceCacheLayer._index_prompt``). This script runs that job
+for one layer of random bf16 keys (Llama-3.1-8B geometry: 8 KV heads of 128 dimensions) and times its parts:
+
+* ``to_float32``: the keys as float32 for the index;
+* ``build``: the DCI build (all KV heads, ``--threads`` OpenMP threads);
+* ``rewrite``: every page laid out in the store from the token store (its first call includes growing the store);
+* ``rewrite_again``: the same on a store already large enough (what an insert's rewrite costs per page);
+* ``job_total``: the whole job (the copy to the CPU, the build, the rewrite and the bookkeeping around them).
+
+Writes ``prompt_index_<host>_<date>.json`` with provenance to ``--out``.
+Usage: python scripts/bench_prompt_index.py --lengths 32768 131072 --threads 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def time_layer(length: int, threads: int, repeats: int) -> dict[str, float]:
+    import numpy as np
+    import torch
+
+    import icecache.method as icecache_method
+    from icecache.core.method import ModelInfo, SequenceContext, build_method
+    from icecache.dci import DCIIndex
+
+    info = ModelInfo(n_layers=1, n_heads=32, n_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    method = build_method({"name": "icecache", "budget": 256, "n_dense_layers": 0, "cpu_threads": threads}, info)
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 8, length, 128, generator=generator).to(torch.bfloat16)
+    values = torch.randn(1, 8, length, 128, generator=generator).to(torch.bfloat16)
+    rows: dict[str, list[float]] = {}
+
+    def timed(name, function):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            result = function(*args, **kwargs)
+            rows.setdefault(name, []).append(time.perf_counter() - start)
+            return result
+        return wrapper
+
+    build, rewrite = DCIIndex.build, icecache_method.IceCacheLayer._rewrite_pages
+    DCIIndex.build = timed("build", build)
+    icecache_method.IceCacheLayer._rewrite_pages = timed("rewrite", rewrite)
+    try:
+        for _ in range(repeats):
+            layer = method.make_layer(0, SequenceContext())
+            with torch.inference_mode():
+                start = time.perf_counter()
+                keys.float()
+                rows.setdefault("to_float32", []).append(time.perf_counter() - start)
+                start = time.perf_counter()
+                layer.append(keys, values)
+                layer._offload_prompt()
+                layer._ready.result()
+                rows.setdefault("job_total", []).append(time.perf_counter() - start)
+                index = layer._shared()["index"]
+                everything = np.zeros_like(layer.stale)
+                for head in range(info.n_kv_heads):
+                    everything[head, : index.page_tokens(head).shape[0]] = True
+                start = time.perf_counter()
+                rewrite(layer, everything)
+                rows.setdefault("rewrite_again", []).append(time.perf_counter() - start)
+    finally:
+        DCIIndex.build, icecache_method.IceCacheLayer._rewrite_pages = build, rewrite
+    return rows
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[32768])
+    parser.add_argument("--threads", type=int, default=16, help="OpenMP threads of the index and torch")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds per length (all are recorded)")
+    parser.add_argument("--out", default=str(REPO / "results" / "bench"))
+    args = parser.parse_args(argv)
+    if any(length < 1024 for length in args.lengths) or args.threads < 1 or args.repeats < 1:
+        parser.error("--lengths must be >= 1024 tokens, --threads and --repeats >= 1")
+    import torch
+    from tqdm.auto import tqdm
+
+    from icecache import provenance
+
+    torch.set_num_threads(args.threads)
+    results = []
+    for length in tqdm(args.lengths, desc="lengths"):
+        seconds = time_layer(length, args.threads, args.repeats)
+        results.append({"length": length, "seconds": seconds})
+        # A decode run builds each layer once, on fresh memory: the first round is the realistic one (page faults
+        # of new allocations included); later rounds show the same work on warm memory.
+        print(f"{length:>7} tokens, first / best round: " + "  ".join(
+            f"{name} {times[0]:.3f} / {min(times):.3f} s" for name, times in seconds.items()))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = out / f"prompt_index_{socket.gethostname().split('.')[0]}_{stamp}.json"
+    payload = {"what": "one IceCache layer's prompt job, Llama-3.1-8B geometry, bf16 keys; seconds per round",
+               "threads": args.threads, "repeats": args.repeats, "results": results,
+               "provenance": provenance.collect()}
+    path.write_text(json.dumps(payload, indent=2))
+    print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()
