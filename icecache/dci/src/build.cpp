@@ -52,15 +52,23 @@ void Instance::assign_parents(int level, const SearchConfig& sc, const AnchorCon
 #pragma omp parallel num_threads(threads)
   {
     std::vector<int32_t> cand;
+    // Distinct parents in order of first appearance. A linear search of the list per anchor was a quarter of the
+    // build; a stamp per parent (the point's index + 1, unique to this thread's iteration) gives the same list.
+    std::vector<int64_t> seen_by(nodes_.size(), 0);
+    auto add = [&](int32_t p, int64_t stamp) {
+      if (seen_by[p] != stamp) {
+        seen_by[p] = stamp;
+        cand.push_back(p);
+      }
+    };
 #pragma omp for schedule(dynamic, 256)
     for (int64_t i = 0; i < n; ++i) {
       if (accepted[i]) continue;
       const int64_t j = std::upper_bound(anchors.begin(), anchors.end(), i) - anchors.begin();
       cand.clear();
-      for (int64_t a = j - 1; a >= std::max<int64_t>(0, j - X); --a)
-        if (std::find(cand.begin(), cand.end(), parent[anchors[a]]) == cand.end()) cand.push_back(parent[anchors[a]]);
+      for (int64_t a = j - 1; a >= std::max<int64_t>(0, j - X); --a) add(parent[anchors[a]], i + 1);
       for (int64_t a = j; a < std::min<int64_t>(static_cast<int64_t>(anchors.size()), j + X); ++a)
-        if (std::find(cand.begin(), cand.end(), parent[anchors[a]]) == cand.end()) cand.push_back(parent[anchors[a]]);
+        add(parent[anchors[a]], i + 1);
       const int32_t v = pts[i];
       int32_t best = -1;
       float bd = INFINITY;
