@@ -17,6 +17,10 @@ void Instance::assign_parents(int level, const SearchConfig& sc, const AnchorCon
   pdist.assign(n, 0.0f);
   auto exact = [&](const std::vector<int64_t>& which) {
     const int64_t m = static_cast<int64_t>(which.size());
+    if (static_cast<int64_t>(levels_[level + 1].size()) <= brute_threshold) {  // what nearest_parent would do
+      brute_parents(pts, which, levels_[level + 1], threads, parent, pdist);
+      return;
+    }
 #pragma omp parallel num_threads(threads) if (m > 64)
     {
       Scratch s;

@@ -268,6 +268,9 @@ class Instance {
   std::pair<int32_t, float> nearest_parent(int32_t point, int upper_level, const SearchConfig& sc,
                                            int brute_threshold, Scratch& s, bool refresh);
   std::pair<int32_t, float> brute_parent(int32_t point, const std::vector<int32_t>& upper) const;
+  void brute_parents(const std::vector<int32_t>& points, const std::vector<int64_t>& which,
+                     const std::vector<int32_t>& upper, int threads, std::vector<int32_t>& parent,
+                     std::vector<float>& pdist) const;
   std::pair<int32_t, float> dci_parent(int32_t point, int upper_level, const SearchConfig& sc, Scratch& s,
                                        bool refresh);
   void assign_parents(int level, const SearchConfig& sc, const AnchorConfig& ac, int brute_threshold, int threads,

@@ -591,6 +591,56 @@ std::pair<int32_t, float> Instance::brute_parent(int32_t point, const std::vecto
   return {best, bd};
 }
 
+// brute_parent for points[which[i]], all i, at once: the upper level's keys are packed once, contiguous, and scanned
+// for kBlock points at a time (dot_rows_multi), so each row read serves several points and no row is gathered from
+// the whole key array again. Every (point, row) dot product is the same sequence of operations as brute_parent's
+// (dot_rows and dot_rows_multi guarantee it), the distance is the same expression, and ties go to the first row:
+// the same parents and distances as calling brute_parent per point.
+void Instance::brute_parents(const std::vector<int32_t>& points, const std::vector<int64_t>& which,
+                             const std::vector<int32_t>& upper, int threads, std::vector<int32_t>& parent,
+                             std::vector<float>& pdist) const {
+  constexpr int kBlock = 4;
+  const int dim = cfg_->dim;
+  const int64_t nu = static_cast<int64_t>(upper.size()), m = static_cast<int64_t>(which.size());
+  std::vector<float> packed(nu * dim);
+  std::vector<double> upper_sq(nu);
+  for (int64_t u = 0; u < nu; ++u) {
+    std::copy_n(&keys_[static_cast<int64_t>(upper[u]) * dim], dim, packed.data() + u * dim);
+    upper_sq[u] = sq_norm_[upper[u]];
+  }
+  const int64_t n_blocks = (m + kBlock - 1) / kBlock;
+#pragma omp parallel num_threads(threads) if (n_blocks > 16)
+  {
+    std::vector<float> d(kBlock * std::max<int64_t>(nu, 1));
+#pragma omp for schedule(dynamic, 8)
+    for (int64_t b = 0; b < n_blocks; ++b) {
+      const int64_t first = b * kBlock;
+      const int nb = static_cast<int>(std::min<int64_t>(kBlock, m - first));
+      const float* qs[kBlock];
+      for (int j = 0; j < nb; ++j) qs[j] = &keys_[static_cast<int64_t>(points[which[first + j]]) * dim];
+      if (nu > 0) dot_rows_multi(qs, nb, packed.data(), static_cast<int>(nu), dim, d.data(), static_cast<int>(nu));
+      for (int j = 0; j < nb; ++j) {
+        const float a_sq = sq_norm_[points[which[first + j]]];
+        int32_t best = -1;
+        float bd = INFINITY;
+        for (int64_t u = 0; u < nu; ++u) {
+          const double ab = d[j * nu + u];
+          const float dist =
+              cfg_->transform
+                  ? static_cast<float>(M_ - ab - std::sqrt(std::max(0.0, M_ - a_sq) * std::max(0.0, M_ - upper_sq[u])))
+                  : static_cast<float>(a_sq + upper_sq[u] - 2.0 * ab);
+          if (dist < bd || best < 0) {
+            bd = dist;
+            best = upper[u];
+          }
+        }
+        parent[which[first + j]] = best;
+        pdist[which[first + j]] = bd;
+      }
+    }
+  }
+}
+
 // Multi-level k-NN with k = 1 from the root down to `upper_level`, with the construction settings. The probe is the
 // key's own data projection (a key is searched for as a point of the transformed space). With `refresh`, a parent
 // whose children are stale is corrected before it is searched (insertion only: it changes pages).
