@@ -183,7 +183,7 @@ def test_cpu_page_store_writes_pages_from_rows_with_zeros_for_padding():
     key_rows, value_rows = torch.randn(10, 8), torch.randn(10, 8)
     source = np.array([[3, 1, -1, -1], [0, 9, 2, 5]])
     store.write_pages_from_rows(np.array([2, 0]), np.array([1, 0]), key_rows, value_rows, source)
-    assert store.n_pages == 3 and store.capacity == 4
+    assert store.n_pages == 3 and store.capacity == 3
     assert torch.equal(store.key_pages[2, 1], torch.cat([key_rows[[3, 1]], torch.zeros(2, 8)]))
     assert torch.equal(store.value_pages[0, 0], value_rows[[0, 9, 2, 5]])
     assert torch.equal(store.key_pages[0, 1], torch.zeros(4, 8))  # untouched
@@ -193,26 +193,29 @@ def test_cpu_page_store_reserve_grows_without_making_pages_addressable():
     store = CpuPageStore(2, 4, 8, torch.float32, pin_memory=False, initial_pages=4)
     store.write_pages(torch.tensor([1]), torch.tensor([0]), torch.ones(1, 4, 8), torch.ones(1, 4, 8))
     store.reserve(9)
-    assert store.capacity == 16 and store.n_pages == 2
+    assert store.capacity == 9 and store.n_pages == 2
     assert torch.equal(store.key_pages[1, 0], torch.ones(4, 8))  # contents kept
     store.reserve(3)  # never shrinks
-    assert store.capacity == 16
+    assert store.capacity == 9
 
 
-def test_cpu_page_store_grows_by_doubling_and_keeps_its_pages():
+def test_cpu_page_store_grows_to_what_is_asked_or_by_an_eighth_and_keeps_its_pages():
     gen = torch.Generator().manual_seed(2)
     store = CpuPageStore(n_kv_heads=2, page_size=4, head_dim=8, dtype=torch.float32, pin_memory=False, initial_pages=2)
     first = torch.randn(2, 4, 8, generator=gen)
     store.write_pages(torch.tensor([0, 1]), torch.tensor([1, 0]), first, -first)
     assert (store.n_pages, store.capacity) == (2, 2)
     late = torch.randn(1, 4, 8, generator=gen)
-    store.write_pages(torch.tensor([6]), torch.tensor([1]), late, -late)  # needs 7 pages: 2 -> 4 -> 8
-    assert (store.n_pages, store.capacity) == (7, 8)
+    store.write_pages(torch.tensor([6]), torch.tensor([1]), late, -late)  # needs 7 pages: exactly 7
+    assert (store.n_pages, store.capacity) == (7, 7)
     assert store.key_pages.shape == (7, 2, 4, 8)
     assert torch.equal(store.key_pages[0, 1], first[0]) and torch.equal(store.value_pages[1, 0], -first[1])
     assert torch.equal(store.key_pages[6, 1], late[0])
-    assert store.nbytes() == 2 * 8 * 2 * 4 * 8 * 4
+    assert store.nbytes() == 2 * 7 * 2 * 4 * 8 * 4
     assert not store.key_pages[2:6].any()  # pages never written are zero
+    store.reserve(65)
+    store.reserve(66)  # one more page: grows by an eighth, not by one
+    assert store.capacity == 65 + 65 // 8 and torch.equal(store.key_pages[6, 1], late[0])
 
 
 def random_load_request(gen, n_pages, n_slots, n_kv_heads, n_blocks):

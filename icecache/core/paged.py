@@ -73,7 +73,11 @@ class GpuPagePool:
 
 
 class CpuPageStore:
-    """A layer's pages in CPU memory (pinned when asked and CUDA is present); capacity grows by doubling.
+    """A layer's pages in CPU memory (pinned when asked and CUDA is present).
+
+    Capacity grows to what is asked, and by at least an eighth: a prompt's pages arrive in one write (doubling
+    would round 9,000 pages at 128k tokens up to 16,384, 0.9 GB of pinned memory per layer where 0.5 GB is used),
+    later pages a few at a time (an eighth keeps their copies amortised).
 
     ``key_pages`` and ``value_pages`` are views ``[n_pages, n_kv_heads, page_size, head_dim]`` of the used part of
     the storage: ``n_pages`` is the highest page count asked for through ``ensure_capacity`` or ``write_pages``.
@@ -123,17 +127,14 @@ class CpuPageStore:
         return self._values[: self.n_pages]
 
     def ensure_capacity(self, n_pages: int) -> None:
-        """Make pages ``0 .. n_pages-1`` addressable, doubling the storage as often as needed (contents kept)."""
+        """Make pages ``0 .. n_pages-1`` addressable, growing the storage if needed (contents kept)."""
         self.reserve(n_pages)
         self.n_pages = max(self.n_pages, n_pages)
 
     def reserve(self, n_pages: int) -> None:
-        """Grow the storage (by doubling, contents kept) so that ``n_pages`` pages fit, without making them
-        addressable."""
+        """Grow the storage (contents kept) so that ``n_pages`` pages fit, without making them addressable."""
         if n_pages > self.capacity:
-            capacity = self.capacity
-            while capacity < n_pages:
-                capacity *= 2
+            capacity = max(n_pages, self.capacity + max(1, self.capacity // 8))
             keys, values = self._allocate(capacity), self._allocate(capacity)
             keys[: self.n_pages].copy_(self._keys[: self.n_pages])
             values[: self.n_pages].copy_(self._values[: self.n_pages])
