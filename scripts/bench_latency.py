@@ -99,9 +99,12 @@ _INTERPOLATION = re.compile(r"\$\{([^}]*)\}")
 
 
 def method_values(name: str, budget: int | None, overrides: list[str]) -> dict[str, Any]:
-    """configs/method/<name>.yaml with ``${budget}`` filled in, and ``method.key=value`` overrides applied."""
+    """configs/method/<name>.yaml with ``${budget}`` filled in, then the ``method.key=value`` overrides of
+    ``--set`` for that config, then a variant's own: ``name`` may be ``icecache:cuda_graph=true,cpu_threads=8``,
+    so that two settings of one method can be measured side by side in one run."""
     import yaml
 
+    name, _, inline = name.partition(":")
     path = REPO / "configs" / "method" / f"{name}.yaml"
     if not path.exists():
         raise SystemExit(f"error: no method config {path}")
@@ -116,6 +119,9 @@ def method_values(name: str, budget: int | None, overrides: list[str]) -> dict[s
         if target == name:
             key, _, raw = assignment.partition("=")
             values[key] = yaml.safe_load(raw)
+    for assignment in filter(None, inline.split(",")):
+        key, _, raw = assignment.partition("=")
+        values[key] = yaml.safe_load(raw)
     return values
 
 
@@ -180,7 +186,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", help="model config name in configs/model (or a YAML path); default llama31_8b")
     parser.add_argument("--source", help="model source; default random (real architecture, random weights)")
     parser.add_argument("--lengths", type=int, nargs="+", help="context lengths in tokens")
-    parser.add_argument("--methods", nargs="+", help="method config names (full and full_static are added)")
+    parser.add_argument("--methods", nargs="+",
+                        help="method config names, or variants such as icecache:cuda_graph=true (full and full_static "
+                             "are added)")
     parser.add_argument("--budget", type=int, help="KV token budget per query head")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument("--repeats", type=int, help="measured rounds")

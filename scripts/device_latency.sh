@@ -16,7 +16,7 @@ gpu_tests=(tests/test_gpu_methods.py tests/test_method_invariants.py tests/test_
 python3 setup.py build_ext --inplace -q 2>&1 | grep -i error
 python3 -m pytest -q -m gpu "${gpu_tests[@]}" 2>&1 | grep -E "^(FAILED|ERROR)|Error|passed|failed" | tail -25
 # If the captured full cache fails its test, it is measured eagerly (and the output says so). IceCache's captured
-# step is opt-in: pass --set icecache.cuda_graph=true icecache_reuse.cuda_graph=true.
+# step is opt-in: measure it beside the eager one with the methods "icecache icecache:cuda_graph=true ...".
 graph=()
 if ! python3 -m pytest -q -m gpu tests/test_gpu_methods.py -k cuda_graph_decode >/dev/null 2>&1; then
     echo "CUDA-graph test failed: full_static measured eagerly"; graph+=(full_static.cuda_graph=false)

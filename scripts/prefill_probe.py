@@ -20,7 +20,6 @@ import statistics
 import sys
 from pathlib import Path
 
-import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -29,12 +28,7 @@ from scripts.bench_latency import method_values, model_spec  # noqa: E402
 
 
 def parse_variant(text: str, budget: int) -> tuple[str, dict]:
-    name, _, overrides = text.partition(":")
-    values = method_values(name, budget, [])
-    for assignment in filter(None, overrides.split(",")):
-        key, _, raw = assignment.partition("=")
-        values[key] = yaml.safe_load(raw)
-    return text, values
+    return text, method_values(text, budget, [])
 
 
 def main(argv: list[str] | None = None) -> None:
