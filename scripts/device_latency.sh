@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One GPU-host call: build the DCI extension, run the GPU tests (kernels, methods on GPU vs CPU, the CUDA-graphed
-# full cache), optionally bench the DCI index (DCI_BENCH=1: float32 and half first passes side by side), then time
-# the methods against both full caches on the Llama-3.1-8B architecture (random weights). Results go to $OUT (or
-# results/bench).
-# Usage: [DCI_BENCH=1] bash scripts/device_latency.sh "<lengths>" "<methods>" [extra bench_latency.py arguments]
+# full cache), optionally bench one layer's prompt job (PROMPT_BENCH=1) and the DCI index (DCI_BENCH=1: float32
+# and half first passes side by side), then time the methods against both full caches on the Llama-3.1-8B
+# architecture (random weights). Results go to $OUT (or results/bench).
+# Usage: [PROMPT_BENCH=1] [DCI_BENCH=1] bash scripts/device_latency.sh "<lengths>" "<methods>" [bench_latency.py args]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OMP_PROC_BIND=false
 # A git-archive copy has no .git: name the commit (ICECACHE_GIT_COMMIT=<sha> bash ...) so result files carry it.
@@ -22,6 +22,9 @@ if ! python3 -m pytest -q -m gpu tests/test_gpu_methods.py -k cuda_graph_decode 
     echo "CUDA-graph test failed: full_static measured eagerly"; graph+=(full_static.cuda_graph=false)
 fi
 [ ${#graph[@]} -gt 0 ] && graph=(--set "${graph[@]}")
+if [ -n "${PROMPT_BENCH:-}" ]; then  # one layer's prompt job (build, page rewrite) at 32k and 128k
+    python3 scripts/bench_prompt_index.py --lengths 32768 131072 --threads 16 --repeats 2 --out "$out" 2>&1 | tail -3
+fi
 if [ -n "${DCI_BENCH:-}" ]; then
     python3 scripts/bench_dci.py --sizes 32768 131072 --threads 16 --score-precision float32 half --out "$out" \
         2>&1 | tail -8
