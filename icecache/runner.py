@@ -34,6 +34,7 @@ class RunConfig:
     output_root: str = "results/runs"
     prefill_chunk_size: int | None = None
     layer_by_layer_prefill: bool = False  # same result; bounds prefill memory (generation._prefill_layer_by_layer)
+    prefill_residual_on_host: bool = False  # with layer_by_layer_prefill: the residual stream in host memory
     threads: int | None = None
     measure_phases: bool = False
     resume: bool = True
@@ -138,6 +139,8 @@ def prepare(config: RunConfig):
     method = build_method(config.method, info)
     if config.prefill_chunk_size is not None and config.prefill_chunk_size <= 0:
         raise ConfigError("prefill_chunk_size must be positive or null")
+    if config.prefill_residual_on_host and not config.layer_by_layer_prefill:
+        raise ConfigError("prefill_residual_on_host=true needs layer_by_layer_prefill=true")
     return task, method
 
 
@@ -211,7 +214,7 @@ def run(config: RunConfig) -> dict[str, Any]:
                 )
                 result = greedy_generate(
                     model, cache, request, prefill_chunk_size=config.prefill_chunk_size, tokenizer=tokenizer,
-                    layer_by_layer=config.layer_by_layer_prefill,
+                    layer_by_layer=config.layer_by_layer_prefill, residual_on_host=config.prefill_residual_on_host,
                 )
                 prediction = tokenizer.decode(result.token_ids, skip_special_tokens=True)
                 record = {

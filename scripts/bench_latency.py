@@ -199,6 +199,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prefill-chunk-size", type=int, help="prefill in chunks of this many tokens")
     parser.add_argument("--layer-by-layer", action="store_true", default=None,
                         help="prefill one decoder layer at a time (same result; bounds prefill memory)")
+    parser.add_argument("--residual-on-host", action="store_true", default=None,
+                        help="with --layer-by-layer: keep the prefill's residual stream in host memory")
     parser.add_argument("--set", nargs="*", action="extend", default=[], metavar="METHOD.KEY=VALUE",
                         help="method setting overrides, e.g. icecache.n_reuse_layers=4")
     parser.add_argument("--device", default="auto")
@@ -208,13 +210,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     defaults = {"model": "llama31_8b", "source": "random", "lengths": [16384], "methods": ["full", "icecache"],
                 "budget": 256, "threads": None, "repeats": 3, "warmup": 1, "decode_steps": MIN_DECODE_STEPS,
-                "prefill_chunk_size": None, "layer_by_layer": False}
+                "prefill_chunk_size": None, "layer_by_layer": False, "residual_on_host": False}
     defaults.update({k: v for k, v in experiment_defaults(args.experiment).items() if k != "driver"})
     for key, value in defaults.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     if args.decode_steps < MIN_DECODE_STEPS:
         parser.error(f"--decode-steps must be at least {MIN_DECODE_STEPS} (TPOT is the median of steps 2..N)")
+    if args.residual_on_host and not args.layer_by_layer:
+        parser.error("--residual-on-host needs --layer-by-layer")
     if args.repeats < 1 or args.warmup < 0:
         parser.error("--repeats must be >= 1 and --warmup >= 0")
     args.methods = [*REFERENCES, *(m for m in args.methods if m not in REFERENCES)]
@@ -264,7 +268,8 @@ def main(argv: list[str] | None = None) -> Path:
             for name, method in methods.items():  # interleaved: A B A B ...
                 cache = HarnessCache(method, PhaseTimer(device, enabled=True))
                 result = greedy_generate(model, cache, request, prefill_chunk_size=args.prefill_chunk_size,
-                                         layer_by_layer=args.layer_by_layer)
+                                         layer_by_layer=args.layer_by_layer,
+                                         residual_on_host=args.residual_on_host)
                 if measured:
                     measurements.append({
                         "model": spec.name, "method": name, "budget": method.config.budget, "context": context,

@@ -131,17 +131,19 @@ def test_static_full_cache_grows_under_transformers_generate(tiny):
     assert all(kv.capacity >= 250 + 11 for kv in cache.layer_kvs)
 
 
+@pytest.mark.parametrize("residual_on_host", [False, True], ids=["residual-on-device", "residual-on-host"])
 @pytest.mark.parametrize("name", ["full", "full_static", "icecache", "snapkv"])
-def test_layer_by_layer_prefill_equals_the_model_forward(tiny, name):
+def test_layer_by_layer_prefill_equals_the_model_forward(tiny, name, residual_on_host):
     """Prefill one layer at a time (chunks of 48) computes what the model's own forward does, for dense and
-    offloading methods alike (IceCache's per-layer offload runs at each layer's last chunk)."""
+    offloading methods alike (IceCache's per-layer offload runs at each layer's last chunk), with the residual
+    stream kept on the model's device or in host memory."""
     model, _, info = tiny
     ids = torch.randint(0, 500, (200,), generator=torch.Generator().manual_seed(7)).tolist()
     values = {"name": name, "budget": 64, **({"n_sink_pages": 1, "n_window_pages": 1} if name == "icecache" else {})}
     method = build_method(values, info)
     whole = greedy_generate(model, HarnessCache(method), GenerationRequest(ids, 12), keep_logits=True)
     layered = greedy_generate(model, HarnessCache(method), GenerationRequest(ids, 12), prefill_chunk_size=48,
-                              layer_by_layer=True, keep_logits=True)
+                              layer_by_layer=True, residual_on_host=residual_on_host, keep_logits=True)
     assert layered.token_ids == whole.token_ids
     for mine, theirs in zip(layered.logits, whole.logits):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
@@ -154,3 +156,10 @@ def test_full_cache_storage_is_sized_once_for_the_announced_length(tiny):
     cache = HarnessCache(build_method({"name": "full"}, info))
     greedy_generate(model, cache, GenerationRequest(ids, 10), prefill_chunk_size=64)
     assert {kv._keys.shape[2] for kv in cache.layer_kvs} == {256 + 10}
+
+
+def test_residual_on_host_without_layer_by_layer_is_refused_before_any_work(tiny):
+    model, _, info = tiny
+    with pytest.raises(ValueError, match="needs layer_by_layer"):
+        greedy_generate(model, HarnessCache(build_method({"name": "full"}, info)), GenerationRequest([1, 2, 3], 2),
+                        residual_on_host=True)

@@ -117,3 +117,28 @@ def test_a_failed_capture_falls_back_to_eager_steps_with_the_same_tokens(monkeyp
         fallen_back = greedy_generate(gpu_model, HarnessCache(method), request)
     assert fallen_back.token_ids == eager.token_ids
     assert fallen_back.counters["graph_replays"] == 0 and fallen_back.counters["graph_capture_error"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_residual_on_host_gives_the_same_logits_with_less_device_memory():
+    """Layer-by-layer prefill with the residual stream in pinned host memory: bitwise the logits of the same
+    prefill with it on the device (the same kernels on the same chunks), and a lower peak."""
+    from tests.conftest import tiny_model
+
+    model, _, info = tiny_model("llama")
+    gpu_model = copy.deepcopy(model).to("cuda", torch.bfloat16)
+    gpu_info = ModelInfo(info.n_layers, info.n_heads, info.n_kv_heads, info.head_dim, torch.device("cuda"),
+                         torch.bfloat16)
+    ids = torch.randint(0, 500, (6000,), generator=torch.Generator().manual_seed(6)).tolist()
+    request = GenerationRequest(ids, 4)
+    values = {"name": "icecache", **SETTINGS["icecache"]}
+    runs = {}
+    for on_host in (False, True):
+        torch.cuda.empty_cache()
+        runs[on_host] = greedy_generate(gpu_model, HarnessCache(build_method(values, gpu_info)), request,
+                                        prefill_chunk_size=1000, layer_by_layer=True, residual_on_host=on_host,
+                                        keep_logits=True)
+    assert runs[True].token_ids == runs[False].token_ids
+    for mine, theirs in zip(runs[True].logits, runs[False].logits):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+    assert runs[True].peak_gpu_bytes < runs[False].peak_gpu_bytes

@@ -100,6 +100,7 @@ def cli(*overrides):
         (["model=smollm2_135m", "model.package=no_such_package_xyz"], "is not installed"),
         (["model=tiny_llama", "method=full", "task.lengths=[]"], "task.lengths"),
         (["model=tiny_llama", "method.no_such_knob=3"], "no_such_knob"),
+        (["model=tiny_llama", "prefill_residual_on_host=true"], "needs layer_by_layer_prefill=true"),
     ],
 )
 def test_bad_input_gives_one_line_and_exit_code_2(overrides, message, tmp_path):
