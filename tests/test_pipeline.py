@@ -271,3 +271,24 @@ def test_bench_method_values_take_set_overrides_then_a_variants_own():
                                           ["icecache.cpu_threads=4", "icecache.n_sink_pages=1", "quest.x=1"])
     assert variant["cuda_graph"] is True and variant["cpu_threads"] == 8  # the variant's own setting wins
     assert variant["n_sink_pages"] == 1 and "x" not in variant  # --set applies to the base config, by name
+
+
+def test_compare_runs_pairs_runs_by_task_model_method_budget_and_counts_identical_predictions(tmp_path):
+    import compare_runs
+
+    def make_run(root, config_hash, predictions, score):
+        run_dir = root / "passkey" / "tiny" / "icecache" / "budget-64" / config_hash
+        run_dir.mkdir(parents=True)
+        lines = [json.dumps({"sample_id": sid, "prediction": text, "output_ids": [len(text)]})
+                 for sid, text in predictions.items()]
+        (run_dir / "predictions.jsonl").write_text("\n".join(lines) + "\n")
+        (run_dir / "metrics.json").write_text(json.dumps({"score": score}))
+
+    make_run(tmp_path / "a", "hash-a", {"s1": "12", "s2": "34", "s3": "56"}, 100.0)
+    make_run(tmp_path / "b", "hash-b", {"s1": "12", "s2": "35", "s3": "56"}, 66.7)  # another config hash: paired
+    result = compare_runs.compare(tmp_path / "a", tmp_path / "b")
+    [pair] = result["pairs"]
+    assert pair["run"] == "passkey/tiny/icecache/budget-64"
+    assert (pair["n_samples"], pair["identical"], pair["differ"]) == (3, 2, ["s2"])
+    assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 1  # a difference fails the check
+    assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "a")]) == 0
