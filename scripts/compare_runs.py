@@ -68,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     result = compare(args.before, args.after)
     result["note"] = args.note
     for pair in result["pairs"]:
-        score = lambda m: m.get("score")  # noqa: E731
+        def score(metrics: dict):  # a run's metrics.json holds the task's scores under "metrics"
+            return metrics.get("metrics", metrics).get("score")
+
         print(f"{pair['run']:<55} {pair['identical']:>3}/{pair['n_samples']:<3} identical   score "
               f"{score(pair['metrics_before'])} -> {score(pair['metrics_after'])}")
     if result["unpaired"]:
