@@ -220,21 +220,13 @@ class IceCacheLayer(DenseKV):
         self.sink_slots = -(-sink_len // ps)
         self.window_slot0 = cfg.n_sink_pages + k_sel
         self.pool = GpuPagePool(self.method.page_budget, n_kv_heads, ps, head_dim, dtype, device)
-        for page in range(self.sink_slots):
-            chunk = slice(page * ps, min((page + 1) * ps, sink_len))
-            n = chunk.stop - chunk.start
-            self.pool.key_pages[page, :, :n] = keys[:, chunk]
-            self.pool.value_pages[page, :, :n] = values[:, chunk]
+        self._fill_slots(0, keys[:, :sink_len], values[:, :sink_len])
         self.sink_len = sink_len
         # The window pages are a ring: logical window page j (oldest first) sits in slot
         # window_slot0 + (window_head + j) % n_window_pages, so offloading the oldest page moves nothing on the GPU.
         self.window_head = 0
         self.window_start = middle_end  # absolute position of the window's first token
-        for page in range(-(-window_len // ps)):
-            chunk = slice(middle_end + page * ps, min(middle_end + (page + 1) * ps, total))
-            n = chunk.stop - chunk.start
-            self.pool.key_pages[self.window_slot0 + page, :, :n] = keys[:, chunk]
-            self.pool.value_pages[self.window_slot0 + page, :, :n] = values[:, chunk]
+        self._fill_slots(self.window_slot0, keys[:, middle_end:], values[:, middle_end:])
         self.window_count = window_len
         self.resident = np.full((n_kv_heads, k_sel), -1, dtype=np.int64)  # page id held by each selected slot
         self.stale = np.zeros((n_kv_heads, 0), dtype=bool)  # page content changed since it was loaded
@@ -256,6 +248,14 @@ class IceCacheLayer(DenseKV):
         self.offloaded = True
         self._ready = self._worker().submit(self._index_prompt, offloaded_k, offloaded_v, middle_end - sink_len, copied)
         self.seq.shared.setdefault("icecache_jobs", []).append(self._ready)
+
+    def _fill_slots(self, first_slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Tokens ``[Hkv, n, D]`` into consecutive pool slots from ``first_slot``, a page of them per slot."""
+        ps = self.cfg.page_size
+        for page, begin in enumerate(range(0, keys.shape[1], ps)):
+            n = min(ps, keys.shape[1] - begin)
+            self.pool.key_pages[first_slot + page, :, :n] = keys[:, begin : begin + n]
+            self.pool.value_pages[first_slot + page, :, :n] = values[:, begin : begin + n]
 
     @torch.inference_mode()  # inference mode is per thread; the store's tensors were made under it
     def _index_prompt(self, offloaded_k: torch.Tensor, offloaded_v: torch.Tensor, n_middle: int, copied) -> None:

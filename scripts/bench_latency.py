@@ -114,12 +114,8 @@ def method_values(name: str, budget: int | None, overrides: list[str]) -> dict[s
             if value.strip() != "${budget}":
                 raise SystemExit(f"error: {path}: {key}: {value} is an interpolation this driver cannot resolve")
             values[key] = budget
-    for override in overrides:
-        target, _, assignment = override.partition(".")
-        if target == name:
-            key, _, raw = assignment.partition("=")
-            values[key] = yaml.safe_load(raw)
-    for assignment in filter(None, inline.split(",")):
+    assignments = [override.partition(".")[2] for override in overrides if override.partition(".")[0] == name]
+    for assignment in [*assignments, *filter(None, inline.split(","))]:  # the variant's own last: they win
         key, _, raw = assignment.partition("=")
         values[key] = yaml.safe_load(raw)
     return values

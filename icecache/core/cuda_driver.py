@@ -46,7 +46,18 @@ def _check(result: int, what: str) -> None:
         raise RuntimeError(f"{what} failed with CUDA driver error {result}")
 
 
-def _stream_handle(device: torch.device) -> int:
+try:  # the raw-handle query Triton itself uses; much cheaper than building a torch Stream object
+    from torch._C import _cuda_getCurrentRawStream as _raw_stream
+except ImportError:  # pragma: no cover - CPU-only builds
+    _raw_stream = None
+
+
+def stream_handle(device: torch.device) -> int:
+    """The raw handle of ``device``'s current stream (0 off CUDA): what kernel launches and driver calls take."""
+    if device.type != "cuda":
+        return 0
+    if _raw_stream is not None:
+        return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
     return torch.cuda.current_stream(device).cuda_stream
 
 
@@ -59,7 +70,7 @@ def memcpy_async(destination: torch.Tensor, source: torch.Tensor) -> None:
         raise ValueError(f"memcpy_async: {source.nbytes} bytes into {destination.nbytes}")
     device = destination.device if destination.is_cuda else source.device
     _check(
-        _libcuda().cuMemcpyAsync(destination.data_ptr(), source.data_ptr(), source.nbytes, _stream_handle(device)),
+        _libcuda().cuMemcpyAsync(destination.data_ptr(), source.data_ptr(), source.nbytes, stream_handle(device)),
         "cuMemcpyAsync",
     )
 
@@ -93,7 +104,7 @@ class HostFunctions:
 
         callback = _HOST_FN(trampoline)
         self._keep.append(callback)
-        _check(_libcuda().cuLaunchHostFunc(_stream_handle(device), callback, None), "cuLaunchHostFunc")
+        _check(_libcuda().cuLaunchHostFunc(stream_handle(device), callback, None), "cuLaunchHostFunc")
 
     def raise_pending(self) -> None:
         """Re-raise the first exception of a host function (call after the stream is synchronised)."""

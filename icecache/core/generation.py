@@ -98,11 +98,11 @@ def _prefill_layer_by_layer(
     positions = torch.arange(n_prompt, device=device)[None]
     chunks = [slice(begin, min(begin + chunk, n_prompt)) for begin in range(0, n_prompt, chunk)]
     if residual_on_host:
-        first = decoder.embed_tokens(prompt[None, chunks[0]])
-        hidden = torch.empty(1, n_prompt, first.shape[-1], dtype=first.dtype, pin_memory=device.type == "cuda")
+        hidden = torch.empty(1, n_prompt, model.config.hidden_size, dtype=decoder.embed_tokens.weight.dtype,
+                             pin_memory=device.type == "cuda")
         for piece in chunks:
             hidden[:, piece].copy_(decoder.embed_tokens(prompt[None, piece]), non_blocking=True)
-        like = first[:, :1]  # the rotary embedding reads only its dtype and device
+        like = torch.empty(1, 1, 1, dtype=hidden.dtype, device=device)  # the rotary embedding reads only these
     else:
         hidden = decoder.embed_tokens(prompt[None])
         like = hidden[:, :1]

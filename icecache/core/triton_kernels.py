@@ -30,6 +30,8 @@ import os
 
 import torch
 
+from .cuda_driver import stream_handle as _stream_handle
+
 try:  # Triton is optional: the CPU path of every method uses the PyTorch references.
     import triton
     import triton.language as tl
@@ -234,24 +236,6 @@ def set_fast_launch(enabled: bool) -> bool:
     previous = _FAST_LAUNCH
     _FAST_LAUNCH = bool(enabled) and _fast_launch_enabled()
     return previous
-
-
-def _current_stream(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 0
-    return torch.cuda.current_stream(device).cuda_stream
-
-
-try:  # the raw-handle query Triton itself uses; much cheaper than building a torch Stream object
-    from torch._C import _cuda_getCurrentRawStream as _raw_stream
-except ImportError:  # pragma: no cover - CPU-only builds
-    _raw_stream = None
-
-
-def _stream_handle(device: torch.device) -> int:
-    if _raw_stream is not None and device.type == "cuda":
-        return _raw_stream(device.index if device.index is not None else torch.cuda.current_device())
-    return _current_stream(device)
 
 
 def _launch(kernel, compiled, grid: tuple[int, ...], args: tuple, stream: int, options: dict):
