@@ -377,6 +377,8 @@ class IceCacheLayer(DenseKV):
         # window offloads ahead (one adds at most page_size pages per head, one every page_size steps).
         if self.offloaded:
             self.store.reserve(self.store.n_pages + _STORE_HEADROOM_PAGES)
+            self._ready.result()  # the token store is the prompt job's until it is done
+            self.tokens.reserve(self.tokens.n_tokens + _STORE_HEADROOM_PAGES * self.cfg.page_size)
 
     def _make_decode_buffers(self, device: torch.device) -> None:
         """The attention's page table and the step's fixed-size transit buffers (``StepTransit``).
@@ -562,15 +564,20 @@ class TokenStore:
     def values(self) -> torch.Tensor:
         return self._values[:, : self.n_tokens]
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        needed = self.n_tokens + keys.shape[1]
-        if needed > self._keys.shape[1]:
-            capacity = needed + max(needed // 8, 256)
+    def reserve(self, n_tokens: int) -> None:
+        """Grow the storage (contents kept) so that ``n_tokens`` tokens fit: a captured decode step appends from a
+        host function, which must not allocate, so the caller reserves between steps."""
+        if n_tokens > self._keys.shape[1]:
+            capacity = n_tokens + max(n_tokens // 8, 256)
             for name in ("_keys", "_values"):
                 old = getattr(self, name)
-                grown = old.new_empty(old.shape[0], capacity, old.shape[2])
+                grown = torch.empty(old.shape[0], capacity, old.shape[2], dtype=old.dtype)
                 grown[:, : self.n_tokens] = old[:, : self.n_tokens]
                 setattr(self, name, grown)
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        needed = self.n_tokens + keys.shape[1]
+        self.reserve(needed)
         self._keys[:, self.n_tokens : needed] = keys
         self._values[:, self.n_tokens : needed] = values
         self.n_tokens = needed
