@@ -17,8 +17,8 @@ page pool sized by the budget. At each decode step:
 When the window is full, its oldest page is offloaded (from the window's host copy): inserted into the tree as a
 batch (pages split and change; changed pages are rewritten in the CPU store and reloaded if resident).
 
-With ``cuda_graph`` (off by default: not yet validated on a GPU) the decode step, host work included, is captured
-in one CUDA graph on CUDA: each layer's host work runs as a host function of the graph, so the transformer's kernels are launched by the graph
+With ``cuda_graph`` (on by default; it only acts on CUDA) the decode step, host work included, is captured
+in one CUDA graph: each layer's host work runs as a host function of the graph, so the transformer's kernels are launched by the graph
 rather than one by one from Python. The dense layers then keep their cache in static buffers
 (``core.static_kv.StaticDenseKV``) so that they can be captured too.
 
@@ -85,9 +85,9 @@ class IceCacheConfig(MethodConfig):
     dci_score_precision: str = "float32"
     cpu_kv_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16
     offload_short_prompts: bool = False  # index even prompts that fit in the budget (tests, analysis)
-    # On CUDA with Triton: capture the decode step in one CUDA graph, each layer's host work a host function of it.
-    # Off by default until it has been validated and measured on the GPU host (README, "Status").
-    cuda_graph: bool = False
+    # On CUDA with Triton: capture the decode step in one CUDA graph, each layer's host work a host function of it
+    # (bitwise the eager step's logits; 1.5-1.8x faster at 32k on the H200, BENCHMARKS.md target 1).
+    cuda_graph: bool = True
     seed: int = 0
 
 

@@ -266,10 +266,10 @@ def test_bench_method_values_take_set_overrides_then_a_variants_own():
     import bench_latency
 
     plain = bench_latency.method_values("icecache", 256, [])
-    assert plain["name"] == "icecache" and plain["budget"] == 256 and plain["cuda_graph"] is False
-    variant = bench_latency.method_values("icecache:cuda_graph=true,cpu_threads=8", 256,
+    assert plain["name"] == "icecache" and plain["budget"] == 256 and plain["cuda_graph"] is True
+    variant = bench_latency.method_values("icecache:cuda_graph=false,cpu_threads=8", 256,
                                           ["icecache.cpu_threads=4", "icecache.n_sink_pages=1", "quest.x=1"])
-    assert variant["cuda_graph"] is True and variant["cpu_threads"] == 8  # the variant's own setting wins
+    assert variant["cuda_graph"] is False and variant["cpu_threads"] == 8  # the variant's own setting wins
     assert variant["n_sink_pages"] == 1 and "x" not in variant  # --set applies to the base config, by name
 
 
