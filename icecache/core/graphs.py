@@ -73,6 +73,7 @@ class GraphedDecodeStep:
             for layer, seq_len in zip(self.cache.layer_kvs, seq_lens):
                 layer.seq_len = seq_len
             self.capture_error = f"{type(error).__name__}: {error}"
+            _release_rng_from_failed_capture(self.input_ids.device)
             warnings.warn(f"CUDA-graph capture of the decode step failed ({self.capture_error}); decoding eagerly",
                           RuntimeWarning)
             return self(token, position)
@@ -97,3 +98,12 @@ class GraphedDecodeStep:
                 layer.seq_len += 1
             layer.between_steps()
         return self.logits
+
+
+def _release_rng_from_failed_capture(device: torch.device) -> None:
+    """A capture that fails ends before PyTorch tells the device's default generator that capturing is over, and
+    every later random draw on that device would then fail ("Offset increment outside graph capture"). Give the
+    generator a fresh copy of its state (same seed and offset, not capturing); the failed graph keeps the old one."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    generator = torch.cuda.default_generators[index]
+    generator.graphsafe_set_state(generator.clone_state())
