@@ -33,6 +33,18 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def machine_label() -> str:
+    """What a result file name says about where it ran: the GPU model ("h200" for an NVIDIA H200) when there is
+    one, else the host name (cloud GPU hosts are often all called "vm")."""
+    import torch
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0).lower().replace("nvidia", "")
+    else:
+        name = socket.gethostname().split(".")[0].lower()
+    return "".join(ch if ch.isalnum() else "-" for ch in name.strip()).strip("-") or "unknown"
+
+
 def collect() -> dict[str, Any]:
     import torch
     import transformers

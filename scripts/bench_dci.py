@@ -30,7 +30,6 @@ import datetime as dt
 import json
 import math
 import os
-import socket
 import statistics
 import sys
 import time
@@ -43,6 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from icecache.dci import DCIIndex, default_query_field_of_view  # noqa: E402
+from icecache.provenance import machine_label  # noqa: E402
 
 N_KV_HEADS, N_Q_HEADS, HEAD_DIM, K_PAGES = 8, 32, 128, 12
 
@@ -222,7 +222,7 @@ def main() -> None:
         "rows": rows,
     }
     date = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out = args.out if args.out.suffix == ".json" else args.out / f"dci_{socket.gethostname()}_{date}.json"
+    out = args.out if args.out.suffix == ".json" else args.out / f"dci_{machine_label()}_{date}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
 

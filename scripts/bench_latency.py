@@ -21,7 +21,6 @@ import argparse
 import datetime as dt
 import json
 import re
-import socket
 import statistics
 import sys
 from pathlib import Path
@@ -292,7 +291,7 @@ def main(argv: list[str] | None = None) -> Path:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = out / f"latency_{socket.gethostname()}_{stamp}.json"
+    path = out / f"latency_{provenance.machine_label()}_{stamp}.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(payload, indent=2, default=str), encoding="utf-8")
     tmp.replace(path)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import time
 from pathlib import Path
@@ -103,7 +102,7 @@ def main(argv: list[str] | None = None) -> Path:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = out / f"prompt_index_{socket.gethostname().split('.')[0]}_{stamp}.json"
+    path = out / f"prompt_index_{provenance.machine_label()}_{stamp}.json"
     payload = {"what": "one IceCache layer's prompt job, Llama-3.1-8B geometry, bf16 keys; seconds per round",
                "threads": args.threads, "repeats": args.repeats, "results": results,
                "provenance": provenance.collect()}

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import socket
 import statistics
 import sys
 from pathlib import Path
@@ -77,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{row['variant']:<48} {row['ttft_s']:>8.3f} {row['tt2t_s']:>8.3f}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"prefill_probe_{socket.gethostname()}_{dt.datetime.now():%Y%m%d-%H%M%S}.json"
+    path = out / f"prefill_probe_{provenance.machine_label()}_{dt.datetime.now():%Y%m%d-%H%M%S}.json"
     path.write_text(json.dumps({"kind": "prefill_probe", "settings": vars(args), "provenance": provenance.collect(),
                                 "summary": summary}, indent=2, default=str), encoding="utf-8")
     print(f"wrote {path}")
