@@ -292,3 +292,17 @@ def test_compare_runs_pairs_runs_by_task_model_method_budget_and_counts_identica
     assert (pair["n_samples"], pair["identical"], pair["differ"]) == (3, 2, ["s2"])
     assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "b")]) == 1  # a difference fails the check
     assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "a")]) == 0
+
+
+def test_bench_host_step_times_the_parts_of_a_layer_step(tmp_path):
+    import bench_host_step
+
+    path = bench_host_step.main(["--length", "2048", "--steps", "20", "--threads", "1", "--out", str(tmp_path)])
+    payload = json.loads(path.read_text())
+    seconds = payload["seconds"]
+    assert len(seconds["host_step"]) == len(seconds["search"]) == len(seconds["stage"]) == 20
+    for total, search, stage, rest in zip(seconds["host_step"], seconds["search"], seconds["stage"], seconds["rest"]):
+        assert 0 < search < total and 0 < stage < total and rest == pytest.approx(total - search - stage)
+    # random queries: most of the 12 selected pages of each of the 8 KV heads change at every step
+    assert 0 < seconds["pages_loaded_per_step"][0] <= 8 * 12
+    assert payload["provenance"]["torch"]

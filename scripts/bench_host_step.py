@@ -1,0 +1,110 @@
+#!/usr/bin/env python
+"""Time one IceCache layer's host work per decode step (what each layer's host function does in a captured step).
+
+One sparsified layer with the Llama-3.1-8B geometry (32 query / 8 KV heads of 128 dimensions, budget 256) is
+prefilled with ``--length`` random bf16 tokens on the CPU; its prompt index is built, then ``--steps`` decode steps
+run with random queries (the worst case for loading: nearly every selected page changes at every step, as with
+the random-weight model of the latency benchmark). ``_host_step``'s parts are timed per step:
+
+* ``search``: the DCI query and the merge of each GQA group's ranked pages (the step's ``query`` phase);
+* ``stage``: the diff against the slots and the gather of the pages to load into the transit buffer (``load``);
+* ``rest``: the window bookkeeping (and, every 16 steps, the offload of the oldest window page into the index),
+  the valid counts and the counters: host work that the latency phases count as ``model``;
+* ``host_step``: all of it.
+
+Writes ``host_step_<machine>_<date>.json`` with provenance to ``--out``.
+Usage: python scripts/bench_host_step.py --length 32768 --steps 64 --threads 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def time_host_steps(length: int, steps: int, threads: int) -> dict[str, list[float]]:
+    import torch
+
+    import icecache.method as icecache_method
+    from icecache.core.method import ModelInfo, SequenceContext, build_method
+
+    info = ModelInfo(n_layers=1, n_heads=32, n_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    method = build_method({"name": "icecache", "budget": 256, "n_dense_layers": 0, "cpu_threads": threads}, info)
+    generator = torch.Generator().manual_seed(0)
+    layer = method.make_layer(0, SequenceContext())
+    with torch.inference_mode():
+        layer.append(torch.randn(1, 8, length, 128, generator=generator).to(torch.bfloat16),
+                     torch.randn(1, 8, length, 128, generator=generator).to(torch.bfloat16))
+        layer._offload_prompt()
+        layer._ready.result()
+        layer.seq_len = length  # what the prefill's forward would have counted
+    times: dict[str, list[float]] = {"search": [], "stage": [], "host_step": []}
+    cls = icecache_method.IceCacheLayer
+
+    def timed(name, function):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            result = function(*args, **kwargs)
+            times[name].append(time.perf_counter() - start)
+            return result
+        return wrapper
+
+    originals = {name: getattr(cls, name) for name in ("_select", "_stage_pages", "_host_step")}
+    cls._select, cls._stage_pages = timed("search", originals["_select"]), timed("stage", originals["_stage_pages"])
+    cls._host_step = timed("host_step", originals["_host_step"])
+    try:
+        with torch.inference_mode():
+            for _ in range(steps):
+                query = torch.randn(1, 32, 1, 128, generator=generator).to(torch.bfloat16)
+                key = torch.randn(1, 8, 1, 128, generator=generator).to(torch.bfloat16)
+                value = torch.randn(1, 8, 1, 128, generator=generator).to(torch.bfloat16)
+                layer.forward(query, key, value, None, 128 ** -0.5)
+    finally:
+        for name, function in originals.items():
+            setattr(cls, name, function)
+    times["rest"] = [total - search - stage for total, search, stage in
+                     zip(times["host_step"], times["search"], times["stage"])]
+    times["pages_loaded_per_step"] = [layer.seq.counters.pages_loaded / steps]
+    return times
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--length", type=int, default=32768)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=16, help="OpenMP threads of the index and torch")
+    parser.add_argument("--out", default=str(REPO / "results" / "bench"))
+    args = parser.parse_args(argv)
+    if args.length < 1024 or args.steps < 2 or args.threads < 1:
+        parser.error("--length must be >= 1024 tokens, --steps >= 2 and --threads >= 1")
+    import torch
+
+    from icecache import provenance
+
+    torch.set_num_threads(args.threads)
+    times = time_host_steps(args.length, args.steps, args.threads)
+    summary = {name: statistics.median(values[1:]) * 1e3 for name, values in times.items()
+               if name != "pages_loaded_per_step"}
+    print(f"{args.length} tokens, {args.threads} threads, median of steps 2..{args.steps} (ms per layer step): "
+          + "  ".join(f"{name} {value:.3f}" for name, value in summary.items())
+          + f"  pages loaded per step {times['pages_loaded_per_step'][0]:.1f}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"host_step_{provenance.machine_label()}_{time.strftime('%Y%m%d-%H%M%S')}.json"
+    payload = {"what": "one IceCache layer's host work per decode step, Llama-3.1-8B geometry, random bf16 keys "
+                       "and queries; seconds per step", "length": args.length, "steps": args.steps,
+               "threads": args.threads, "median_ms": summary, "seconds": times, "provenance": provenance.collect()}
+    path.write_text(json.dumps(payload, indent=2))
+    print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()
