@@ -568,6 +568,11 @@ class TokenStore:
         """Grow the storage (contents kept) so that ``n_tokens`` tokens fit: a captured decode step appends from a
         host function, which must not allocate, so the caller reserves between steps."""
         if n_tokens > self._keys.shape[1]:
+            from icecache.core.cuda_driver import in_host_function
+
+            if in_host_function():  # growing there hung a captured step on the H200: fail loudly instead
+                raise RuntimeError("IceCache's token store must grow between decode steps (LayerKV.between_steps), "
+                                   "not inside a captured step's host function")
             capacity = n_tokens + max(n_tokens // 8, 256)
             for name in ("_keys", "_values"):
                 old = getattr(self, name)

@@ -219,6 +219,39 @@ def test_token_store_appends_like_concatenation_with_bounded_spare_room():
     assert len(storage_ids) < 10  # grown a few times, not once per page
 
 
+def test_token_store_grows_between_steps_and_refuses_to_inside_a_host_function():
+    """A captured step appends window pages from a host function, where growing the store hung the H200: the
+    layer reserves room between steps, and a growth that would still happen inside a host function is an error."""
+    from icecache.core import cuda_driver
+    from icecache.method import TokenStore
+
+    store = TokenStore(torch.zeros(2, 10, 4), torch.zeros(2, 10, 4))
+    store.reserve(40)
+    room = store._keys.shape[1]
+    assert room >= 40 and torch.equal(store.keys, torch.zeros(2, 10, 4))
+    cuda_driver._HOST_FUNCTION_THREAD.active = True
+    try:
+        store.append(torch.ones(2, room - 10, 4), torch.ones(2, room - 10, 4))  # fits: no growth
+        with pytest.raises(RuntimeError, match="between decode steps"):
+            store.append(torch.ones(2, 1, 4), torch.ones(2, 1, 4))
+    finally:
+        cuda_driver._HOST_FUNCTION_THREAD.active = False
+    assert store.n_tokens == room
+
+
+def test_an_offloaded_layer_keeps_token_room_for_the_next_steps(tiny):
+    model, _, info = tiny
+    cache = HarnessCache(build_method({"name": "icecache", "budget": 96}, info))
+    ids = torch.randint(0, 500, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    greedy_generate(model, cache, GenerationRequest(ids, 3))
+    offloaded = [layer for layer in cache.layer_kvs if getattr(layer, "offloaded", False)]
+    assert offloaded
+    for layer in offloaded:
+        layer.between_steps()
+        spare_tokens = layer.tokens._keys.shape[1] - layer.tokens.n_tokens
+        assert spare_tokens >= 64 * layer.cfg.page_size  # many window offloads ahead (one per page_size steps)
+
+
 def test_half_precision_search_selects_the_float32_pages(tiny):
     """IceCache's default half-precision first pass changes nothing a run computes: same tokens, same loads."""
     model, _, info = tiny

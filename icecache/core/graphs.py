@@ -63,6 +63,8 @@ class GraphedDecodeStep:
             self.warmed = ready  # this step ran every kernel a capture would record
             current.wait_stream(self.stream)
             return logits
+        for layer in self.cache.layer_kvs:  # room for what the host functions of the first replays will add
+            layer.between_steps()
         graph = torch.cuda.CUDAGraph()
         seq_lens = [layer.seq_len for layer in self.cache.layer_kvs]
         try:
