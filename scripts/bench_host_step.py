@@ -27,16 +27,17 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
 
 
 def time_host_steps(length: int, steps: int, threads: int) -> dict[str, list[float]]:
     import torch
 
     import icecache.method as icecache_method
-    from icecache.core.method import ModelInfo, SequenceContext, build_method
+    from bench_prompt_index import llama8b_layer_method, timed
+    from icecache.core.method import SequenceContext
 
-    info = ModelInfo(n_layers=1, n_heads=32, n_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
-    method = build_method({"name": "icecache", "budget": 256, "n_dense_layers": 0, "cpu_threads": threads}, info)
+    method = llama8b_layer_method(threads)
     generator = torch.Generator().manual_seed(0)
     layer = method.make_layer(0, SequenceContext())
     with torch.inference_mode():
@@ -47,18 +48,10 @@ def time_host_steps(length: int, steps: int, threads: int) -> dict[str, list[flo
         layer.seq_len = length  # what the prefill's forward would have counted
     times: dict[str, list[float]] = {"search": [], "stage": [], "host_step": []}
     cls = icecache_method.IceCacheLayer
-
-    def timed(name, function):
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            result = function(*args, **kwargs)
-            times[name].append(time.perf_counter() - start)
-            return result
-        return wrapper
-
     originals = {name: getattr(cls, name) for name in ("_select", "_stage_pages", "_host_step")}
-    cls._select, cls._stage_pages = timed("search", originals["_select"]), timed("stage", originals["_stage_pages"])
-    cls._host_step = timed("host_step", originals["_host_step"])
+    cls._select = timed(times, "search", originals["_select"])
+    cls._stage_pages = timed(times, "stage", originals["_stage_pages"])
+    cls._host_step = timed(times, "host_step", originals["_host_step"])
     try:
         with torch.inference_mode():
             for _ in range(steps):

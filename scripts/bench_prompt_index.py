@@ -26,32 +26,44 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
+def llama8b_layer_method(threads: int):
+    """IceCache at budget 256 for one sparsified layer of the Llama-3.1-8B geometry (32 query / 8 KV heads of 128
+    dimensions, bf16), its index on ``threads`` threads."""
+    import torch
+
+    from icecache.core.method import ModelInfo, build_method
+
+    info = ModelInfo(n_layers=1, n_heads=32, n_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+    return build_method({"name": "icecache", "budget": 256, "n_dense_layers": 0, "cpu_threads": threads}, info)
+
+
+def timed(record: dict[str, list[float]], name: str, function):
+    """``function``, appending the seconds of each call to ``record[name]``."""
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        result = function(*args, **kwargs)
+        record.setdefault(name, []).append(time.perf_counter() - start)
+        return result
+    return wrapper
+
+
 def time_layer(length: int, threads: int, repeats: int) -> dict[str, float]:
     import numpy as np
     import torch
 
     import icecache.method as icecache_method
-    from icecache.core.method import ModelInfo, SequenceContext, build_method
+    from icecache.core.method import SequenceContext
     from icecache.dci import DCIIndex
 
-    info = ModelInfo(n_layers=1, n_heads=32, n_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
-    method = build_method({"name": "icecache", "budget": 256, "n_dense_layers": 0, "cpu_threads": threads}, info)
+    method = llama8b_layer_method(threads)
+    info = method.model
     generator = torch.Generator().manual_seed(0)
     keys = torch.randn(1, 8, length, 128, generator=generator).to(torch.bfloat16)
     values = torch.randn(1, 8, length, 128, generator=generator).to(torch.bfloat16)
     rows: dict[str, list[float]] = {}
-
-    def timed(name, function):
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            result = function(*args, **kwargs)
-            rows.setdefault(name, []).append(time.perf_counter() - start)
-            return result
-        return wrapper
-
     build, rewrite = DCIIndex.build, icecache_method.IceCacheLayer._rewrite_pages
-    DCIIndex.build = timed("build", build)
-    icecache_method.IceCacheLayer._rewrite_pages = timed("rewrite", rewrite)
+    DCIIndex.build = timed(rows, "build", build)
+    icecache_method.IceCacheLayer._rewrite_pages = timed(rows, "rewrite", rewrite)
     try:
         for _ in range(repeats):
             layer = method.make_layer(0, SequenceContext())
