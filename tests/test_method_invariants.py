@@ -13,8 +13,11 @@ positions below.
 
 from __future__ import annotations
 
+import copy
 import functools
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -200,3 +203,35 @@ def test_output_equals_dense_attention_masked_to_the_selection(name, device):
         expected = masked_dense_attention(query[0, :, 0], keys[0], values[0], layer.last_attended, scaling)
         torch.testing.assert_close(out[0, 0], expected, atol=1e-5, rtol=1e-5)
         assert int(layer.last_attended.sum(-1).max()) <= SMALL_BUDGET
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
+@pytest.mark.parametrize("name", METHODS.names())
+def test_a_finished_cache_is_freed_without_the_garbage_collector(name, device):
+    """A sequence's KV (tens of GB of host memory for IceCache at 128k) must go when the caller drops the cache,
+    not at some later garbage collection: a reference cycle through it once kept a benchmark's previous method
+    alive until the next one ran out of host memory. On CUDA this covers the captured decode step (its graph and
+    host functions)."""
+    model, _, info = tiny_model("llama")
+    if device == "cuda":
+        model = _cuda_copy(model)
+        info = ModelInfo(info.n_layers, info.n_heads, info.n_kv_heads, info.head_dim, torch.device("cuda"),
+                         torch.float32)
+    values = method_config(name, SMALL_BUDGET) if name in SPARSE_METHODS else {"name": name}
+    ids = torch.randint(0, 500, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(9)).tolist()
+    gc.collect()
+    gc.disable()
+    try:
+        cache = HarnessCache(build_method(values, info))
+        result = greedy_generate(model, cache, GenerationRequest(ids, 24))
+        layers = [weakref.ref(layer) for layer in cache.layer_kvs]
+        del cache, result
+        alive = [layer() is not None for layer in layers]
+    finally:
+        gc.enable()
+    assert not any(alive), f"{name} on {device}: {sum(alive)} of {len(alive)} layers outlived their cache"
+
+
+@functools.lru_cache(maxsize=1)
+def _cuda_copy(model):
+    return copy.deepcopy(model).to("cuda")

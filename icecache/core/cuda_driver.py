@@ -106,6 +106,13 @@ class HostFunctions:
         self._keep.append(callback)
         _check(_libcuda().cuLaunchHostFunc(stream_handle(device), callback, None), "cuLaunchHostFunc")
 
+    def release(self) -> None:
+        """Forget the kept host functions and errors. Only once no graph that recorded them can replay: each holds
+        the layer that enqueued it, which holds the sequence that holds this object, so until then a finished
+        sequence's host memory (tens of GB at 128k) waits for Python's garbage collector."""
+        self._keep.clear()
+        self._errors.clear()
+
     def raise_pending(self) -> None:
         """Re-raise the first exception of a host function (call after the stream is synchronised)."""
         if self._errors:

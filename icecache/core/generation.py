@@ -192,27 +192,31 @@ def greedy_generate(
     step_phases: list[dict[str, float]] = []
     stop_reason = "length"
     eos_ids = set(request.eos_token_ids)
-    while True:
-        if generated[-1] in eos_ids and len(generated) > request.min_new_tokens:
-            generated.pop()
-            stop_reason = "eos"
-            break
-        if request.stop_strings and _hits_stop(tokenizer, generated, request.stop_strings):
-            stop_reason = "stop_string"
-            break
-        if len(generated) >= request.max_new_tokens:
-            break
-        step_start = time.perf_counter()
+    try:
+        while True:
+            if generated[-1] in eos_ids and len(generated) > request.min_new_tokens:
+                generated.pop()
+                stop_reason = "eos"
+                break
+            if request.stop_strings and _hits_stop(tokenizer, generated, request.stop_strings):
+                stop_reason = "stop_string"
+                break
+            if len(generated) >= request.max_new_tokens:
+                break
+            step_start = time.perf_counter()
+            if graphed is not None:
+                logits = graphed(generated[-1], position)
+            else:
+                logits = _forward(model, torch.tensor([generated[-1]], device=device), position, cache)
+            position += 1
+            generated.append(pick(logits, len(generated)))
+            step_times.append(time.perf_counter() - step_start)
+            step_phases.append(timer.take_step())
+            if keep_logits:
+                logits_kept.append(logits.float().cpu())
+    finally:  # the graph and its host functions go now, not when the garbage collector runs
         if graphed is not None:
-            logits = graphed(generated[-1], position)
-        else:
-            logits = _forward(model, torch.tensor([generated[-1]], device=device), position, cache)
-        position += 1
-        generated.append(pick(logits, len(generated)))
-        step_times.append(time.perf_counter() - step_start)
-        step_phases.append(timer.take_step())
-        if keep_logits:
-            logits_kept.append(logits.float().cpu())
+            graphed.close()
 
     return GenerationResult(
         token_ids=generated,

@@ -84,6 +84,15 @@ class GraphedDecodeStep:
         graph.replay()  # capture records; this step's work runs here
         return self._replayed(advance_layers=False)  # the layers' Python ran during the capture
 
+    def close(self) -> None:
+        """Drop the graph and the host functions it replays, once the stream is done with them, so that the cache
+        is freed as soon as the caller lets go of it (see ``HostFunctions.release``)."""
+        self.stream.synchronize()
+        torch.cuda.current_stream(self.input_ids.device).synchronize()
+        self.graph = None
+        self.logits = None
+        self.cache.seq.host_functions.release()
+
     def counters(self) -> dict[str, int | str]:
         """What a result records of the graph: replays, and why there were none if a capture failed."""
         return {"graph_replays": self.replays, **({"graph_capture_error": self.capture_error}
