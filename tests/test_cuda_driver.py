@@ -87,3 +87,31 @@ def test_code_knows_it_runs_in_a_host_function_and_a_page_store_grows_there_with
     assert store.capacity == 5 and not store._keys.is_pinned()
     store.reserve(20)  # outside: pinned again
     assert store.capacity == 20 and store._keys.is_pinned()
+
+
+def test_a_large_page_store_growth_inside_a_captured_host_function_completes():
+    """The page store may grow inside a host function (pageable); the token store refuses to, since its growth
+    once hung a captured step. This grows a page store by a copy large enough for PyTorch to run it on its
+    thread pool, from a host function replayed by a graph, and checks the stream does not hang."""
+    import time
+
+    from icecache.core.paged import CpuPageStore
+
+    store = CpuPageStore(8, 16, 128, torch.bfloat16, pin_memory=True, initial_pages=256)
+    store.ensure_capacity(256)
+    store._keys.normal_()
+    before = store._keys[:256].clone()
+    functions = HostFunctions()
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        functions.launch(lambda: store.ensure_capacity(4096), torch.device("cuda"))
+    done = torch.cuda.Event()
+    graph.replay()
+    done.record()
+    deadline = time.monotonic() + 30
+    while not done.query():
+        assert time.monotonic() < deadline, "the host function's growth hung the stream"
+        time.sleep(0.01)
+    functions.raise_pending()
+    assert store.capacity >= 4096 and torch.equal(store._keys[:256], before)
