@@ -113,6 +113,17 @@ def test_reference_files_are_complete():
     assert scaling.query("method == 'IceCache(r)' and context_tokens == 300000")["tpot_ms"].item() == 153
 
 
+def test_paper_breakdown_keeps_the_context_it_was_measured_at():
+    """The paper's TPOT breakdown is at ~36k: a figure of another context labels its bar with that, not its own."""
+    from eval.report.collect import load_paper_latency
+    from eval.report.plots import PHASE_COLORS, paper_breakdown
+
+    parts = paper_breakdown(load_paper_latency(REFERENCE / "paper_latency.csv"))["icecache"]
+    assert parts["context_tokens"] == 36000
+    assert "context_tokens" not in PHASE_COLORS  # so it is never stacked as a part
+    assert sum(parts[group] for group in PHASE_COLORS if group in parts) == pytest.approx(0.11)
+
+
 def test_scores_merge_split_jobs_and_prefer_the_larger_run(results):
     scores = collect_scores(load_runs(results / "runs"))
     ice = scores[(scores["method"] == "icecache") & (scores["task"] == "longbench")]

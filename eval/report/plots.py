@@ -185,7 +185,8 @@ def tpot_breakdown(breakdowns: dict[str, dict[str, float]], paper: dict[str, dic
                    stem: str | Path, title: str = "TPOT breakdown") -> list[Path]:
     """Stacked bars of query / load / compute / other per method; the paper's breakdown as hollow stacked bars.
 
-    ``breakdowns``: method -> grouped seconds (group_phases); ``paper``: method -> grouped seconds.
+    ``breakdowns``: method -> grouped seconds (group_phases); ``paper``: method -> grouped seconds, and the context
+    the paper measured them at (``context_tokens``), which the bar's label gives: it is not the figure's context.
     """
     bars = [(m, b, False) for m, b in breakdowns.items()]
     bars += [(m, b, True) for m, b in (paper or {}).items()]
@@ -204,7 +205,13 @@ def tpot_breakdown(breakdowns: dict[str, dict[str, float]], paper: dict[str, dic
             else:
                 ax.bar(x, height, bottom=bottom, width=0.6, color=part_color)
             bottom += height
-    labels = [display_name(m) + ("\n(paper)" if hollow else "") for m, _, hollow in bars]
+    def label(method: str, parts: dict[str, float], hollow: bool) -> str:
+        if not hollow:
+            return display_name(method)
+        context = parts.get("context_tokens")
+        return display_name(method) + (f"\n(paper, {context / 1000:.0f}k)" if context else "\n(paper)")
+
+    labels = [label(m, parts, hollow) for m, parts, hollow in bars]
     ax.set_xticks(range(len(bars)), labels, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("time per output token (ms)")
     ax.set_title(title)
@@ -306,4 +313,6 @@ def paper_breakdown(paper_latency: pd.DataFrame | None) -> dict[str, dict[str, f
         part = row.metric.removeprefix("breakdown_")
         if part != "total":
             out.setdefault(row.method, {})[part] = float(row.value)
+            if pd.notna(row.context_tokens):
+                out[row.method]["context_tokens"] = float(row.context_tokens)
     return out
