@@ -3,6 +3,8 @@
 Run with `pytest -m gpu tests/test_cuda_driver.py` (make test-gpu); skipped without CUDA.
 """
 
+import time
+
 import pytest
 import torch
 
