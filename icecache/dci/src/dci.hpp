@@ -6,6 +6,7 @@
 //   * one sorted projection array per direction: the simple indices the query walks.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -247,6 +248,12 @@ class Instance {
   void recount();
   // distances and search (sections 1.3, 1.7)
   float key_dist(const float* a, float a_sq, const float* b, float b_sq) const;
+  // The key-key distance from a.b and the squared norms: every parent search computes it through here.
+  float key_dist_from_dot(double ab, double a_sq, double b_sq) const {
+    if (cfg_->transform)
+      return static_cast<float>(M_ - ab - std::sqrt(std::max(0.0, M_ - a_sq) * std::max(0.0, M_ - b_sq)));
+    return static_cast<float>(a_sq + b_sq - 2.0 * ab);
+  }
   void score(const Probe& p, const int32_t* ids, int m, float* out) const;
   // all_scored: return every scored child unsorted (the last level of a query) instead of the best k.
   void search_children(const ChildIndex& ci, const float* qproj, const Probe& p, int k, int coverage,

@@ -11,10 +11,7 @@ namespace dci {
 
 // transform_compute_dist: M - a.b - sqrt((M - |a|^2)(M - |b|^2)) = |a' - b'|^2 / 2; squared Euclidean otherwise.
 float Instance::key_dist(const float* a, float a_sq, const float* b, float b_sq) const {
-  const double ab = dot(a, b, cfg_->dim);
-  if (cfg_->transform)
-    return static_cast<float>(M_ - ab - std::sqrt(std::max(0.0, M_ - a_sq) * std::max(0.0, M_ - b_sq)));
-  return static_cast<float>(static_cast<double>(a_sq) + b_sq - 2.0 * ab);
+  return key_dist_from_dot(dot(a, b, cfg_->dim), a_sq, b_sq);
 }
 
 // Distances of rows `ids` to the probe: -q.k for a query in transform mode (transform_compute_dist_query),
@@ -32,13 +29,7 @@ void Instance::score(const Probe& p, const int32_t* ids, int m, float* out) cons
   for (int r = 0; r < m; ++r) {
     const double ab = out[r];
     const double b_sq = sq_norm_[ids[r]];
-    if (p.is_query) {
-      out[r] = query_distance(p, ids[r], ab);
-    } else if (cfg_->transform) {
-      out[r] = static_cast<float>(M_ - ab - std::sqrt(std::max(0.0, M_ - p.sq_norm) * std::max(0.0, M_ - b_sq)));
-    } else {
-      out[r] = static_cast<float>(p.sq_norm + b_sq - 2.0 * ab);
-    }
+    out[r] = p.is_query ? query_distance(p, ids[r], ab) : key_dist_from_dot(ab, p.sq_norm, b_sq);
   }
 }
 
@@ -624,11 +615,7 @@ void Instance::brute_parents(const std::vector<int32_t>& points, const std::vect
         int32_t best = -1;
         float bd = INFINITY;
         for (int64_t u = 0; u < nu; ++u) {
-          const double ab = d[j * nu + u];
-          const float dist =
-              cfg_->transform
-                  ? static_cast<float>(M_ - ab - std::sqrt(std::max(0.0, M_ - a_sq) * std::max(0.0, M_ - upper_sq[u])))
-                  : static_cast<float>(a_sq + upper_sq[u] - 2.0 * ab);
+          const float dist = key_dist_from_dot(d[j * nu + u], a_sq, upper_sq[u]);
           if (dist < bd || best < 0) {
             bd = dist;
             best = upper[u];
