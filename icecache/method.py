@@ -44,10 +44,11 @@ import numpy as np
 import torch
 
 from icecache.core.attention import paged_decode_attention
+from icecache.core.cuda_driver import in_host_function
 from icecache.core.errors import ConfigError
 from icecache.core.method import METHODS, DenseKV, Method, MethodConfig, ModelInfo, SequenceContext  # noqa: F401
-from icecache.core.static_kv import StaticDenseKV
 from icecache.core.paged import CpuPageStore, GpuPagePool, StepTransit, gather_blocks, scatter_pages
+from icecache.core.static_kv import StaticDenseKV
 
 DCI_LEAF_CAPACITY = 16
 _STORE_HEADROOM_PAGES = 4 * DCI_LEAF_CAPACITY
@@ -565,11 +566,10 @@ class TokenStore:
         return self._values[:, : self.n_tokens]
 
     def reserve(self, n_tokens: int) -> None:
-        """Grow the storage (contents kept) so that ``n_tokens`` tokens fit: a captured decode step appends from a
-        host function, which must not allocate, so the caller reserves between steps."""
+        """Grow the storage (contents kept) so that ``n_tokens`` tokens fit. A captured decode step appends from a
+        host function, where this growth once hung the step on the H200 (cause not isolated: the page store's
+        pageable growth there completes), so the caller reserves between steps and a growth there is an error."""
         if n_tokens > self._keys.shape[1]:
-            from icecache.core.cuda_driver import in_host_function
-
             if in_host_function():  # growing there hung a captured step on the H200: fail loudly instead
                 raise RuntimeError("IceCache's token store must grow between decode steps (LayerKV.between_steps), "
                                    "not inside a captured step's host function")

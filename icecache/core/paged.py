@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .cuda_driver import in_host_function, memcpy_async
+
 # The slot and head of every block travel in the same copy as the keys and values, in a header of int32s that is
 # padded so that the key and value blocks after it start on an aligned address (vectorised loads in the scatter).
 _HEADER_ALIGN_BYTES = 128
@@ -108,8 +110,6 @@ class CpuPageStore:
         shape = (capacity, self.n_kv_heads, self.page_size, self.head_dim)
         # Pinning allocates through CUDA, which a CUDA host function must not call: growth there is pageable (the
         # pages reach the GPU through a pinned transit buffer anyway); ``reserve`` between steps avoids it.
-        from .cuda_driver import in_host_function
-
         pin = self.pinned and not in_host_function()
         # Zeroed: unused slots of a page must be finite, since a masked-out slot still meets a zero weight.
         return torch.zeros(shape, dtype=self.dtype, pin_memory=pin)
@@ -488,8 +488,6 @@ def _copy_async(destination: torch.Tensor, source: torch.Tensor) -> None:
     """A non-blocking copy between pinned host and device memory on the current stream: PyTorch's when running
     eagerly, the driver's raw copy inside a CUDA-graph capture (``cuda_driver``)."""
     if torch.cuda.is_current_stream_capturing():
-        from .cuda_driver import memcpy_async
-
         memcpy_async(destination, source)
     else:
         destination.copy_(source, non_blocking=True)
