@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 
 import pytest
@@ -41,6 +43,12 @@ def tiny_model(architecture: str):
     spec = tiny_spec(architecture)
     model, tokenizer = load_model(spec, ATTENTION_NAME)
     return model, tokenizer, model_info(spec)
+
+
+def tiny_model_on(architecture: str, device: str, dtype: torch.dtype = torch.float32):
+    """A copy of ``tiny_model(architecture)`` on ``device`` in ``dtype``, and its ModelInfo (for GPU tests)."""
+    model, _, info = tiny_model(architecture)
+    return copy.deepcopy(model).to(device, dtype), dataclasses.replace(info, device=torch.device(device), dtype=dtype)
 
 
 @pytest.fixture(params=ARCHITECTURES)

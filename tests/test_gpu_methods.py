@@ -3,7 +3,6 @@
 Run with `pytest -m gpu tests/test_gpu_methods.py` (make test-gpu); skipped without CUDA.
 """
 
-import copy
 import gc
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 
 from icecache.core.cache import HarnessCache
 from icecache.core.generation import GenerationRequest, greedy_generate
-from icecache.core.method import METHODS, ModelInfo, build_method
+from icecache.core.method import METHODS, build_method
 
 pytestmark = pytest.mark.gpu
 
@@ -21,12 +20,10 @@ SETTINGS = {"icecache": {"budget": 96}, "icecache_reuse": {"budget": 96, "n_reus
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["icecache", "icecache_reuse"])
 def test_gpu_path_gives_the_cpu_tokens(name):
-    from tests.conftest import tiny_model
+    from tests.conftest import tiny_model, tiny_model_on
 
     model, _, info = tiny_model("llama")
-    gpu_model = copy.deepcopy(model).to("cuda")
-    gpu_info = ModelInfo(info.n_layers, info.n_heads, info.n_kv_heads, info.head_dim, torch.device("cuda"),
-                         torch.float32)
+    gpu_model, gpu_info = tiny_model_on("llama", "cuda", torch.float32)
     ids = torch.randint(0, 500, (400,), generator=torch.Generator().manual_seed(0)).tolist()
     values = {"name": name, **SETTINGS[name]}
     on_cpu = greedy_generate(model, HarnessCache(build_method(values, info)), GenerationRequest(ids, 48))
@@ -42,11 +39,9 @@ def test_gpu_path_gives_the_cpu_tokens(name):
 def test_cuda_graph_decode_replays_the_eager_step(architecture, dtype):
     """full_static replays a captured decode step: the same kernels as its eager step, so bitwise the same logits;
     and in float32 the tokens of the eager full cache (SDPA) too."""
-    from tests.conftest import tiny_model
+    from tests.conftest import tiny_model_on
 
-    model, _, info = tiny_model(architecture)
-    gpu_model = copy.deepcopy(model).to("cuda", dtype)
-    gpu_info = ModelInfo(info.n_layers, info.n_heads, info.n_kv_heads, info.head_dim, torch.device("cuda"), dtype)
+    gpu_model, gpu_info = tiny_model_on(architecture, "cuda", dtype)
     ids = torch.randint(0, 500, (300,), generator=torch.Generator().manual_seed(3)).tolist()
     request = GenerationRequest(ids, 40)
     method = build_method({"name": "full_static"}, gpu_info)
@@ -72,12 +67,9 @@ def test_icecache_graph_replays_the_eager_step(architecture, name):
     """IceCache's captured decode step (each layer's host work a host function of the graph) gives bitwise the
     logits of its eager step, over enough steps for the window ring to turn several times and pages to be
     reloaded after inserts."""
-    from tests.conftest import tiny_model
+    from tests.conftest import tiny_model_on
 
-    model, _, info = tiny_model(architecture)
-    gpu_model = copy.deepcopy(model).to("cuda", torch.bfloat16)
-    gpu_info = ModelInfo(info.n_layers, info.n_heads, info.n_kv_heads, info.head_dim, torch.device("cuda"),
-                         torch.bfloat16)
+    gpu_model, gpu_info = tiny_model_on(architecture, "cuda", torch.bfloat16)
     ids = torch.randint(0, 500, (300,), generator=torch.Generator().manual_seed(5)).tolist()
     request = GenerationRequest(ids, 64)
     values = {"name": name, **SETTINGS[name], "cuda_graph": True}
@@ -97,12 +89,9 @@ def test_a_failed_capture_falls_back_to_eager_steps_with_the_same_tokens(monkeyp
     """A decode step that synchronises (illegal while capturing) makes the capture fail: the generation goes on
     eagerly, gives the eager tokens, and the result says why nothing was replayed."""
     from icecache.core.static_kv import StaticDenseKV
-    from tests.conftest import tiny_model
+    from tests.conftest import tiny_model_on
 
-    model, _, info = tiny_model("llama")
-    gpu_model = copy.deepcopy(model).to("cuda")
-    gpu_info = ModelInfo(info.n_layers, info.n_heads, info.n_kv_heads, info.head_dim, torch.device("cuda"),
-                         torch.float32)
+    gpu_model, gpu_info = tiny_model_on("llama", "cuda", torch.float32)
     ids = torch.randint(0, 500, (200,), generator=torch.Generator().manual_seed(4)).tolist()
     request = GenerationRequest(ids, 12)
     method = build_method({"name": "full_static"}, gpu_info)
@@ -125,12 +114,9 @@ def test_a_failed_capture_falls_back_to_eager_steps_with_the_same_tokens(monkeyp
 def test_residual_on_host_gives_the_same_logits_with_less_device_memory():
     """Layer-by-layer prefill with the residual stream in pinned host memory: bitwise the logits of the same
     prefill with it on the device (the same kernels on the same chunks), and a lower peak."""
-    from tests.conftest import tiny_model
+    from tests.conftest import tiny_model_on
 
-    model, _, info = tiny_model("llama")
-    gpu_model = copy.deepcopy(model).to("cuda", torch.bfloat16)
-    gpu_info = ModelInfo(info.n_layers, info.n_heads, info.n_kv_heads, info.head_dim, torch.device("cuda"),
-                         torch.bfloat16)
+    gpu_model, gpu_info = tiny_model_on("llama", "cuda", torch.bfloat16)
     ids = torch.randint(0, 500, (12000,), generator=torch.Generator().manual_seed(6)).tolist()
     request = GenerationRequest(ids, 4)
     values = {"name": "icecache", **SETTINGS["icecache"]}

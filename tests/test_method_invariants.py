@@ -13,7 +13,6 @@ positions below.
 
 from __future__ import annotations
 
-import copy
 import functools
 import gc
 import math
@@ -22,7 +21,7 @@ import weakref
 import pytest
 import torch
 
-from tests.conftest import tiny_model
+from tests.conftest import tiny_model, tiny_model_on
 from icecache.core.cache import HarnessCache
 from icecache.core.errors import ConfigError
 from icecache.core.generation import GenerationRequest, greedy_generate
@@ -212,11 +211,7 @@ def test_a_finished_cache_is_freed_without_the_garbage_collector(name, device):
     not at some later garbage collection: a reference cycle through it once kept a benchmark's previous method
     alive until the next one ran out of host memory. On CUDA this covers the captured decode step (its graph and
     host functions)."""
-    model, _, info = tiny_model("llama")
-    if device == "cuda":
-        model = _cuda_copy(model)
-        info = ModelInfo(info.n_layers, info.n_heads, info.n_kv_heads, info.head_dim, torch.device("cuda"),
-                         torch.float32)
+    model, info = tiny_model_on("llama", device)
     values = method_config(name, SMALL_BUDGET) if name in SPARSE_METHODS else {"name": name}
     ids = torch.randint(0, 500, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(9)).tolist()
     gc.collect()
@@ -230,8 +225,3 @@ def test_a_finished_cache_is_freed_without_the_garbage_collector(name, device):
     finally:
         gc.enable()
     assert not any(alive), f"{name} on {device}: {sum(alive)} of {len(alive)} layers outlived their cache"
-
-
-@functools.lru_cache(maxsize=1)
-def _cuda_copy(model):
-    return copy.deepcopy(model).to("cuda")
