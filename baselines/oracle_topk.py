@@ -3,6 +3,11 @@
 The whole cache stays on the GPU and every decode step scores every key, so this is not a practical method: it is
 the upper bound of what a token-level selection method with the same budget could attend to. Softmax runs over the
 selected tokens only. Nothing is forced in (no sinks, no window): the new token is attended only if it ranks.
+
+The keys live in static buffers sized for the sequence (``core.static_kv``); a step scores the whole buffer in
+float32 (``core.scores.gqa_scores``, positions past the current one at ``-inf``), takes a ``topk`` of fixed shape,
+and attends over the gathered values of the chosen tokens with their exact scores. Nothing depends on a host value,
+so on CUDA the step replays from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from icecache.core.method import METHODS, DenseKV, Method, MethodConfig
+from icecache.core.method import METHODS, Method, MethodConfig
+from icecache.core.scores import gqa_scores
+from icecache.core.static_kv import StaticDenseKV
 
 
 @dataclass
@@ -19,40 +26,33 @@ class OracleTopKConfig(MethodConfig):
     name: str = "oracle_topk"
 
 
-def topk_token_mask(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """``scores [Hq, T]`` -> bool mask of each row's top-``k`` entries (all entries when ``k >= T``)."""
-    if k >= scores.shape[-1]:
-        return torch.ones_like(scores, dtype=torch.bool)
-    mask = torch.zeros_like(scores, dtype=torch.bool)
-    return mask.scatter_(-1, scores.topk(k, dim=-1).indices, True)
-
-
-class OracleTopKKV(DenseKV):
+class OracleTopKKV(StaticDenseKV):
     def __init__(self, layer_idx, model, seq, budget: int):
-        super().__init__(layer_idx, model, seq)
+        super().__init__(layer_idx, model, seq, page_size=16)
         self.budget = budget
 
-    def prefill(self, query, key, value, attention_mask, scaling):
-        assert query.shape[0] == 1, "sparse KV methods run with batch size 1"
-        return super().prefill(query, key, value, attention_mask, scaling)
-
     def decode(self, query, key, value, scaling):
-        assert query.shape[0] == 1, "sparse KV methods run with batch size 1"
-        self.append(key, value)
-        n_heads, head_dim = query.shape[1], query.shape[-1]
-        keys, values = self.keys[0].float(), self.values[0].float()
-        n_kv_heads, n_tokens = keys.shape[:2]
-        group = n_heads // n_kv_heads
-        q = query[0, :, 0].float().view(n_kv_heads, group, head_dim)
+        if query.shape[0] != 1:
+            raise ValueError("sparse KV methods run with batch size 1")
+        position = self.append_token(key, value)
+        q = query[0, :, 0]
+        n_heads, head_dim = q.shape
+        n_kv_heads = self._keys.shape[0]
         with self.seq.timer.phase("select"):
-            scores = torch.einsum("hgd,htd->hgt", q, keys) * scaling
-            selected = topk_token_mask(scores.reshape(n_heads, n_tokens), self.budget)
-        probs = torch.softmax(scores.masked_fill(~selected.view_as(scores), float("-inf")), dim=-1)
-        out = torch.einsum("hgt,htd->hgd", probs, values).reshape(1, 1, n_heads, head_dim)
-        self.seq.counters.record_attention(selected.sum(-1).float().mean())
+            scores = gqa_scores(q, self._keys, scaling, position + 1)  # [Hq, capacity]
+            top = scores.topk(min(self.budget, scores.shape[1]), dim=-1)
+        # Fewer tokens than the budget: the -inf picks get probability 0 (their values are finite: zero-filled).
+        probs = torch.softmax(top.values, dim=-1)
+        kv_head = torch.arange(n_heads, device=q.device) // (n_heads // n_kv_heads)
+        values = self._values[kv_head[:, None], top.indices].float()  # [Hq, k, D]
+        out = torch.einsum("hk,hkd->hd", probs, values)
+        self.seq.counters.record_on_device((top.values > float("-inf")).sum(-1).float().mean())
         if self.seq.trace_selection:
-            self.last_attended = selected
-        return out.to(query.dtype)
+            n_tokens = self.seq_len + 1
+            attended = torch.zeros(n_heads, n_tokens + 1, dtype=torch.bool, device=q.device)
+            attended.scatter_(1, torch.where(top.values > float("-inf"), top.indices, n_tokens), True)
+            self.last_attended = attended[:, :n_tokens]
+        return out.view(1, 1, n_heads, head_dim).to(query.dtype)
 
 
 @METHODS.register("oracle_topk")

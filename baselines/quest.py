@@ -8,10 +8,14 @@ the ``page_budget - 1`` pages with the largest bound among the finished pages, a
 at most ``page_budget`` pages attention is full. Nothing is evicted: the whole cache stays on the device.
 
 Two implementations of the same rule:
-* ``paged`` (default, fast): keys live in pages, the bound comes from the incremental metadata, and the core's
-  sparse paged decode attention reads only the selected pages.
+* ``paged`` (default, fast): keys live in static buffers sized for the sequence (``core.static_kv``), seen as pages;
+  the bound comes from the incremental metadata as two score passes, ``q+ . M + q- . m`` with ``q+ = max(q, 0)``
+  and ``q- = min(q, 0)`` (equal to the per-channel max, since ``M >= m``), over every page of the buffer with the
+  unfinished ones masked; the top pages come from one ``topk`` of fixed shape, and the core's sparse paged decode
+  attention reads only the selected pages. No step depends on a host value, so on CUDA the step replays from a
+  CUDA graph.
 * ``simulation``: the Quest paper's accuracy path. The bound is computed from the token keys as
-  ``sum_d |q_d| max_t(k_td sign(q_d))`` and every unselected token is masked out of a dense softmax.
+  ``sum_d |q_d| max_t(k_td sign(q_d))`` and every unselected token is masked out of a dense softmax (eager only).
 The paper's simulation script also differs in its rule (at least 3 chunks, current chunk not forced); both paths
 here use the end-to-end rule so that they can be tested against each other and so that the budget is exact.
 """
@@ -24,7 +28,9 @@ import torch
 
 from icecache.core.attention import paged_decode_attention
 from icecache.core.errors import ConfigError
-from icecache.core.method import METHODS, DenseKV, Method, MethodConfig
+from icecache.core.method import METHODS, Method, MethodConfig
+from icecache.core.scores import gqa_scores
+from icecache.core.static_kv import StaticDenseKV
 
 
 @dataclass
@@ -55,121 +61,113 @@ def select_pages(scores: torch.Tensor, n_pages: int, page_budget: int) -> torch.
     return torch.cat([top, current], dim=-1)
 
 
-class QuestKV(DenseKV):
-    """Keys and values in pages ``[P, Hkv, page_size, D]`` plus per-page key max / min ``[P, Hkv, D]``."""
+def page_bounds(query: torch.Tensor, page_max: torch.Tensor, page_min: torch.Tensor,
+                n_finished: torch.Tensor) -> torch.Tensor:
+    """``U(p)`` for ``query [Hq, D]`` and metadata ``[Hkv, P, D]`` -> float32 ``[Hq, P]``, ``-inf`` for pages at or
+    past ``n_finished`` (a one-element device tensor): ``q+ . M + q- . m`` in two GQA score passes."""
+    upper = gqa_scores(query.clamp(min=0), page_max, 1.0, n_finished)
+    return upper + gqa_scores(query.clamp(max=0), page_min, 1.0, n_finished)
+
+
+class QuestKV(StaticDenseKV):
+    """Keys and values in ``[Hkv, capacity, D]`` buffers (pages of ``page_size`` tokens) plus per-page key max / min
+    ``[Hkv, capacity / page_size, D]``, all on the model's device; nothing is evicted."""
 
     def __init__(self, layer_idx, model, seq, budget: int, page_size: int, implementation: str):
-        super().__init__(layer_idx, model, seq)
-        self.page_size = page_size
+        super().__init__(layer_idx, model, seq, page_size)
         self.page_budget = budget // page_size
         self.implementation = implementation
-        self.key_pages: torch.Tensor | None = None
-        self.value_pages: torch.Tensor | None = None
         self.page_max: torch.Tensor | None = None
         self.page_min: torch.Tensor | None = None
 
     def prefill(self, query, key, value, attention_mask, scaling):
-        assert query.shape[0] == 1, "sparse KV methods run with batch size 1"
         out = super().prefill(query, key, value, attention_mask, scaling)
         if not self.seq.more_prefill_chunks:
-            self._to_pages(self.keys[0], self.values[0])
-            self._keys = self._values = None
-            self.length = 0
+            self._prompt_metadata(self.seq_len + key.shape[2])
         return out
 
-    def _to_pages(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        n_kv_heads, n_tokens, head_dim = keys.shape
-        n_pages = -(-n_tokens // self.page_size)
-        self._grow(n_pages)
-        padded = n_pages * self.page_size
-        # Pad the partial page with copies of the last token: they change neither max nor min, and the attention
-        # never reads them (valid counts).
-        def as_pages(tokens):
-            padded_tokens = torch.cat([tokens, tokens[:, -1:].expand(-1, padded - n_tokens, -1)], dim=1)
-            return padded_tokens.view(n_kv_heads, n_pages, self.page_size, head_dim).permute(1, 0, 2, 3)
+    def _allocate(self, like, needed):
+        old = self.page_max, self.page_min
+        super()._allocate(like, needed)
+        if old[0] is not None:  # grown outside the generation loop: keep the metadata of the pages so far
+            self._metadata_buffers()
+            self.page_max[:, : old[0].shape[1]] = old[0]
+            self.page_min[:, : old[1].shape[1]] = old[1]
 
-        pages = as_pages(keys)
-        self.key_pages[:n_pages] = pages
-        self.value_pages[:n_pages] = as_pages(values)
-        self.page_max[:n_pages] = pages.amax(dim=2)
-        self.page_min[:n_pages] = pages.amin(dim=2)
+    def _metadata_buffers(self) -> None:
+        n_kv_heads, capacity, head_dim = self._keys.shape
+        n_pages, n_heads = capacity // self.page_size, self.model.n_heads
+        self.page_max = self._keys.new_zeros(n_kv_heads, n_pages, head_dim)
+        self.page_min = self._keys.new_zeros(n_kv_heads, n_pages, head_dim)
+        # Query head h reads KV head h // group: as "virtual pages" kv * P + p of a view with one head per query
+        # head (stride 0), a table per query head serves the core's paged attention in one call.
+        self._head_base = (torch.arange(n_heads, device=self._keys.device) // (n_heads // n_kv_heads)) * n_pages
 
-    def _grow(self, n_pages: int) -> None:
-        capacity = 0 if self.key_pages is None else self.key_pages.shape[0]
-        if n_pages <= capacity:
-            return
-        new_capacity = max(n_pages, 2 * capacity, 16)
-        n_kv_heads, head_dim = self.model.n_kv_heads, self.model.head_dim
-        like = self._keys if self.key_pages is None else self.key_pages
-        grown = [like.new_zeros(new_capacity, n_kv_heads, self.page_size, head_dim) for _ in range(2)]
-        meta = [like.new_zeros(new_capacity, n_kv_heads, head_dim) for _ in range(2)]
-        if capacity:
-            for new, old in zip(grown + meta, (self.key_pages, self.value_pages, self.page_max, self.page_min)):
-                new[:capacity] = old
-        self.key_pages, self.value_pages, self.page_max, self.page_min = *grown, *meta
+    def _prompt_metadata(self, n_tokens: int) -> None:
+        ps = self.page_size
+        n_kv_heads, _, head_dim = self._keys.shape
+        self._metadata_buffers()
+        n_full = n_tokens // ps
+        full = self._keys[:, : n_full * ps].view(n_kv_heads, n_full, ps, head_dim)
+        self.page_max[:, :n_full] = full.amax(dim=2)
+        self.page_min[:, :n_full] = full.amin(dim=2)
+        if n_tokens > n_full * ps:  # the partial page: its valid tokens only
+            self.page_max[:, n_full] = self._keys[:, n_full * ps : n_tokens].amax(dim=1)
+            self.page_min[:, n_full] = self._keys[:, n_full * ps : n_tokens].amin(dim=1)
 
-    def _append(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """One token at position ``seq_len``; the metadata of its page is updated in place."""
-        page, slot = divmod(self.seq_len, self.page_size)
-        self._grow(page + 1)
-        self.key_pages[page, :, slot] = key
-        self.value_pages[page, :, slot] = value
-        if slot == 0:
-            self.page_max[page], self.page_min[page] = key, key
-        else:
-            self.page_max[page] = torch.maximum(self.page_max[page], key)
-            self.page_min[page] = torch.minimum(self.page_min[page], key)
+    def _per_head_pages(self, buffer: torch.Tensor) -> torch.Tensor:
+        n_kv_heads, capacity, head_dim = buffer.shape
+        flat = buffer.view(n_kv_heads * capacity // self.page_size, 1, self.page_size, head_dim)
+        return flat.expand(-1, self.model.n_heads, -1, -1)
 
     def decode(self, query, key, value, scaling):
-        assert query.shape[0] == 1, "sparse KV methods run with batch size 1"
-        self._append(key[0, :, 0], value[0, :, 0])
-        n_tokens = self.seq_len + 1
-        n_pages = -(-n_tokens // self.page_size)
+        if query.shape[0] != 1:
+            raise ValueError("sparse KV methods run with batch size 1")
+        position = self.append_token(key, value)
+        page, slot = position // self.page_size, position % self.page_size
+        new_key = key[0, :, 0]
+        for bound, combine in ((self.page_max, torch.maximum), (self.page_min, torch.minimum)):
+            current = bound.index_select(1, page)[:, 0]
+            bound.index_copy_(1, page, torch.where(slot == 0, new_key, combine(current, new_key))[:, None])
         q = query[0, :, 0]
         if self.implementation == "simulation":
-            out, attended = self._simulated_attention(q, n_tokens, n_pages, scaling)
-        else:
-            out, attended = self._paged_attention(q, n_tokens, n_pages, scaling)
-        self.seq.counters.record_attention(attended.sum(-1).float().mean())
-        if self.seq.trace_selection:
-            self.last_attended = attended
-        return out.view(1, 1, *q.shape).to(query.dtype)
-
-    def _paged_attention(self, q, n_tokens, n_pages, scaling):
-        n_heads, head_dim = q.shape
-        n_kv_heads = self.model.n_kv_heads
-        group = n_heads // n_kv_heads
+            out, attended = self._simulated_attention(q, self.seq_len + 1, scaling)
+            self.seq.counters.record_attention(attended.sum(-1).float().mean())
+            if self.seq.trace_selection:
+                self.last_attended = attended
+            return out.view(1, 1, *q.shape).to(query.dtype)
         with self.seq.timer.phase("select"):
-            scores = upper_bound_scores(q, self.page_max[: n_pages - 1], self.page_min[: n_pages - 1])
-            pages = select_pages(scores, n_pages, self.page_budget)  # [Hq, N]
-        last_valid = n_tokens - (n_pages - 1) * self.page_size
-        counts = torch.where(pages == n_pages - 1, last_valid, self.page_size)
-        # Selection is per query head while pages are per KV head: one sparse attention call per position in the
-        # KV group, each a plain (group 1) paged attention with its own page table.
-        per_group_q = q.view(n_kv_heads, group, head_dim)
-        per_group_pages = pages.view(n_kv_heads, group, -1)
-        per_group_counts = counts.view(n_kv_heads, group, -1)
-        out = torch.stack(
-            [
-                paged_decode_attention(
-                    per_group_q[:, g].contiguous(), self.key_pages, self.value_pages,
-                    per_group_pages[:, g].contiguous(), per_group_counts[:, g].contiguous(), scaling,
-                )
-                for g in range(group)
-            ],
-            dim=1,
-        ).reshape(n_heads, head_dim)
-        token_page = torch.arange(n_tokens, device=q.device) // self.page_size
-        attended = torch.zeros(n_heads, n_pages, dtype=torch.bool, device=q.device)
-        attended.scatter_(1, pages, True)
-        return out, attended[:, token_page]
+            bounds = page_bounds(q, self.page_max, self.page_min, page)  # pages before the current one
+            top = bounds.topk(min(self.page_budget - 1, bounds.shape[1]), dim=-1)
+        # Fewer finished pages than the budget: the -inf picks are padding, and every finished page is chosen.
+        table = torch.cat([top.indices, page.expand(q.shape[0], 1)], dim=1)
+        chosen = torch.cat([top.values > float("-inf"), torch.ones_like(table[:, :1], dtype=torch.bool)], dim=1)
+        counts = torch.where(table == page, slot + 1, self.page_size) * chosen
+        out = paged_decode_attention(
+            q, self._per_head_pages(self._keys), self._per_head_pages(self._values),
+            torch.where(chosen, table + self._head_base[:, None], -1), counts, scaling,
+        )
+        self.seq.counters.record_on_device(counts.sum(-1).float().mean())
+        if self.seq.trace_selection:
+            self.last_attended = self._attended(table, counts, self.seq_len + 1)
+        return out.view(1, 1, *q.shape)
 
-    def _simulated_attention(self, q, n_tokens, n_pages, scaling):
+    def _attended(self, table: torch.Tensor, counts: torch.Tensor, n_tokens: int) -> torch.Tensor:
+        """bool ``[Hq, n_tokens]``: the positions of the chosen pages' valid slots."""
+        slots = torch.arange(self.page_size, device=table.device)
+        positions = table[..., None] * self.page_size + slots
+        valid = slots < counts[..., None]
+        attended = torch.zeros(table.shape[0], n_tokens + 1, dtype=torch.bool, device=table.device)
+        attended.scatter_(1, torch.where(valid, positions, n_tokens).flatten(1), True)
+        return attended[:, :n_tokens]
+
+    def _simulated_attention(self, q, n_tokens, scaling):
         n_heads, head_dim = q.shape
         n_kv_heads = self.model.n_kv_heads
         group = n_heads // n_kv_heads
-        keys = self.key_pages[:n_pages].permute(1, 0, 2, 3).reshape(n_kv_heads, -1, head_dim)[:, :n_tokens].float()
-        values = self.value_pages[:n_pages].permute(1, 0, 2, 3).reshape(n_kv_heads, -1, head_dim)[:, :n_tokens]
+        n_pages = -(-n_tokens // self.page_size)
+        keys = self._keys[:, :n_tokens].float()
+        values = self._values[:, :n_tokens]
         qg = q.float().view(n_kv_heads, group, head_dim)
         with self.seq.timer.phase("select"):
             # |q_d| * max over the page's tokens of k_d * sign(q_d), padded positions excluded (-inf).
@@ -188,11 +186,9 @@ class QuestKV(DenseKV):
         return out.reshape(n_heads, head_dim), attended
 
     def gpu_kv_bytes(self) -> int:
-        if self.key_pages is None or self.key_pages.device.type != "cuda":
-            return super().gpu_kv_bytes()
-        n_pages = -(-self.seq_len // self.page_size)
-        per_page = 2 * self.key_pages[0].numel() + 2 * self.page_max[0].numel()
-        return n_pages * per_page * self.key_pages.element_size()
+        if self._keys is None or self._keys.device.type != "cuda":
+            return 0
+        return self._keys.nbytes + self._values.nbytes + self.page_max.nbytes + self.page_min.nbytes
 
 
 @METHODS.register("quest")
@@ -214,6 +210,11 @@ class Quest(Method):
                 f"quest: budget={config.budget} must be at least 2 x page_size={config.page_size} "
                 f"(the current page plus one selected page)"
             )
+
+    @property
+    def captures_decode_step(self) -> bool:
+        # The simulation path slices the cache at the host's length every step: eager only.
+        return super().captures_decode_step and self.config.implementation == "paged"
 
     def make_sparse_layer(self, layer_idx, seq):
         c = self.config

@@ -11,7 +11,8 @@ Decoding (SnapKV itself only compresses the prompt and lets the cache grow): to 
 selected prefix tokens fixed and treat everything after them as a sliding window of ``budget - n_selected``
 tokens, the new token included; the oldest non-selected token is evicted at each step. A prompt that fits the
 budget is not compressed, and its prefix (all but the last ``observation_window`` tokens) stays pinned the same
-way.
+way. The selected tokens are pinned slots and the window a ring (``core.token_slots.RingSlotsKV``), so the decode
+step replays from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from baselines.streaming_llm import TokenEvictionKV
 from icecache.core.errors import ConfigError
 from icecache.core.method import METHODS, Method, MethodConfig
+from icecache.core.token_slots import RingSlotsKV
 
 
 @dataclass
@@ -52,14 +53,13 @@ def pooled_votes(window_query: torch.Tensor, keys: torch.Tensor, scaling: float,
     return F.max_pool1d(votes[:, None], pooling_kernel, stride=1, padding=pooling_kernel // 2)[:, 0]
 
 
-class SnapKVKV(TokenEvictionKV):
+class SnapKVKV(RingSlotsKV):
     def __init__(self, layer_idx, model, seq, budget: int, observation_window: int, pooling_kernel: int):
         super().__init__(layer_idx, model, seq, budget)
         self.observation_window = observation_window
         self.pooling_kernel = pooling_kernel
         self.window_query: torch.Tensor | None = None  # [Hq, <= W, D]: the last prompt queries seen so far
         self.scaling = 1.0
-        self.pinned: torch.Tensor | None = None  # [Hkv, T] bool, aligned with the kept tokens
 
     def observe_prefill(self, query, scaling):
         # The window may straddle prefill chunks: keep the last W queries across them.
@@ -67,39 +67,24 @@ class SnapKVKV(TokenEvictionKV):
         self.window_query = recent[:, -self.observation_window :]
         self.scaling = scaling
 
-    def on_prompt_stored(self):
-        n_kv_heads, n_prompt = self.kept_positions.shape
+    def place_prompt(self, n_prompt):
+        keys = self.keys[0]
+        n_kv_heads, device = keys.shape[0], keys.device
         window = self.window_query.shape[1]
         n_prefix = n_prompt - window
-        n_selected = self.budget - self.observation_window
-        self.pinned = torch.zeros(n_kv_heads, n_prompt, dtype=torch.bool, device=self.kept_positions.device)
-        if n_prompt <= self.budget:
-            self.pinned[:, :n_prefix] = True
+        if n_prompt <= self.budget:  # not compressed: the prefix pinned, the window (and what follows) a ring
+            selected = torch.arange(n_prefix, device=device).expand(n_kv_heads, -1)
         else:
-            votes = pooled_votes(self.window_query, self.kept_keys, self.scaling, self.pooling_kernel)
-            selected = votes.topk(n_selected, dim=-1).indices.sort(dim=-1).values
-            window_index = torch.arange(n_prefix, n_prompt, device=selected.device).expand(n_kv_heads, -1)
-            self.pinned.scatter_(1, selected, True)
-            self.gather_kept(torch.cat([selected, window_index], dim=1))
+            votes = pooled_votes(self.window_query, keys, self.scaling, self.pooling_kernel)
+            selected = votes.topk(self.budget - self.observation_window, dim=-1).indices.sort(dim=-1).values
         self.window_query = None
-
-    def choose_kept(self, n_keep):
-        # Keep every pinned token and the newest unpinned ones; pinned counts are equal across heads.
-        n_pinned = int(self.pinned[0].sum())
-        n_recent = n_keep - n_pinned
-        n_tokens = self.pinned.shape[1]
-        newest_unpinned = (~self.pinned).long().flip(1).cumsum(1).flip(1) <= n_recent  # rank from the end
-        keep = self.pinned | (~self.pinned & newest_unpinned)
-        index = torch.arange(n_tokens, device=keep.device).expand_as(keep)
-        return index[keep].view(keep.shape[0], n_keep)
-
-    def gather_kept(self, index):
-        super().gather_kept(index)
-        self.pinned = self.pinned.gather(1, index)
-
-    def decode(self, query, key, value, scaling):
-        self.pinned = torch.cat([self.pinned, self.pinned.new_zeros(self.pinned.shape[0], 1)], dim=1)
-        return super().decode(query, key, value, scaling)
+        self.n_pinned, self.ring_start = selected.shape[1], n_prefix
+        self.ring_size = self.budget - self.n_pinned
+        window_positions = torch.arange(n_prefix, n_prompt, device=device)
+        kept = torch.cat([selected, window_positions.expand(n_kv_heads, -1)], dim=1)
+        pinned_slots = torch.arange(self.n_pinned, device=device).expand(n_kv_heads, -1)
+        slots = torch.cat([pinned_slots, self.ring_slots(window_positions).expand(n_kv_heads, -1)], dim=1)
+        return kept, slots
 
 
 @METHODS.register("snapkv")

@@ -3,10 +3,8 @@
 The first ``n_sink_tokens`` tokens absorb the attention mass the softmax has to put somewhere; keeping them next to
 a window of the most recent tokens keeps a model fluent with a constant-size cache. Every other token is evicted.
 With ``budget`` token slots, a decode step attends to the sinks and the ``budget - n_sink_tokens`` most recent
-tokens, the new one included.
-
-This file also holds ``TokenEvictionKV``, the token-level cache with real eviction that H2O and SnapKV share:
-they differ from StreamingLLM only in which tokens they keep.
+tokens, the new one included: the sinks are pinned slots, the window a ring (``core.token_slots.RingSlotsKV``),
+so a step writes its token over the oldest one in the window and the decode step replays from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -16,93 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from icecache.core.errors import ConfigError
-from icecache.core.method import METHODS, DenseKV, Method, MethodConfig, ModelInfo, SequenceContext
-
-
-class TokenEvictionKV(DenseKV):
-    """Keys and values of the kept tokens, per KV head, with their positions; real eviction after every step.
-
-    The prompt is stored densely while it arrives (prefill attention is dense and method-independent); after its
-    last chunk the cache is cut to ``budget - 1`` tokens, and after every decode step again, so that a step, which
-    first appends its own token, attends to at most ``budget`` tokens. Subclasses say which tokens to keep
-    (``choose_kept``) and may observe the attention probabilities (``observe_prefill``, ``observe_decode``).
-    """
-
-    def __init__(self, layer_idx: int, model: ModelInfo, seq: SequenceContext, budget: int):
-        super().__init__(layer_idx, model, seq)
-        self.budget = budget
-        self.kept_keys: torch.Tensor | None = None  # [Hkv, T, D]
-        self.kept_values: torch.Tensor | None = None  # [Hkv, T, D]
-        self.kept_positions: torch.Tensor | None = None  # [Hkv, T], ascending in every head
-
-    # --- what a method decides ---------------------------------------------------------------------------------
-    def choose_kept(self, n_keep: int) -> torch.Tensor:
-        """Indices ``[Hkv, n_keep]`` (ascending) into the kept tokens that survive; called when more are stored."""
-        raise NotImplementedError
-
-    def observe_prefill(self, query: torch.Tensor, scaling: float) -> None:
-        """Called after each prompt chunk is stored (``self.keys`` holds the prompt so far)."""
-
-    def observe_decode(self, probs: torch.Tensor) -> None:
-        """Called with the step's attention probabilities ``[Hq, T]`` over the kept tokens (new one last)."""
-
-    def gather_kept(self, index: torch.Tensor) -> None:
-        """Keep the tokens at ``index [Hkv, n]``; subclasses extend this to gather their per-token state."""
-        expand = index[..., None].expand(-1, -1, self.kept_keys.shape[-1])
-        self.kept_keys = self.kept_keys.gather(1, expand)
-        self.kept_values = self.kept_values.gather(1, expand)
-        self.kept_positions = self.kept_positions.gather(1, index)
-
-    # --- the shared mechanics ----------------------------------------------------------------------------------
-    def prefill(self, query, key, value, attention_mask, scaling):
-        assert query.shape[0] == 1, "sparse KV methods run with batch size 1"
-        out = super().prefill(query, key, value, attention_mask, scaling)
-        self.observe_prefill(query, scaling)
-        if not self.seq.more_prefill_chunks:
-            self.kept_keys, self.kept_values = self.keys[0].clone(), self.values[0].clone()
-            n_kv_heads, length = self.kept_keys.shape[:2]
-            self.kept_positions = torch.arange(length, device=key.device).expand(n_kv_heads, -1).contiguous()
-            self.on_prompt_stored()
-            self._keys = self._values = None  # the dense copy of the prompt is not kept
-            self.length = 0
-            self.evict_to(self.budget - 1)
-        return out
-
-    def on_prompt_stored(self) -> None:
-        """Hook after the prompt has been moved into the kept store, before the first eviction (SnapKV compresses)."""
-
-    def evict_to(self, n_keep: int) -> None:
-        if self.kept_keys.shape[1] > n_keep:
-            self.gather_kept(self.choose_kept(n_keep))
-
-    def decode(self, query, key, value, scaling):
-        assert query.shape[0] == 1, "sparse KV methods run with batch size 1"
-        position = torch.full((key.shape[1], 1), self.seq_len, dtype=torch.long, device=key.device)
-        self.kept_keys = torch.cat([self.kept_keys, key[0]], dim=1)
-        self.kept_values = torch.cat([self.kept_values, value[0]], dim=1)
-        self.kept_positions = torch.cat([self.kept_positions, position], dim=1)
-
-        n_heads, head_dim = query.shape[1], query.shape[-1]
-        n_kv_heads, n_kept = self.kept_keys.shape[:2]
-        group = n_heads // n_kv_heads
-        q = query[0, :, 0].float().view(n_kv_heads, group, head_dim)
-        scores = torch.einsum("hgd,htd->hgt", q, self.kept_keys.float()) * scaling
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("hgt,htd->hgd", probs, self.kept_values.float()).reshape(1, 1, n_heads, head_dim)
-
-        self.seq.counters.record_attention(n_kept)
-        if self.seq.trace_selection:
-            attended = torch.zeros(n_kv_heads, self.seq_len + 1, dtype=torch.bool, device=key.device)
-            attended.scatter_(1, self.kept_positions, True)
-            self.last_attended = attended.repeat_interleave(group, dim=0)
-        self.observe_decode(probs.reshape(n_heads, n_kept))
-        self.evict_to(self.budget - 1)
-        return out.to(query.dtype)
-
-    def gpu_kv_bytes(self) -> int:
-        if self.kept_keys is None or self.kept_keys.device.type != "cuda":
-            return super().gpu_kv_bytes()
-        return 2 * self.kept_keys.numel() * self.kept_keys.element_size()
+from icecache.core.method import METHODS, Method, MethodConfig
+from icecache.core.token_slots import RingSlotsKV
 
 
 @dataclass
@@ -111,20 +24,19 @@ class StreamingLLMConfig(MethodConfig):
     n_sink_tokens: int = 4  # the paper's four initial tokens
 
 
-class StreamingKV(TokenEvictionKV):
+class StreamingKV(RingSlotsKV):
     def __init__(self, layer_idx, model, seq, budget: int, n_sink_tokens: int):
         super().__init__(layer_idx, model, seq, budget)
-        self.n_sink_tokens = n_sink_tokens
+        self.n_pinned = self.ring_start = n_sink_tokens
+        self.ring_size = budget - n_sink_tokens
 
-    def choose_kept(self, n_keep: int) -> torch.Tensor:
-        # Every head keeps the same tokens: sinks, then the most recent ones. Positions are ascending, so the first
-        # n_sink_tokens stored entries are the sinks once the prompt is longer than them.
-        n_kv_heads, n_kept = self.kept_positions.shape
-        n_recent = n_keep - self.n_sink_tokens
-        index = torch.cat(
-            [torch.arange(self.n_sink_tokens), torch.arange(n_kept - n_recent, n_kept)]
-        ).to(self.kept_positions.device)
-        return index.expand(n_kv_heads, -1)
+    def place_prompt(self, n_prompt):
+        # Sinks, then as much of the prompt's end as the window holds (the first step's token replaces its oldest).
+        sinks = torch.arange(min(self.n_pinned, n_prompt))
+        recent = torch.arange(max(self.n_pinned, n_prompt - self.ring_size), n_prompt)
+        kept = torch.cat([sinks, recent]).to(self.keys.device)
+        kept = kept.expand(self.model.n_kv_heads, -1)
+        return kept, self.ring_slots(kept)
 
 
 @METHODS.register("streaming_llm")

@@ -48,7 +48,6 @@ from icecache.core.cuda_driver import in_host_function
 from icecache.core.errors import ConfigError
 from icecache.core.method import METHODS, DenseKV, Method, MethodConfig, ModelInfo, SequenceContext  # noqa: F401
 from icecache.core.paged import CpuPageStore, GpuPagePool, StepTransit, gather_blocks, scatter_pages
-from icecache.core.static_kv import StaticDenseKV
 
 DCI_LEAF_CAPACITY = 16
 _STORE_HEADROOM_PAGES = 4 * DCI_LEAF_CAPACITY
@@ -86,9 +85,6 @@ class IceCacheConfig(MethodConfig):
     dci_score_precision: str = "float32"
     cpu_kv_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16
     offload_short_prompts: bool = False  # index even prompts that fit in the budget (tests, analysis)
-    # On CUDA with Triton: capture the decode step in one CUDA graph, each layer's host work a host function of it
-    # (bitwise the eager step's logits; 1.5-1.8x faster at 32k on the H200, BENCHMARKS.md target 1).
-    cuda_graph: bool = True
     seed: int = 0
 
 
@@ -143,18 +139,10 @@ class IceCache(Method):
 
     @property
     def captures_decode_step(self) -> bool:
-        if not (self.config.cuda_graph and self.model.device.type == "cuda"):
-            return False
+        # The host step writes into the Triton kernels' fixed buffers; without Triton the step runs eagerly.
         from icecache.core import triton_kernels
 
-        return triton_kernels.available()
-
-    def make_layer(self, layer_idx: int, seq: SequenceContext):
-        if layer_idx < self.config.n_dense_layers and self.captures_decode_step:
-            # The same full cache, in buffers a graph can capture (its kernel, used eagerly too: graphed and eager
-            # steps compute the same thing)
-            return StaticDenseKV(layer_idx, self.model, seq, page_size=self.config.page_size)
-        return super().make_layer(layer_idx, seq)
+        return super().captures_decode_step and triton_kernels.available()
 
     def make_sparse_layer(self, layer_idx: int, seq: SequenceContext):
         return IceCacheLayer(layer_idx, self.model, seq, self)

@@ -1,4 +1,4 @@
-"""Each baseline's selection rule against a direct PyTorch computation of it on random tensors (ALGORITHMS.md 3-5).
+"""Each baseline's selection rule against a direct PyTorch computation of it on random tensors (docs/algorithms.md).
 
 Layers are driven directly (no model): ``forward(query, key, value, mask, scaling)`` with random post-RoPE-like
 tensors, on a small geometry with GQA (4 query heads, 2 KV heads).
@@ -80,9 +80,9 @@ def test_quest_selects_current_page_and_brute_force_top_pages():
             assert torch.equal(layer.last_attended[head], expected)
         # Metadata kept incrementally equals the direct max / min of each page.
         padded = torch.cat([keys, keys[:, -1:].expand(-1, n_pages * 8 - n_tokens, -1)], dim=1)
-        pages = padded.view(2, n_pages, 8, 8).transpose(0, 1)
-        torch.testing.assert_close(layer.page_max[:n_pages], pages.amax(2))
-        torch.testing.assert_close(layer.page_min[:n_pages], pages.amin(2))
+        pages = padded.view(2, n_pages, 8, 8)  # [Hkv, P, page_size, D], the layout of the metadata
+        torch.testing.assert_close(layer.page_max[:, :n_pages], pages.amax(2))
+        torch.testing.assert_close(layer.page_min[:, :n_pages], pages.amin(2))
 
 
 def test_quest_fast_path_equals_simulation_path():
@@ -114,10 +114,10 @@ def test_arkvale_scores_average_the_bound_over_each_group():
     gen = torch.Generator().manual_seed(3)
     info = ModelInfo(n_layers=1, n_heads=8, n_kv_heads=4, head_dim=8)
     pages = torch.randn(5, 4, 16, 8, generator=gen)
-    hi, lo = page_digests(pages)
+    hi, lo = page_digests(pages)  # [P, Hkv, D]
     query = torch.randn(8, 8, generator=gen)
     for n_groups in (1, 2, 4):
-        scores = group_page_scores(query, hi, lo, n_groups)
+        scores = group_page_scores(query, hi.transpose(0, 1), lo.transpose(0, 1), n_groups)  # digests [Hkv, P, D]
         heads_per_group = info.n_heads // n_groups
         for group in range(n_groups):
             for page in range(5):
@@ -161,7 +161,7 @@ def test_arkvale_keeps_the_top_pages_resident_and_recalls_them_from_cpu(n_groups
                     end = min((page + 1) * 8, n_tokens)
                     assert layer.last_attended[h, page * 8 : end].all(), f"step {step} head {h} page {page}"
         assert int(layer.last_attended.sum(-1).max()) <= 64
-    assert layer.seq.counters.pages_loaded > 0  # recalls happened (their content is checked by invariant 4)
+    assert layer.seq.counters.as_dict()["pages_loaded"] > 0  # recalls happened (their content is checked by invariant 4)
 
 
 # ------------------------------------------------------------------------------------------------------------- H2O
@@ -204,15 +204,16 @@ def test_h2o_keeps_top_accumulated_scores_and_recent_window():
 
     prompt_scores = accumulated_attention(q[0], k[0], SCALING, 1000)
     expected = h2o_expected_keep(prompt_scores, 20, 19)
-    assert whole.kept_positions.tolist() == expected
-    assert chunked.kept_positions.tolist() == expected  # chunked prefill changes nothing
-    torch.testing.assert_close(chunked.scores, whole.scores)
+    assert whole.kept_positions().tolist() == expected
+    assert chunked.kept_positions().tolist() == expected  # chunked prefill changes nothing
+    torch.testing.assert_close(chunked.kept_scores(), whole.kept_scores())
 
     for _ in range(6):
-        before_positions = whole.kept_positions.clone()
-        before_scores = whole.scores.clone()
+        before_positions = whole.kept_positions()
+        before_scores = whole.kept_scores()
         q1, k1, v1 = random_qkv(gen, 1)
-        kept_keys = torch.cat([whole.kept_keys, k1[0]], dim=1)
+        kept_keys = torch.cat([whole.slot_keys.gather(1, whole.kept_order()[..., None].expand(-1, -1, 8)), k1[0]],
+                              dim=1)
         whole.forward(q1, k1, v1, None, SCALING)
         # Accumulate by hand: old scores (a new zero for the new token) + this step's probabilities per head.
         probs = torch.softmax(
@@ -221,9 +222,9 @@ def test_h2o_keeps_top_accumulated_scores_and_recent_window():
         accumulated = torch.cat([before_scores, torch.zeros(4, 1)], dim=1) + probs
         keep = h2o_expected_keep(accumulated, 20, 19)
         positions = torch.cat([before_positions, torch.full((2, 1), int(before_positions.max()) + 1)], dim=1)
-        assert whole.kept_positions.tolist() == [positions[h, keep[h]].tolist() for h in range(2)]
+        assert whole.kept_positions().tolist() == [positions[h, keep[h]].tolist() for h in range(2)]
         torch.testing.assert_close(
-            whole.scores, torch.stack([accumulated[h, keep[h // GROUP]] for h in range(4)])
+            whole.kept_scores(), torch.stack([accumulated[h, keep[h // GROUP]] for h in range(4)])
         )
 
 
@@ -249,12 +250,12 @@ def test_snapkv_votes_and_selection_equal_a_direct_computation():
     layer.forward(q[:, :, :95], k[:, :, :95], v[:, :, :95], None, SCALING)
     layer.seq.more_prefill_chunks = False
     layer.forward(q[:, :, 95:], k[:, :, 95:], v[:, :, 95:], None, SCALING)
-    # Kept after the prompt: the top 22 prefix tokens by pooled vote, and the window minus its oldest token (the
-    # first decode step brings the count back to the budget).
+    # Kept after the prompt: the top 22 prefix tokens by pooled vote, and the window (the first decode step's token
+    # replaces its oldest one).
     for head in range(2):
         top = sorted(pooled[head].topk(budget - window).indices.tolist())
-        assert layer.kept_positions[head].tolist() == top + list(range(n_prompt - window + 1, n_prompt))
-    selected = layer.kept_positions[:, : budget - window].clone()
+        assert layer.kept_positions()[head].tolist() == top + list(range(n_prompt - window, n_prompt))
+    selected = layer.kept_positions()[:, : budget - window].clone()
     for step in range(5):
         q1, k1, v1 = random_qkv(gen, 1)
         layer.forward(q1, k1, v1, None, SCALING)
@@ -293,7 +294,8 @@ def test_streaming_llm_keeps_exactly_sinks_and_window():
     layer = make_layer({"name": "streaming_llm", "budget": budget})
     q, k, v = random_qkv(gen, 50)
     layer.forward(q, k, v, None, SCALING)
-    assert layer.kept_positions.tolist() == [[0, 1, 2, 3] + list(range(35, 50))] * 2
+    # The sinks and a full window of the prompt's last 16 tokens; the first step's token replaces the oldest.
+    assert layer.kept_positions().tolist() == [[0, 1, 2, 3] + list(range(34, 50))] * 2
     for step in range(4):
         q1, k1, v1 = random_qkv(gen, 1)
         layer.forward(q1, k1, v1, None, SCALING)

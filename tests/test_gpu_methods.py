@@ -1,4 +1,5 @@
-"""On a CUDA host: every method gives the same greedy tokens on the GPU as on its CPU path (tiny model, float32).
+"""On a CUDA host: every method gives the same greedy tokens on the GPU as on its CPU path (tiny model, float32),
+and every method's captured decode step replays bitwise the logits of its eager step.
 
 Run with `pytest -m gpu tests/test_gpu_methods.py` (make test-gpu); skipped without CUDA.
 """
@@ -10,7 +11,8 @@ import torch
 
 from icecache.core.cache import HarnessCache
 from icecache.core.generation import GenerationRequest, greedy_generate
-from icecache.core.method import METHODS, build_method
+from icecache.core.method import METHODS, build_method, method_class
+from tests.test_method_invariants import SMALL_BUDGET, method_config
 
 pytestmark = pytest.mark.gpu
 
@@ -31,6 +33,53 @@ def test_gpu_path_gives_the_cpu_tokens(name):
     assert name in METHODS
     assert on_gpu.token_ids == on_cpu.token_ids
     assert on_gpu.counters["pages_loaded"] == on_cpu.counters["pages_loaded"] > 0
+
+
+# Every budgeted method whose step is captured (IceCache has its own settings and test below).
+CAPTURED_SPARSE = [name for name in METHODS.names() if method_class(name).supports_cuda_graph
+                   and method_class(name).uses_budget and not name.startswith("icecache")]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", CAPTURED_SPARSE)
+def test_every_method_gives_its_cpu_tokens_on_the_gpu(name):
+    """float32 on both devices: the GPU's kernels and captured steps choose what the CPU reference chooses."""
+    from tests.conftest import tiny_model, tiny_model_on
+
+    model, _, info = tiny_model("llama")
+    gpu_model, gpu_info = tiny_model_on("llama", "cuda", torch.float32)
+    ids = torch.randint(0, 500, (300,), generator=torch.Generator().manual_seed(11)).tolist()
+    values = method_config(name, SMALL_BUDGET)
+    on_cpu = greedy_generate(model, HarnessCache(build_method(values, info)), GenerationRequest(ids, 40))
+    on_gpu = greedy_generate(gpu_model, HarnessCache(build_method(values, gpu_info)), GenerationRequest(ids, 40))
+    assert on_gpu.counters["graph_replays"] == 38
+    assert on_gpu.token_ids == on_cpu.token_ids
+    assert on_gpu.counters["mean_attended_tokens"] == pytest.approx(on_cpu.counters["mean_attended_tokens"])
+    assert on_gpu.counters["pages_loaded"] == on_cpu.counters["pages_loaded"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("architecture", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", CAPTURED_SPARSE)
+def test_every_method_replays_its_eager_step(architecture, name):
+    """64 decode steps of a budget that evicts or reselects at every step (pages of 8 tokens, so that pages fill,
+    leave the window and are recalled): the graph's tokens, logits and counters are bitwise the eager step's."""
+    from tests.conftest import tiny_model_on
+
+    gpu_model, gpu_info = tiny_model_on(architecture, "cuda", torch.bfloat16)
+    ids = torch.randint(0, 500, (300,), generator=torch.Generator().manual_seed(12)).tolist()
+    request = GenerationRequest(ids, 65)
+    method = build_method(method_config(name, SMALL_BUDGET), gpu_info)
+    assert method.captures_decode_step
+    graphed = greedy_generate(gpu_model, HarnessCache(method), request, keep_logits=True)
+    eager = greedy_generate(gpu_model, HarnessCache(method), request, keep_logits=True, cuda_graph=False)
+    assert graphed.counters["graph_replays"] == 63  # every decode step after the first, eager one
+    assert "graph_replays" not in eager.counters
+    assert graphed.token_ids == eager.token_ids
+    for key in ("mean_attended_tokens", "pages_loaded", "bytes_to_gpu"):
+        assert graphed.counters[key] == eager.counters[key], key
+    for mine, theirs in zip(graphed.logits, eager.logits):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -13,45 +13,16 @@ decode step in a sparsified layer, sink, selected and recent tokens included.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
-
-from .attention import dense_attention
-from .cuda_driver import HostFunctions
 from .errors import ConfigError, dataclass_from_dict
+from .layer import DenseKV, LayerKV, ModelInfo, SequenceContext, storage_capacity
 from .registry import Registry
-from .timing import DecodeCounters, PhaseTimer
+from .static_kv import StaticDenseKV
 
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """The attention geometry a method needs, read from the model's config."""
-
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    device: torch.device = torch.device("cpu")
-    dtype: torch.dtype = torch.float32
-
-    @classmethod
-    def from_config(cls, config: Any, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
-        n_heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
-        return cls(
-            n_layers=config.num_hidden_layers,
-            n_heads=n_heads,
-            n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
-            head_dim=head_dim,
-            device=torch.device(device),
-            dtype=dtype,
-        )
-
-    @property
-    def group_size(self) -> int:
-        return self.n_heads // self.n_kv_heads
+__all__ = ["METHODS", "DenseKV", "LayerKV", "Method", "MethodConfig", "ModelInfo", "SequenceContext",
+           "StaticDenseKV", "build_method", "method_class", "storage_capacity"]
 
 
 @dataclass
@@ -61,153 +32,32 @@ class MethodConfig:
     name: str = "full"
     budget: int | None = None
     n_dense_layers: int = 2
+    # On CUDA, replay the decode step from a CUDA graph (methods that ``supports_cuda_graph``); false decodes eagerly.
+    # No effect on CPU.
+    cuda_graph: bool = True
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "MethodConfig":
         return dataclass_from_dict(cls, values, "method")
 
 
-@dataclass
-class SequenceContext:
-    """Per-sequence state shared by the layers of one cache (no globals): timers, counters, phase flags."""
-
-    timer: PhaseTimer = field(default_factory=PhaseTimer)
-    counters: DecodeCounters = field(default_factory=DecodeCounters)
-    more_prefill_chunks: bool = False  # set by the generation loop for every prefill chunk but the last
-    trace_selection: bool = False  # layers record the token positions they attend to (tests, analysis)
-    shared: dict[str, Any] = field(default_factory=dict)  # e.g. a selection one layer hands to the next
-    # Set by the generation loop: the device tensor [S] of the current forward's positions (a CUDA-graphed step
-    # reads it on every replay, so layers that support graphs take positions from it, never from Python ints),
-    # and the most tokens the sequence will reach (prompt + suffix + new tokens), for static buffers.
-    position: torch.Tensor | None = None
-    max_total_tokens: int | None = None
-    # Host work a layer enqueues on the stream (cuda_driver): kept alive with the graphs that replay it.
-    host_functions: HostFunctions = field(default_factory=HostFunctions)
-
-
-def storage_capacity(seq: SequenceContext, needed: int, current: int) -> int:
-    """Tokens a growing KV buffer should hold for ``needed`` tokens: the sequence's announced length when it covers
-    them (sized once: doubling alone would, at 128k, double the whole cache at the first decode token), else the
-    larger of ``needed`` and twice ``current`` (at least 256)."""
-    announced = seq.max_total_tokens or 0
-    return announced if announced >= needed else max(needed, 2 * current, 256)
-
-
-class LayerKV(ABC):
-    """One layer's KV storage and attention. ``seq_len`` is the logical number of tokens seen."""
-
-    def __init__(self, layer_idx: int, model: ModelInfo, seq: SequenceContext):
-        self.layer_idx = layer_idx
-        self.model = model
-        self.seq = seq
-        self.seq_len = 0
-        # With seq.trace_selection: bool [Hq, seq_len] of the positions each query head attended at the last decode.
-        self.last_attended: torch.Tensor | None = None
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        scaling: float,
-    ) -> torch.Tensor:
-        """Store the new tokens and attend; ``query [B, Hq, S, D]`` -> ``[B, S, Hq, D]``."""
-        is_prefill = query.shape[-2] > 1 or self.seq_len == 0
-        if is_prefill:
-            out = self.prefill(query, key, value, attention_mask, scaling)
-        else:
-            out = self.decode(query, key, value, scaling)
-        self.seq_len += key.shape[-2]
-        return out
-
-    @abstractmethod
-    def prefill(self, query, key, value, attention_mask, scaling) -> torch.Tensor:
-        """A prompt chunk; ``self.seq.more_prefill_chunks`` says whether more follow."""
-
-    @abstractmethod
-    def decode(self, query, key, value, scaling) -> torch.Tensor:
-        """One new token (``S = 1``)."""
-
-    @property
-    def graph_ready(self) -> bool:
-        """Whether the next decode step may be captured in a CUDA graph (for methods that ``captures_decode_step``):
-        a layer whose decode still takes a host-side branch that a replay would not repeat (IceCache before its
-        prompt is offloaded) says no, and the step runs eagerly."""
-        return True
-
-    def between_steps(self) -> None:
-        """Host-side upkeep the generation loop runs after every replayed decode step, outside the graph (where
-        CUDA may be called: allocating pinned memory, say)."""
-
-    def gpu_kv_bytes(self) -> int:
-        return 0
-
-    def cpu_kv_bytes(self) -> int:
-        return 0
-
-
-class DenseKV(LayerKV):
-    """The full cache: every token kept on the model's device, dense attention. Storage follows
-    ``storage_capacity``: the announced length, else doubling."""
-
-    def __init__(self, layer_idx: int, model: ModelInfo, seq: SequenceContext):
-        super().__init__(layer_idx, model, seq)
-        self._keys: torch.Tensor | None = None
-        self._values: torch.Tensor | None = None
-        self.length = 0  # physical tokens stored
-
-    def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        batch, n_kv_heads, n_new, head_dim = key.shape
-        needed = self.length + n_new
-        if self._keys is None or needed > self._keys.shape[2]:
-            capacity = storage_capacity(self.seq, needed, self._keys.shape[2] if self._keys is not None else 0)
-            grown_k = key.new_empty(batch, n_kv_heads, capacity, head_dim)
-            grown_v = value.new_empty(batch, n_kv_heads, capacity, head_dim)
-            if self._keys is not None:
-                grown_k[:, :, : self.length] = self._keys[:, :, : self.length]
-                grown_v[:, :, : self.length] = self._values[:, :, : self.length]
-            self._keys, self._values = grown_k, grown_v
-        self._keys[:, :, self.length : needed] = key
-        self._values[:, :, self.length : needed] = value
-        self.length = needed
-
-    @property
-    def keys(self) -> torch.Tensor:
-        return self._keys[:, :, : self.length]
-
-    @property
-    def values(self) -> torch.Tensor:
-        return self._values[:, :, : self.length]
-
-    def prefill(self, query, key, value, attention_mask, scaling):
-        self.append(key, value)
-        return dense_attention(query, self.keys, self.values, scaling, attention_mask)
-
-    def decode(self, query, key, value, scaling):
-        self.append(key, value)
-        if self.seq.trace_selection:
-            self.last_attended = torch.ones(query.shape[1], self.length, dtype=torch.bool, device=query.device)
-        return dense_attention(query, self.keys, self.values, scaling)
-
-    def gpu_kv_bytes(self) -> int:
-        if self._keys is None or self._keys.device.type != "cuda":
-            return 0
-        return 2 * self._keys[:, :, : self.length].numel() * self._keys.element_size()
-
-
 class Method(ABC):
-    """A KV-selection method: its config and a factory of per-layer ``LayerKV`` objects."""
+    """A KV-selection method: its config and a factory of per-layer ``LayerKV`` objects.
+
+    ``supports_cuda_graph`` says that the method's decode step makes no host decision a replay would skip: its
+    layers take positions from ``SequenceContext.position`` (a device tensor), size their buffers before the first
+    step, do selection on the device and enqueue any host work as host functions. A method that sets it false says
+    why in its docstring."""
 
     config_class: ClassVar[type[MethodConfig]] = MethodConfig
     uses_budget: ClassVar[bool] = True
+    supports_cuda_graph: ClassVar[bool] = True
 
     @property
     def captures_decode_step(self) -> bool:
-        """Whether the generation loop may capture a decode step in a CUDA graph: the layers' decode makes no host
-        decision that a replay would not repeat (device-side positions only; host work, if any, enqueued as host
-        functions, ``SequenceContext.host_functions``)."""
-        return False
+        """Whether the generation loop captures this run's decode steps in a CUDA graph (on CUDA, when the method
+        supports it and ``cuda_graph`` is on)."""
+        return self.supports_cuda_graph and self.config.cuda_graph and self.model.device.type == "cuda"
 
     def __init__(self, config: MethodConfig, model: ModelInfo):
         self.config = config
@@ -224,8 +74,16 @@ class Method(ABC):
 
     def make_layer(self, layer_idx: int, seq: SequenceContext) -> LayerKV:
         if layer_idx < self.config.n_dense_layers:
-            return DenseKV(layer_idx, self.model, seq)
+            return self.make_dense_layer(layer_idx, seq)
         return self.make_sparse_layer(layer_idx, seq)
+
+    def make_dense_layer(self, layer_idx: int, seq: SequenceContext) -> LayerKV:
+        """The full cache of a dense layer: in static buffers a graph can capture when the step is captured (the
+        same kernel then serves eager steps too, so graphed and eager steps compute the same thing), else the plain
+        ``DenseKV``."""
+        if self.captures_decode_step:
+            return StaticDenseKV(layer_idx, self.model, seq, page_size=16)
+        return DenseKV(layer_idx, self.model, seq)
 
     @abstractmethod
     def make_sparse_layer(self, layer_idx: int, seq: SequenceContext) -> LayerKV:

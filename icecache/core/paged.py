@@ -500,3 +500,55 @@ def _index_array(indices: torch.Tensor | np.ndarray) -> np.ndarray:
     if indices.device.type != "cpu" or indices.dtype != torch.long:
         indices = indices.to("cpu", torch.long)
     return indices.reshape(-1).numpy()
+
+
+class _ArrayInterface:
+    """What ``torch.as_tensor`` needs to wrap a device address (``__cuda_array_interface__``, version 3)."""
+
+    def __init__(self, address: int, shape: tuple[int, ...], typestr: str):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (address, False), "version": 3}
+
+
+def mapped_device_view(pinned: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor over the same bytes as the contiguous pinned host tensor ``pinned``, which kernels read and
+    write directly across PCIe (zero-copy). With unified addressing, page-locked memory from ``cudaHostAlloc`` (what
+    ``pin_memory`` uses) is mapped into every device at its host address, so no copy or driver call is needed. The
+    view does not keep ``pinned`` alive: its owner must. A kernel that reads it can be captured in a CUDA graph,
+    which a ``cudaMemcpy`` from device-chosen addresses cannot."""
+    if not (pinned.is_pinned() and pinned.is_contiguous()):
+        raise ValueError("mapped_device_view needs a contiguous pinned tensor")
+    as_words = pinned.view(torch.int16) if pinned.element_size() == 2 else pinned
+    typestr = {torch.int16: "<i2", torch.float32: "<f4"}.get(as_words.dtype)
+    if typestr is None:
+        raise ValueError(f"mapped_device_view: unsupported dtype {pinned.dtype}")
+    with torch.cuda.device(device):
+        view = torch.as_tensor(_ArrayInterface(as_words.data_ptr(), tuple(as_words.shape), typestr), device=device)
+    return view.view(pinned.dtype)
+
+
+def copy_blocks_reference(
+    source_keys: torch.Tensor, source_values: torch.Tensor, pages: torch.Tensor,
+    target_keys: torch.Tensor, target_values: torch.Tensor, slots: torch.Tensor, heads: torch.Tensor,
+) -> None:
+    """``target[slots[i], heads[i]] = source[pages[i], heads[i]]`` for keys and values ``[n, Hkv, page_size, D]``,
+    skipping entries whose slot is negative. Fixed shapes (no data-dependent indexing), so it can be captured:
+    skipped entries read page 0 and write the target's last slot, which the caller keeps as a scratch slot."""
+    use = slots >= 0
+    rows = torch.where(use, pages, 0)
+    targets = torch.where(use, slots, target_keys.shape[0] - 1)
+    target_keys.index_put_((targets, heads), source_keys[rows, heads].to(target_keys.dtype))
+    target_values.index_put_((targets, heads), source_values[rows, heads].to(target_values.dtype))
+
+
+def copy_blocks(
+    source_keys: torch.Tensor, source_values: torch.Tensor, pages: torch.Tensor,
+    target_keys: torch.Tensor, target_values: torch.Tensor, slots: torch.Tensor, heads: torch.Tensor,
+) -> None:
+    """Dispatch: on CUDA with Triton one kernel whose skipped entries move no byte (the source may be mapped host
+    memory, ``mapped_device_view``, so a skipped entry saves a PCIe read); otherwise ``copy_blocks_reference``."""
+    from . import triton_kernels
+
+    if target_keys.is_cuda and triton_kernels.available():
+        triton_kernels.copy_blocks(source_keys, source_values, pages, target_keys, target_values, slots, heads)
+    else:
+        copy_blocks_reference(source_keys, source_values, pages, target_keys, target_values, slots, heads)

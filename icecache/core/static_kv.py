@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .attention import dense_attention, paged_decode_attention
-from .method import LayerKV, ModelInfo, SequenceContext, storage_capacity
+from .layer import LayerKV, ModelInfo, SequenceContext, storage_capacity
 
 
 class StaticDenseKV(LayerKV):
@@ -60,15 +60,26 @@ class StaticDenseKV(LayerKV):
         self._values[:, self.seq_len : end] = value[0]
         return dense_attention(query, self._keys[None, :, :end], self._values[None, :, :end], scaling, attention_mask)
 
-    def decode(self, query, key, value, scaling):
+    def write_token(self, key: torch.Tensor) -> torch.Tensor:
+        """Make room for one more token (growing only outside the generation loop, see ``_allocate``) and return
+        the one-element device tensor of its position, where ``append_token`` writes it."""
         if self.seq_len + 1 > self.capacity:
             self._allocate(key, self.seq_len + 1)
         position = self.seq.position
         if position is None:  # called outside the generation loop: a host position is fine when nothing is captured
             position = torch.full((1,), self.seq_len, dtype=torch.long, device=key.device)
-        self._keys.index_copy_(1, position[:1], key[0])
-        self._values.index_copy_(1, position[:1], value[0])
-        counts = (position[:1] + 1 - self._page_starts).clamp_(0, self.page_size).to(torch.int32)
+        return position[:1]
+
+    def append_token(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Write the step's ``key``/``value [1, Hkv, 1, D]`` at its device-side position; returns the position."""
+        position = self.write_token(key)
+        self._keys.index_copy_(1, position, key[0])
+        self._values.index_copy_(1, position, value[0])
+        return position
+
+    def decode(self, query, key, value, scaling):
+        position = self.append_token(key, value)
+        counts = (position + 1 - self._page_starts).clamp_(0, self.page_size).to(torch.int32)
         counts = counts.expand_as(self._page_table)
         if self.seq.trace_selection:
             self.last_attended = torch.ones(query.shape[1], self.seq_len + 1, dtype=torch.bool, device=query.device)

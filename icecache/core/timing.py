@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -31,7 +31,8 @@ class PhaseTimer:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        if not self.enabled:
+        # Inside a CUDA-graph capture nothing runs and synchronising is illegal: a replayed step has no phases.
+        if not self.enabled or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             yield
             return
         synchronize(self.device)
@@ -63,26 +64,59 @@ class PhaseTimer:
 
 @dataclass
 class DecodeCounters:
-    """Per-sequence counters a user needs to understand a sparse run."""
+    """Per-sequence counters a user needs to understand a sparse run.
+
+    A layer whose decode step may be replayed from a CUDA graph records device tensors (``record_on_device``):
+    they are summed on the device, inside the graph, so that every replay counts, and read once when the
+    generation ends. Host values (eager steps, host functions) are summed here directly."""
 
     decode_layer_steps: int = 0  # sparsified (layer, step) pairs
     attended_tokens: float = 0.0  # sum over those pairs of the mean attended tokens per query head
     pages_loaded: int = 0
     bytes_to_gpu: int = 0
+    # float64 [decode_layer_steps, attended_tokens, pages_loaded, bytes_to_gpu], one per device, made at first use
+    _on_device: dict = field(default_factory=dict, repr=False)
 
     def record_attention(self, mean_tokens_per_head: float) -> None:
         self.decode_layer_steps += 1
         self.attended_tokens += float(mean_tokens_per_head)
 
+    def record_on_device(
+        self, mean_tokens_per_head: torch.Tensor | None = None, pages_loaded: torch.Tensor | None = None,
+        bytes_to_gpu: torch.Tensor | None = None,
+    ) -> None:
+        """Device scalars, summed without a host synchronisation: a sparsified (layer, step) pair's mean attended
+        tokens per query head (which counts the pair), and blocks and bytes it loaded."""
+        given = [(i, v) for i, v in enumerate((None, mean_tokens_per_head, pages_loaded, bytes_to_gpu)) if v is not None]
+        if not given:
+            return
+        device = given[0][1].device
+        totals = self._on_device.get(device)
+        if totals is None:
+            totals = self._on_device[device] = torch.zeros(4, dtype=torch.float64, device=device)
+        if mean_tokens_per_head is not None:
+            totals[0] += 1
+        for index, value in given:
+            totals[index] += value.to(torch.float64)
+
+    def _totals(self) -> tuple[int, float, int, int]:
+        steps, attended, pages, n_bytes = self.decode_layer_steps, self.attended_tokens, self.pages_loaded, \
+            self.bytes_to_gpu
+        for totals in self._on_device.values():
+            d_steps, d_attended, d_pages, d_bytes = totals.tolist()
+            steps, attended = steps + int(d_steps), attended + d_attended
+            pages, n_bytes = pages + int(d_pages), n_bytes + int(d_bytes)
+        return steps, attended, pages, n_bytes
+
     @property
     def mean_attended_tokens(self) -> float | None:
-        if self.decode_layer_steps == 0:
-            return None
-        return self.attended_tokens / self.decode_layer_steps
+        steps, attended, _, _ = self._totals()
+        return attended / steps if steps else None
 
     def as_dict(self) -> dict[str, float | int | None]:
+        steps, attended, pages, n_bytes = self._totals()
         return {
-            "mean_attended_tokens": self.mean_attended_tokens,
-            "pages_loaded": self.pages_loaded,
-            "bytes_to_gpu": self.bytes_to_gpu,
+            "mean_attended_tokens": attended / steps if steps else None,
+            "pages_loaded": pages,
+            "bytes_to_gpu": n_bytes,
         }

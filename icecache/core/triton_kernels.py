@@ -202,6 +202,25 @@ if TRITON_IMPORT_ERROR is None:
         tl.store(pool_keys_ptr + target, keys.to(pool_keys_ptr.dtype.element_ty), mask=ok)
         tl.store(pool_values_ptr + target, values.to(pool_values_ptr.dtype.element_ty), mask=ok)
 
+    @triton.jit
+    def _copy_blocks_kernel(
+        source_keys_ptr, source_values_ptr, target_keys_ptr, target_values_ptr, pages_ptr, slots_ptr, heads_ptr,
+        stride_source_page, stride_source_head, stride_target_slot, stride_target_head,
+        BLOCK_SIZE: tl.constexpr, BLOCK_ELEMENTS: tl.constexpr,
+    ):
+        block = tl.program_id(0)
+        slot = tl.load(slots_ptr + block).to(tl.int64)
+        page = tl.load(pages_ptr + block).to(tl.int64)
+        head = tl.load(heads_ptr + block).to(tl.int64)
+        elements = tl.arange(0, BLOCK_ELEMENTS)
+        ok = elements < tl.where(slot >= 0, BLOCK_SIZE, 0)  # a negative slot: nothing read, nothing written
+        source = page * stride_source_page + head * stride_source_head + elements
+        target = slot * stride_target_slot + head * stride_target_head + elements
+        keys = tl.load(source_keys_ptr + source, mask=ok)
+        values = tl.load(source_values_ptr + source, mask=ok)
+        tl.store(target_keys_ptr + target, keys.to(target_keys_ptr.dtype.element_ty), mask=ok)
+        tl.store(target_values_ptr + target, values.to(target_values_ptr.dtype.element_ty), mask=ok)
+
 
 # ------------------------------------------------------------------------------------------------ host side
 #
@@ -522,3 +541,28 @@ def scatter_pages(
     compiled = _launch(_scatter_pages_kernel, _SCATTER_KERNELS.get(key), (n,), args, stream, {"num_warps": 4})
     if aligned and compiled is not None:
         _SCATTER_KERNELS[key] = compiled
+
+
+def copy_blocks(
+    source_keys: torch.Tensor, source_values: torch.Tensor, pages: torch.Tensor,
+    target_keys: torch.Tensor, target_values: torch.Tensor, slots: torch.Tensor, heads: torch.Tensor,
+) -> None:
+    """``target[slots[i], heads[i]] = source[pages[i], heads[i]]`` (``[n, Hkv, page_size, D]`` layouts, each block
+    contiguous), entries with a negative slot skipped without a read (``paged.copy_blocks_reference``)."""
+    _require_triton()
+    n = slots.numel()
+    if n == 0:
+        return
+    page_size, head_dim = target_keys.shape[-2:]
+    for name, tensor in (("source_keys", source_keys), ("source_values", source_values),
+                         ("target_keys", target_keys), ("target_values", target_values)):
+        if tensor.stride(-1) != 1 or tensor.stride(-2) != head_dim:
+            raise ValueError(f"{name} must be contiguous within each page block")
+    if source_keys.stride()[:2] != source_values.stride()[:2] or target_keys.stride()[:2] != target_values.stride()[:2]:
+        raise ValueError("keys and values must have the same layout")
+    block_size = page_size * head_dim
+    _copy_blocks_kernel[(n,)](
+        source_keys, source_values, target_keys, target_values, pages, slots, heads,
+        source_keys.stride(0), source_keys.stride(1), target_keys.stride(0), target_keys.stride(1),
+        BLOCK_SIZE=block_size, BLOCK_ELEMENTS=triton.next_power_of_2(block_size), num_warps=4,
+    )

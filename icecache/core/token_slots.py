@@ -1,0 +1,154 @@
+"""A constant-size token cache with real eviction: ``budget`` slots per KV head, kept on the model's device.
+
+StreamingLLM, SnapKV and H2O keep a fixed number of tokens and evict the rest for good; they differ only in which
+tokens they keep. Here they share one layout that a CUDA graph can replay: every KV head has ``budget`` slots of
+keys, values and positions (``-1`` for an empty slot), allocated once when the prompt is done. A decode step
+writes its token into the slot the method names (``next_slot``, from the device-side position or from state the
+method keeps on the device), attends over the valid slots, and lets the method update its state in place
+(``after_attention``). Nothing in the step reads a host value that changes between steps, so the step is the same
+computation eagerly and replayed.
+
+Attention over the slots is an explicit float32 softmax, since H2O needs the probabilities; the slot order does
+not matter to it. Budget: a step attends to at most ``budget`` tokens, the new one included.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layer import DenseKV, ModelInfo, SequenceContext
+
+
+def slot_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
+                   scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``query [Hq, D]`` over ``keys``/``values [Hkv, S, D]`` where ``valid [Hkv, S]``: float32 ``(out [Hq, D],
+    probs [Hq, S])``, invalid slots with probability 0."""
+    n_heads, head_dim = query.shape
+    n_kv_heads = keys.shape[0]
+    q = query.float().view(n_kv_heads, n_heads // n_kv_heads, head_dim)
+    scores = torch.einsum("hgd,hsd->hgs", q, keys.float()) * scaling
+    probs = torch.softmax(scores.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
+    out = torch.einsum("hgs,hsd->hgd", probs, values.float())
+    return out.reshape(n_heads, head_dim), probs.reshape(n_heads, -1)
+
+
+class TokenSlotsKV(DenseKV):
+    """The prompt is stored densely while it arrives (prefill attention is dense and method-independent); after its
+    last chunk the method picks the prompt tokens to keep and their slots (``place_prompt``), and the dense copy
+    goes. Subclasses define ``place_prompt``, ``next_slot`` and optionally ``observe_prefill``, ``on_write``
+    and ``after_attention``."""
+
+    def __init__(self, layer_idx: int, model: ModelInfo, seq: SequenceContext, budget: int):
+        super().__init__(layer_idx, model, seq)
+        self.budget = budget
+        self.slot_keys: torch.Tensor | None = None  # [Hkv, budget, D]
+        self.slot_values: torch.Tensor | None = None
+        self.slot_positions: torch.Tensor | None = None  # [Hkv, budget] int64, -1 = empty
+
+    # --- what a method decides ---------------------------------------------------------------------------------
+    def place_prompt(self, n_prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kept, slots)``, both ``[Hkv, n]`` int64: the prompt positions to keep and the slot of each."""
+        raise NotImplementedError
+
+    def next_slot(self, position: torch.Tensor) -> torch.Tensor:
+        """The slot ``[Hkv]`` (int64, on the device) that the token at ``position`` (one-element tensor) goes to."""
+        raise NotImplementedError
+
+    def observe_prefill(self, query: torch.Tensor, scaling: float) -> None:
+        """Called after each prompt chunk is stored (``self.keys`` holds the prompt so far)."""
+
+    def on_prompt_placed(self, kept: torch.Tensor, slots: torch.Tensor) -> None:
+        """Called once the slots hold the kept prompt tokens (before the dense copy goes)."""
+
+    def on_write(self, slot: torch.Tensor) -> None:
+        """Called when the step's token has been written to ``slot [Hkv]``, before the attention."""
+
+    def after_attention(self, probs: torch.Tensor, position: torch.Tensor) -> None:
+        """Called with the step's probabilities ``[Hq, budget]`` over the slots; state changes must be in place."""
+
+    # --- the shared mechanics ----------------------------------------------------------------------------------
+    def prefill(self, query, key, value, attention_mask, scaling):
+        if query.shape[0] != 1:
+            raise ValueError("sparse KV methods run with batch size 1")
+        out = super().prefill(query, key, value, attention_mask, scaling)
+        self.observe_prefill(query, scaling)
+        if not self.seq.more_prefill_chunks:
+            keys, values = self.keys[0], self.values[0]
+            n_kv_heads, n_prompt, head_dim = keys.shape
+            kept, slots = self.place_prompt(n_prompt)
+            if kept.shape[1] > self.budget:
+                raise AssertionError(f"{type(self).__name__} kept {kept.shape[1]} > budget {self.budget} tokens")
+            self.slot_keys = keys.new_zeros(n_kv_heads, self.budget, head_dim)
+            self.slot_values = values.new_zeros(n_kv_heads, self.budget, head_dim)
+            self.slot_positions = torch.full((n_kv_heads, self.budget), -1, dtype=torch.long, device=keys.device)
+            rows = kept[..., None].expand(-1, -1, head_dim)
+            self.slot_keys.scatter_(1, slots[..., None].expand(-1, -1, head_dim), keys.gather(1, rows))
+            self.slot_values.scatter_(1, slots[..., None].expand(-1, -1, head_dim), values.gather(1, rows))
+            self.slot_positions.scatter_(1, slots, kept)
+            self.on_prompt_placed(kept, slots)
+            self._keys = self._values = None  # the dense copy of the prompt is not kept
+            self.length = 0
+        return out
+
+    def decode(self, query, key, value, scaling):
+        if query.shape[0] != 1:
+            raise ValueError("sparse KV methods run with batch size 1")
+        position = self.seq.position
+        if position is None:  # called outside the generation loop: nothing is captured, a host position is fine
+            position = torch.full((1,), self.seq_len, dtype=torch.long, device=key.device)
+        position = position[:1]
+        n_kv_heads, _, head_dim = self.slot_keys.shape
+        slot = self.next_slot(position)  # [Hkv]
+        index = slot[:, None]
+        self.slot_keys.scatter_(1, index[..., None].expand(-1, -1, head_dim), key[0])
+        self.slot_values.scatter_(1, index[..., None].expand(-1, -1, head_dim), value[0])
+        self.slot_positions.scatter_(1, index, position.expand(n_kv_heads, 1))
+        self.on_write(slot)
+        valid = self.slot_positions >= 0
+        out, probs = slot_attention(query[0, :, 0], self.slot_keys, self.slot_values, valid, scaling)
+        self.seq.counters.record_on_device(valid.sum(-1).float().mean())
+        if self.seq.trace_selection:
+            self.last_attended = self.attended_positions(self.seq_len + 1)
+        self.after_attention(probs, position)
+        return out.view(1, 1, *out.shape).to(query.dtype)
+
+    def kept_order(self) -> torch.Tensor:
+        """``[Hkv, n]``: the slots holding a token, in position order (every head holds as many; host-synchronising,
+        for tests and analysis)."""
+        n_kept = int((self.slot_positions[0] >= 0).sum())
+        return self.slot_positions.argsort(dim=-1, stable=True)[:, -n_kept:] if n_kept else \
+            self.slot_positions[:, :0]
+
+    def kept_positions(self) -> torch.Tensor:
+        """``[Hkv, n]`` ascending: the positions of the tokens held."""
+        return self.slot_positions.gather(1, self.kept_order())
+
+    def attended_positions(self, n_tokens: int) -> torch.Tensor:
+        """bool ``[Hq, n_tokens]``: the positions held by valid slots, per query head."""
+        n_kv_heads = self.slot_positions.shape[0]
+        attended = torch.zeros(n_kv_heads, n_tokens + 1, dtype=torch.bool, device=self.slot_positions.device)
+        attended.scatter_(1, torch.where(self.slot_positions >= 0, self.slot_positions, n_tokens), True)
+        return attended[:, :n_tokens].repeat_interleave(self.model.n_heads // n_kv_heads, dim=0)
+
+    def gpu_kv_bytes(self) -> int:
+        if self.slot_keys is None or self.slot_keys.device.type != "cuda":
+            return super().gpu_kv_bytes()
+        return self.slot_keys.nbytes + self.slot_values.nbytes
+
+
+class RingSlotsKV(TokenSlotsKV):
+    """Slots ``[0, n_pinned)`` hold tokens kept for good; the others are a ring of the most recent tokens: the token
+    at position ``t >= ring_start`` lives in slot ``n_pinned + (t - ring_start) % ring_size``, where it replaces the
+    oldest one (a position below ``ring_start`` is its own slot: a prompt shorter than the pinned part). Subclasses
+    set the three numbers in ``place_prompt``."""
+
+    n_pinned: int = 0
+    ring_start: int = 0
+    ring_size: int = 1
+
+    def ring_slots(self, positions: torch.Tensor) -> torch.Tensor:
+        ring = self.n_pinned + torch.remainder(positions - self.ring_start, self.ring_size)
+        return torch.where(positions < self.ring_start, positions, ring)
+
+    def next_slot(self, position):
+        return self.ring_slots(position).expand(self.model.n_kv_heads)

@@ -1,0 +1,108 @@
+"""The selection kernels of the shared core (``core.scores``, ``core.paged.copy_blocks``) against direct
+computations, and on a CUDA host (``make test-gpu``) their Triton versions against the PyTorch references:
+fresh random inputs, partial blocks and masked tails included, outputs poisoned before each run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from icecache.core import triton_kernels
+from icecache.core.paged import copy_blocks, copy_blocks_reference, mapped_device_view
+from icecache.core.scores import (causal_column_sums, causal_column_sums_reference, gqa_scores,
+                                  gqa_scores_reference)
+
+def test_gqa_scores_reference_is_scaled_dot_products_masked_past_the_count():
+    gen = torch.Generator().manual_seed(0)
+    query, keys = torch.randn(6, 16, generator=gen), torch.randn(2, 40, 16, generator=gen)
+    scores = gqa_scores_reference(query, keys, 0.5, torch.tensor([33]))
+    for head in range(6):
+        for token in range(40):
+            expected = 0.5 * float(query[head] @ keys[head // 3, token]) if token < 33 else float("-inf")
+            assert scores[head, token].item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def test_causal_column_sums_reference_equals_the_full_probability_matrix():
+    gen = torch.Generator().manual_seed(1)
+    query, keys = torch.randn(4, 30, 8, generator=gen), torch.randn(2, 50, 8, generator=gen)
+    full = torch.einsum("hsd,htd->hst", query, keys.repeat_interleave(2, dim=0)) * 0.3
+    positions = torch.arange(20, 50)  # the 30 queries are the last 30 of 50 positions
+    full = full.masked_fill(torch.arange(50)[None, :] > positions[:, None], float("-inf"))
+    expected = torch.softmax(full, dim=-1).sum(dim=1)
+    torch.testing.assert_close(causal_column_sums_reference(query, keys, 0.3, chunk_size=7), expected)
+
+
+def test_copy_blocks_reference_copies_the_named_blocks_and_skips_negative_slots():
+    gen = torch.Generator().manual_seed(2)
+    source_k, source_v = torch.randn(6, 2, 4, 8, generator=gen), torch.randn(6, 2, 4, 8, generator=gen)
+    target_k, target_v = torch.zeros(5, 2, 4, 8), torch.zeros(5, 2, 4, 8)  # slot 4 is the scratch slot
+    pages, slots, heads = torch.tensor([3, 1, 5, 0]), torch.tensor([0, -1, 2, 3]), torch.tensor([1, 0, 0, 1])
+    copy_blocks_reference(source_k, source_v, pages, target_k, target_v, slots, heads)
+    for page, slot, head in zip(pages.tolist(), slots.tolist(), heads.tolist()):
+        if slot >= 0:
+            assert torch.equal(target_k[slot, head], source_k[page, head])
+            assert torch.equal(target_v[slot, head], source_v[page, head])
+    untouched = torch.ones(5, 2, dtype=torch.bool)
+    untouched[[0, 2, 3], [1, 0, 1]] = False
+    untouched[4] = False  # the scratch slot may take skipped entries
+    assert (target_k[untouched] == 0).all() and (target_v[untouched] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_keys,n_valid,group", [(1, 1, 1), (300, 257, 4), (4100, 4100, 2), (700, 1, 8)])
+@pytest.mark.gpu
+def test_triton_gqa_scores_match_the_reference(dtype, n_keys, n_valid, group):
+    if not triton_kernels.available():
+        pytest.skip("needs CUDA and Triton")
+    gen = torch.Generator().manual_seed(n_keys + group)
+    query = torch.randn(2 * group, 64, generator=gen).to("cuda", dtype)
+    keys = torch.randn(2, n_keys, 64, generator=gen).to("cuda", dtype)
+    count = torch.tensor([n_valid], device="cuda")
+    expected = gqa_scores_reference(query, keys, 0.125, count)
+    out = gqa_scores(query, keys, 0.125, count)
+    assert torch.equal(torch.isinf(out), torch.isinf(expected))
+    finite = torch.isfinite(expected)
+    torch.testing.assert_close(out[finite], expected[finite], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_queries,n_keys,group", [(1, 1, 1), (37, 37, 4), (200, 1000, 2), (130, 130, 1)])
+@pytest.mark.gpu
+def test_triton_causal_column_sums_match_the_reference(dtype, n_queries, n_keys, group):
+    if not triton_kernels.available():
+        pytest.skip("needs CUDA and Triton")
+    gen = torch.Generator().manual_seed(n_queries * 7 + n_keys)
+    query = torch.randn(2 * group, n_queries, 64, generator=gen).to("cuda", dtype)
+    keys = torch.randn(2, n_keys, 64, generator=gen).to("cuda", dtype)
+    expected = causal_column_sums_reference(query, keys, 0.125)
+    out = causal_column_sums(query, keys, 0.125)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    # Each query row's probabilities sum to one, so the columns sum to the number of rows.
+    torch.testing.assert_close(out.sum(-1), torch.full((2 * group,), float(n_queries), device="cuda"), rtol=1e-4,
+                               atol=1e-3)
+
+
+@pytest.mark.parametrize("mapped_source", [False, True])
+@pytest.mark.gpu
+def test_triton_copy_blocks_matches_the_reference_from_device_or_mapped_host_memory(mapped_source):
+    if not triton_kernels.available():
+        pytest.skip("needs CUDA and Triton")
+    gen = torch.Generator().manual_seed(5)
+    source = [torch.randn(40, 4, 16, 64, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    if mapped_source:  # the CPU store that ArkVale reads in place
+        source = [s.pin_memory() for s in source]
+        views = [mapped_device_view(s, torch.device("cuda")) for s in source]
+    else:
+        views = [s.cuda() for s in source]
+    pages = torch.randint(0, 40, (24,), generator=gen).cuda()
+    slots = torch.randperm(12, generator=gen)[:24 // 2].repeat(2).cuda()
+    heads = torch.cat([torch.zeros(12, dtype=torch.long), torch.ones(12, dtype=torch.long)]).cuda()
+    slots[::5] = -1
+    poison = [torch.full((13, 4, 16, 64), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    reference = [p.clone() for p in poison]
+    copy_blocks(*views, pages, *poison, slots, heads)
+    copy_blocks_reference(*views, pages, *reference, slots, heads)
+    torch.cuda.synchronize()
+    for ours, theirs in zip(poison, reference):
+        assert torch.equal(ours[:12].isnan(), theirs[:12].isnan())  # skipped blocks untouched (slot 12: scratch)
+        torch.testing.assert_close(ours[:12].nan_to_num(0), theirs[:12].nan_to_num(0), rtol=0, atol=0)
