@@ -29,7 +29,7 @@ import torch
 from icecache.core.attention import paged_decode_attention
 from icecache.core.errors import ConfigError
 from icecache.core.method import METHODS, Method, MethodConfig
-from icecache.core.scores import gqa_scores
+from icecache.core.scores import page_bounds
 from icecache.core.static_kv import StaticDenseKV
 
 
@@ -61,14 +61,6 @@ def select_pages(scores: torch.Tensor, n_pages: int, page_budget: int) -> torch.
     return torch.cat([top, current], dim=-1)
 
 
-def page_bounds(query: torch.Tensor, page_max: torch.Tensor, page_min: torch.Tensor,
-                n_finished: torch.Tensor) -> torch.Tensor:
-    """``U(p)`` for ``query [Hq, D]`` and metadata ``[Hkv, P, D]`` -> float32 ``[Hq, P]``, ``-inf`` for pages at or
-    past ``n_finished`` (a one-element device tensor): ``q+ . M + q- . m`` in two GQA score passes."""
-    upper = gqa_scores(query.clamp(min=0), page_max, 1.0, n_finished)
-    return upper + gqa_scores(query.clamp(max=0), page_min, 1.0, n_finished)
-
-
 class QuestKV(StaticDenseKV):
     """Keys and values in ``[Hkv, capacity, D]`` buffers (pages of ``page_size`` tokens) plus per-page key max / min
     ``[Hkv, capacity / page_size, D]``, all on the model's device; nothing is evicted."""
@@ -97,8 +89,8 @@ class QuestKV(StaticDenseKV):
     def _metadata_buffers(self) -> None:
         n_kv_heads, capacity, head_dim = self._keys.shape
         n_pages, n_heads = capacity // self.page_size, self.model.n_heads
-        self.page_max = self._keys.new_zeros(n_kv_heads, n_pages, head_dim)
-        self.page_min = self._keys.new_zeros(n_kv_heads, n_pages, head_dim)
+        self.page_max = self._keys.new_full((n_kv_heads, n_pages, head_dim), float("-inf"))
+        self.page_min = self._keys.new_full((n_kv_heads, n_pages, head_dim), float("inf"))
         # Query head h reads KV head h // group: as "virtual pages" kv * P + p of a view with one head per query
         # head (stride 0), a table per query head serves the core's paged attention in one call.
         self._head_base = (torch.arange(n_heads, device=self._keys.device) // (n_heads // n_kv_heads)) * n_pages
@@ -125,10 +117,10 @@ class QuestKV(StaticDenseKV):
             raise ValueError("sparse KV methods run with batch size 1")
         position = self.append_token(key, value)
         page, slot = position // self.page_size, position % self.page_size
-        new_key = key[0, :, 0]
-        for bound, combine in ((self.page_max, torch.maximum), (self.page_min, torch.minimum)):
-            current = bound.index_select(1, page)[:, 0]
-            bound.index_copy_(1, page, torch.where(slot == 0, new_key, combine(current, new_key))[:, None])
+        # Pages past the prompt start at (-inf, +inf), so a token updates its page's box with one reduction each.
+        index = page.view(1, 1, 1).expand(key.shape[1], 1, key.shape[-1])
+        self.page_max.scatter_reduce_(1, index, key[0], reduce="amax")
+        self.page_min.scatter_reduce_(1, index, key[0], reduce="amin")
         q = query[0, :, 0]
         if self.implementation == "simulation":
             out, attended = self._simulated_attention(q, self.seq_len + 1, scaling)
@@ -140,16 +132,16 @@ class QuestKV(StaticDenseKV):
             bounds = page_bounds(q, self.page_max, self.page_min, page)  # pages before the current one
             top = bounds.topk(min(self.page_budget - 1, bounds.shape[1]), dim=-1)
         # Fewer finished pages than the budget: the -inf picks are padding, and every finished page is chosen.
-        table = torch.cat([top.indices, page.expand(q.shape[0], 1)], dim=1)
-        chosen = torch.cat([top.values > float("-inf"), torch.ones_like(table[:, :1], dtype=torch.bool)], dim=1)
-        counts = torch.where(table == page, slot + 1, self.page_size) * chosen
-        out = paged_decode_attention(
-            q, self._per_head_pages(self._keys), self._per_head_pages(self._values),
-            torch.where(chosen, table + self._head_base[:, None], -1), counts, scaling,
-        )
-        self.seq.counters.record_on_device(counts.sum(-1).float().mean())
+        chosen = top.values > float("-inf")
+        table = torch.cat([torch.where(chosen, top.indices + self._head_base[:, None], -1),
+                           (page + self._head_base)[:, None]], dim=1)
+        counts = torch.cat([chosen * self.page_size, (slot + 1).expand(q.shape[0], 1)], dim=1)
+        out = paged_decode_attention(q, self._per_head_pages(self._keys), self._per_head_pages(self._values),
+                                     table, counts, scaling)
+        self.seq.counters.record_on_device(counts.sum() / q.shape[0])
         if self.seq.trace_selection:
-            self.last_attended = self._attended(table, counts, self.seq_len + 1)
+            pages = torch.cat([top.indices, page.expand(q.shape[0], 1)], dim=1)
+            self.last_attended = self._attended(pages, counts, self.seq_len + 1)
         return out.view(1, 1, *q.shape)
 
     def _attended(self, table: torch.Tensor, counts: torch.Tensor, n_tokens: int) -> torch.Tensor:

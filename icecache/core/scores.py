@@ -3,6 +3,7 @@
 * ``gqa_scores``: ``scale * q . k`` of every query head against every key of its KV head, the keys at or past a
   device-side count set to ``-inf`` (oracle TOP-k scores every resident key; Quest scores page bounds with it). The
   count is a device tensor, so a CUDA graph that replays the call sees the current length.
+* ``page_bounds``: Quest's per-page bound ``q+ . M + q- . m`` from per-page key maxima and minima, in one pass.
 * ``causal_column_sums``: for a chunk of prompt queries, the sum over the chunk's rows of the causal softmax
   attention each key receives (H2O's accumulated attention at prefill). The Triton version never builds the
   ``[S, T]`` probability matrix: a first pass computes each row's log-sum-exp, a second sums ``exp(s - lse)``
@@ -44,6 +45,23 @@ def gqa_scores(query: torch.Tensor, keys: torch.Tensor, scale: float, n_valid: t
     return gqa_scores_reference(query, keys, scale, n_valid)
 
 
+def page_bounds_reference(query: torch.Tensor, page_max: torch.Tensor, page_min: torch.Tensor,
+                          n_valid: torch.Tensor) -> torch.Tensor:
+    """Quest's bound ``sum_d max(q_d M_d, q_d m_d) = q+ . M + q- . m`` (``q+ = max(q, 0)``, ``q- = min(q, 0)``; equal
+    since ``M >= m``) for ``query [Hq, D]`` and per-page metadata ``[Hkv, P, D]`` -> float32 ``[Hq, P]``, ``-inf``
+    for pages at or past ``n_valid``."""
+    return (gqa_scores_reference(query.clamp(min=0), page_max, 1.0, n_valid)
+            + gqa_scores_reference(query.clamp(max=0), page_min, 1.0, n_valid))
+
+
+def page_bounds(query: torch.Tensor, page_max: torch.Tensor, page_min: torch.Tensor,
+                n_valid: torch.Tensor) -> torch.Tensor:
+    """Dispatch: one Triton kernel (both metadata tiles, both dots) on CUDA when available, else the reference."""
+    if query.is_cuda and triton_kernels.available():
+        return gqa_scores_triton(query, page_max, 1.0, n_valid, second_keys=page_min)
+    return page_bounds_reference(query, page_max, page_min, n_valid)
+
+
 def causal_column_sums_reference(query: torch.Tensor, keys: torch.Tensor, scaling: float,
                                  chunk_size: int = 256) -> torch.Tensor:
     """Column sums of the causal softmax attention: ``query [Hq, S, D]`` are the last S of ``keys [Hkv, T, D]``.
@@ -78,12 +96,13 @@ if triton is not None:
 
     @triton.jit
     def _gqa_scores_kernel(
-        query_ptr, key_ptr, n_valid_ptr, out_ptr,
+        query_ptr, key_ptr, second_key_ptr, n_valid_ptr, out_ptr,
         n_keys, scale,
         stride_qh, stride_kh, stride_kt, stride_oh,
         GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DIM: tl.constexpr,
-        BLOCK_T: tl.constexpr, IEEE_FP32: tl.constexpr,
+        BLOCK_T: tl.constexpr, IEEE_FP32: tl.constexpr, SIGN_SPLIT: tl.constexpr,
     ):
+        # SIGN_SPLIT: max(q, 0) against the first keys plus min(q, 0) against the second (Quest's page bound).
         kv_head = tl.program_id(0)
         block = tl.program_id(1)
         rows = tl.arange(0, BLOCK_GROUP)
@@ -95,12 +114,20 @@ if triton is not None:
                         mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
         tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
         in_range = tokens < n_keys
-        keys = tl.load(key_ptr + kv_head.to(tl.int64) * stride_kh + tokens[:, None].to(tl.int64) * stride_kt
-                       + dims[None, :], mask=in_range[:, None] & dim_ok[None, :], other=0.0)
+        rows_of_keys = kv_head.to(tl.int64) * stride_kh + tokens[:, None].to(tl.int64) * stride_kt + dims[None, :]
+        keys = tl.load(key_ptr + rows_of_keys, mask=in_range[:, None] & dim_ok[None, :], other=0.0)
+        first = tl.maximum(query, 0.0).to(query.dtype) if SIGN_SPLIT else query
         if IEEE_FP32:
-            scores = tl.dot(query.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
+            scores = tl.dot(first.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
         else:
-            scores = tl.dot(query, tl.trans(keys.to(query.dtype)))
+            scores = tl.dot(first, tl.trans(keys.to(query.dtype)))
+        if SIGN_SPLIT:
+            second_keys = tl.load(second_key_ptr + rows_of_keys, mask=in_range[:, None] & dim_ok[None, :], other=0.0)
+            second = tl.minimum(query, 0.0).to(query.dtype)
+            if IEEE_FP32:
+                scores += tl.dot(second.to(tl.float32), tl.trans(second_keys.to(tl.float32)), input_precision="ieee")
+            else:
+                scores += tl.dot(second, tl.trans(second_keys.to(query.dtype)))
         n_valid = tl.load(n_valid_ptr)
         scores = tl.where((tokens < n_valid)[None, :], scores * scale, float("-inf"))
         tl.store(out_ptr + heads[:, None].to(tl.int64) * stride_oh + tokens[None, :], scores,
@@ -187,10 +214,15 @@ def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def gqa_scores_triton(query: torch.Tensor, keys: torch.Tensor, scale: float, n_valid: torch.Tensor,
-                      block_tokens: int = 128) -> torch.Tensor:
-    """The Triton version of ``gqa_scores_reference`` (CUDA tensors)."""
+                      block_tokens: int = 128, second_keys: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton version of ``gqa_scores_reference`` (CUDA tensors); with ``second_keys`` (same layout as ``keys``)
+    that of ``page_bounds_reference`` (``scale`` applies to the sum)."""
     triton_kernels._require_triton()
     query, keys = _last_dim_contiguous(query), _last_dim_contiguous(keys)
+    if second_keys is not None:
+        second_keys = _last_dim_contiguous(second_keys)
+        if second_keys.shape != keys.shape or second_keys.stride() != keys.stride():
+            raise ValueError("second_keys must have the layout of keys")
     n_heads, head_dim = query.shape
     n_kv_heads, n_keys = keys.shape[:2]
     group = n_heads // n_kv_heads
@@ -201,11 +233,11 @@ def gqa_scores_triton(query: torch.Tensor, keys: torch.Tensor, scale: float, n_v
     fp32 = query.dtype == torch.float32 or keys.dtype == torch.float32
     grid = (n_kv_heads, triton.cdiv(n_keys, block_tokens))
     _gqa_scores_kernel[grid](
-        query, keys, n_valid, out, n_keys, float(scale),
+        query, keys, keys if second_keys is None else second_keys, n_valid, out, n_keys, float(scale),
         query.stride(0), keys.stride(0), keys.stride(1), out.stride(0),
         GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_DIM=triton.next_power_of_2(head_dim), BLOCK_T=block_tokens, IEEE_FP32=fp32,
-        num_warps=8 if fp32 else 4,
+        SIGN_SPLIT=second_keys is not None, num_warps=8 if fp32 else 4,
     )
     return out
 

@@ -96,8 +96,8 @@ class DecodeCounters:
             totals = self._on_device[device] = torch.zeros(4, dtype=torch.float64, device=device)
         if mean_tokens_per_head is not None:
             totals[0] += 1
-        for index, value in given:
-            totals[index] += value.to(torch.float64)
+        for index, value in given:  # one-element tensors of any shape
+            totals[index] += value.to(torch.float64).reshape(())
 
     def _totals(self) -> tuple[int, float, int, int]:
         steps, attended, pages, n_bytes = self.decode_layer_steps, self.attended_tokens, self.pages_loaded, \

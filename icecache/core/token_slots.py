@@ -8,15 +8,21 @@ method keeps on the device), attends over the valid slots, and lets the method u
 (``after_attention``). Nothing in the step reads a host value that changes between steps, so the step is the same
 computation eagerly and replayed.
 
-Attention over the slots is an explicit float32 softmax, since H2O needs the probabilities; the slot order does
-not matter to it. Budget: a step attends to at most ``budget`` tokens, the new one included.
+Attention over the slots does not depend on their order. H2O needs the probabilities, so its attention is an
+explicit float32 softmax; the ring methods fill their slots in order until the ring turns, so their valid slots are
+always a prefix, and they attend with the core's paged kernel over the slot buffer seen as pages (one launch).
+Budget: a step attends to at most ``budget`` tokens, the new one included.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .attention import paged_decode_attention
 from .layer import DenseKV, ModelInfo, SequenceContext
+
+#: Tokens per page of the paged kernel's view of a ring's slots.
+SLOT_PAGE_SIZE = 16
 
 
 def slot_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
@@ -63,8 +69,9 @@ class TokenSlotsKV(DenseKV):
     def on_write(self, slot: torch.Tensor) -> None:
         """Called when the step's token has been written to ``slot [Hkv]``, before the attention."""
 
-    def after_attention(self, probs: torch.Tensor, position: torch.Tensor) -> None:
-        """Called with the step's probabilities ``[Hq, budget]`` over the slots; state changes must be in place."""
+    def after_attention(self, probs: torch.Tensor | None, position: torch.Tensor) -> None:
+        """Called with the step's probabilities ``[Hq, budget]`` over the slots (None where ``attend`` does not make
+        them); state changes must be in place."""
 
     # --- the shared mechanics ----------------------------------------------------------------------------------
     def prefill(self, query, key, value, attention_mask, scaling):
@@ -97,20 +104,31 @@ class TokenSlotsKV(DenseKV):
         if position is None:  # called outside the generation loop: nothing is captured, a host position is fine
             position = torch.full((1,), self.seq_len, dtype=torch.long, device=key.device)
         position = position[:1]
-        n_kv_heads, _, head_dim = self.slot_keys.shape
         slot = self.next_slot(position)  # [Hkv]
-        index = slot[:, None]
-        self.slot_keys.scatter_(1, index[..., None].expand(-1, -1, head_dim), key[0])
-        self.slot_values.scatter_(1, index[..., None].expand(-1, -1, head_dim), value[0])
-        self.slot_positions.scatter_(1, index, position.expand(n_kv_heads, 1))
-        self.on_write(slot)
-        valid = self.slot_positions >= 0
-        out, probs = slot_attention(query[0, :, 0], self.slot_keys, self.slot_values, valid, scaling)
-        self.seq.counters.record_on_device(valid.sum(-1).float().mean())
+        self.write(slot, key[0], value[0], position)
+        out, probs = self.attend(query[0, :, 0], position, scaling)
         if self.seq.trace_selection:
             self.last_attended = self.attended_positions(self.seq_len + 1)
         self.after_attention(probs, position)
         return out.view(1, 1, *out.shape).to(query.dtype)
+
+    def write(self, slot: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position: torch.Tensor) -> None:
+        """The step's ``key``/``value [Hkv, 1, D]`` into ``slot [Hkv]``."""
+        n_kv_heads, _, head_dim = self.slot_keys.shape
+        index = slot[:, None]
+        self.slot_keys.scatter_(1, index[..., None].expand(-1, -1, head_dim), key)
+        self.slot_values.scatter_(1, index[..., None].expand(-1, -1, head_dim), value)
+        self.slot_positions.scatter_(1, index, position.expand(n_kv_heads, 1))
+        self.on_write(slot)
+
+    def attend(self, query: torch.Tensor, position: torch.Tensor,
+               scaling: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``query [Hq, D]`` over the valid slots -> ``(out [Hq, D], probs [Hq, slots] or None)``; records the
+        attended count."""
+        valid = self.slot_positions >= 0
+        out, probs = slot_attention(query, self.slot_keys, self.slot_values, valid, scaling)
+        self.seq.counters.record_on_device(valid.sum(-1).float().mean())
+        return out, probs
 
     def kept_order(self) -> torch.Tensor:
         """``[Hkv, n]``: the slots holding a token, in position order (every head holds as many; host-synchronising,
@@ -152,3 +170,35 @@ class RingSlotsKV(TokenSlotsKV):
 
     def next_slot(self, position):
         return self.ring_slots(position).expand(self.model.n_kv_heads)
+
+    def on_prompt_placed(self, kept, slots):
+        # The paged kernel's view: whole pages of slots (the padding slots are never valid).
+        n_kv_heads, _, head_dim = self.slot_keys.shape
+        n_pages = -(-self.budget // SLOT_PAGE_SIZE)
+        padded = n_pages * SLOT_PAGE_SIZE
+        if padded > self.budget:
+            grow = [torch.cat([t, t.new_zeros(n_kv_heads, padded - self.budget, head_dim)], dim=1)
+                    for t in (self.slot_keys, self.slot_values)]
+            self.slot_keys, self.slot_values = grow
+            self.slot_positions = torch.cat(
+                [self.slot_positions, self.slot_positions.new_full((n_kv_heads, padded - self.budget), -1)], dim=1)
+        device = self.slot_keys.device
+        self._page_table = torch.arange(n_pages, device=device, dtype=torch.int32).expand(n_kv_heads, n_pages)
+        self._page_starts = torch.arange(0, padded, SLOT_PAGE_SIZE, device=device)
+
+    def write(self, slot, key, value, position):
+        # Every head's token goes to the same slot.
+        self.slot_keys.index_copy_(1, slot[:1], key)
+        self.slot_values.index_copy_(1, slot[:1], value)
+        self.slot_positions.index_copy_(1, slot[:1], position.expand(self.slot_positions.shape[0], 1))
+
+    def attend(self, query, position, scaling):
+        # Slots fill in order until the ring turns, so the valid ones are the first min(tokens, budget).
+        n_valid = (position + 1).clamp(max=self.budget)
+        counts = (n_valid - self._page_starts).clamp(0, SLOT_PAGE_SIZE).expand_as(self._page_table)
+        n_kv_heads, n_slots, head_dim = self.slot_keys.shape
+        pages = [t.view(n_kv_heads, n_slots // SLOT_PAGE_SIZE, SLOT_PAGE_SIZE, head_dim).permute(1, 0, 2, 3)
+                 for t in (self.slot_keys, self.slot_values)]
+        out = paged_decode_attention(query, *pages, self._page_table, counts, scaling)
+        self.seq.counters.record_on_device(n_valid)
+        return out, None
