@@ -17,7 +17,8 @@ column sums tile by tile; on CPU ``score_chunk_size`` query rows at a time).
 Decoding keeps ``budget`` slots per KV head (``core.token_slots``). Once the cache is full, a step adds one token
 and evicts one: the older token (outside the recent window) with the smallest score, which is exactly the token
 that the top-``n_heavy`` rule drops. Its slot receives the next token, so the step needs no host decision and
-replays from a CUDA graph.
+replays from a CUDA graph; attention, accumulation and the eviction are one operation (``core.heavy_hitters``,
+one Triton kernel on CUDA).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from icecache.core.errors import ConfigError
+from icecache.core.heavy_hitters import h2o_step
 from icecache.core.method import METHODS, Method, MethodConfig
 from icecache.core.scores import causal_column_sums
 from icecache.core.token_slots import TokenSlotsKV
@@ -103,20 +105,13 @@ class H2OKV(TokenSlotsKV):
         group = self.model.n_heads // self.model.n_kv_heads
         self.scores.scatter_(1, slot.repeat_interleave(group)[:, None], 0.0)  # a new token has no score yet
 
-    def after_attention(self, probs, position):
-        self.scores.add_(probs)
-        n_kv_heads = self.model.n_kv_heads
-        positions = self.slot_positions
-        # The last n_recent - 1 tokens stay (the window of the next step, with its new token); of the older ones,
-        # the one with the smallest score goes, once every slot is taken.
-        older = (positions >= 0) & (positions <= position - (self.n_recent - 1))
-        kv_scores = self.scores.view(n_kv_heads, -1, self.budget).sum(dim=1)
-        victim = kv_scores.masked_fill(~older, float("inf")).argmin(dim=-1)
-        empty = positions < 0
-        full = ~empty.any(dim=-1)
-        self.free_slot.copy_(torch.where(full, victim, empty.int().argmax(dim=-1)))
-        evicted = torch.where(full, -1, positions.gather(1, victim[:, None])[:, 0])
-        positions.scatter_(1, victim[:, None], evicted[:, None])
+    def attend(self, query, position, scaling):
+        # Attention, score accumulation and the choice of the next victim in one step (core.heavy_hitters).
+        out = h2o_step(query, self.slot_keys, self.slot_values, self.slot_positions, self.scores, self.free_slot,
+                       position, scaling, self.n_recent)
+        # Slots fill one per step until all are taken, then one goes as one comes.
+        self.seq.counters.record_on_device((position + 1).clamp(max=self.budget))
+        return out, None
 
 
 @METHODS.register("h2o")

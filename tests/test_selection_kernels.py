@@ -106,3 +106,31 @@ def test_triton_copy_blocks_matches_the_reference_from_device_or_mapped_host_mem
     for ours, theirs in zip(poison, reference):
         assert torch.equal(ours[:12].isnan(), theirs[:12].isnan())  # skipped blocks untouched (slot 12: scratch)
         torch.testing.assert_close(ours[:12].nan_to_num(0), theirs[:12].nan_to_num(0), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_slots,n_empty,group", [(64, 0, 4), (256, 0, 2), (100, 30, 1), (40, 39, 8)])
+def test_triton_h2o_step_matches_the_reference(dtype, n_slots, n_empty, group):
+    """Output, accumulated scores, the next slot and the evicted position, over several steps (ties: lowest slot)."""
+    from icecache.core.heavy_hitters import h2o_step, h2o_step_reference
+
+    if not triton_kernels.available():
+        pytest.skip("needs CUDA and Triton")
+    gen = torch.Generator().manual_seed(n_slots + n_empty)
+    keys = torch.randn(2, n_slots, 64, generator=gen).to("cuda", dtype)
+    values = torch.randn(2, n_slots, 64, generator=gen).to("cuda", dtype)
+    positions = torch.stack([torch.randperm(n_slots, generator=gen) for _ in range(2)]).cuda()
+    positions[:, n_slots - n_empty:] = -1  # the last slots empty (a short prompt)
+    scores = torch.rand(2 * group, n_slots, generator=gen).cuda() * (positions >= 0).repeat_interleave(group, 0)
+    free = torch.zeros(2, dtype=torch.long, device="cuda")
+    state = [positions, scores, free]
+    theirs = [t.clone() for t in state]
+    for step in range(4):
+        query = torch.randn(2 * group, 64, generator=gen).to("cuda", dtype)
+        position = torch.tensor([n_slots + step], device="cuda")
+        out = h2o_step(query, keys, values, *state, position, 0.125, 8)
+        expected = h2o_step_reference(query, keys, values, *theirs, position, 0.125, 8)
+        torch.testing.assert_close(out, expected, rtol=2e-3 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
+        torch.testing.assert_close(state[1], theirs[1], rtol=1e-4, atol=1e-5)
+        assert torch.equal(state[2], theirs[2]) and torch.equal(state[0], theirs[0])

@@ -133,6 +133,13 @@ if triton is not None:
         tl.store(out_ptr + heads[:, None].to(tl.int64) * stride_oh + tokens[None, :], scores,
                  mask=row_ok[:, None] & in_range[None, :])
 
+
+    # Prefill-sized problems (thousands of rows and columns): tile shapes chosen once per geometry on first use.
+    # Both kernels only write their outputs, so the tuning runs leave no trace.
+    _PREFILL_TILES = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+                      for m, n, w, st in ((64, 64, 4, 2), (128, 64, 8, 2), (128, 64, 4, 3), (64, 128, 8, 2))]
+
+    @triton.autotune(configs=_PREFILL_TILES, key=["HEAD_DIM", "GROUP", "IEEE_FP32"])
     @triton.jit
     def _row_lse_kernel(
         query_ptr, key_ptr, lse_ptr,
@@ -172,6 +179,7 @@ if triton is not None:
         lse = running_max + tl.log2(running_sum)
         tl.store(lse_ptr + head.to(tl.int64) * n_queries + rows, lse, mask=row_ok)
 
+    @triton.autotune(configs=_PREFILL_TILES, key=["HEAD_DIM", "GROUP", "IEEE_FP32"])
     @triton.jit
     def _column_sums_kernel(
         query_ptr, key_ptr, lse_ptr, out_ptr,
@@ -242,8 +250,7 @@ def gqa_scores_triton(query: torch.Tensor, keys: torch.Tensor, scale: float, n_v
     return out
 
 
-def causal_column_sums_triton(query: torch.Tensor, keys: torch.Tensor, scaling: float,
-                              block_m: int = 64, block_n: int = 64) -> torch.Tensor:
+def causal_column_sums_triton(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
     """The Triton version of ``causal_column_sums_reference`` (CUDA tensors)."""
     triton_kernels._require_triton()
     query, keys = _last_dim_contiguous(query), _last_dim_contiguous(keys)
@@ -257,11 +264,11 @@ def causal_column_sums_triton(query: torch.Tensor, keys: torch.Tensor, scaling: 
     lse = torch.empty(n_heads, n_queries, dtype=torch.float32, device=query.device)
     fp32 = query.dtype == torch.float32 or keys.dtype == torch.float32
     common = dict(GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_DIM=triton.next_power_of_2(head_dim),
-                  BLOCK_M=block_m, BLOCK_N=block_n, IEEE_FP32=fp32, num_warps=8 if fp32 else 4)
+                  IEEE_FP32=fp32)
     strides = (query.stride(0), query.stride(1), keys.stride(0), keys.stride(1))
     scale_log2 = float(scaling) * _LOG2_E
-    _row_lse_kernel[(n_heads, triton.cdiv(n_queries, block_m))](
+    _row_lse_kernel[lambda meta: (n_heads, triton.cdiv(n_queries, meta["BLOCK_M"]))](
         query, keys, lse, n_queries, n_keys, scale_log2, *strides, **common)
-    _column_sums_kernel[(n_heads, triton.cdiv(n_keys, block_n))](
+    _column_sums_kernel[lambda meta: (n_heads, triton.cdiv(n_keys, meta["BLOCK_N"]))](
         query, keys, lse, out, n_queries, n_keys, scale_log2, *strides, **common)
     return out

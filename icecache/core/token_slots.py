@@ -106,9 +106,9 @@ class TokenSlotsKV(DenseKV):
         position = position[:1]
         slot = self.next_slot(position)  # [Hkv]
         self.write(slot, key[0], value[0], position)
-        out, probs = self.attend(query[0, :, 0], position, scaling)
-        if self.seq.trace_selection:
+        if self.seq.trace_selection:  # what the step attends: the slots after its write, before any eviction
             self.last_attended = self.attended_positions(self.seq_len + 1)
+        out, probs = self.attend(query[0, :, 0], position, scaling)
         self.after_attention(probs, position)
         return out.view(1, 1, *out.shape).to(query.dtype)
 
