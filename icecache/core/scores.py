@@ -161,8 +161,8 @@ if triton is not None:
         positions = rows + offset
         running_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         running_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-        last_key = tl.minimum(offset + (row_block + 1) * BLOCK_M, n_keys)  # keys past the block's last row: masked
-        for start in range(0, last_key, BLOCK_N):
+        # Keys past the block's last row are masked; past n_keys (the last block only) the loads are masked too.
+        for start in range(0, offset + (row_block + 1) * BLOCK_M, BLOCK_N):
             columns = start + tl.arange(0, BLOCK_N)
             keys = tl.load(key_ptr + kv_head.to(tl.int64) * stride_kh + columns[:, None].to(tl.int64) * stride_kt
                            + dims[None, :], mask=(columns < n_keys)[:, None] & dim_ok[None, :], other=0.0)
