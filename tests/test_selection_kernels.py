@@ -131,6 +131,10 @@ def test_triton_h2o_step_matches_the_reference(dtype, n_slots, n_empty, group):
         position = torch.tensor([n_slots + step], device="cuda")
         out = h2o_step(query, keys, values, *state, position, 0.125, 8)
         expected = h2o_step_reference(query, keys, values, *theirs, position, 0.125, 8)
-        torch.testing.assert_close(out, expected, rtol=2e-3 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
+        # The probabilities meet 16-bit values in tf32 (as in the paged attention kernel): ~1e-3 relative.
+        if dtype == torch.bfloat16:
+            assert ((out - expected).norm() / expected.norm()).item() < 2e-3
+        else:
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(state[1], theirs[1], rtol=1e-4, atol=1e-5)
         assert torch.equal(state[2], theirs[2]) and torch.equal(state[0], theirs[0])
