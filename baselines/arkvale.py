@@ -135,7 +135,8 @@ class ArkValeKV(DenseKV):
             raise ValueError("sparse KV methods run with batch size 1")
         out = super().prefill(query, key, value, attention_mask, scaling)
         if not self.seq.more_prefill_chunks:
-            self._offload_prompt(query[0, :, -1], self.keys[0], self.values[0])
+            with self.seq.timer.phase("offload"):
+                self._offload_prompt(query[0, :, -1], self.keys[0], self.values[0])
             self._keys = self._values = None
             self.length = 0
         return out

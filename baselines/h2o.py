@@ -68,7 +68,8 @@ class H2OKV(TokenSlotsKV):
         self.free_slot: torch.Tensor | None = None  # [Hkv]: where the next token goes
 
     def observe_prefill(self, query, scaling):
-        chunk_scores = accumulated_attention(query[0], self.keys[0], scaling, self.score_chunk_size)
+        with self.seq.timer.phase("prompt_scores"):
+            chunk_scores = accumulated_attention(query[0], self.keys[0], scaling, self.score_chunk_size)
         if self.prompt_scores is not None:  # earlier chunks' keys: add this chunk's rows to their running sums
             chunk_scores[:, : self.prompt_scores.shape[1]] += self.prompt_scores
         self.prompt_scores = chunk_scores

@@ -140,6 +140,9 @@ def summarise(measurements: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row.update({f"{key}_median": stats["median"], f"{key}_min": stats["min"], f"{key}_max": stats["max"]})
         phases = sorted({p for g in group for p in g["phases_s"]})
         row["phases_s"] = {p: statistics.median(g["phases_s"].get(p, 0.0) for g in group) for p in phases}
+        prefill = sorted({p for g in group for p in g.get("prefill_phases_s", {})})
+        row["prefill_phases_s"] = {p: statistics.median(g.get("prefill_phases_s", {}).get(p, 0.0) for g in group)
+                                   for p in prefill}
         for key in ("gpu_kv_bytes", "cpu_kv_bytes", "peak_gpu_bytes"):  # the most any repeat held
             values = [g[key] for g in group if g.get(key) is not None]
             row[key] = max(values) if values else None
@@ -167,6 +170,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             return "-" if value is None else f"{value * scale:.{digits}f}"
 
         phases = " ".join(f"{k}={v * 1000:.1f}" for k, v in r["phases_s"].items())
+        phases += "".join(f" prefill:{k}={v * 1000:.0f}" for k, v in r.get("prefill_phases_s", {}).items())
         print(f"{r['context']:>8} {r['method']:<16} {fmt(r['ttft_s_median']):>8} {fmt(r['tt2t_s_median']):>8} "
               f"{fmt(r['tpot_s_median'], 1000, 2):>9} "
               f"{fmt(r['tpot_s_min'], 1000, 1) + '-' + fmt(r['tpot_s_max'], 1000, 1):>15} "
@@ -270,6 +274,7 @@ def main(argv: list[str] | None = None) -> Path:
                         "model": spec.name, "method": name, "budget": method.config.budget, "context": context,
                         "round": round_index - warmups, "ttft_s": result.ttft_s, "tt2t_s": result.tt2t_s,
                         "tpot_s": result.tpot_s, "phases_s": result.phase_breakdown(),
+                        "prefill_phases_s": result.prefill_phases,
                         "decode_steps": len(result.step_times_s), "gpu_kv_bytes": result.gpu_kv_bytes,
                         "cpu_kv_bytes": result.cpu_kv_bytes, "peak_gpu_bytes": result.peak_gpu_bytes,
                         "mean_attended_tokens": result.counters.get("mean_attended_tokens"),

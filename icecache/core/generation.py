@@ -39,6 +39,7 @@ class GenerationResult:
     tpot_s: float | None
     step_times_s: list[float] = field(default_factory=list)
     step_phases: list[dict[str, float]] = field(default_factory=list)
+    prefill_phases: dict[str, float] = field(default_factory=dict)  # timed phases of the prompt (in TTFT)
     counters: dict[str, Any] = field(default_factory=dict)
     gpu_kv_bytes: int = 0
     cpu_kv_bytes: int = 0
@@ -67,6 +68,7 @@ class GenerationResult:
             "tt2t_s": self.tt2t_s,
             "tpot_s": self.tpot_s,
             "phases_s": self.phase_breakdown(),
+            "prefill_phases_s": self.prefill_phases,
             "gpu_kv_bytes": self.gpu_kv_bytes,
             "cpu_kv_bytes": self.cpu_kv_bytes,
             "peak_gpu_bytes": self.peak_gpu_bytes,
@@ -182,7 +184,7 @@ def greedy_generate(
     for token in request.suffix_ids:
         logits = _forward(model, torch.tensor([token], device=device), position, cache)
         position += 1
-    timer.take_step()
+    prefill_phases = timer.take_step()
     if keep_logits:
         logits_kept.append(logits.float().cpu())
     generated = [pick(logits, 0)]
@@ -227,6 +229,7 @@ def greedy_generate(
         tpot_s=statistics.median(step_times[1:]) if len(step_times) > 1 else None,
         step_times_s=step_times,
         step_phases=step_phases,
+        prefill_phases=prefill_phases,
         counters={**cache.seq.counters.as_dict(), **(graphed.counters() if graphed else {})},
         gpu_kv_bytes=cache.gpu_kv_bytes(),
         cpu_kv_bytes=cache.cpu_kv_bytes(),
