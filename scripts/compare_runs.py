@@ -45,7 +45,8 @@ def compare(before: Path, after: Path) -> dict:
                   != (records_b[s]["prediction"], records_b[s].get("output_ids"))]
         pairs.append({
             "run": key, "n_samples": len(common), "identical": len(common) - len(differ), "differ": differ,
-            "only_before": sorted(set(records_a) - set(records_b)), "only_after": sorted(set(records_b) - set(records_a)),
+            "only_before": sorted(set(records_a) - set(records_b)),
+            "only_after": sorted(set(records_b) - set(records_a)),
             "metrics_before": json.loads((a / "metrics.json").read_text()),
             "metrics_after": json.loads((b / "metrics.json").read_text()),
             "provenance_before": json.loads((a / "env.json").read_text()) if (a / "env.json").exists() else None,

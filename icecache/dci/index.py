@@ -261,7 +261,8 @@ class DCIIndex:
         return self._forest.page_tokens(self._instance(instance))
 
     def page_valid_counts(self) -> np.ndarray:
-        """int32 [num_instances, max_pages]: valid tokens per page (get_valid_entries); 0 past an instance's last page."""
+        """int32 [num_instances, max_pages]: valid tokens per page (get_valid_entries); 0 past an instance's last
+        page."""
         return self._forest.page_valid_counts()
 
     def token_to_page(self, instance: int) -> tuple[np.ndarray, np.ndarray]:
