@@ -3,7 +3,7 @@
 Runs are paired by ``<task>/<model>/<method>/budget-<b>`` under each output root (the config hash may differ when a
 setting was added between the two codes). For every pair: both metrics, the number of samples, how many
 predictions (decoded text and output ids) are identical, the ids of those that differ, and both runs' provenance
-(``env.json``). This is how "no accuracy change" is checked for an exact change (BENCHMARKS.md, issue 8 target 5).
+(``env.json``). This is how a change meant to be exact is checked for changed predictions.
 
     python scripts/compare_runs.py /tmp/runs_before /tmp/runs_after --out results/bench/ab_<name>.json
 """

@@ -185,3 +185,8 @@ def test_an_unknown_region_is_an_error(bench_tables, tmp_path):
     page.write_text("<!-- table:nonsense -->\n<!-- /table:nonsense -->\n")
     with pytest.raises(SystemExit, match="unknown table region"):
         bench_tables.main(["--page", str(page), "--results", str(tmp_path), "--paper", str(tmp_path / "none.json")])
+
+
+def test_benchmarks_page_matches_its_result_files(bench_tables):
+    """BENCHMARKS.md's tables are what results/bench/ renders (rerun scripts/bench_tables.py after adding a file)."""
+    assert bench_tables.main(["--check"]) == 0
