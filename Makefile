@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 LAUNCHER ?= local
 
-.PHONY: demo test test-gpu env ruler-data clean-build
+.PHONY: demo lint test test-gpu env ruler-data clean-build
 
 $(STAMP): requirements.txt pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -20,8 +20,12 @@ env: $(STAMP)
 demo: $(STAMP)
 	$(PY) run.py task.lengths=[4096] task.num_depths=5
 
-## CPU test suite (what CI runs).
-test: $(STAMP)
+## Lint gate (ruff, settings in pyproject.toml): pyflakes, pycodestyle, import order, bugbear.
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+## CPU test suite (what CI runs): the lint gate, then pytest.
+test: lint
 	$(PY) -m pytest -q
 
 ## GPU checks on a CUDA host: Triton kernels against their references, the methods on GPU vs their CPU paths,

@@ -1,7 +1,7 @@
 """Benchmark the DCI index at IceCache's settings: build time, one decode step's query time, and recall.
 
 One layer: 8 KV heads (trees) x n keys x 128 dims, 32 query heads (GQA ratio 4). Settings as IceCache uses them
-(ALGORITHMS.md 2.3): 1 x 1 indices, transform, deterministic levels, promotion 0.01 / 0.2, build fov 30 and
+(configs/method/icecache.yaml): 1 x 1 indices, transform, deterministic levels, promotion 0.01 / 0.2, build fov 30 and
 prop_to_retrieve 1.0 with anchors (60, 60, 1.02), query fov max(int(1.5e-3 n), 30) and prop_to_retrieve 0.8,
 K = 12 pages. Exact brute force (torch matmul on CPU) runs in the same process as the reference.
 

@@ -32,9 +32,9 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 def time_host_steps(length: int, steps: int, threads: int) -> dict[str, list[float]]:
     import torch
+    from bench_prompt_index import llama8b_layer_method, timed
 
     import icecache.method as icecache_method
-    from bench_prompt_index import llama8b_layer_method, timed
     from icecache.core.method import SequenceContext
 
     method = llama8b_layer_method(threads)

@@ -1,80 +1,506 @@
 #!/usr/bin/env python
-"""Markdown tables for BENCHMARKS.md from result files: results/bench/ (latency, DCI) and run metrics.json files.
+"""The tables of BENCHMARKS.md, rendered from the result files in results/bench/ and the paper's figures.
 
-    python scripts/bench_tables.py results/bench/latency_h200_*.json results/bench/dci_h200_*.json
-    python scripts/bench_tables.py results/runs/passkey/*/*/*/*/metrics.json
+    python scripts/bench_tables.py            # rewrite every table region of BENCHMARKS.md
+    python scripts/bench_tables.py --check    # exit 1 if a region differs from what the files render
+
+A region is the text between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->``; NAME is one of ``RENDERERS``.
+Each table shows the newest numbers, row by row, and names the file and commit each row comes from:
+
+* latency (``latency_*.json``): for every (context, method) the newest file that measured it. A method variant
+  (``icecache:key=value``) is shown only from the file that gives its base method's row at that context, since it
+  was measured to be compared with it. Ratios are to ``full`` and ``full_static`` of the same file.
+* breakdown: the IceCache and IceCache-reuse rows of the latency table, with their phases and memory.
+* host-step (``host_step_*.json``), prompt-index (``prompt_index_*.json``), dci (``dci_*.json``): the newest file per
+  (host, threads, context) (and, for the index, per first-pass precision).
+* kernels (``kernels_*.json``): the newest file per host.
+* cpu-accuracy (``cpu_accuracy*.json``, lists of run metrics): the newest run per (task, model, method, budget,
+  command-line settings).
+
+"Newest" is the latest ``provenance.date`` (then the file name); the host is the file name's label
+(``latency_<host>_<date>.json``).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
+import shlex
 import sys
 from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parent.parent
+PAGE = REPO / "BENCHMARKS.md"
+RESULTS = REPO / "results" / "bench"
+PAPER = REPO / "results" / "paper" / "paper_figures.json"
+
+METHOD_ORDER = ("full", "full_static", "icecache", "icecache_reuse", "arkvale", "quest", "h2o", "streaming_llm",
+                "snapkv", "oracle_topk")
+REFERENCES = ("full", "full_static")
+ICECACHE_METHODS = ("icecache", "icecache_reuse")
+# Command-line settings of a run that do not change its results (paths, thread counts) or that are columns already.
+NOT_PROTOCOL = ("output_root", "threads", "method.cpu_threads", "task.data_dir", "budget", "method", "task", "model")
+REGION = re.compile(r"(<!-- table:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.DOTALL)
 
 
-def ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
+# --------------------------------------------------------------------------------------------------------------
+# Reading result files
 
 
-def latency(data: dict) -> str:
-    lines = ["| context | method | TTFT s | TT2T s | TPOT ms (min-max) | x full | x full_static | phases ms | GPU KV MiB | "
-             "CPU KV MiB | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for row in data["summary"]:
-        phases = " ".join(f"{k}={1000 * v:.1f}" for k, v in sorted((row.get("phases_s") or {}).items()) if v)
-        lines.append(
-            f"| {row['context']} | {row['method']} | {row['ttft_s_median']:.3f} | {row['tt2t_s_median']:.3f} | "
-            f"{1000 * row['tpot_s_median']:.1f} ({1000 * row['tpot_s_min']:.1f}-{1000 * row['tpot_s_max']:.1f}) | "
-            f"{row['tpot_ratio_to_full']:.2f} | {ratio(row.get('tpot_ratio_to_full_static'))} | {phases} | {row['gpu_kv_bytes'] / 2**20:.0f} | "
-            f"{row['cpu_kv_bytes'] / 2**20:.0f} | {(row['peak_gpu_bytes'] or 0) / 2**30:.1f} |"
-        )
+class Result:
+    """One result file: its data, name, host label and provenance."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.data = json.loads(path.read_text(encoding="utf-8"))
+        self.provenance: dict[str, Any] = self.data.get("provenance") or {}
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def host(self) -> str:
+        """The label between the kind and the date in ``<kind>_<host>_<date>.json``."""
+        match = re.fullmatch(r"(?:latency|dci|kernels|prompt_index|host_step)_(.+?)_\d{8}(?:-\d+)?\.json", self.name)
+        return match.group(1) if match else "?"
+
+    @property
+    def order(self) -> tuple[str, str]:
+        return (str(self.provenance.get("date") or ""), self.name)
+
+    @property
+    def commit(self) -> str:
+        return short_commit(self.provenance)
+
+
+def short_commit(provenance: dict[str, Any]) -> str:
+    commit = str(provenance.get("git_commit") or "?")[:7]
+    return f"{commit} (dirty)" if provenance.get("git_dirty") else commit
+
+
+def load(results: Path, pattern: str) -> list[Result]:
+    """The files matching ``pattern``, oldest first."""
+    return sorted((Result(path) for path in results.glob(pattern)), key=lambda r: r.order)
+
+
+def newest_by(items: list[tuple[tuple, tuple, Any]]) -> dict[tuple, Any]:
+    """``(key, order, value)`` triples -> the value with the largest order for each key."""
+    best: dict[tuple, tuple[tuple, Any]] = {}
+    for key, order, value in items:
+        if key not in best or order > best[key][0]:
+            best[key] = (order, value)
+    return {key: value for key, (_, value) in best.items()}
+
+
+def method_sort_key(method: str) -> tuple[int, str]:
+    base = method.split(":")[0]
+    rank = METHOD_ORDER.index(base) if base in METHOD_ORDER else len(METHOD_ORDER)
+    return rank, method
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Formatting
+
+
+def fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
+    return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
 
 
-def dci(data: dict) -> str:
-    lines = ["| keys | threads | build s / layer | query ms / layer | exact top-k ms (torch) | page recall | token recall | mass recall |",
-             "|---|---|---|---|---|---|---|---|"]
-    for row in data["rows"]:
-        lines.append(
-            f"| {row['n']} | {row['threads']} | {row['build_s']:.3f} | {row['query_ms']:.3f} | {row['exact_ms']:.2f} | "
-            f"{row['page_recall']:.3f} | {row['token_recall']:.3f} | {row['mass_recall']:.3f} |"
-        )
-    return "\n".join(lines)
+def spread(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
+    """median (min-max) of a few rounds."""
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    if len(ordered) == 1:
+        return fmt(median, scale, digits)
+    return f"{fmt(median, scale, digits)} ({fmt(ordered[0], scale, digits)}-{fmt(ordered[-1], scale, digits)})"
 
 
-def runs(paths: list[str]) -> str:
-    lines = ["| task | model | method | budget | protocol | samples | score | details | mean attended tokens | median TPOT s | commit |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for path in paths:
-        data = json.loads(Path(path).read_text())
-        metrics = data["metrics"]
-        details = {k: v for k, v in metrics.items() if k not in ("score", "n") and not isinstance(v, (list,))}
-        attended = data["latency"].get("mean_attended_tokens")
-        tpot = data["latency"].get("median_tpot_s")
-        task = data["settings"]["task"]
-        protocol = "question as decode steps" if task.get("decode_question") else ""
-        if "lengths" in task:
-            protocol = f"{task['lengths']} tokens {protocol}".strip()
-        lines.append(
-            f"| {data['task']} | {data['model']} | {data['method']} | {data['budget']} | {protocol} | {data['n_samples']} | "
-            f"{metrics.get('score')} | {json.dumps(details)} | {'' if attended is None else f'{attended:.0f}'} | "
-            f"{'' if tpot is None else f'{tpot:.3f}'} | {str(data['provenance'].get('git_commit'))[:7]} |"
-        )
-    return "\n".join(lines)
+# --------------------------------------------------------------------------------------------------------------
+# Latency
 
 
-def main(paths: list[str]) -> None:
-    run_files = [p for p in paths if Path(p).name == "metrics.json"]
-    if run_files:
-        print(runs(run_files))
-    for path in [p for p in paths if p not in run_files]:
-        data = json.loads(Path(path).read_text())
-        kind = data.get("kind") or data.get("benchmark")
-        provenance = data.get("provenance", {})
-        print(f"\n`{path}` (commit {str(provenance.get('git_commit'))[:10]}, {provenance.get('gpu')}, "
-              f"torch {provenance.get('torch')}, {provenance.get('date')})\n")
-        print(latency(data) if kind == "latency" else dci(data))
+def latency_rows(results: Path) -> list[tuple[dict[str, Any], Result]]:
+    """The newest summary row per (context, method), variants only beside their base method's row."""
+    files = load(results, "latency_*.json")
+    candidates = [((row["context"], row["method"]), f.order, (row, f)) for f in files for row in f.data["summary"]]
+    newest = newest_by(candidates)
+    chosen = []
+    for (context, method), (row, f) in newest.items():
+        if ":" in method:
+            base = newest.get((context, method.split(":")[0]))
+            if base is None or base[1] is not f:
+                continue
+        chosen.append((row, f))
+    return sorted(chosen, key=lambda item: (item[0]["context"], method_sort_key(item[0]["method"])))
+
+
+def reference_row(f: Result, context: int, method: str) -> dict[str, Any] | None:
+    return next((r for r in f.data["summary"] if r["context"] == context and r["method"] == method), None)
+
+
+def ratio_to(row: dict[str, Any], f: Result, reference: str) -> str:
+    base = reference_row(f, row["context"], reference)
+    if base is None or not base.get("tpot_s_median") or row.get("tpot_s_median") is None:
+        return "-"
+    return f"{row['tpot_s_median'] / base['tpot_s_median']:.2f}"
+
+
+def nearest_context(contexts: list[int], target: int | None) -> int | None:
+    if not contexts or target is None:
+        return None
+    return min(contexts, key=lambda c: (abs(c - target), c))
+
+
+def file_settings(f: Result) -> str:
+    s = f.data.get("settings", {})
+    prefill = "one-chunk prefill" if not s.get("prefill_chunk_size") else f"{s['prefill_chunk_size']}-token chunks"
+    if s.get("layer_by_layer"):
+        prefill += ", layer by layer"
+    if s.get("residual_on_host"):
+        prefill += ", residual stream on the host"
+    warmup = f"{s.get('warmup')} warm-up" + (f" at {s['warmup_length']}" if s.get("warmup_length") else "")
+    p = f.provenance
+    return (f"`{f.name}`: commit {f.commit}, {p.get('date')}, {p.get('gpu') or 'CPU'}, torch {p.get('torch')}, "
+            f"{s.get('model_name') or s.get('model')} ({s.get('source')} weights, {s.get('dtype_resolved')}), "
+            f"budget {s.get('budget')}, {s.get('threads')} threads, {s.get('repeats')} rounds + {warmup}, "
+            f"{s.get('decode_steps')} decode steps, {prefill}")
+
+
+def render_latency(results: Path, paper: dict[str, Any]) -> str:
+    chosen = latency_rows(results)
+    figures = paper.get("latency", {})
+    paper_context = nearest_context(sorted({row["context"] for row, _ in chosen}), figures.get("context_tokens"))
+    rows = []
+    for row, f in chosen:
+        method = row["method"]
+        paper_cell = "-"
+        if row["context"] == paper_context and ":" not in method:
+            tpot, tt2t = figures.get("tpot_ms", {}).get(method), figures.get("tt2t_s", {}).get(method)
+            if tpot is not None or tt2t is not None:
+                paper_cell = f"{fmt(tpot, digits=0)} ms / {fmt(tt2t, digits=2)} s"
+        rows.append([
+            str(row["context"]), f"`{method}`", fmt(row.get("tpot_s_median"), 1000),
+            f"{fmt(row.get('tpot_s_min'), 1000)}-{fmt(row.get('tpot_s_max'), 1000)}",
+            ratio_to(row, f, "full"), ratio_to(row, f, "full_static"),
+            fmt(row.get("ttft_s_median"), digits=2), fmt(row.get("tt2t_s_median"), digits=2),
+            fmt(row.get("peak_gpu_bytes"), 2**-30), paper_cell, f"`{f.name}`", f.commit,
+        ])
+    header = ["context", "method", "TPOT ms", "min-max", "x full", "x full_static", "TTFT s", "TT2T s", "peak GiB",
+              "paper TPOT / TT2T", "file", "commit"]
+    used = sorted({f.name: f for _, f in chosen}.values(), key=lambda f: f.order)
+    sources = "\n".join(f"* {file_settings(f)}" for f in used)
+    note = (f"Ratios are to `full` and `full_static` measured in the same file. The paper's column "
+            f"({figures.get('model')}, {figures.get('task')}, {figures.get('hardware')}) is filled at the context "
+            f"nearest its {figures.get('context_tokens')} tokens.")
+    return "\n\n".join([table(header, rows), note, sources, render_paper_scaling(paper)])
+
+
+def render_paper_scaling(paper: dict[str, Any]) -> str:
+    scaling = paper.get("scaling")
+    if not scaling:
+        return ""
+    cells = "; ".join(
+        f"{int(context) // 1000}k: {values.get('full')} / {values.get('icecache')} / {values.get('icecache_reuse')} ms"
+        for context, values in sorted(scaling["tpot_ms"].items(), key=lambda item: int(item[0]))
+    )
+    return (f"The paper's scaling figure ({scaling['model']}, {scaling['task']}, {scaling['hardware']}), decode "
+            f"latency per token of full / `icecache` / `icecache_reuse`: {cells}.")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# IceCache's decode breakdown and memory
+
+
+def model_weight_bytes(settings: dict[str, Any]) -> int | None:
+    """Bytes of a Llama- or Mistral-architecture model's weights from its config (configs/model/<model>.yaml)."""
+    path = REPO / "configs" / "model" / f"{settings.get('model')}.yaml"
+    if not path.is_file():
+        return None
+    import yaml
+
+    spec = yaml.safe_load(path.read_text(encoding="utf-8"))
+    c = spec.get("config") or {}
+    if spec.get("architecture") not in ("llama", "mistral") or "hidden_size" not in c:
+        return None
+    hidden, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    head_dim = c.get("head_dim") or hidden // c["num_attention_heads"]
+    attention = hidden * head_dim * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
+    per_layer = attention + 3 * hidden * c["intermediate_size"] + 2 * hidden
+    embeddings = vocab * hidden * (1 if c.get("tie_word_embeddings") else 2)
+    n_bytes = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4}.get(settings.get("dtype_resolved"))
+    return None if n_bytes is None else n_bytes * (layers * per_layer + embeddings + hidden)
+
+
+def render_breakdown(results: Path, paper: dict[str, Any]) -> str:
+    rows = []
+    for row, f in latency_rows(results):
+        if row["method"].split(":")[0] not in ICECACHE_METHODS:
+            continue
+        phases = row.get("phases_s") or {}
+        # Phases with a median of zero (insert: one step in 16) are left out.
+        named = {k: v for k, v in phases.items() if k not in ("query", "load", "model") and v >= 5e-5}
+        parts = sum(phases.values())
+        weights = model_weight_bytes(f.data.get("settings", {}))
+        peak = row.get("peak_gpu_bytes")
+        rows.append([
+            str(row["context"]), f"`{row['method']}`", fmt(row.get("tpot_s_median"), 1000),
+            fmt(phases.get("query"), 1000), fmt(phases.get("load"), 1000), fmt(phases.get("model"), 1000),
+            " ".join(f"{k} {fmt(v, 1000)}" for k, v in sorted(named.items())) or "-",
+            fmt(parts / row["tpot_s_median"] if row.get("tpot_s_median") else None, digits=2),
+            fmt(row.get("pages_loaded_per_step"), digits=0), fmt(row.get("bytes_to_gpu_per_step"), 1e-6),
+            fmt(row.get("gpu_kv_bytes"), 2**-20, 0), fmt(row.get("cpu_kv_bytes"), 2**-30),
+            fmt(peak, 2**-30), fmt(None if peak is None or weights is None else peak - weights, 1e-9, 2),
+            f"`{f.name}`", f.commit,
+        ])
+    figure = paper.get("breakdown")
+    if figure:
+        ms = figure["ms"]
+        rows.append([
+            f"paper, ~{figure['context_tokens'] // 1000}k", f"`{figure['method']}`", fmt(ms.get("total"), digits=0),
+            fmt(ms.get("query"), digits=0), fmt(ms.get("load"), digits=0),
+            f"{fmt(ms.get('decoding'), digits=0)} (decoding)",
+            f"other {fmt(ms.get('other'), digits=0)}", "-", "-", "-", "-", "-", "-", "-", figure["hardware"], "-",
+        ])
+    header = ["context", "method", "TPOT ms", "query ms", "load ms", "model ms", "other phases ms", "parts / TPOT",
+              "blocks loaded / step", "MB to GPU / step", "GPU KV MiB", "host KV GiB", "peak GiB",
+              "peak - weights GB", "file", "commit"]
+    return table(header, rows)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Host work per layer: decode step, prompt job
+
+
+def render_host_step(results: Path, paper: dict[str, Any]) -> str:
+    files = load(results, "host_step_*.json")
+    newest = newest_by([((f.host, f.data["threads"], f.data["length"]), f.order, f) for f in files])
+    rows = []
+    for (host, threads, length), f in sorted(newest.items()):
+        ms = f.data["median_ms"]
+        rows.append([host, str(threads), str(length), fmt(ms.get("search"), digits=2), fmt(ms.get("stage"), digits=2),
+                     fmt(ms.get("rest"), digits=2), fmt(ms.get("host_step"), digits=2), str(f.data["steps"]),
+                     f"`{f.name}`", f.commit])
+    header = ["host", "threads", "context", "search ms", "diff + gather ms", "rest ms", "host step ms", "steps",
+              "file", "commit"]
+    return table(header, rows)
+
+
+def render_prompt_index(results: Path, paper: dict[str, Any]) -> str:
+    files = load(results, "prompt_index_*.json")
+    newest = newest_by([((f.host, f.data["threads"], entry["length"]), f.order, (entry, f))
+                        for f in files for entry in f.data["results"]])
+    rows = []
+    for (host, threads, length), (entry, f) in sorted(newest.items()):
+        seconds = entry["seconds"]
+        rows.append([host, str(threads), str(length), spread(seconds["job_total"]), spread(seconds["build"]),
+                     spread(seconds["rewrite"]), spread(seconds["to_float32"]), str(len(seconds["job_total"])),
+                     f"`{f.name}`", f.commit])
+    latency = paper.get("latency", {})
+    tt2t = latency.get("tt2t_s", {}).get("icecache")
+    if tt2t is not None:
+        rows.append([f"paper ({latency.get('hardware')})", "64", f"~{latency.get('context_tokens')}",
+                     f"< {tt2t / 30:.2f} (TT2T {tt2t} s over 30 layers)", "-", "-", "-", "-", "-", "-"])
+    header = ["host", "threads", "context", "job s", "build s", "page rewrite s", "float32 copy s", "rounds", "file",
+              "commit"]
+    return table(header, rows)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# DCI index, kernels
+
+
+def render_dci(results: Path, paper: dict[str, Any]) -> str:
+    files = load(results, "dci_*.json")
+    newest = newest_by([((f.host, row["n"], row["threads"], row.get("score_precision") or "float32"), f.order, (row, f))
+                        for f in files for row in f.data["rows"]])
+    rows = []
+    for (host, n, threads, precision), (row, f) in sorted(newest.items()):
+        rows.append([host, str(n), str(threads), precision, fmt(row["build_s"], digits=3),
+                     fmt(row["query_ms"], digits=3), fmt(row["exact_ms"], digits=2), fmt(row["page_recall"], digits=3),
+                     fmt(row["token_recall"], digits=3), fmt(row["mass_recall"], digits=3), f"`{f.name}`", f.commit])
+    figure = paper.get("breakdown")
+    if figure:
+        per_layer = figure["ms"]["query"] / 30
+        rows.append([f"paper ({figure['hardware']})", f"~{figure['context_tokens']}", "64", "-", "-",
+                     f"~{per_layer:.1f} ({figure['ms']['query']} ms per token over 30 layers)", "-", "-", "-", "-",
+                     "-", "-"])
+    header = ["host", "keys", "threads", "first pass", "build s / layer", "query ms / layer", "exact top-k ms (torch)",
+              "page recall", "token recall", "mass recall", "file", "commit"]
+    return table(header, rows)
+
+
+def render_kernels(results: Path, paper: dict[str, Any]) -> str:
+    newest = newest_by([((f.host,), f.order, f) for f in load(results, "kernels_*.json")])
+    rows = []
+    for (host,), f in sorted(newest.items()):
+        for a in f.data.get("attention", []):
+            comparison = (f"dense SDPA {fmt(a.get('sdpa_dense_us'))}, "
+                          f"PyTorch reference {fmt(a.get('reference_us'), digits=0)}")
+            rows.append([host, "paged decode attention", f"{a['n_pages']} pages, {a['n_tokens']} tokens / KV head",
+                         fmt(a.get("triton_host_us")), fmt(a.get("triton_graph_us")), comparison, f"`{f.name}`",
+                         f.commit])
+        for b in f.data.get("bulk_loader", []):
+            host_us = b.get("load_host_us", b.get("total_us"))
+            rows.append([host, "bulk load", f"{b['load']}, {b['bytes'] / 2**10:.0f} KiB", fmt(host_us),
+                         f"{fmt(b.get('h2d_copy_us'))} (copy)",
+                         f"gather {fmt(b.get('gather_us'))}, scatter {fmt(b.get('scatter_us'))}",
+                         f"`{f.name}`", f.commit])
+    header = ["host", "kernel", "size", "host µs / call", "GPU µs", "for comparison, µs", "file", "commit"]
+    return table(header, rows)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# CPU accuracy
+
+
+def run_overrides(run: dict[str, Any]) -> dict[str, str]:
+    """The ``key=value`` arguments of the run's command line."""
+    words = shlex.split(str(run.get("provenance", {}).get("command") or ""))
+    return dict(word.split("=", 1) for word in words if "=" in word and not word.startswith("-"))
+
+
+def config_defaults() -> dict[str, str]:
+    """The run config's default model (its name) and budget, for run records that do not carry them."""
+    import yaml
+
+    config = yaml.safe_load((REPO / "configs" / "config.yaml").read_text(encoding="utf-8"))
+    choices = {k: v for entry in config["defaults"] if isinstance(entry, dict) for k, v in entry.items()}
+    model = yaml.safe_load((REPO / "configs" / "model" / f"{choices['model']}.yaml").read_text(encoding="utf-8"))
+    return {"model": model["name"], "budget": str(config["budget"]), "task": choices["task"]}
+
+
+def run_key(run: dict[str, Any]) -> tuple[str, str, str, str, str]:
+    """(task, model, method, budget, the command line's other result-changing settings) of one run record; what a
+    record lacks is taken from its command line, else from the run config's defaults (budget marked so)."""
+    overrides, settings, defaults = run_overrides(run), run.get("settings", {}), config_defaults()
+    task = run.get("task") or settings.get("task", {}).get("name") or overrides.get("task", defaults["task"])
+    model = run.get("model") or settings.get("model", {}).get("name") or overrides.get("model", defaults["model"])
+    method = run.get("method") or settings.get("method", {}).get("name") or overrides.get("method", "?")
+    budget = run.get("budget") or settings.get("method", {}).get("budget") or overrides.get("budget")
+    if method in REFERENCES:
+        budget = "-"  # the full caches ignore it
+    elif budget is None:
+        budget = f"{defaults['budget']} (default)"
+    protocol = " ".join(f"{k}={v}" for k, v in overrides.items() if k not in NOT_PROTOCOL)
+    return task, model, method, str(budget), protocol
+
+
+def per_task(metrics: dict[str, Any]) -> str:
+    tasks = metrics.get("tasks")
+    if isinstance(tasks, dict):
+        return ", ".join(f"{task} {' / '.join(f'{v:g}' for v in by_length.values())}"
+                         for task, by_length in tasks.items())
+    by_length = metrics.get("by_length")
+    if isinstance(by_length, dict) and len(by_length) > 1:
+        return ", ".join(f"{length}: {v:g}" for length, v in by_length.items())
+    return "-"
+
+
+def published(task: str, method: str, paper: dict[str, Any]) -> str:
+    if task != "passkey":
+        return "-"
+    cells = []
+    for entry in paper.get("baseline_papers", {}).get("passkey", []):
+        if method in entry.get("score_pct", {}):
+            cells.append(f"{entry['score_pct'][method]:g} ({entry['paper']}, {entry['model']}, "
+                         f"{entry['context_tokens'] // 1000}k, budget {entry['budget']})")
+        elif method in entry.get("score_pct_range", {}):
+            low, high = entry["score_pct_range"][method]
+            cells.append(f"{low:g}-{high:g} ({entry['paper']}, {entry['model']}, {entry['context']}, "
+                         f"budgets {entry['budget']})")
+    return "; ".join(cells) or "-"
+
+
+def render_cpu_accuracy(results: Path, paper: dict[str, Any]) -> str:
+    files = load(results, "cpu_accuracy*.json")
+    items = []
+    for f in files:
+        for run in f.data.get("runs", []):
+            order = (str(run.get("provenance", {}).get("date") or ""), f.name)
+            items.append((run_key(run), order, (run, f)))
+    newest = newest_by(items)
+    rows = []
+    for key in sorted(newest, key=lambda k: (k[0], method_sort_key(k[2]), k[3], k[4])):
+        task, model, method, budget, protocol = key
+        run, f = newest[key]
+        metrics = run.get("metrics", {})
+        attended = (run.get("latency") or {}).get("mean_attended_tokens")
+        rows.append([task, model, f"`{method}`", budget, f"`{protocol}`" if protocol else "-",
+                     str(run.get("n_samples", metrics.get("n"))), fmt(metrics.get("score")), per_task(metrics),
+                     fmt(attended, digits=0), published(task, method, paper), short_commit(run.get("provenance", {})),
+                     f"`{f.name}`"])
+    header = ["task", "model", "method", "budget", "settings", "samples", "score", "per task (by length)",
+              "mean attended tokens", "published (the baseline's paper)", "commit", "file"]
+    return table(header, rows)
+
+
+RENDERERS: dict[str, Callable[[Path, dict[str, Any]], str]] = {
+    "latency": render_latency,
+    "breakdown": render_breakdown,
+    "host-step": render_host_step,
+    "prompt-index": render_prompt_index,
+    "dci": render_dci,
+    "kernels": render_kernels,
+    "cpu-accuracy": render_cpu_accuracy,
+}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The page
+
+
+def render_page(text: str, results: Path, paper: dict[str, Any]) -> str:
+    """``text`` with every table region replaced by what the result files render."""
+    names = [m.group("name") for m in REGION.finditer(text)]
+    unknown = sorted(set(names) - set(RENDERERS))
+    if unknown:
+        raise SystemExit(f"error: unknown table region(s) {', '.join(unknown)}; known: {', '.join(RENDERERS)}")
+
+    def replace(match: re.Match) -> str:
+        body = RENDERERS[match.group("name")](results, paper).rstrip("\n")
+        return f"{match.group(1)}{body}\n{match.group(4)}"
+
+    return REGION.sub(replace, text)
+
+
+def stale_regions(old: str, new: str) -> list[str]:
+    before = {m.group("name"): m.group("body") for m in REGION.finditer(old)}
+    after = {m.group("name"): m.group("body") for m in REGION.finditer(new)}
+    return sorted(name for name in after if before.get(name) != after[name])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--page", type=Path, default=PAGE, help="the Markdown page with table regions")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder of result files")
+    parser.add_argument("--paper", type=Path, default=PAPER, help="the paper's figures (JSON)")
+    parser.add_argument("--check", action="store_true", help="only check that the page is up to date")
+    args = parser.parse_args(argv)
+    text = args.page.read_text(encoding="utf-8")
+    paper = json.loads(args.paper.read_text(encoding="utf-8")) if args.paper.is_file() else {}
+    rendered = render_page(text, args.results, paper)
+    stale = stale_regions(text, rendered)
+    if args.check:
+        if stale:
+            print(f"{args.page} is stale in: {', '.join(stale)}; run python scripts/bench_tables.py", file=sys.stderr)
+            return 1
+        print(f"{args.page}: every table matches {args.results}")
+        return 0
+    if rendered != text:
+        args.page.write_text(rendered, encoding="utf-8")
+    print(f"{args.page}: {len(stale)} table(s) rewritten" + (f" ({', '.join(stale)})" if stale else ""))
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

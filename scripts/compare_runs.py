@@ -3,7 +3,7 @@
 Runs are paired by ``<task>/<model>/<method>/budget-<b>`` under each output root (the config hash may differ when a
 setting was added between the two codes). For every pair: both metrics, the number of samples, how many
 predictions (decoded text and output ids) are identical, the ids of those that differ, and both runs' provenance
-(``env.json``). This is how "no accuracy change" is checked for an exact change (BENCHMARKS.md, issue 8 target 5).
+(``env.json``). This is how a change meant to be exact is checked for changed predictions.
 
     python scripts/compare_runs.py /tmp/runs_before /tmp/runs_after --out results/bench/ab_<name>.json
 """
@@ -45,7 +45,8 @@ def compare(before: Path, after: Path) -> dict:
                   != (records_b[s]["prediction"], records_b[s].get("output_ids"))]
         pairs.append({
             "run": key, "n_samples": len(common), "identical": len(common) - len(differ), "differ": differ,
-            "only_before": sorted(set(records_a) - set(records_b)), "only_after": sorted(set(records_b) - set(records_a)),
+            "only_before": sorted(set(records_a) - set(records_b)),
+            "only_after": sorted(set(records_b) - set(records_a)),
             "metrics_before": json.loads((a / "metrics.json").read_text()),
             "metrics_after": json.loads((b / "metrics.json").read_text()),
             "provenance_before": json.loads((a / "env.json").read_text()) if (a / "env.json").exists() else None,

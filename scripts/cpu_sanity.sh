@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Real-model sanity runs on a CPU (the numbers in BENCHMARKS.md "Real-model accuracy"): SmolLM2-135M with the
+# Real-model sanity runs on a CPU (the numbers in BENCHMARKS.md, "CPU accuracy"): SmolLM2-135M with the
 # full cache on RULER (4k, 8k) and a GSM8K subset, then passkey at 4k tokens and budget 256 for every method
 # (20 depths for full / oracle / Quest / StreamingLLM, 10 for the slower ones on a 2-core CPU).
 # Resumable like every run: rerun to continue. Usage: bash scripts/cpu_sanity.sh [output_root]

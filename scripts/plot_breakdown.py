@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The TPOT breakdown figure of latency result files at one context, the paper's IceCache bars beside it.
 
-    python scripts/plot_breakdown.py results/bench/latency_h200_20261130-113259.json --context 32768 \
+    python scripts/plot_breakdown.py results/bench/latency_<host>_<date>.json --context 32768 \
         --out results/bench/tpot_breakdown_h200_32k
 
 Several files (runs of one setup, each with its own full caches) give one bar per method; a method in more than

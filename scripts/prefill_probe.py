@@ -19,7 +19,6 @@ import statistics
 import sys
 from pathlib import Path
 
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 

@@ -301,8 +301,8 @@ for name in runs:
 
 out = {"sample": sample.sample_id, "tokens": tokens, "needle": needle, "rows": rows,
        "checks": {n: logs[n][1]["checks"] for n in runs},
-       "logits_steps": {n: [(int(l.argmax()), float(torch.log_softmax(l, -1)[tokens[i]]))
-                            for i, l in enumerate(logits_by_run[n])] for n in runs}}
+       "logits_steps": {n: [(int(step.argmax()), float(torch.log_softmax(step, -1)[tokens[i]]))
+                            for i, step in enumerate(logits_by_run[n])] for n in runs}}
 out["provenance"] = provenance.collect()
 out_dir = Path(os.environ.get("REUSE_DIAG_OUT", "/tmp/reuse_diag"))  # raw output: ~300 KB per sample
 out_dir.mkdir(parents=True, exist_ok=True)
@@ -315,18 +315,24 @@ for r in reuse_rs:
     print(f"-- R={r}")
     for pos in range(r):
         sel = [row for row in rows if (row["layer"] - first_sparse) % r == pos]
-        def avg(key):
+
+        def avg(key, sel=sel):
             vals = [row[key] for row in sel if key in row]
             return np.mean(vals) if vals else float("nan")
+
         print(f"  pos +{pos} ({len(set(x['layer'] for x in sel))} layers): icecache {avg('icecache_mass'):.3f} "
               f"reuse {avg(name + '_mass'):.3f} ownrank-over-owner-layout {avg(name + '_ownrank_mass'):.3f} "
               f"top256 {avg('top256_mass'):.3f} | needle mass total {avg('needle_mass'):.4f} "
-              f"ice {avg('icecache_needle'):.4f} reuse {avg(name + '_needle'):.4f} ownrank {avg(name + '_ownrank_needle'):.4f}")
+              f"ice {avg('icecache_needle'):.4f} reuse {avg(name + '_needle'):.4f} "
+              f"ownrank {avg(name + '_ownrank_needle'):.4f}")
 print("\nPer layer (mean over steps): layer pos | icecache  " + "  ".join(f"reuse{r}" for r in reuse_rs)
       + " | top256 | needle total / ice / " + " / ".join(f"reuse{r}" for r in reuse_rs))
 for li in range(first_sparse, info.n_layers):
     sel = [row for row in rows if row["layer"] == li]
-    m = lambda k: np.mean([row[k] for row in sel])
+
+    def m(k, sel=sel):
+        return np.mean([row[k] for row in sel])
+
     print(f"  L{li:2d} " + " ".join(f"+{(li - first_sparse) % r}" for r in reuse_rs)
           + f" | {m('icecache_mass'):.3f} " + " ".join(f"{m(f'reuse{r}_mass'):.3f}" for r in reuse_rs)
           + f" | {m('top256_mass'):.3f} | {m('needle_mass'):.4f} / {m('icecache_needle'):.4f} / "

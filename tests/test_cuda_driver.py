@@ -95,7 +95,6 @@ def test_a_large_page_store_growth_inside_a_captured_host_function_completes():
     """The page store may grow inside a host function (pageable); the token store refuses to, since its growth
     once hung a captured step. This grows a page store by a copy large enough for PyTorch to run it on its
     thread pool, from a host function replayed by a graph, and checks the stream does not hang."""
-    import time
 
     from icecache.core.paged import CpuPageStore
 

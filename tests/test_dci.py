@@ -96,7 +96,7 @@ def test_bulk_load_fills_leaves_evenly():
 
 
 def reference_levels(n: int, p0: float, p1: float) -> list[int]:
-    """ALGORITHMS.md 1.4, deterministic schedule, written out directly."""
+    """The deterministic level schedule (docs/dci.md), written out directly."""
     counts: list[int] = []
     nxt, out = 0, []
     for _ in range(n):

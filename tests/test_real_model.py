@@ -11,15 +11,15 @@ from icecache.core.cache import ATTENTION_NAME, HarnessCache
 from icecache.core.generation import GenerationRequest, greedy_generate
 from icecache.core.method import build_method
 from icecache.core.models import ModelSpec, load_model, model_info
-from icecache.runner import RunConfig
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def smollm2():
-    import yaml
     from pathlib import Path
+
+    import yaml
 
     values = yaml.safe_load((Path(__file__).parent.parent / "configs/model/smollm2_135m.yaml").read_text())
     values.pop("defaults")

@@ -1,6 +1,6 @@
 """``DCIIndex``: many independent multi-level DCI trees (one per KV head) whose leaves are KV pages.
 
-This is the Python face of the C++ index in ``src/`` (ALGORITHMS.md section 1; design notes in docs/dci.md):
+This is the Python face of the C++ index in ``src/`` (design notes in docs/dci.md):
 Prioritized DCI over random directions, its multi-level form, M-DCI's page-leaf B+ tree (at most 16 tokens per
 leaf, 8-16 once a parent has more than one leaf) and the maximum-inner-product transform. Every operation is one
 call over all instances, threaded in C++ with the GIL released. Arrays are float32 and C-contiguous; NumPy arrays
@@ -158,7 +158,7 @@ class DCIIndex:
         anchor_threshold: float = 1.02,
         brute_force_threshold: int = BRUTE_FORCE_THRESHOLD,
     ) -> None:
-        """Bulk-build every instance from scratch over keys [num_instances, n, dim] (section 1.5).
+        """Bulk-build every instance from scratch over keys [num_instances, n, dim] (docs/dci.md, bulk build).
 
         field_of_view / prop_to_retrieve / prop_to_visit are the construction search settings used when a level
         above has more than `brute_force_threshold` points; the anchor settings enable the level-0 shortcut
@@ -185,7 +185,7 @@ class DCIIndex:
         as_batch: bool = True,
         brute_force_threshold: int = BRUTE_FORCE_THRESHOLD,
     ) -> None:
-        """Add keys [num_instances, m, dim]; their token ids continue from `num_tokens` (section 1.6).
+        """Add keys [num_instances, m, dim]; their token ids continue from `num_tokens` (docs/dci.md, insertion).
 
         as_batch=True merges the m keys as one batch (a page of tokens: M and projections take in the batch first,
         new points are placed top level first); False inserts them one by one. Pages whose content changes are
@@ -215,7 +215,7 @@ class DCIIndex:
         ratio: int = 1,
         return_scores: bool = False,
     ) -> tuple[np.ndarray, ...]:
-        """Pages and tokens for one decode step (section 1.7, cumulative multi-level search).
+        """Pages and tokens for one decode step (docs/dci.md, page query: cumulative multi-level search).
 
         queries: [num_instances * ratio, dim]; query head h searches instance h // ratio (GQA).
         Returns (page_ids, token_ids), both int32 [nq, num_pages]: the pages ranked by their best token's score and
@@ -261,7 +261,8 @@ class DCIIndex:
         return self._forest.page_tokens(self._instance(instance))
 
     def page_valid_counts(self) -> np.ndarray:
-        """int32 [num_instances, max_pages]: valid tokens per page (get_valid_entries); 0 past an instance's last page."""
+        """int32 [num_instances, max_pages]: valid tokens per page (get_valid_entries); 0 past an instance's last
+        page."""
         return self._forest.page_valid_counts()
 
     def token_to_page(self, instance: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,5 +1,5 @@
 // Python binding: many independent instances (one per KV head) behind one object, each operation one call over all
-// of them, threaded across instances and within one (section 1.8), with the GIL released.
+// of them, threaded across instances and within one (docs/dci.md, threads), with the GIL released.
 #include <omp.h>
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>

@@ -1,4 +1,4 @@
-// Bulk build (section 1.5): project, assign levels, then from the top level down give every point a parent on the
+// Bulk build (docs/dci.md, bulk build): project, assign levels, then from the top level down give every point a parent on the
 // level above (brute force, DCI search, or the anchor shortcut on level 0) and bulk-load each parent's pages.
 #include <omp.h>
 

@@ -1,4 +1,4 @@
-// Multi-level Prioritized DCI with M-DCI's page leaves and the MIPS transform (ALGORITHMS.md section 1).
+// Multi-level Prioritized DCI with M-DCI's page leaves and the MIPS transform (docs/dci.md).
 //
 // One `Instance` is one independent index (one KV head). Every token is a node stored at exactly one level;
 // each upper-level node (and the virtual root) keeps its children in
@@ -137,7 +137,7 @@ struct alignas(64) Scratch {
   std::vector<Candidate> page_best;    // [pages] best fed point of each page; dist = +inf when none yet
   std::vector<int32_t> pages_hit;      // pages whose page_best is set, to reset them afterwards
   std::vector<uint8_t> page_seen;      // [pages] distinct-page marks of the intermediate-level coverage
-  TopK best_tokens, best_pages;        // the query's two result accumulators (ALGORITHMS.md 1.7 A and B)
+  TopK best_tokens, best_pages;        // the query's two result accumulators (the K best tokens, the K best pages)
 };
 
 // What the distance of a child is measured against: a query (score -q.k in transform mode) or another key.
@@ -179,12 +179,12 @@ class Instance {
  public:
   Instance(const IndexConfig* cfg, const float* dirs, uint64_t seed) : cfg_(cfg), dirs_(dirs), rng_(seed) { reset(); }
 
-  // section 1.5
+  // bulk build (docs/dci.md)
   void build(const float* keys, int64_t n, const SearchConfig& sc, const AnchorConfig& ac, int brute_threshold,
              int threads);
-  // section 1.6
+  // insertion (docs/dci.md)
   void insert(const float* keys, int64_t m, const SearchConfig& sc, bool as_batch, int brute_threshold);
-  // section 1.7
+  // page query (docs/dci.md)
   void query(const float* q, int K, const SearchConfig& sc, Scratch& s, int32_t* pages, int32_t* tokens,
              float* page_scores, float* token_scores) const;
   // The query without its output: leaves s.best_tokens / s.best_pages holding every fed point. With `runs` (and
@@ -224,13 +224,13 @@ class Instance {
   std::string check() const;
 
  private:
-  // level schedule (section 1.4)
+  // level schedule (docs/dci.md)
   int next_level();
   void reset();
   void append_points(const float* keys, int64_t m);
   void project(int64_t first, int64_t last, int threads);
   void correct_projection(int32_t id);
-  // pages (section 1.2)
+  // pages (docs/dci.md, tree and pages)
   int32_t alloc_page();
   void free_page(int32_t page);
   // Flags a page as changed and refreshes its key rows in page_keys_ (the leaf's own buffer, slot order), and with

@@ -1,4 +1,4 @@
-// Incremental insertion (section 1.6). A point goes to the level the schedule gives it; below the top it joins the
+// Incremental insertion (docs/dci.md, insertion). A point goes to the level the schedule gives it; below the top it joins the
 // nearest point of the level above; on a new top level it adopts all old top-level points; on any level above 0 it
 // takes over every point of the level below that is now closer to it than to its parent.
 #include <algorithm>

@@ -1,5 +1,5 @@
-// Points, levels and pages: the level schedule (section 1.4), the MIPS projection with its lazy correction
-// (section 1.3) and the page-leaf B+ tree of each parent (section 1.2).
+// Points, levels and pages: the level schedule, the MIPS projection with its lazy correction
+// and the page-leaf B+ tree of each parent (docs/dci.md: level schedule, MIPS transform, tree and pages).
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -72,7 +72,7 @@ void Instance::append_points(const float* keys, int64_t m) {
   nodes_.resize(n0 + m);
 }
 
-// Projection of a key: u.k + sqrt(M - |k|^2) u_{d+1} (section 1.3); plain u.k without the transform.
+// Projection of a key: u.k + sqrt(M - |k|^2) u_{d+1} (docs/dci.md, MIPS transform); plain u.k without the transform.
 void Instance::project(int64_t first, int64_t last, int threads) {
   const int dim = cfg_->dim, L = cfg_->num_dirs(), stride = cfg_->dir_stride();
   const double M = M_;

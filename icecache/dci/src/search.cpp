@@ -1,6 +1,6 @@
-// Searching: distances in the transformed space (section 1.3), Prioritized DCI over one parent's children
-// (sections 1.1 and 1.7), the cumulative multi-level page query (section 1.7) and the parent search used by
-// construction and insertion (sections 1.5 and 1.6).
+// Searching: distances in the transformed space, Prioritized DCI over one parent's children, the cumulative
+// multi-level page query (docs/dci.md: MIPS transform, children search, page query) and the parent search used by
+// construction and insertion (bulk build, insertion).
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -463,7 +463,7 @@ void Instance::feed(const Candidate& c, Scratch& s) const {
 // level, is fed to the two accumulators: the K best tokens, and the K pages with the best best-token distance
 // (the first K distinct pages of the fed points in distance order).
 //
-// The last level feeds every scored child, not only the best K per expanded parent (ALGORITHMS.md 1.7 step 3).
+// The last level feeds every scored child, not only the best K per expanded parent (docs/dci.md, deviations).
 // The token list is the same either way: a token in the overall best K is among the best K of its parent. The
 // page list is not: a parent's best K children can sit on fewer pages than it owns, so a page whose best token
 // ranks below K among its parent's children was lost even when the budgets covered everything. Feeding every

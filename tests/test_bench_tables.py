@@ -1,0 +1,192 @@
+"""scripts/bench_tables.py on small synthetic result files: which file is newest, which rows a table shows, the
+ratios, and the rewriting and checking of a page's table regions."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def bench_tables():
+    spec = importlib.util.spec_from_file_location("bench_tables", REPO / "scripts" / "bench_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def provenance(date: str, commit: str) -> dict:
+    return {"git_commit": commit * 8, "git_dirty": False, "date": date, "gpu": "Test GPU", "torch": "0.0"}
+
+
+def summary_row(method: str, context: int, tpot_s: float, **extra) -> dict:
+    return {"method": method, "context": context, "tpot_s_median": tpot_s, "tpot_s_min": tpot_s * 0.9,
+            "tpot_s_max": tpot_s * 1.1, "ttft_s_median": 1.0, "tt2t_s_median": 2.0, "peak_gpu_bytes": 2**30,
+            "phases_s": {"model": tpot_s}, "gpu_kv_bytes": 2**20, "cpu_kv_bytes": 0, **extra}
+
+
+def write_latency(folder: Path, name: str, date: str, commit: str, rows: list[dict]) -> None:
+    settings = {"model": "no_such_model", "source": "random", "budget": 256, "threads": 4, "repeats": 2, "warmup": 1,
+                "decode_steps": 64, "prefill_chunk_size": None, "dtype_resolved": "torch.bfloat16"}
+    payload = {"kind": "latency", "settings": settings, "provenance": provenance(date, commit), "summary": rows}
+    (folder / name).write_text(json.dumps(payload))
+
+
+def table_rows(markdown: str) -> list[list[str]]:
+    """The body rows of the first Markdown table in ``markdown``, as lists of cells."""
+    lines = [line for line in markdown.splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
+
+
+@pytest.fixture
+def latency_folder(tmp_path: Path) -> Path:
+    # File names sort against their dates on purpose: "newest" must follow the recorded date.
+    write_latency(tmp_path, "latency_gpu_20990101-000000.json", "2026-01-01T00:00:00+00:00", "a", [
+        summary_row("full", 1024, 0.020), summary_row("full_static", 1024, 0.010),
+        summary_row("icecache", 1024, 0.100), summary_row("quest", 1024, 0.030),
+        summary_row("icecache:old_variant=1", 1024, 0.090),
+        summary_row("full", 4096, 0.040), summary_row("icecache", 4096, 0.200),
+    ])
+    write_latency(tmp_path, "latency_gpu_20000101-000000.json", "2026-02-01T00:00:00+00:00", "b", [
+        summary_row("full", 1024, 0.025), summary_row("full_static", 1024, 0.005),
+        summary_row("icecache", 1024, 0.050), summary_row("icecache:new_variant=1", 1024, 0.060),
+    ])
+    return tmp_path
+
+
+def test_latency_takes_the_newest_file_per_context_and_method(bench_tables, latency_folder):
+    rendered = bench_tables.render_latency(latency_folder, {})
+    rows = {(row[0], row[1].strip("`")): row for row in table_rows(rendered)}
+    newer, older = "latency_gpu_20000101-000000.json", "latency_gpu_20990101-000000.json"
+    assert rows[("1024", "icecache")][10] == f"`{newer}`"
+    assert rows[("1024", "full")][10] == f"`{newer}`"
+    assert rows[("1024", "quest")][10] == f"`{older}`"  # only the older file measured it
+    assert rows[("4096", "icecache")][10] == f"`{older}`"
+    assert rows[("1024", "icecache")][11] == "bbbbbbb"
+    # A variant appears beside its base method's row only: the old one was measured beside a superseded row.
+    assert ("1024", "icecache:new_variant=1") in rows
+    assert ("1024", "icecache:old_variant=1") not in rows
+    assert [key for key in rows] == [("1024", "full"), ("1024", "full_static"), ("1024", "icecache"),
+                                     ("1024", "icecache:new_variant=1"), ("1024", "quest"), ("4096", "full"),
+                                     ("4096", "icecache")]
+
+
+def test_latency_ratios_are_to_the_full_caches_of_the_same_file(bench_tables, latency_folder):
+    rows = {(row[0], row[1].strip("`")): row for row in table_rows(bench_tables.render_latency(latency_folder, {}))}
+    assert rows[("1024", "icecache")][2] == "50.0"
+    assert rows[("1024", "icecache")][4:6] == ["2.00", "10.00"]  # 50 ms against 25 and 5 ms of the newer file
+    assert rows[("1024", "quest")][4:6] == ["1.50", "3.00"]  # 30 ms against 20 and 10 ms of the older file
+    assert rows[("4096", "icecache")][4:6] == ["5.00", "-"]  # no full_static at 4096
+    assert rows[("1024", "full_static")][4:6] == ["0.20", "1.00"]
+
+
+def test_the_paper_column_is_filled_at_the_context_nearest_the_papers(bench_tables, latency_folder):
+    paper = {"latency": {"context_tokens": 3000, "tpot_ms": {"icecache": 100}, "tt2t_s": {"icecache": 7.5}}}
+    rows = {(row[0], row[1].strip("`")): row for row in table_rows(bench_tables.render_latency(latency_folder, paper))}
+    assert rows[("4096", "icecache")][9] == "100 ms / 7.50 s"
+    assert rows[("1024", "icecache")][9] == "-"
+    assert rows[("4096", "full")][9] == "-"
+
+
+def test_breakdown_lists_icecache_rows_with_their_phases(bench_tables, tmp_path):
+    phases = {"query": 0.030, "load": 0.010, "model": 0.020, "insert": 0.0}
+    write_latency(tmp_path, "latency_gpu_20260101-000000.json", "2026-01-01T00:00:00+00:00", "c", [
+        summary_row("full", 2048, 0.02), summary_row("icecache", 2048, 0.060, phases_s=phases,
+                                                     pages_loaded_per_step=100.0, bytes_to_gpu_per_step=2e6),
+        summary_row("quest", 2048, 0.03),
+    ])
+    rows = table_rows(bench_tables.render_breakdown(tmp_path, {}))
+    assert len(rows) == 1
+    row = rows[0]
+    assert row[:8] == ["2048", "`icecache`", "60.0", "30.0", "10.0", "20.0", "-", "1.00"]
+    assert row[8:10] == ["100", "2.0"]
+
+
+def test_llama_weight_bytes_from_the_model_config(bench_tables):
+    # Llama-3.1-8B: 8,030,261,248 parameters.
+    bf16 = "torch.bfloat16"
+    assert bench_tables.model_weight_bytes({"model": "llama31_8b", "dtype_resolved": bf16}) == 2 * 8030261248
+    assert bench_tables.model_weight_bytes({"model": "no_such_model", "dtype_resolved": bf16}) is None
+
+
+def test_dci_keeps_the_newest_row_per_host_size_threads_and_precision(bench_tables, tmp_path):
+    def dci_file(name, date, rows):
+        payload = {"benchmark": "dci", "provenance": provenance(date, "d"), "rows": rows}
+        (tmp_path / name).write_text(json.dumps(payload))
+
+    def dci_row(n, threads, query_ms, precision=None):
+        return {"n": n, "threads": threads, "score_precision": precision, "build_s": 0.1, "query_ms": query_ms,
+                "exact_ms": 1.0, "page_recall": 0.9, "token_recall": 0.9, "mass_recall": 0.99}
+
+    dci_file("dci_box_20260101-000000.json", "2026-01-01T00:00:00+00:00", [dci_row(100, 1, 5.0), dci_row(100, 2, 3.0)])
+    dci_file("dci_box_20260102-000000.json", "2026-01-02T00:00:00+00:00",
+             [dci_row(100, 2, 2.0, "float32"), dci_row(100, 2, 1.5, "half")])
+    rows = table_rows(bench_tables.render_dci(tmp_path, {}))
+    assert [(r[0], r[2], r[3], r[5]) for r in rows] == [
+        ("box", "1", "float32", "5.000"), ("box", "2", "float32", "2.000"), ("box", "2", "half", "1.500")]
+
+
+def run_record(method: str, date: str, command: str, score: float, budget=256) -> dict:
+    return {"task": "passkey", "model": "tiny", "method": method, "budget": budget, "n_samples": 10,
+            "metrics": {"score": score, "n": 10}, "latency": {"mean_attended_tokens": 200.0},
+            "provenance": {"date": date, "git_commit": "e" * 40, "git_dirty": False, "command": command}}
+
+
+def test_cpu_accuracy_takes_the_newest_run_per_settings(bench_tables, tmp_path):
+    runs_old = [run_record("quest", "2026-01-01T00:00:00+00:00", "run.py method=quest task.lengths=[4096]", 40.0),
+                run_record("full", "2026-01-01T00:00:00+00:00", "run.py method=full budget=256", 100.0)]
+    runs_new = [run_record("quest", "2026-01-02T00:00:00+00:00",
+                           "run.py method=quest task.lengths=[4096] output_root=/tmp/x threads=2", 60.0),
+                run_record("quest", "2026-01-02T00:00:00+00:00",
+                           "run.py method=quest task.lengths=[4096] task.decode_question=true", 20.0),
+                run_record("full", "2026-01-02T00:00:00+00:00", "run.py method=full", 90.0, budget=None)]
+    (tmp_path / "cpu_accuracy_a.json").write_text(json.dumps({"kind": "cpu_accuracy", "runs": runs_old}))
+    (tmp_path / "cpu_accuracy_b.json").write_text(json.dumps({"kind": "cpu_accuracy", "runs": runs_new}))
+    rows = table_rows(bench_tables.render_cpu_accuracy(tmp_path, {}))
+    got = [(r[2], r[3], r[4], r[6], r[11]) for r in rows]
+    assert got == [
+        # output_root and threads do not change a result, so they do not make a run distinct; the full cache's
+        # budget is ignored, so its two runs are one, and the newer counts
+        ("`full`", "-", "-", "90.0", "`cpu_accuracy_b.json`"),
+        ("`quest`", "256", "`task.lengths=[4096]`", "60.0", "`cpu_accuracy_b.json`"),
+        ("`quest`", "256", "`task.lengths=[4096] task.decode_question=true`", "20.0", "`cpu_accuracy_b.json`"),
+    ]
+
+
+def test_page_regions_are_rewritten_and_checked(bench_tables, latency_folder, capsys):
+    page = latency_folder / "PAGE.md"
+    page.write_text("# Title\n\nProse stays.\n\n<!-- table:latency -->\nold table\n<!-- /table:latency -->\n\nEnd.\n")
+    paper = latency_folder / "paper.json"
+    paper.write_text("{}")
+    args = ["--page", str(page), "--results", str(latency_folder), "--paper", str(paper)]
+    assert bench_tables.main([*args, "--check"]) == 1
+    assert "old table" in page.read_text()  # --check writes nothing
+    assert bench_tables.main(args) == 0
+    text = page.read_text()
+    assert text.startswith("# Title\n\nProse stays.\n\n<!-- table:latency -->\n| context | method |")
+    assert text.endswith("<!-- /table:latency -->\n\nEnd.\n")
+    assert "old table" not in text
+    assert bench_tables.main([*args, "--check"]) == 0
+    assert bench_tables.main(args) == 0 and page.read_text() == text  # idempotent
+    # a new result file makes the page stale
+    write_latency(latency_folder, "latency_gpu_21000101-000000.json", "2026-03-01T00:00:00+00:00", "f",
+                  [summary_row("full", 1024, 0.030)])
+    assert bench_tables.main([*args, "--check"]) == 1
+    assert "stale in: latency" in capsys.readouterr().err
+
+
+def test_an_unknown_region_is_an_error(bench_tables, tmp_path):
+    page = tmp_path / "PAGE.md"
+    page.write_text("<!-- table:nonsense -->\n<!-- /table:nonsense -->\n")
+    with pytest.raises(SystemExit, match="unknown table region"):
+        bench_tables.main(["--page", str(page), "--results", str(tmp_path), "--paper", str(tmp_path / "none.json")])
+
+
+def test_benchmarks_page_matches_its_result_files(bench_tables):
+    """BENCHMARKS.md's tables are what results/bench/ renders (rerun scripts/bench_tables.py after adding a file)."""
+    assert bench_tables.main(["--check"]) == 0
