@@ -18,7 +18,8 @@ When the window is full, its oldest page is offloaded (from the window's host co
 batch (pages split and change; changed pages are rewritten in the CPU store and reloaded if resident).
 
 With ``cuda_graph`` (on by default; it only acts on CUDA) the decode step, host work included, is captured
-in one CUDA graph: each layer's host work runs as a host function of the graph, so the transformer's kernels are launched by the graph
+in one CUDA graph: each layer's host work runs as a host function of the graph, so the transformer's kernels are
+launched by the graph
 rather than one by one from Python. The dense layers then keep their cache in static buffers
 (``core.static_kv.StaticDenseKV``) so that they can be captured too.
 
@@ -109,7 +110,8 @@ class IceCache(Method):
         super().check()
         cfg = self.config
         if cfg.page_size != DCI_LEAF_CAPACITY:
-            raise ConfigError(f"icecache page_size must be {DCI_LEAF_CAPACITY} (the DCI leaf capacity), not {cfg.page_size}")
+            raise ConfigError(
+                f"icecache page_size must be {DCI_LEAF_CAPACITY} (the DCI leaf capacity), not {cfg.page_size}")
         if cfg.n_sink_pages < 0 or cfg.n_window_pages < 1:
             raise ConfigError("icecache needs n_sink_pages >= 0 and n_window_pages >= 1")
         if self.n_selected_pages < 1:

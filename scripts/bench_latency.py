@@ -269,6 +269,7 @@ def main(argv: list[str] | None = None) -> Path:
                 result = greedy_generate(model, cache, request, prefill_chunk_size=args.prefill_chunk_size,
                                          layer_by_layer=args.layer_by_layer,
                                          residual_on_host=args.residual_on_host)
+                n_steps = max(1, len(result.step_times_s))
                 if measured:
                     measurements.append({
                         "model": spec.name, "method": name, "budget": method.config.budget, "context": context,
@@ -278,8 +279,8 @@ def main(argv: list[str] | None = None) -> Path:
                         "decode_steps": len(result.step_times_s), "gpu_kv_bytes": result.gpu_kv_bytes,
                         "cpu_kv_bytes": result.cpu_kv_bytes, "peak_gpu_bytes": result.peak_gpu_bytes,
                         "mean_attended_tokens": result.counters.get("mean_attended_tokens"),
-                        "pages_loaded_per_step": result.counters.get("pages_loaded", 0) / max(1, len(result.step_times_s)),
-                        "bytes_to_gpu_per_step": result.counters.get("bytes_to_gpu", 0) / max(1, len(result.step_times_s)),
+                        "pages_loaded_per_step": result.counters.get("pages_loaded", 0) / n_steps,
+                        "bytes_to_gpu_per_step": result.counters.get("bytes_to_gpu", 0) / n_steps,
                     })
                 del cache, result
                 if device.type == "cuda":
@@ -290,7 +291,8 @@ def main(argv: list[str] | None = None) -> Path:
     summary = summarise(measurements)
     print_table(summary)
     settings = {k: v for k, v in vars(args).items() if k != "out"}
-    settings.update({"model_name": spec.name, "device_resolved": str(device), "dtype_resolved": str(spec.resolved_dtype())})
+    settings.update({"model_name": spec.name, "device_resolved": str(device),
+                     "dtype_resolved": str(spec.resolved_dtype())})
     payload = {"kind": "latency", "settings": settings, "provenance": provenance.collect(),
                "measurements": measurements, "summary": summary}
     out = Path(args.out)

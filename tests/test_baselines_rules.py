@@ -161,7 +161,8 @@ def test_arkvale_keeps_the_top_pages_resident_and_recalls_them_from_cpu(n_groups
                     end = min((page + 1) * 8, n_tokens)
                     assert layer.last_attended[h, page * 8 : end].all(), f"step {step} head {h} page {page}"
         assert int(layer.last_attended.sum(-1).max()) <= 64
-    assert layer.seq.counters.as_dict()["pages_loaded"] > 0  # recalls happened (their content is checked by invariant 4)
+    # Recalls happened (their content is checked by invariant 4).
+    assert layer.seq.counters.as_dict()["pages_loaded"] > 0
 
 
 # ------------------------------------------------------------------------------------------------------------- H2O

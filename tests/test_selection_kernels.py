@@ -9,8 +9,8 @@ import torch
 
 from icecache.core import triton_kernels
 from icecache.core.paged import copy_blocks, copy_blocks_reference, mapped_device_view
-from icecache.core.scores import (causal_column_sums, causal_column_sums_reference, gqa_scores,
-                                  gqa_scores_reference)
+from icecache.core.scores import causal_column_sums, causal_column_sums_reference, gqa_scores, gqa_scores_reference
+
 
 def test_gqa_scores_reference_is_scaled_dot_products_masked_past_the_count():
     gen = torch.Generator().manual_seed(0)

@@ -46,7 +46,8 @@ def dense_attention(
 def gather_pages(
     pages: torch.Tensor, page_table: torch.Tensor
 ) -> torch.Tensor:
-    """``pages [P, Hkv, page_size, D]``, ``page_table [Hkv, N]`` -> ``[Hkv, N * page_size, D]`` (unused slots arbitrary)."""
+    """``pages [P, Hkv, page_size, D]``, ``page_table [Hkv, N]`` -> ``[Hkv, N * page_size, D]`` (unused slots
+    arbitrary)."""
     n_kv_heads = pages.shape[1]
     heads = torch.arange(n_kv_heads, device=pages.device)[:, None]
     gathered = pages[page_table.clamp(min=0), heads]  # [Hkv, N, page_size, D]

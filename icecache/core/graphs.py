@@ -77,7 +77,7 @@ class GraphedDecodeStep:
             self.capture_error = f"{type(error).__name__}: {error}"
             _release_rng_from_failed_capture(self.input_ids.device)
             warnings.warn(f"CUDA-graph capture of the decode step failed ({self.capture_error}); decoding eagerly",
-                          RuntimeWarning)
+                          RuntimeWarning, stacklevel=2)
             return self(token, position)
         self.graph = graph
         current.wait_stream(self.stream)

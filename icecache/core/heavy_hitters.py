@@ -26,7 +26,8 @@ def h2o_step_reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
                        scores: torch.Tensor, free_slot: torch.Tensor, position: torch.Tensor, scaling: float,
                        n_recent: int) -> torch.Tensor:
     """``query [Hq, D]``; ``keys``/``values [Hkv, S, D]``; ``positions [Hkv, S]`` int64; ``scores [Hq, S]`` float32
-    and ``free_slot [Hkv]`` int64, both updated in place, as ``positions`` (the victim's). Returns float32 ``[Hq, D]``."""
+    and ``free_slot [Hkv]`` int64, both updated in place, as ``positions`` (the victim's). Returns float32
+    ``[Hq, D]``."""
     n_heads, head_dim = query.shape
     n_kv_heads, n_slots = positions.shape
     valid = positions >= 0

@@ -116,7 +116,7 @@ class LayerKV(ABC):
         prompt is offloaded) says no, and the step runs eagerly."""
         return True
 
-    def between_steps(self) -> None:
+    def between_steps(self) -> None:  # noqa: B027  an optional hook: most layers need no upkeep
         """Host-side upkeep the generation loop runs after every replayed decode step, outside the graph (where
         CUDA may be called: allocating pinned memory, say)."""
 

@@ -87,7 +87,8 @@ class DecodeCounters:
     ) -> None:
         """Device scalars, summed without a host synchronisation: a sparsified (layer, step) pair's mean attended
         tokens per query head (which counts the pair), and blocks and bytes it loaded."""
-        given = [(i, v) for i, v in enumerate((None, mean_tokens_per_head, pages_loaded, bytes_to_gpu)) if v is not None]
+        values = (None, mean_tokens_per_head, pages_loaded, bytes_to_gpu)  # in the order of the totals
+        given = [(i, v) for i, v in enumerate(values) if v is not None]
         if not given:
             return
         device = given[0][1].device

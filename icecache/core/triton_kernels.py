@@ -272,10 +272,12 @@ def _launch(kernel, compiled, grid: tuple[int, ...], args: tuple, stream: int, o
         try:
             compiled[tuple(grid) + (1,) * (3 - len(grid))](*args, stream=stream)  # compiled kernels take 3-D grids
             return compiled
-        except (AttributeError, TypeError, IndexError) as error:  # an unexpected Triton internals: use the JIT path from now on
+        # Unexpected Triton internals: use the JIT path from now on.
+        except (AttributeError, TypeError, IndexError) as error:
             import warnings
 
-            warnings.warn(f"direct Triton launch failed ({error!r}); using Triton's launch path", RuntimeWarning)
+            warnings.warn(f"direct Triton launch failed ({error!r}); using Triton's launch path", RuntimeWarning,
+                          stacklevel=2)
             _FAST_LAUNCH = False
     result = kernel[grid](*args, **options)
     return result if _FAST_LAUNCH and hasattr(result, "function") else None
