@@ -177,11 +177,20 @@ class GGUFFileSource(PretrainedSource):
 
 @MODEL_SOURCES.register("gguf_package")
 class GGUFPackageSource(GGUFFileSource):
-    """A GGUF file that a pip package ships (models.md), found without the network."""
+    """A GGUF file that a pip package ships (models.md), found without the network.
+
+    The file's location (inside this clone's venv or the model cache) is looked up where it is needed and never
+    written into the spec: the spec is the run's identity, and the same package on another clone or node must give
+    the same run directory. The package name, file name and sha256 identify the weights."""
 
     def check(self, spec):
-        spec.path = str(package_gguf_path(spec))
-        super().check(spec)
+        verify_sha256(package_gguf_path(spec), spec.sha256)
+
+    def _location(self, spec):
+        return str(package_gguf_path(spec).parent)
+
+    def _kwargs(self, spec):
+        return {"trust_remote_code": spec.trust_remote_code, "gguf_file": package_gguf_path(spec).name}
 
 
 def package_gguf_path(spec: ModelSpec) -> Path:
