@@ -268,8 +268,14 @@ def _check_full_attention(spec: ModelSpec, config) -> None:
         )
 
 
-def load_model(spec: ModelSpec, attn_implementation: str):
-    """-> (model, tokenizer) on the spec's device, in eval mode; asserts the attention backend is pluggable."""
+def load_tokenizer(spec: ModelSpec):
+    """The model's tokenizer alone (the runner builds and checks its samples with it before loading weights)."""
+    return MODEL_SOURCES.get(spec.source)().tokenizer(spec)
+
+
+def load_model(spec: ModelSpec, attn_implementation: str, tokenizer=None):
+    """-> (model, tokenizer) on the spec's device, in eval mode; asserts the attention backend is pluggable.
+    A ``tokenizer`` already loaded (``load_tokenizer``) is returned as is instead of being loaded again."""
     from tqdm.auto import tqdm
 
     source = MODEL_SOURCES.get(spec.source)()
@@ -277,7 +283,7 @@ def load_model(spec: ModelSpec, attn_implementation: str):
     with tqdm(total=2, desc=f"loading {spec.name}", leave=False) as progress:
         model = source.load(spec, attn_implementation)
         progress.update()
-        tokenizer = source.tokenizer(spec)
+        tokenizer = tokenizer if tokenizer is not None else source.tokenizer(spec)
         progress.update()
     _check_full_attention(spec, model.config)
     assert model.is_backend_compatible(), f"{type(model).__name__} does not route attention through the interface"
