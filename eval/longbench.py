@@ -345,6 +345,11 @@ def aggregate_longbench(records: list[dict[str, Any]], with_buckets: bool = Fals
                 for bucket, scores in per_bucket.items()
             }
         result["buckets"] = buckets
+        result["n_per_bucket"] = {
+            name: {bucket: sum(length_bucket(r["meta"]["length"]) == bucket for r in by_dataset[name])
+                   for bucket in LENGTH_BUCKETS}
+            for name in ordered
+        }
         result["bucket_average"] = {
             bucket: _mean_or_none([b[bucket] for b in buckets.values() if b[bucket] is not None])
             for bucket in LENGTH_BUCKETS

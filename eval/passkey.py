@@ -128,6 +128,7 @@ class Passkey(Task):
         for record in records:
             by_length.setdefault(record["meta"]["length"], []).append(record["score"])
         out["by_length"] = {str(k): round(100 * statistics.fmean(v), 2) for k, v in sorted(by_length.items())}
+        out["n_by_length"] = {str(k): len(v) for k, v in sorted(by_length.items())}
         if records:
             out["first_integer"] = round(100 * statistics.fmean(r["first_integer"] for r in records), 2)
         return out

@@ -598,9 +598,13 @@ def aggregate_ruler(records: list[dict[str, Any]]) -> dict[str, Any]:
         length: round(statistics.fmean(score for (_, at), score in per_cell.items() if at == length), 2)
         for length in lengths
     }
+    n_per_task = {
+        task: {length: len(cells[(task, length)]) for length in lengths if (task, length) in cells} for task in tasks
+    }
     return {
         "score": round(statistics.fmean(per_cell.values()), 2) if per_cell else None,
         "n": len(records),
         "tasks": per_task,
+        "n_per_task": n_per_task,
         "lengths": per_length,
     }
