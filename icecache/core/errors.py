@@ -43,7 +43,7 @@ def check_types(cls, values: dict, kind: str) -> None:
 def wrong_type_message(kind: str, key: str, value: Any, expected: Any) -> str:
     if key == "budget":
         return f"budget={value!r} must be a whole number of tokens (or null for budget-free methods)"
-    return f"{kind}.{key}={value!r} must be {describe(expected)}"
+    return f"{f'{kind}.' if kind else ''}{key}={value!r} must be {describe(expected)}"
 
 
 def matches(value: Any, expected: Any) -> bool:
