@@ -94,7 +94,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
                 row = json.loads(line)
             except json.JSONDecodeError as error:
                 reason = f"{error.msg.removesuffix(' at')} at column {error.colno}"
-                raise ConfigError(f"{path} line {number} is not valid JSON ({reason}); fix or remove the line") from None
+                message = f"{path} line {number} is not valid JSON ({reason}); fix or remove the line"
+                raise ConfigError(message) from None
             if not isinstance(row, dict):
                 raise ConfigError(f"{path} line {number} is not a JSON object ({{...}}); fix or remove the line")
             rows.append(row)
