@@ -96,7 +96,22 @@ class IceCacheConfig(MethodConfig):
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "IceCacheConfig":
-        return super().from_dict(values).fitted_to_budget()
+        config = super().from_dict(values).fitted_to_budget()
+        config.check_pages()  # needs no model: a sweep refuses such a cell before any job runs
+        return config
+
+    def check_pages(self) -> None:
+        """``ConfigError`` unless the budget's pages hold the fixed pages and at least one selected page."""
+        if not isinstance(self.budget, int) or isinstance(self.budget, bool) or self.budget <= 0 or self.page_size <= 0:
+            return  # no budget, a wrong type, a bad page size: the method's check says which
+        pages = self.budget // self.page_size
+        if pages - self.n_sink_pages - self.n_window_pages < 1:
+            raise ConfigError(
+                f"budget {self.budget} gives {pages} pages of {self.page_size} tokens, but n_sink_pages "
+                f"({self.n_sink_pages}) + n_window_pages ({self.n_window_pages}) + 1 selected page need "
+                f"{(self.n_sink_pages + self.n_window_pages + 1) * self.page_size}: raise the budget (IceCache needs "
+                f"at least {3 * self.page_size}: 1 sink + 1 selected + 1 window page)"
+            )
 
     def fitted_to_budget(self) -> "IceCacheConfig":
         """The settings IceCache runs with at this budget (docs/eval.md, "IceCache at small budgets").
@@ -144,13 +159,7 @@ class IceCache(Method):
             raise ConfigError(f"icecache page_size must be {DCI_LEAF_CAPACITY} (the DCI leaf capacity), not {cfg.page_size}")
         if cfg.n_sink_pages < 0 or cfg.n_window_pages < 1:
             raise ConfigError("icecache needs n_sink_pages >= 0 and n_window_pages >= 1")
-        if self.n_selected_pages < 1:
-            raise ConfigError(
-                f"budget {cfg.budget} gives {self.page_budget} pages of {cfg.page_size} tokens, but n_sink_pages "
-                f"({cfg.n_sink_pages}) + n_window_pages ({cfg.n_window_pages}) + 1 selected page need "
-                f"{(cfg.n_sink_pages + cfg.n_window_pages + 1) * cfg.page_size}: raise the budget (IceCache needs at "
-                f"least {3 * cfg.page_size}: 1 sink + 1 selected + 1 window page)"
-            )
+        cfg.check_pages()
         if cfg.n_reuse_layers < 1:
             raise ConfigError("n_reuse_layers must be >= 1 (1 = no reuse)")
         if cfg.dci_score_precision not in ("float32", "half"):
