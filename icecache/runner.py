@@ -188,13 +188,24 @@ def check_writable(root: Path) -> None:
                           f"choose another output_root") from None
 
 
+def looks_like_path(path: str) -> bool:
+    """``/models/x``, ``./x``, ``~/x``, ``a/b/c``: a folder, not a hub id (``org/name``)."""
+    return path.startswith(("/", "./", "../", "~")) or path.count("/") > 1
+
+
+def check_model_path(spec: ModelSpec) -> None:
+    """A hub model whose ``model.path`` is a folder that is not there: said before transformers is asked."""
+    path = spec.path or ""
+    if spec.source == "hub" and looks_like_path(path) and not Path(path).expanduser().exists():
+        raise model_error(spec, FileNotFoundError(path))
+
+
 def model_error(spec: ModelSpec, error: BaseException) -> ConfigError:
     """One line for a model whose config or tokenizer cannot be read (a path that is not there, no network)."""
     detail = " ".join(str(error).split()) or type(error).__name__
     detail = detail if len(detail) <= 200 else detail[:197] + "..."
     path = spec.path or ""
-    looks_like_path = path.startswith(("/", "./", "../", "~")) or path.count("/") > 1
-    if spec.source == "hub" and looks_like_path and not Path(path).expanduser().exists():
+    if spec.source == "hub" and looks_like_path(path) and not Path(path).expanduser().exists():
         return ConfigError(
             f"model.path={path} does not exist: set model.path to a local folder with the model's config.json, "
             f"tokenizer and safetensors weights, or to a hub id"
@@ -222,6 +233,7 @@ def prepare(config: RunConfig):
     check_writable(Path(config.output_root))
     task = build_task(config.task)
     task.check_max_length(config.model.max_length)
+    check_model_path(config.model)
     check_model(config.model)
     try:
         info = model_info(config.model)
