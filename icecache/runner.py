@@ -314,9 +314,10 @@ def run(config: RunConfig) -> dict[str, Any]:
     if config.resume and metrics_path.exists():
         print(f"already done: {metrics_path}")
         return json.loads(metrics_path.read_text())
-    for key, (asked, used) in config.adjusted.items():
-        print(f"note: {config.method['name']} at budget {config.method.get('budget')} runs with {key}={used} "
-              f"(asked: {asked}); config.yaml records it (docs/eval.md)", file=sys.stderr)
+    if config.adjusted:
+        used = ", ".join(f"{key}={new} (asked: {old})" for key, (old, new) in config.adjusted.items())
+        print(f"note: {config.method['name']} at budget {config.method.get('budget')} runs with {used}; "
+              f"config.yaml records it (docs/eval.md, IceCache at small budgets)", file=sys.stderr)
     tokenizer, samples = build_samples(task, config)
     out_dir.mkdir(parents=True, exist_ok=True)
     if config.threads is not None:
