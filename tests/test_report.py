@@ -377,3 +377,14 @@ def test_variant_lines_differ_in_style_and_every_legend_entry_has_points(mixed, 
     labels = [text.get_text() for text in ax.get_legend().get_texts()]
     assert "paper (hollow)" not in labels  # no paper points in this figure
     assert sum(label.startswith("IceCache [") for label in labels) == 3
+
+
+def test_latency_table_orders_contexts_as_numbers_and_prints_budgets_as_integers():
+    from eval.report.tables import frame_to_markdown, latency_table
+
+    rows = [{"model": "m", "method": method, "budget": budget, "context": context, "tpot_s_median": 0.01}
+            for context in (16384, 131072, 36000) for method, budget in (("full", None), ("icecache", 256))]
+    markdown = frame_to_markdown(latency_table(pd.DataFrame(rows)))
+    header = markdown.splitlines()[0]
+    assert header.index("@16k") < header.index("@36k") < header.index("@128k")
+    assert "| icecache | 256 |" in markdown and "256.0" not in markdown

@@ -382,8 +382,10 @@ def latency_table(bench: pd.DataFrame) -> pd.DataFrame:
     frame = bench.copy()
     frame["ctx"] = frame["context"].map(length_label)
     frame["tpot_ms"] = 1000 * frame["tpot_s_median"]
-    frame["budget"] = frame["budget"].astype(object).where(frame["budget"].notna(), "")
+    frame["budget"] = frame["budget"].map(budget_text)
     values = ["tpot_ms"] + [c for c in ("tt2t_s_median", "tpot_ratio_to_full", "tpot_ratio_to_full_static") if c in frame]
     wide = frame.pivot_table(index=["model", "method", "budget"], columns="ctx", values=values, aggfunc="first")
+    tokens = dict(zip(frame["ctx"], frame["context"]))
+    wide = wide[sorted(wide.columns, key=lambda c: (values.index(c[0]), float(tokens.get(c[1], 0))))]
     wide.columns = [f"{value}@{ctx}" for value, ctx in wide.columns]
     return wide
