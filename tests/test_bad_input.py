@@ -41,7 +41,7 @@ def data(tmp_path: Path) -> dict[str, Path]:
 TINY = "model=tiny_llama"
 # (id, overrides (may use {lb}, {torn}, {noq}, {empty}, {ruler}), what the line says, last step it may reach)
 CASES = [
-    # issue item 4: tracebacks that are one line now
+    # inputs that ended in a traceback
     ("missing model.path folder", ["model=llama31_8b", "model.path=/nonexistent/Llama-3.1-8B-Instruct"],
      "model.path=/nonexistent/Llama-3.1-8B-Instruct does not exist", SETTINGS),
     ("malformed LongBench line", [TINY, "task=longbench", "task.source=local", "task.data_dir={lb}",
@@ -60,7 +60,7 @@ CASES = [
     ("-m: a cell its method refuses", ["-m", TINY, "method=full,icecache", "budget=32"],
      "1 of the sweep's 2 jobs cannot run; the first, [1] model=tiny_llama method=icecache budget=32", SETTINGS),
     ("a sweep value without -m", [TINY, "method=full,quest"], "needs -m", SETTINGS),
-    # item 5: accepted silently before
+    # inputs that were accepted without a word
     ("budget=250 on IceCache pages", [TINY, "budget=250"], "budget 250 is not a multiple of icecache's page size 16",
      SETTINGS),
     ("budget=250 on Quest pages", [TINY, "method=quest", "budget=250"], "use budget=256 or 240", SETTINGS),
@@ -70,7 +70,7 @@ CASES = [
     ("passkey longer than the model", [TINY, "task.lengths=[9000]"], "exceeds the model's max_length 8000", SETTINGS),
     ("RULER longer than the model", [TINY, "task=ruler", "task.data_dir={ruler}", "task.lengths=[9000]"],
      "ruler length 9000 exceeds the model's max_length 8000", SETTINGS),
-    # item 6: found only after the model had loaded
+    # inputs found only once the model had loaded
     ("passkey length under its fixed text", [TINY, "task.lengths=[10]"], "passkey length 10 is shorter", TOKENIZER),
     ("GSM8K row without question", [TINY, "task=gsm8k", "task.path={noq}"], "row 2 of", SETTINGS),
     ("RULER length too short for a task", [TINY, "task=ruler", "task.data_dir={ruler}", "task.tasks=[qa_1]",
