@@ -4,25 +4,78 @@
     python run.py                                          # embedded default: SmolLM2 passkey at 4k, IceCache
     python run.py method=quest budget=256 task=passkey task.lengths=[8192]
     python run.py -m method=full,icecache budget=64,256   # a sweep (hydra/launcher=slurm for a cluster)
+    python run.py --cfg job method=quest                   # print the composed config, run nothing (Hydra's flag)
 
-Results land in results/runs/<task>/<model>/<method>/budget-<b>/<hash>/ (see README).
+Results land in results/runs/<task>/<model>/<method>/budget-<b>/<hash>/ (see README); the run prints where.
+
+Bad input stops before any work with one line starting ``error:`` and exit code 2. Under ``-m`` every job of the
+sweep is composed and checked first (``python scripts/sweep.py <same overrides> --dry-run`` lists them); a job
+that still fails while the sweep runs prints its line and the others go on; the sweep then exits with code 2.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 GROUPS = ("model", "method", "task", "experiment")
+SWEEP_LEVEL_KEYS = ("experiment", "reference_runs", "bench")  # sweep settings, not run settings
+# Hydra's command-line flags that take a value (``--cfg job``), and the values --info may take.
+FLAGS_WITH_VALUE = frozenset({"--cfg", "-c", "--package", "-p", "--config-path", "-cp", "--config-name", "-cn",
+                              "--config-dir", "-cd", "--experimental-rerun"})
+INFO_FLAGS, INFO_VALUES = frozenset({"--info", "-i"}), frozenset(
+    {"all", "config", "defaults", "defaults-tree", "plugins", "searchpath"})
+MULTIRUN_FLAGS = frozenset({"-m", "--multirun"})
+# Flags after which Hydra prints something and runs no job: the overrides must compose, no more.
+NO_JOB_FLAGS = frozenset({"--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help", "--version",
+                          "--shell-completion", "-sc"})
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(overrides, Hydra flags with their values): ``--cfg job`` is a flag and its value, not an override."""
+    overrides, flags = [], []
+    index = 0
+    while index < len(argv):
+        arg = argv[index]
+        if not arg.startswith("-"):
+            overrides.append(arg)
+        else:
+            flags.append(arg)
+            name = arg.split("=", 1)[0]
+            has_value = "=" not in arg and index + 1 < len(argv)
+            if has_value and (name in FLAGS_WITH_VALUE or (name in INFO_FLAGS and argv[index + 1] in INFO_VALUES)):
+                flags.append(argv[index + 1])
+                index += 1
+        index += 1
+    return overrides, flags
 
 
 def precheck(argv: list[str]) -> None:
-    """Reject malformed overrides, unknown config choices and unknown keys with one line, before any work."""
-    from hydra import compose, initialize_config_dir
+    """Reject malformed overrides, unknown config choices, unknown keys, bad settings and (under ``-m``) any job
+    of the sweep that cannot compose or cannot run, with one line, before any work."""
+    overrides, flags = split_argv(argv)
+    parsed = check_syntax(overrides)
+    flag_names = {flag.split("=", 1)[0] for flag in flags}
+    if flag_names & MULTIRUN_FLAGS:
+        check_sweep(overrides, launching=not flag_names & NO_JOB_FLAGS)
+        return
+    if any(override.is_sweep_override() for override in parsed):
+        fail("a sweep override (a,b or range) needs -m: python run.py -m " + " ".join(overrides))
+    try:
+        with hydra_context():
+            cfg = compose_one(overrides)
+    except Exception as error:  # noqa: BLE001  composition errors (unknown keys, bad types) -> one line
+        fail(f"bad override: {first_line(error)}")
+    if not flag_names & NO_JOB_FLAGS:
+        check_run_settings(cfg)
+
+
+def check_syntax(overrides: list[str]):
+    """Parse the overrides and check the config groups' choices; -> the parsed overrides."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    overrides = [a for a in argv if not a.startswith("-")]
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except Exception as error:  # noqa: BLE001  the parser raises several types; the user needs only the line
@@ -35,13 +88,152 @@ def precheck(argv: list[str]) -> None:
             for value in values.list if hasattr(values, "list") else [values]:
                 if isinstance(value, str) and value not in choices:
                     fail(f"unknown {group} {value!r}; choose one of: {', '.join(choices)}")
-    if "-m" in argv or "--multirun" in argv:
-        return  # sweep values are checked per job
+    return parsed
+
+
+def check_run_settings(cfg) -> None:
+    """What the settings alone show (types, budget rules, unknown method keys): ``RunConfig.from_dict``."""
+    from icecache.core.errors import ConfigError
+    from icecache.runner import RunConfig
+
     try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            compose(config_name="config", overrides=overrides)
-    except Exception as error:  # noqa: BLE001  composition errors (unknown keys, bad types) -> one line
+        RunConfig.from_dict(run_values(cfg))
+    except ConfigError as error:
+        fail(str(error))
+
+
+def run_values(cfg) -> dict:
+    """A composed job config -> the run's settings (the sweep-level keys dropped)."""
+    from omegaconf import OmegaConf
+
+    values = OmegaConf.to_container(cfg, resolve=True)
+    for key in SWEEP_LEVEL_KEYS:
+        values.pop(key, None)
+    return values
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sweeps: the jobs of ``run.py -m <overrides>``, composed quickly (one Hydra composition per choice of config
+# groups, the plain key=value overrides applied to a copy of it by Hydra's own override code)
+
+
+class hydra_context:
+    """``initialize_config_dir`` on the repository's configs, clearing any Hydra state before and after."""
+
+    def __enter__(self):
+        from hydra import initialize_config_dir
+        from hydra.core.global_hydra import GlobalHydra
+
+        GlobalHydra.instance().clear()
+        self._init = initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3")
+        self._init.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        from hydra.core.global_hydra import GlobalHydra
+
+        self._init.__exit__(*exc)
+        GlobalHydra.instance().clear()
+
+
+def compose_one(overrides: list[str], with_hydra: bool = False):
+    from hydra import compose
+
+    return compose(config_name="config", overrides=overrides, return_hydra_config=with_hydra)
+
+
+def sweep_jobs(overrides: list[str], extra_grids: list[list[str]] | None = None):
+    """(job overrides, base config): the jobs ``run.py -m <overrides>`` launches (the experiment's
+    ``hydra.sweeper.params`` with the command line replacing the keys it names, Hydra's BasicSweeper rule), and
+    the config composed without the swept keys (its ``hydra`` node tells the launcher). ``extra_grids`` are more
+    override lists appended to the same grid (scripts/sweep.py's reference runs). Call inside ``hydra_context``."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    parser = OverridesParser.create()
+    plain = [o.input_line for o in parser.parse_overrides(overrides) if not o.is_sweep_override()]
+    base = compose_one(plain, with_hydra=True)
+    sweeper_params = base.hydra.sweeper.get("params")
+    params = [f"{k}={v}" for k, v in (OmegaConf.to_container(sweeper_params) if sweeper_params else {}).items()]
+    jobs: list[list[str]] = []
+    for extra in [[]] + list(extra_grids or []):
+        for batch in BasicSweeper.split_arguments(parser.parse_overrides(params + overrides + extra), None):
+            jobs += [list(job) for job in batch]
+    return jobs, base
+
+
+class JobComposer:
+    """Composes many jobs that differ in a few keys: Hydra composes once per choice of config groups, and each
+    job's plain ``key=value`` overrides go onto a copy with ``ConfigLoaderImpl._apply_overrides_to_config``, the
+    function Hydra's own composition ends with (same result; tests compare the two)."""
+
+    def __init__(self):
+        from hydra.core.global_hydra import GlobalHydra
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        self.parser = OverridesParser.create()
+        self.repository = GlobalHydra.instance().config_loader().repository
+        self.cache: dict[tuple[str, ...], object] = {}
+
+    def is_group(self, override) -> bool:
+        key = override.key_or_group
+        return override.package is not None or "/" in key or self.repository.group_exists(key)
+
+    def compose(self, job: list[str]):
+        from hydra._internal.config_loader_impl import ConfigLoaderImpl
+        from omegaconf import OmegaConf
+
+        parsed = self.parser.parse_overrides(job)
+        groups = tuple(o.input_line for o in parsed if self.is_group(o))
+        values = [o for o in parsed if not self.is_group(o) and not o.is_hydra_override()]
+        if groups not in self.cache:
+            self.cache[groups] = compose_one(list(groups))
+        cfg = OmegaConf.create(OmegaConf.to_container(self.cache[groups]))
+        OmegaConf.set_struct(cfg, True)
+        ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+        return cfg
+
+
+def check_sweep(overrides: list[str], launching: bool) -> None:
+    """Every job of the sweep composes and passes ``RunConfig.from_dict``; else one line: how many fail, and the
+    first with its overrides and its reason. A Slurm launch needs Slurm."""
+    from icecache.core.errors import ConfigError
+
+    try:
+        with hydra_context():
+            jobs, base = sweep_jobs(overrides)
+            composer = JobComposer()
+            failures = []
+            for index, job in enumerate(jobs):
+                try:
+                    cfg = composer.compose(job)
+                except Exception as error:  # noqa: BLE001  a job that cannot compose
+                    failures.append((index, job, f"bad override: {first_line(error)}"))
+                    continue
+                try:
+                    from icecache.runner import RunConfig
+
+                    RunConfig.from_dict(run_values(cfg))
+                except ConfigError as error:
+                    failures.append((index, job, str(error)))
+    except Exception as error:  # noqa: BLE001  the sweep itself does not compose
         fail(f"bad override: {first_line(error)}")
+    if failures:
+        index, job, reason = failures[0]
+        fail(f"{len(failures)} of the sweep's {len(jobs)} jobs cannot run; the first, [{index}] {' '.join(job)}: "
+             f"{reason} (python scripts/sweep.py {' '.join(overrides)} --dry-run lists them all)")
+    if launching:
+        check_launcher(base)
+
+
+def check_launcher(base) -> None:
+    """``hydra/launcher=slurm`` submits with sbatch: without it, say so instead of submitit's traceback."""
+    target = str(base.hydra.launcher.get("_target_", ""))
+    if "SlurmLauncher" in target and shutil.which("sbatch") is None:
+        fail("hydra/launcher=slurm needs a Slurm cluster (no sbatch on this machine's PATH); run on the cluster's "
+             "login node, or here with hydra/launcher=local (one job after another) or hydra/launcher=slurm_local "
+             "(the same submitit path, jobs as local processes)")
 
 
 def first_line(error: BaseException) -> str:
@@ -53,23 +245,30 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
+FAILED_JOBS: list[str] = []  # jobs of this process's sweep that stopped with an error line
+
+
 def main() -> None:
     precheck(sys.argv[1:])
     import hydra
-    from omegaconf import OmegaConf
 
     @hydra.main(config_path=str(CONFIG_DIR), config_name="config", version_base="1.3")
     def _run(cfg) -> None:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
         from icecache.runner import main_from_dict
 
-        values = OmegaConf.to_container(cfg, resolve=True)
-        for key in ("experiment", "reference_runs", "bench"):  # sweep-level keys, not run settings
-            values.pop(key, None)
-        metrics = main_from_dict(values)
-        if metrics:
-            print(f"{metrics['task']} / {metrics['method']} / budget {metrics['budget']}: {metrics['metrics']}")
+        multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+        metrics = main_from_dict(run_values(cfg), exit_on_error=not multirun)
+        if multirun and metrics is None:
+            FAILED_JOBS.append(" ".join(HydraConfig.get().overrides.task))
 
     _run()
+    if FAILED_JOBS:
+        print(f"error: {len(FAILED_JOBS)} job(s) of the sweep stopped with the error above; the others ran. "
+              f"Resubmit the same sweep after fixing them: finished runs are skipped", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -5,12 +5,14 @@ Tasks never import torch kernels or methods; what they need of the model is a ``
 
 from __future__ import annotations
 
+import json
 import statistics
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Iterator
 
-from icecache.core.errors import dataclass_from_dict
+from icecache.core.errors import ConfigError, dataclass_from_dict
 from icecache.core.registry import Registry
 
 
@@ -61,6 +63,10 @@ class Task(ABC):
     def check(self) -> None:
         """Raise ``ConfigError`` for missing data or bad settings, before any model is loaded."""
 
+    def check_max_length(self, max_length: int) -> None:
+        """Raise ``ConfigError`` if the task asks for prompts longer than the model takes (``model.max_length``);
+        called before the model's config or tokenizer is read. Tasks that truncate (LongBench) accept any."""
+
     @abstractmethod
     def samples(self, context: PromptContext) -> Iterator[Sample]:
         """Samples in a fixed order with stable ids (the runner skips ids already written)."""
@@ -74,6 +80,26 @@ class Task(ABC):
         if not records:
             return {"score": None, "n": 0}
         return {"score": round(100 * statistics.fmean(r["score"] for r in records), 2), "n": len(records)}
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The objects of a JSON-lines file (blank lines skipped); a line that is not a JSON object is a
+    ``ConfigError`` that names the file and the line."""
+    rows = []
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                reason = f"{error.msg.removesuffix(' at')} at column {error.colno}"
+                message = f"{path} line {number} is not valid JSON ({reason}); fix or remove the line"
+                raise ConfigError(message) from None
+            if not isinstance(row, dict):
+                raise ConfigError(f"{path} line {number} is not a JSON object ({{...}}); fix or remove the line")
+            rows.append(row)
+    return rows
 
 
 TASKS: Registry[type[Task]] = Registry("task")

@@ -5,7 +5,7 @@ the next ``"\\nQuestion: "`` the model starts. The exemplars are the eight class
 (Wei et al. 2022) because IceCache's own prompt file, ``gsm8k_prompt_formal.txt``, was never made public; see
 ``eval/data/gsm8k/SOURCE.md``.
 
-Answer extraction (ALGORITHMS.md section 7): cut the generation at the first ``"\\nQuestion: "``, remove commas, and
+Answer extraction (docs/algorithms.md, GSM8K): cut the generation at the first ``"\\nQuestion: "``, remove commas, and
 read the last match of ``\\d*\\.?\\d+`` as a float; the gold answer is read the same way (its last number is the one
 after "####"). Equal floats are correct; a generation without a number is wrong. The regex has no sign, so "-5" and
 "5" compare equal, as in the reference.
@@ -13,7 +13,6 @@ after "####"). Equal floats are correct; a generation without a number is wrong.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -23,12 +22,12 @@ from typing import Any, Iterator
 
 from icecache.core.errors import ConfigError
 
-from .base import TASKS, PromptContext, Sample, Task, TaskConfig
+from .base import TASKS, PromptContext, Sample, Task, TaskConfig, read_jsonl
 from .chat import encode_prompt
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXEMPLARS_FILE = Path(__file__).resolve().parent / "data" / "gsm8k" / "cot_8shot.txt"
-DEFAULT_PATH = "../shared/data/gsm8k/test.jsonl"  # relative to the repository root
+DEFAULT_PATH = "~/.cache/icecache-harness/gsm8k/test.jsonl"  # where $ICECACHE_GSM8K is unset
 QUESTION_MARKER = "\nQuestion: "
 NUMBER = re.compile(r"\d*\.?\d+")
 MAX_NEW_TOKENS = 256
@@ -69,7 +68,7 @@ class GSM8KConfig(TaskConfig):
 
 
 def resolve_path(path: str | None) -> Path:
-    """``path``, else ``$ICECACHE_GSM8K``, else ``../shared/data/gsm8k/test.jsonl``; relative to the repository root."""
+    """``path``, else ``$ICECACHE_GSM8K``, else ``DEFAULT_PATH``; a relative path is from the repository root."""
     chosen = Path(path or os.environ.get("ICECACHE_GSM8K") or DEFAULT_PATH).expanduser()
     return chosen if chosen.is_absolute() else (REPO_ROOT / chosen).resolve()
 
@@ -90,7 +89,15 @@ class GSM8K(Task):
             raise ConfigError(f"gsm8k source must be 'local' or 'hub', not {self.config.source!r}")
         if self.config.limit is not None and self.config.limit < 1:
             raise ConfigError(f"task.limit must be at least 1, not {self.config.limit}")
-        self.rows()
+        rows = self.rows()
+        where = resolve_path(self.config.path) if self.config.source == "local" else self.config.hub_repo
+        if not rows:
+            raise ConfigError(f"GSM8K data {where} has no problems: a run of 0 samples would look finished")
+        for index, row in enumerate(rows):
+            missing = [key for key in ("question", "answer") if not isinstance(row.get(key), str)]
+            if missing:
+                raise ConfigError(f"GSM8K row {index + 1} of {where} has no {' or '.join(missing)} (a string); each "
+                                  f"row needs question and answer")
 
     def rows(self) -> list[dict[str, Any]]:
         if self._rows is None:
@@ -106,8 +113,7 @@ class GSM8K(Task):
                     f"GSM8K file {path} not found; set task.path (or $ICECACHE_GSM8K) to a JSONL with fields "
                     f"question and answer (the GSM8K test set), or use task.source=hub"
                 )
-            with path.open(encoding="utf-8") as handle:
-                return [json.loads(line) for line in handle if line.strip()]
+            return read_jsonl(path)
         try:
             from datasets import load_dataset
 

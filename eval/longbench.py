@@ -1,6 +1,6 @@
 """LongBench v1 and LongBench-E (Bai et al. 2023), as ``THUDM/LongBench``'s ``pred.py`` and ``eval.py`` run them.
 
-Per sample (ALGORITHMS.md section 6):
+Per sample (docs/algorithms.md, LongBench):
 
 1. ``prompt = dataset2prompt[dataset].format(**sample)`` (templates are data: ``eval/data/longbench/``).
 2. Middle truncation to the model's prompt budget ``L`` (``PromptContext.max_length``): if the tokenised prompt is
@@ -34,13 +34,13 @@ from typing import Any, Iterator
 
 from icecache.core.errors import ConfigError
 
-from .base import TASKS, PromptContext, Sample, Task, TaskConfig
+from .base import TASKS, PromptContext, Sample, Task, TaskConfig, read_jsonl
 from .chat import encode_prompt, newline_token_id, wrap_chat
 from .metrics import longbench_sample_score, official_round
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DATA_FILES = Path(__file__).resolve().parent / "data" / "longbench"
-DEFAULT_LOCAL_DIR = REPO_ROOT.parent / "shared" / "data" / "longbench"
+DEFAULT_LOCAL_DIR = Path("~/.cache/icecache-harness/longbench").expanduser()
 DATA_ZIP_URL = "https://huggingface.co/datasets/THUDM/LongBench/resolve/main/data.zip"
 
 # Leaderboard categories, in the README's column order; together they are the 21 LongBench v1 sets.
@@ -147,17 +147,13 @@ def _file_stem(dataset: str, variant: str) -> str:
 
 
 def resolve_data_dir(data_dir: str | None) -> Path:
-    """``data_dir``, else ``$ICECACHE_LONGBENCH``, else ``../shared/data/longbench`` beside the repository."""
+    """``data_dir``, else ``$ICECACHE_LONGBENCH``, else ``~/.cache/icecache-harness/longbench``; a relative path is
+    from the repository root."""
     chosen = data_dir or os.environ.get("ICECACHE_LONGBENCH")
     if not chosen:
         return DEFAULT_LOCAL_DIR
     path = Path(chosen).expanduser()
     return path if path.is_absolute() else REPO_ROOT / path
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    with path.open(encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
 
 
 @contextlib.contextmanager
@@ -206,6 +202,20 @@ def load_rows(config: LongBenchConfig, dataset: str) -> list[dict[str, Any]]:
     return [dict(row) for row in table]
 
 
+def check_row(stem: str, index: int, row: dict[str, Any]) -> None:
+    """A row has what prompting and scoring read (the prompt fields, answers, length), else one line says which."""
+    has_prompt = {"input", "context"} <= set(row) or {"context", "question", "answer_prefix"} <= set(row)
+    problems = [] if has_prompt else ["its prompt fields (context + input, or context + question + answer_prefix)"]
+    if not isinstance(row.get("answers"), (list, tuple)):
+        problems.append("answers (a list)")
+    try:
+        int(row.get("length"))
+    except (TypeError, ValueError):
+        problems.append("length (a number)")
+    if problems:
+        raise ConfigError(f"LongBench {stem!r} row {index + 1} lacks {' and '.join(problems)}")
+
+
 @TASKS.register("longbench")
 class LongBench(Task):
     """LongBench v1 (21 sets) or LongBench-E (13 sets), official prompts, truncation and metrics."""
@@ -239,7 +249,12 @@ class LongBench(Task):
         if config.limit is not None and config.limit < 1:
             raise ConfigError(f"task.limit must be at least 1, not {config.limit}")
         for dataset in self.datasets:  # load now: a missing file should stop the run before the model loads
-            self.rows(dataset)
+            rows = self.rows(dataset)
+            stem = _file_stem(dataset, config.variant)
+            if not rows:
+                raise ConfigError(f"LongBench {stem!r} has no samples: a run of 0 samples would look finished")
+            for index, row in enumerate(rows):
+                check_row(stem, index, row)
 
     def rows(self, dataset: str) -> list[dict[str, Any]]:
         """The dataset's rows (cached), cut to ``limit``."""
@@ -330,6 +345,11 @@ def aggregate_longbench(records: list[dict[str, Any]], with_buckets: bool = Fals
                 for bucket, scores in per_bucket.items()
             }
         result["buckets"] = buckets
+        result["n_per_bucket"] = {
+            name: {bucket: sum(length_bucket(r["meta"]["length"]) == bucket for r in by_dataset[name])
+                   for bucket in LENGTH_BUCKETS}
+            for name in ordered
+        }
         result["bucket_average"] = {
             bucket: _mean_or_none([b[bucket] for b in buckets.values() if b[bucket] is not None])
             for bucket in LENGTH_BUCKETS

@@ -1,4 +1,4 @@
-"""Passkey retrieval, the ArkVale / IceCache protocol (ALGORITHMS.md section 7).
+"""Passkey retrieval, the ArkVale / IceCache protocol (docs/algorithms.md, Passkey).
 
 A pass key sentence is hidden at a relative depth in repeated filler text; the model must continue
 "The pass key is" with the key. Lengths are given in tokens: the filler's character count is calibrated with
@@ -55,7 +55,8 @@ def filler_chars_for(tokenizer, n_tokens: int) -> int:
 
     overhead = count(0)
     if overhead >= n_tokens:
-        raise ConfigError(f"passkey length {n_tokens} is shorter than the prompt's fixed text ({overhead} tokens)")
+        raise ConfigError(f"passkey length {n_tokens} is shorter than the prompt's fixed text ({overhead} tokens with "
+                          f"this tokenizer): raise task.lengths")
     chars = (n_tokens - overhead) * 4
     for _ in range(4):  # fixed-point on the tokens-per-character ratio
         chars = max(1, int(chars * (n_tokens - overhead) / max(1, count(chars) - overhead)))
@@ -73,6 +74,18 @@ class Passkey(Task):
             raise ConfigError("task.lengths must be a non-empty list of positive token counts")
         if self.config.num_depths <= 0:
             raise ConfigError("task.num_depths must be positive")
+        if self.config.limit is not None and self.config.limit < 1:
+            raise ConfigError(f"task.limit must be at least 1 (or null for every sample), not {self.config.limit}")
+        if self.config.extra_new_tokens < 0:
+            raise ConfigError(f"task.extra_new_tokens must be >= 0, not {self.config.extra_new_tokens}")
+
+    def check_max_length(self, max_length: int) -> None:
+        too_long = [length for length in self.config.lengths if length > max_length]
+        if too_long:
+            raise ConfigError(
+                f"passkey length {max(too_long)} exceeds the model's max_length {max_length}: lower task.lengths "
+                f"(or raise model.max_length if the model takes longer prompts)"
+            )
 
     def samples(self, context: PromptContext) -> Iterator[Sample]:
         tokenizer = context.tokenizer
@@ -115,6 +128,7 @@ class Passkey(Task):
         for record in records:
             by_length.setdefault(record["meta"]["length"], []).append(record["score"])
         out["by_length"] = {str(k): round(100 * statistics.fmean(v), 2) for k, v in sorted(by_length.items())}
+        out["n_by_length"] = {str(k): len(v) for k, v in sorted(by_length.items())}
         if records:
             out["first_integer"] = round(100 * statistics.fmean(r["first_integer"] for r in records), 2)
         return out

@@ -550,13 +550,16 @@ class Ruler(Task):
         instance, input_ids = built[size]
         return instance, input_ids, size
 
-    def samples(self, context: PromptContext) -> Iterator[Sample]:
+    def check_max_length(self, max_length: int) -> None:
         for length in self.config.lengths:
-            if length > context.max_length:
+            if length > max_length:
                 raise ConfigError(
-                    f"ruler length {length} exceeds the model's max_length {context.max_length}; "
+                    f"ruler length {length} exceeds the model's max_length {max_length}; "
                     f"lower task.lengths or raise the model's max_length"
                 )
+
+    def samples(self, context: PromptContext) -> Iterator[Sample]:
+        self.check_max_length(context.max_length)
         for task in self.tasks:
             for length in self.config.lengths:
                 start_size = None
@@ -595,9 +598,13 @@ def aggregate_ruler(records: list[dict[str, Any]]) -> dict[str, Any]:
         length: round(statistics.fmean(score for (_, at), score in per_cell.items() if at == length), 2)
         for length in lengths
     }
+    n_per_task = {
+        task: {length: len(cells[(task, length)]) for length in lengths if (task, length) in cells} for task in tasks
+    }
     return {
         "score": round(statistics.fmean(per_cell.values()), 2) if per_cell else None,
         "n": len(records),
         "tasks": per_task,
+        "n_per_task": n_per_task,
         "lengths": per_length,
     }

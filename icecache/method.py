@@ -27,15 +27,18 @@ IceCache-reuse (``n_reuse_layers = R``) lets the first layer of each group of R 
 own the index and the selection; the other layers lay out their own keys and values with the owner's pages and
 load the owner's selection.
 
-Choices where the two public code versions differ (ALGORITHMS.md 2.2): we follow v4434: all middle pages are
+Choices where the two public code versions differ (docs/algorithms.md, IceCache): we follow v4434: all middle pages are
 offloaded at prefill, batch insertion of a full window page, anchors (60, 60, 1.02), CPU KV in the model's dtype
-by default (bf16 on GPU; ``cpu_kv_dtype=float32`` gives the main branch's float32 store). Budget (DESIGN.md):
-``budget // page_size`` pages per head in all, of which ``n_sink_pages`` + ``n_window_pages`` are fixed and
-K = the rest are selected. A prompt that fits in the budget is attended densely, as in the reference code.
+by default (bf16 on GPU; ``cpu_kv_dtype=float32`` gives the main branch's float32 store). Budget
+(docs/design.md, Budget semantics): ``budget // page_size`` pages per head in all, of which ``n_sink_pages`` +
+``n_window_pages`` are fixed and K = the rest are selected; at budgets the fixed pages would fill, they shrink to
+one page each (``IceCacheConfig.fitted_to_budget``). A prompt that fits in the budget is attended densely, as in
+the reference code.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -88,6 +91,46 @@ class IceCacheConfig(MethodConfig):
     offload_short_prompts: bool = False  # index even prompts that fit in the budget (tests, analysis)
     seed: int = 0
 
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "IceCacheConfig":
+        config = super().from_dict(values).fitted_to_budget()
+        config.check_pages()  # needs no model: a sweep refuses such a cell before any job runs
+        return config
+
+    def check_pages(self) -> None:
+        """``ConfigError`` unless the budget's pages hold the fixed pages and at least one selected page."""
+        if not isinstance(self.budget, int) or isinstance(self.budget, bool) or self.budget <= 0 or self.page_size <= 0:
+            return  # no budget, a wrong type, a bad page size: the method's check says which
+        pages = self.budget // self.page_size
+        if pages - self.n_sink_pages - self.n_window_pages < 1:
+            raise ConfigError(
+                f"budget {self.budget} gives {pages} pages of {self.page_size} tokens, but n_sink_pages "
+                f"({self.n_sink_pages}) + n_window_pages ({self.n_window_pages}) + 1 selected page need "
+                f"{(self.n_sink_pages + self.n_window_pages + 1) * self.page_size}: raise the budget (IceCache needs "
+                f"at least {3 * self.page_size}: 1 sink + 1 selected + 1 window page)"
+            )
+
+    def fitted_to_budget(self) -> "IceCacheConfig":
+        """The settings IceCache runs with at this budget (docs/eval.md, "IceCache at small budgets").
+
+        The budget counts every GPU slot of a head: sink + selected + window pages of ``page_size`` tokens. When the
+        configured fixed pages leave no page to select (64 tokens are 4 pages; the default 2 sink + 2 window pages
+        fill them), the sink and the window shrink to one page each, which leaves 2 selected pages at 64 and 1 at
+        48. Budgets where the fixed pages already leave a selected page are untouched. Below 3 pages (48 tokens)
+        nothing is changed and ``IceCache.check`` refuses the budget. The runner records the settings returned here,
+        so a run's config.yaml and directory say what was attended.
+        """
+        budget = self.budget
+        if not isinstance(budget, int) or isinstance(budget, bool) or self.page_size <= 0:
+            return self
+        pages = budget // self.page_size
+        if pages - self.n_sink_pages - self.n_window_pages >= 1:
+            return self
+        sink, window = min(self.n_sink_pages, 1), min(self.n_window_pages, 1)
+        if pages - sink - window < 1:
+            return self
+        return dataclasses.replace(self, n_sink_pages=sink, n_window_pages=window)
+
 
 @METHODS.register("icecache")
 class IceCache(Method):
@@ -114,12 +157,7 @@ class IceCache(Method):
                 f"icecache page_size must be {DCI_LEAF_CAPACITY} (the DCI leaf capacity), not {cfg.page_size}")
         if cfg.n_sink_pages < 0 or cfg.n_window_pages < 1:
             raise ConfigError("icecache needs n_sink_pages >= 0 and n_window_pages >= 1")
-        if self.n_selected_pages < 1:
-            raise ConfigError(
-                f"budget {cfg.budget} gives {self.page_budget} pages of {cfg.page_size} tokens, but n_sink_pages "
-                f"({cfg.n_sink_pages}) + n_window_pages ({cfg.n_window_pages}) + 1 selected page need "
-                f"{(cfg.n_sink_pages + cfg.n_window_pages + 1) * cfg.page_size}: raise the budget or lower them"
-            )
+        cfg.check_pages()
         if cfg.n_reuse_layers < 1:
             raise ConfigError("n_reuse_layers must be >= 1 (1 = no reuse)")
         if cfg.dci_score_precision not in ("float32", "half"):

@@ -18,12 +18,40 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from icecache.core.errors import ConfigError
+from icecache.core.errors import ConfigError, check_types
 from icecache.core.method import method_class
 from icecache.core.models import ModelSpec, check_model, model_info
 
 PREDICTIONS = "predictions.jsonl"
 METRICS = "metrics.json"
+
+
+def effective_method_settings(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, Any]]]:
+    """The method's settings as the method runs them, and what differs from those asked for.
+
+    The settings go through the method's config class (unknown keys and wrong types are refused here, before any
+    model is read), which may fit them to the budget (IceCache's fixed pages at small budgets); the run's identity,
+    config.yaml and directory are made of the values returned, so they say what was attended. Budget-free methods
+    get budget None: one run directory whatever budget was asked."""
+    method_cls = method_class(values.get("name"))
+    values = dict(values)
+    if not method_cls.uses_budget:
+        values["budget"] = None
+    settings = method_cls.config_class.from_dict(dict(values))
+    effective = {key: getattr(settings, key) for key in values}
+    budget = effective.get("budget")
+    if method_cls.uses_budget:
+        if budget is None or budget <= 0:
+            raise ConfigError(f"method {values['name']!r} needs a positive budget: add budget=<tokens>")
+        page_size = getattr(settings, "page_size", None)
+        if isinstance(page_size, int) and page_size > 0 and budget % page_size:
+            lower, upper = budget // page_size * page_size, (budget // page_size + 1) * page_size
+            raise ConfigError(
+                f"budget {budget} is not a multiple of {values['name']}'s page size {page_size}: the method attends "
+                f"whole pages ({lower} tokens at this budget); use budget={upper}" + (f" or {lower}" if lower else "")
+            )
+    adjusted = {key: (values[key], effective[key]) for key in values if values[key] != effective[key]}
+    return effective, adjusted
 
 
 @dataclass
@@ -39,16 +67,31 @@ class RunConfig:
     measure_phases: bool = False
     resume: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
+    adjusted: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # method settings fitted to the budget
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "RunConfig":
+        """Settings -> RunConfig, refusing at once (``ConfigError``) what the settings alone show to be wrong."""
         values = dict(values)
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} - {"adjusted"}
         extra = {k: values.pop(k) for k in list(values) if k not in known}
-        method = dict(values.pop("method"))
-        if not method_class(method.get("name")).uses_budget:
-            method["budget"] = None  # the full cache ignores it: one run directory whatever budget was asked
-        return cls(model=ModelSpec.from_dict(dict(values.pop("model"))), method=method, extra=extra, **values)
+        check_types(cls, {k: v for k, v in values.items() if k not in ("model", "method", "task")}, "")
+        method, adjusted = effective_method_settings(dict(values.pop("method")))
+        config = cls(model=ModelSpec.from_dict(dict(values.pop("model"))), method=method, extra=extra,
+                     adjusted=adjusted, **values)
+        config.check_settings()
+        return config
+
+    def check_settings(self) -> None:
+        """The run's own settings (the method's and the task's have their checks)."""
+        if self.threads is not None and self.threads < 1:
+            raise ConfigError(f"threads={self.threads} must be at least 1 (or null for torch's default)")
+        if self.prefill_chunk_size is not None and self.prefill_chunk_size <= 0:
+            raise ConfigError("prefill_chunk_size must be positive or null")
+        if self.prefill_residual_on_host and not self.layer_by_layer_prefill:
+            raise ConfigError("prefill_residual_on_host=true needs layer_by_layer_prefill=true")
+        if not str(self.output_root).strip():
+            raise ConfigError("output_root is empty: give a folder, e.g. output_root=results/runs")
 
     def identity(self) -> dict[str, Any]:
         """The settings that can change a result (device and dtype included, threads and paths not)."""
@@ -128,23 +171,118 @@ class RunLock:
         self.handle.close()
 
 
+def check_writable(root: Path) -> None:
+    """Refuse an ``output_root`` that cannot hold directories, without creating anything: a probe directory is made
+    and removed in the nearest existing ancestor (permission bits do not tell for root, nor for /proc or /sys)."""
+    import tempfile
+
+    ancestor = Path(root).expanduser().absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ConfigError(f"output_root={root}: {ancestor} is a file, not a folder; choose another output_root")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".icecache-probe-", dir=ancestor))
+    except OSError as error:
+        raise ConfigError(f"output_root={root}: cannot create folders under {ancestor} ({error.strerror or error}); "
+                          f"choose another output_root") from None
+
+
+def looks_like_path(path: str) -> bool:
+    """``/models/x``, ``./x``, ``~/x``, ``a/b/c``: a folder, not a hub id (``org/name``)."""
+    return path.startswith(("/", "./", "../", "~")) or path.count("/") > 1
+
+
+def check_model_path(spec: ModelSpec) -> None:
+    """A hub model whose ``model.path`` is a folder that is not there: said before transformers is asked."""
+    path = spec.path or ""
+    if spec.source == "hub" and looks_like_path(path) and not Path(path).expanduser().exists():
+        raise model_error(spec, FileNotFoundError(path))
+
+
+def model_error(spec: ModelSpec, error: BaseException) -> ConfigError:
+    """One line for a model whose config or tokenizer cannot be read (a path that is not there, no network)."""
+    detail = " ".join(str(error).split()) or type(error).__name__
+    detail = detail if len(detail) <= 200 else detail[:197] + "..."
+    path = spec.path or ""
+    if spec.source == "hub" and looks_like_path(path) and not Path(path).expanduser().exists():
+        return ConfigError(
+            f"model.path={path} does not exist: set model.path to a local folder with the model's config.json, "
+            f"tokenizer and safetensors weights, or to a hub id"
+        )
+    if spec.source == "hub" and not Path(path).expanduser().exists():
+        return ConfigError(
+            f"could not load model {spec.name} ({path}) from the hub: {detail} -- without network, download it and "
+            f"set model.path=<local folder>"
+        )
+    return ConfigError(f"could not read model {spec.name} ({path or spec.source}): {type(error).__name__}: {detail}")
+
+
+_MODEL_READ_ERRORS = (OSError, ValueError, KeyError, ImportError, RuntimeError)
+
+
 def prepare(config: RunConfig):
-    """Every cheap check, before any weights load: -> (task, method, ModelInfo)."""
+    """Every check that needs no weights, cheapest first, before anything is written: -> (task, method).
+
+    Settings (the run's, the method's, the task's) come first, then the task's data, then the model's files, and
+    last the model's config (for a GGUF file: seconds of parsing), which the method's geometry checks need."""
     from eval.base import build_task
     from icecache.core.method import build_method
 
+    config.check_settings()
+    check_writable(Path(config.output_root))
     task = build_task(config.task)
+    task.check_max_length(config.model.max_length)
+    check_model_path(config.model)
     check_model(config.model)
-    info = model_info(config.model)
+    try:
+        info = model_info(config.model)
+    except _MODEL_READ_ERRORS as error:
+        if isinstance(error, ConfigError):
+            raise
+        raise model_error(config.model, error) from None
     method = build_method(config.method, info)
-    if config.prefill_chunk_size is not None and config.prefill_chunk_size <= 0:
-        raise ConfigError("prefill_chunk_size must be positive or null")
-    if config.prefill_residual_on_host and not config.layer_by_layer_prefill:
-        raise ConfigError("prefill_residual_on_host=true needs layer_by_layer_prefill=true")
     return task, method
 
 
-def summarise_latency(records: list[dict[str, Any]]) -> dict[str, Any]:
+def build_samples(task, config: RunConfig):
+    """(tokenizer, samples): the model's tokenizer and every sample, built before any weights load, so a task
+    that cannot be built for this model (a passkey length shorter than its fixed text, a RULER length too short for
+    a task) or that yields nothing stops the run before it starts."""
+    from eval.base import PromptContext
+    from icecache.core.models import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(config.model)
+    except _MODEL_READ_ERRORS as error:
+        if isinstance(error, ConfigError):
+            raise
+        raise model_error(config.model, error) from None
+    context = PromptContext(
+        tokenizer=tokenizer,
+        model_name=config.model.name,
+        chat_template=config.model.chat_template,
+        max_length=config.model.max_length,
+    )
+    samples = list(task.samples(context))
+    if not samples:
+        raise ConfigError(f"task {config.task['name']} gives no samples with these settings; a run of 0 samples "
+                          f"would look finished: check task.limit and the task's data")
+    return tokenizer, samples
+
+
+def summarise_latency(records: list[dict[str, Any]], by_length: bool = False) -> dict[str, Any]:
+    """Medians over the run's samples; with ``by_length`` (tasks with context lengths: passkey, RULER) also one
+    summary per length under ``by_length``, since a median pooled over 10k and 30k prompts describes neither."""
+    if by_length:
+        groups: dict[Any, list[dict[str, Any]]] = {}
+        for record in records:
+            groups.setdefault((record.get("meta") or {}).get("length"), []).append(record)
+        summary = summarise_latency(records)
+        summary["by_length"] = {str(length): summarise_latency(group) for length, group in groups.items()
+                                if length is not None}
+        return summary
+
     def med(key: str):
         values = [r["gen"][key] for r in records if r.get("gen", {}).get(key) is not None]
         return statistics.median(values) if values else None
@@ -164,7 +302,6 @@ def run(config: RunConfig) -> dict[str, Any]:
     from omegaconf import OmegaConf
     from tqdm.auto import tqdm
 
-    from eval.base import PromptContext
     from icecache import provenance
     from icecache.core.cache import ATTENTION_NAME, HarnessCache
     from icecache.core.generation import GenerationRequest, greedy_generate
@@ -177,8 +314,13 @@ def run(config: RunConfig) -> dict[str, Any]:
     if config.resume and metrics_path.exists():
         print(f"already done: {metrics_path}")
         return json.loads(metrics_path.read_text())
+    if config.adjusted:
+        used = ", ".join(f"{key}={new} (asked: {old})" for key, (old, new) in config.adjusted.items())
+        print(f"note: {config.method['name']} at budget {config.method.get('budget')} runs with {used}; "
+              f"config.yaml records it (docs/eval.md, IceCache at small budgets)", file=sys.stderr)
+    tokenizer, samples = build_samples(task, config)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if config.threads:
+    if config.threads is not None:
         torch.set_num_threads(config.threads)
 
     with RunLock(out_dir):
@@ -189,15 +331,8 @@ def run(config: RunConfig) -> dict[str, Any]:
         (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config.identity())))
         write_json_atomic(out_dir / "env.json", provenance.collect())
 
-        model, tokenizer = load_model(config.model, ATTENTION_NAME)
-        context = PromptContext(
-            tokenizer=tokenizer,
-            model_name=config.model.name,
-            chat_template=config.model.chat_template,
-            max_length=config.model.max_length,
-        )
+        model, tokenizer = load_model(config.model, ATTENTION_NAME, tokenizer=tokenizer)
         done = {r["sample_id"] for r in read_records(predictions_path)}
-        samples = list(task.samples(context))
         todo = [s for s in samples if s.sample_id not in done]
         default_eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         with open(predictions_path, "a", encoding="utf-8") as sink:
@@ -242,7 +377,7 @@ def run(config: RunConfig) -> dict[str, Any]:
             "config_hash": config.config_hash(),
             "n_samples": len(records),
             "metrics": task.aggregate(records),
-            "latency": summarise_latency(records),
+            "latency": summarise_latency(records, by_length="lengths" in config.task),
             "settings": config.identity(),
             "provenance": provenance.collect(),
         }
@@ -250,10 +385,17 @@ def run(config: RunConfig) -> dict[str, Any]:
     return metrics
 
 
-def main_from_dict(values: dict[str, Any]) -> dict[str, Any] | None:
-    """CLI wrapper: a ``ConfigError`` becomes one line on stderr and exit code 2."""
+def main_from_dict(values: dict[str, Any], exit_on_error: bool = True) -> dict[str, Any] | None:
+    """CLI wrapper: runs, then says the score and where the results are. A ``ConfigError`` becomes one line on
+    stderr and exit code 2, or, with ``exit_on_error=False`` (one job of a sweep), that line and None."""
     try:
-        return run(RunConfig.from_dict(values))
+        config = RunConfig.from_dict(values)
+        metrics = run(config)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        if exit_on_error:
+            sys.exit(2)
+        return None
+    print(f"{metrics['task']} / {metrics['method']} / budget {metrics['budget']}: {metrics['metrics']}")
+    print(f"results: {config.output_dir()} ({PREDICTIONS}, {METRICS}, config.yaml)")
+    return metrics

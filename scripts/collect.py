@@ -6,7 +6,9 @@
 
 Reads only what is on disk (metrics.json marks a finished run), so it works after any launcher, after a sweep
 that failed half-way, and while a sweep is still running. Writes Markdown, CSV and LaTeX tables next to the
-paper's numbers (results/reference/) and PNG + PDF plots under <out>/plots/.
+paper's numbers (results/reference/ in the repository) and PNG + PDF plots under <out>/plots/, all from the runs
+named on the command line; the latency figures only from the benchmark files of --bench (e.g. results/bench,
+where scripts/bench_latency.py writes). Runs of different settings never share a cell (docs/reproduce.md).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="*", default=[str(REPO / "results" / "runs")], help="run roots to search")
     parser.add_argument("--out", default=str(REPO / "results" / "summary"), help="output folder")
-    parser.add_argument("--bench", default=str(REPO / "results" / "bench"), help="latency_*.json folder")
-    parser.add_argument("--reference", default=str(REPO / "results" / "reference"), help="paper numbers folder")
+    parser.add_argument("--bench", default=None,
+                        help="latency_*.json folder for the latency figures, e.g. results/bench (default: none)")
+    parser.add_argument("--reference", default=None, help="paper numbers folder (default: results/reference/)")
     parser.add_argument("--no-plots", action="store_true", help="tables only")
     parser.add_argument("--paper-only", action="store_true",
                         help="also write tables for models with the paper's numbers but no runs of ours")
@@ -33,14 +36,21 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib
 
     matplotlib.use("Agg")
+    from eval.report.collect import REFERENCE_DIR
     from eval.report.summary import write_summary
 
     missing = [r for r in args.runs if not Path(r).exists()]
     if missing:
         print(f"note: no such run folder: {', '.join(missing)}", file=sys.stderr)
+    if args.bench is not None and not Path(args.bench).exists():
+        print(f"error: no such benchmark folder: {args.bench}", file=sys.stderr)
+        return 2
     summary = write_summary([r for r in args.runs if Path(r).exists()], args.out, bench_root=args.bench,
-                            reference_dir=args.reference, plots=not args.no_plots,
+                            reference_dir=args.reference or REFERENCE_DIR, plots=not args.no_plots,
                             paper_only_tables=args.paper_only)
+    if args.bench is None:
+        print("note: no --bench folder given: the latency figures from benchmark files are not drawn",
+              file=sys.stderr)
     print(summary.describe())
     if len(summary.partial):
         print(f"{len(summary.partial)} run(s) started but unfinished (resubmit the sweep to resume them): "

@@ -10,7 +10,10 @@ The grid is what ``python run.py -m <overrides>`` would run: the experiment's ``
 command-line overrides replacing keys they name (Hydra's BasicSweeper rule, reused here). An experiment with
 ``reference_runs`` (the budget-free full cache) adds a second sweep: the same grid with those keys replaced, and
 runs whose directories coincide are listed once. The dry run prints each job's run directory and its status on
-this machine (done / partial n / todo), and the one-line command that runs it alone.
+this machine (done / partial n / todo), and the one-line command that runs it alone. Each job is checked as far
+as its settings allow without its data or weights (budget rules, unknown keys, types, lengths against the model's
+max_length, the method against the model's geometry where its config is on this machine); a job that fails is
+listed with its one-line error, ``--strict`` then exits 2, and a launch refuses to start.
 
 Run directories contain a hash of the settings, device and dtype included; ``--device cuda`` computes them as a
 GPU host will (the default is this machine's device).
@@ -19,6 +22,7 @@ GPU host will (the default is this machine's device).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -105,56 +109,39 @@ def _as_device(device: str | None):
         ModelSpec.resolved_device = original
 
 
-def _compose(overrides: list[str], with_hydra: bool = False):
-    from hydra import compose
-
-    return compose(config_name="config", overrides=overrides, return_hydra_config=with_hydra)
-
-
-def expand(overrides: list[str], device: str | None = None, resolve_dirs: bool = True) -> tuple[list[Job], Any]:
+def expand(overrides: list[str], device: str | None = None, resolve_dirs: bool = True,
+           check: bool = True) -> tuple[list[Job], Any]:
     """The jobs ``run.py -m <overrides>`` (plus the experiment's reference runs) would launch, and the composed
     config without the swept keys (its ``hydra`` node tells the launcher). ``resolve_dirs=False`` skips composing
-    every job (fast; run directories stay unknown)."""
-    from hydra import initialize_config_dir
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import OmegaConf
+    every job (fast; run directories stay unknown). With ``check``, each job also gets the checks its settings
+    allow without data or weights: its task's settings against the model's max_length and, where the model's
+    config can be read here (random, local or GGUF models), the method's checks against the model's geometry;
+    a job that fails one is listed with its error, as a job that does not compose is."""
+    from run import JobComposer, first_line, hydra_context, run_values, sweep_jobs
 
     overrides = normalise_overrides(overrides)
-    parser = OverridesParser.create()
-    parsed = parser.parse_overrides(overrides)
-    plain = [o.input_line for o in parsed if not o.is_sweep_override()]
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        base = _compose(plain, with_hydra=True)
-        sweeper_params = base.hydra.sweeper.get("params")
-        params = [f"{k}={v}" for k, v in (OmegaConf.to_container(sweeper_params) if sweeper_params else {}).items()]
-        grids = [params + overrides]
+    with hydra_context():
+        job_overrides, base = sweep_jobs(overrides)
         reference = reference_overrides(base, overrides)
         if reference:
-            grids.append(params + overrides + reference)
-        job_overrides: list[list[str]] = []
-        for grid in grids:
-            for batch in BasicSweeper.split_arguments(parser.parse_overrides(grid), None):
-                job_overrides += [list(job) for job in batch]
+            job_overrides, base = sweep_jobs(overrides, [reference])
+        if not resolve_dirs:
+            return [Job(o, None) for o in job_overrides], base
+        composer = JobComposer()
         jobs: list[Job] = []
         seen: dict[str, int] = {}
-        if not resolve_dirs:
-            GlobalHydra.instance().clear()
-            return [Job(o, None) for o in job_overrides], base
+        infos: dict[str, Any] = {}
         with _as_device(device):
             from icecache.runner import RunConfig
 
             for job_override in job_overrides:
                 try:
-                    cfg = _compose(job_override)
-                    values = OmegaConf.to_container(cfg, resolve=True)
-                    for key in ("experiment", "reference_runs", "bench"):
-                        values.pop(key, None)
-                    run_dir = RunConfig.from_dict(values).output_dir()
-                except Exception as error:  # noqa: BLE001  a job that cannot compose is listed, not fatal
-                    jobs.append(Job(job_override, None, str(error).strip().splitlines()[0]))
+                    config = RunConfig.from_dict(run_values(composer.compose(job_override)))
+                    run_dir = config.output_dir()
+                    if check:
+                        check_job(config, infos)
+                except Exception as error:  # noqa: BLE001  a job that cannot compose or run is listed, not fatal
+                    jobs.append(Job(job_override, None, first_line(error)))
                     continue
                 job = Job(job_override, run_dir)
                 if str(run_dir) in seen:
@@ -162,8 +149,45 @@ def expand(overrides: list[str], device: str | None = None, resolve_dirs: bool =
                 else:
                     seen[str(run_dir)] = len(jobs)
                 jobs.append(job)
-    GlobalHydra.instance().clear()
+    for info in infos.values():
+        if isinstance(info, str):
+            print(f"note: model {info}; the methods' checks against its geometry were skipped", file=sys.stderr)
     return jobs, base
+
+
+def check_job(config, infos: dict[str, Any]) -> None:
+    """The checks of one job that need neither its data nor its weights (``ConfigError`` if one fails)."""
+    import importlib
+
+    from icecache.core.method import build_method
+
+    TASKS = importlib.import_module("eval").base.TASKS  # importing the package registers every task
+    task_cls = TASKS.get(config.task.get("name"))
+    task_cls(task_cls.config_class.from_dict(dict(config.task))).check_max_length(config.model.max_length)
+    info = cheap_model_info(config.model, infos)
+    if info is not None and not isinstance(info, str):
+        build_method(config.method, info)
+
+
+def cheap_model_info(spec, infos: dict[str, Any]):
+    """The model's geometry when its config is on this machine (random, local folder, GGUF file or package),
+    read once per model; None for a hub id, the reason as a string when it cannot be read."""
+    from icecache.core.errors import ConfigError
+    from icecache.core.models import check_model, model_info
+
+    key = json.dumps(dataclasses.asdict(spec), sort_keys=True, default=str)
+    if key not in infos:
+        local_hub = spec.source == "hub" and spec.path and Path(spec.path).expanduser().is_dir()
+        if spec.source not in ("random", "local", "gguf", "gguf_package") and not local_hub:
+            infos[key] = None
+        else:
+            try:
+                check_model(spec)
+                infos[key] = model_info(spec)
+            except (ConfigError, OSError, ValueError) as error:
+                infos[key] = f"{spec.name}: {str(error).splitlines()[0] if str(error) else type(error).__name__}"
+    info = infos[key]
+    return info
 
 
 def reference_overrides(base, overrides: list[str]) -> list[str]:
@@ -223,11 +247,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strict", action="store_true", help="exit 2 if any job fails to compose")
     args = parser.parse_intermixed_args(argv)
 
-    from run import precheck
+    from run import check_launcher, check_syntax, fail, first_line
 
-    # Choices and syntax only ("-m": composition is checked per job below, as run.py -m does).
-    precheck([o.replace("+experiment=", "experiment=") for o in args.overrides] + ["-m"])
-    jobs, base = expand(args.overrides, args.device)
+    # Syntax and choices here; every job is composed and checked by expand (a job that fails is listed).
+    check_syntax([o.replace("+experiment=", "experiment=") for o in args.overrides])
+    try:
+        jobs, base = expand(args.overrides, args.device)
+    except Exception as error:  # noqa: BLE001  the sweep itself does not compose (not one of its jobs)
+        fail(f"bad override: {first_line(error)}")
     driver = bench_command(base)
     if driver is not None:
         extra = [o for o in args.overrides if not o.split("=", 1)[0].lstrip("+") == "experiment"]
@@ -256,10 +283,14 @@ def main(argv: list[str] | None = None) -> int:
         if not args.json:
             done = sum(job.status() == "done" for job in unique)
             print(f"{len(jobs)} jobs: {len(unique)} distinct runs ({done} done), "
-                  f"{len(jobs) - len(unique) - len(errors)} duplicates, {len(errors)} that do not compose")
+                  f"{len(jobs) - len(unique) - len(errors)} duplicates, {len(errors)} that cannot run (error)")
             print(launcher_summary(base, len(unique)))
         return 2 if errors and args.strict else 0
 
+    if errors:
+        fail(f"{len(errors)} of the sweep's {len(jobs)} jobs cannot run; the first, {' '.join(errors[0].overrides)}: "
+             f"{errors[0].error} (--dry-run lists them all)")
+    check_launcher(base)
     overrides = normalise_overrides(args.overrides)
     commands = [[sys.executable, str(REPO / "run.py"), "-m", *overrides]]
     reference = reference_overrides(base, overrides)

@@ -70,9 +70,35 @@ def test_budget_too_small_is_refused_with_the_numbers():
     from tests.conftest import tiny_model
 
     _, _, info = tiny_model("llama")
-    with pytest.raises(ConfigError, match=r"budget 64 gives 4 pages.*n_sink_pages \(2\) \+ n_window_pages \(2\)"):
-        build_method({"name": "icecache", "budget": 64}, info)
-    build_method({"name": "icecache", "budget": 64, "n_sink_pages": 1, "n_window_pages": 1}, info)
+    with pytest.raises(ConfigError, match=r"budget 47 gives 2 pages.*n_sink_pages \(2\) \+ n_window_pages \(2\).*"
+                                          r"at least 48"):
+        build_method({"name": "icecache", "budget": 47}, info)
+    with pytest.raises(ConfigError, match=r"budget 32 gives 2 pages.*n_sink_pages \(1\) \+ n_window_pages \(1\)"):
+        build_method({"name": "icecache", "budget": 32, "n_sink_pages": 1, "n_window_pages": 1}, info)
+
+
+@pytest.mark.parametrize("name", ["icecache", "icecache_reuse"])
+@pytest.mark.parametrize(
+    "budget, configured, effective",
+    [
+        (64, (2, 2), (1, 1)),  # 4 pages: the default 2 + 2 would leave none selected -> 1 + 2 selected + 1
+        (48, (2, 2), (1, 1)),  # 3 pages -> 1 + 1 selected + 1
+        (80, (2, 2), (2, 2)),  # 5 pages: 2 + 1 selected + 2, as configured
+        (256, (2, 2), (2, 2)),  # the default budget is untouched
+        (64, (0, 4), (0, 1)),  # each fixed part is capped at one page, never raised
+        (64, (0, 3), (0, 3)),  # 1 page left to select: as configured
+        (64, (1, 1), (1, 1)),
+    ],
+)
+def test_fixed_pages_shrink_to_one_each_only_where_they_leave_no_selected_page(name, budget, configured, effective):
+    """docs/eval.md, IceCache at small budgets: the budget counts sink + selected + window pages."""
+    from tests.conftest import tiny_model
+
+    _, _, info = tiny_model("llama")
+    method = build_method({"name": name, "budget": budget, "n_sink_pages": configured[0],
+                           "n_window_pages": configured[1]}, info)
+    assert (method.config.n_sink_pages, method.config.n_window_pages) == effective
+    assert method.n_selected_pages == budget // 16 - sum(effective) >= 1
 
 
 def test_merge_interleaves_ranks_and_keeps_first_distinct():

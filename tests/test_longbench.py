@@ -313,7 +313,8 @@ def test_offline_mode_switches_the_hub_libraries_offline_and_back(monkeypatch):
     import huggingface_hub.constants
 
     seen = []
-    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: seen.append(datasets.config.HF_HUB_OFFLINE) or [])
+    row = {"context": "c", "question": "q", "answer_prefix": "", "answers": ["a"], "length": 1}
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: seen.append(datasets.config.HF_HUB_OFFLINE) or [row])
     before = (datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE)
     build_task({"name": "longbench", "datasets": ["qasper"], "source": "hub", "offline": True})
     assert seen == [True]

