@@ -60,10 +60,10 @@ class Task(ABC):
     def __init__(self, config: TaskConfig):
         self.config = config
 
-    def check(self) -> None:
+    def check(self) -> None:  # noqa: B027  optional: a task without data to check keeps it
         """Raise ``ConfigError`` for missing data or bad settings, before any model is loaded."""
 
-    def check_max_length(self, max_length: int) -> None:
+    def check_max_length(self, max_length: int) -> None:  # noqa: B027  optional: tasks without lengths skip it
         """Raise ``ConfigError`` if the task asks for prompts longer than the model takes (``model.max_length``);
         called before the model's config or tokenizer is read. Tasks that truncate (LongBench) accept any."""
 

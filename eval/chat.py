@@ -1,6 +1,6 @@
 """Chat-template rules per model family, shared by the tasks that wrap prompts (LongBench, RULER).
 
-The rules are those of the IceCache evaluation scripts (ALGORITHMS.md section 6, step 4):
+The rules are those of the IceCache evaluation scripts (docs/algorithms.md, LongBench):
 
 * ``llama3``: ``apply_chat_template`` with the system prompt "You are a helpful assistant." and the user prompt,
   ``add_generation_prompt=True``;

@@ -107,7 +107,6 @@ def test_missing_file_is_a_config_error(tmp_path):
 
 def test_path_resolution(monkeypatch):
     monkeypatch.delenv("ICECACHE_GSM8K", raising=False)
-    repo_root = Path(gsm8k.__file__).resolve().parents[1]
     assert gsm8k.resolve_path(None) == Path.home() / ".cache" / "icecache-harness" / "gsm8k" / "test.jsonl"
     monkeypatch.setenv("ICECACHE_GSM8K", str(FIXTURE))
     assert gsm8k.resolve_path(None) == FIXTURE

@@ -1,4 +1,5 @@
-"""DESIGN.md section 2 invariants, for every registered method except the full cache, on the four tiny models.
+"""The invariants of docs/design.md (Budget semantics), for every registered method except the full cache, on the
+four tiny models.
 
 1. With a budget at least the sequence length, greedy tokens equal the full cache's and decode logits agree.
 2. Prefill output (the first token's logits) never depends on the method.

@@ -36,11 +36,13 @@ LONGBENCH_16 = [
 
 # Canonical method ids: the harness's method names, plus the paper's baselines we do not implement.
 METHOD_ORDER = [
-    "full", "full_static", "oracle_topk", "snapkv", "streaming_llm", "h2o", "quest", "omnikv", "magicpig", "pqcache", "arkvale",
+    "full", "full_static", "oracle_topk", "snapkv", "streaming_llm", "h2o", "quest", "omnikv", "magicpig", "pqcache",
+    "arkvale",
     "icecache", "icecache_reuse",
 ]
 DISPLAY_NAME = {
-    "full": "FULL", "full_static": "FULL (static, graph)", "oracle_topk": "TOPK", "snapkv": "SnapKV", "streaming_llm": "StreamingLLM", "h2o": "H2O",
+    "full": "FULL", "full_static": "FULL (static, graph)", "oracle_topk": "TOPK", "snapkv": "SnapKV",
+    "streaming_llm": "StreamingLLM", "h2o": "H2O",
     "quest": "Quest", "omnikv": "OmniKV", "magicpig": "MagicPIG", "pqcache": "PQCache", "arkvale": "ArkVale",
     "icecache": "IceCache", "icecache_reuse": "IceCache(r)",
 }
@@ -397,7 +399,7 @@ def ruler_categories(scores: pd.DataFrame) -> pd.DataFrame:
     ruler = scores[scores["task"] == "ruler"]
     rows = []
     keys = ["model", "method", "budget", "variant", "length"]
-    for key, group in ruler.groupby([ruler[k].astype(str) for k in keys], sort=False):
+    for _key, group in ruler.groupby([ruler[k].astype(str) for k in keys], sort=False):
         first = group.iloc[0]
         for category, members in RULER_CATEGORIES.items():
             present = group[group["dataset"].isin(members)]

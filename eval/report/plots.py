@@ -21,7 +21,8 @@ from .tables import ComparisonTable, budget_text, row_id
 
 # One colour per method across every figure (one per METHOD_ORDER id).
 _PALETTE = [
-    "#222222", "#555555", "#7f7f7f", "#1f77b4", "#ff7f0e", "#bcbd22", "#17becf", "#9467bd", "#8c564b", "#e377c2", "#2ca02c",
+    "#222222", "#555555", "#7f7f7f", "#1f77b4", "#ff7f0e", "#bcbd22", "#17becf", "#9467bd", "#8c564b", "#e377c2",
+    "#2ca02c",
     "#d62728", "#ff9896",
 ]
 COLORS = dict(zip(METHOD_ORDER, _PALETTE))
@@ -233,7 +234,7 @@ def tpot_breakdown(breakdowns: dict[str, dict[str, float]], paper: dict[str, dic
         return []
     fig = Figure(figsize=(max(4.8, 0.9 * len(bars) + 1.5), 4.0))
     ax = fig.add_subplot()
-    for x, (method, parts, hollow) in enumerate(bars):
+    for x, (_method, parts, hollow) in enumerate(bars):
         bottom = 0.0
         for group, part_color in PHASE_COLORS.items():
             height = 1000 * parts.get(group, 0.0)

@@ -376,14 +376,16 @@ def frame_to_markdown(frame: pd.DataFrame, digits: int = 1) -> str:
 
 
 def latency_table(bench: pd.DataFrame) -> pd.DataFrame:
-    """Benchmark summary as rows (model, method, budget) and, per context, TPOT in ms and its ratios to full and full_static."""
+    """Benchmark summary as rows (model, method, budget) and, per context, TPOT in ms and its ratios to full and
+    full_static."""
     if bench.empty or "tpot_s_median" not in bench:
         return pd.DataFrame()
     frame = bench.copy()
     frame["ctx"] = frame["context"].map(length_label)
     frame["tpot_ms"] = 1000 * frame["tpot_s_median"]
     frame["budget"] = frame["budget"].map(budget_text)
-    values = ["tpot_ms"] + [c for c in ("tt2t_s_median", "tpot_ratio_to_full", "tpot_ratio_to_full_static") if c in frame]
+    optional = ("tt2t_s_median", "tpot_ratio_to_full", "tpot_ratio_to_full_static")
+    values = ["tpot_ms"] + [c for c in optional if c in frame]
     wide = frame.pivot_table(index=["model", "method", "budget"], columns="ctx", values=values, aggfunc="first")
     tokens = dict(zip(frame["ctx"], frame["context"]))
     wide = wide[sorted(wide.columns, key=lambda c: (values.index(c[0]), float(tokens.get(c[1], 0))))]

@@ -1,4 +1,4 @@
-"""Greedy generation with explicit positions, and the latency measurements of DESIGN.md section 4.
+"""Greedy generation with explicit positions, and the latency measurements of docs/design.md (Measurement protocol).
 
 TTFT runs from the prompt ids on the host to the first generated id on the host (index building included);
 TT2T adds the first decode step; TPOT is the median of decode steps 2..N. Per-step phases come from the cache's

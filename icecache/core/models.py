@@ -89,7 +89,8 @@ def _apply_overrides(config, overrides: dict[str, Any]):
 class RandomSource(ModelSource):
     def check(self, spec):
         if spec.architecture not in ARCHITECTURES:
-            raise ConfigError(f"model.architecture={spec.architecture} unsupported: use one of {', '.join(ARCHITECTURES)}")
+            known = ", ".join(ARCHITECTURES)
+            raise ConfigError(f"model.architecture={spec.architecture} unsupported: use one of {known}")
 
     def config(self, spec):
         from transformers import AutoConfig

@@ -4,7 +4,7 @@ Pages are per KV head. IceCache's pages are DCI leaves, and one leaf id holds di
 so both stores are indexed ``[page_or_slot, kv_head]`` with a layer's keys and values each laid out
 ``[n, n_kv_heads, page_size, head_dim]``.
 
-The bulk loader is IceCache's load path (ALGORITHMS.md 2.2, decode step 4): gather the requested (page, head)
+The bulk loader is IceCache's load path (docs/algorithms.md, IceCache, decode step 6): gather the requested (page, head)
 blocks from the CPU store into one contiguous pinned transit buffer, send it to the GPU with one non-blocking copy
 on a side stream, and scatter each block into its pool slot with one kernel. One large copy instead of one per
 page is what makes the transfer run near PCIe bandwidth rather than at per-copy latency.
