@@ -52,19 +52,19 @@ SRUN = $(if $(filter slurm,$(LAUNCHER)),srun --gpus-per-node=1 --cpus-per-task=1
 ## The leading '-' is deliberate: a sweep's exit status is unreliable (results live on disk); collect runs regardless.
 reproduce-table2: $(STAMP)
 	-$(PY) scripts/sweep.py experiment=table2 $(MODEL_ARG) hydra/launcher=$(LAUNCHER)
-	$(PY) scripts/collect.py results/runs --out results/summary
+	$(PY) scripts/collect.py results/runs --bench results/bench --out results/summary
 
 reproduce-ruler: $(STAMP)
 	-$(PY) scripts/sweep.py experiment=ruler $(MODEL_ARG) hydra/launcher=$(LAUNCHER)
-	$(PY) scripts/collect.py results/runs --out results/summary
+	$(PY) scripts/collect.py results/runs --bench results/bench --out results/summary
 
 reproduce-latency: $(STAMP)
 	$(SRUN)$(PY) scripts/bench_latency.py --experiment latency $(if $(MODEL_ARG),--model $(MODEL))
-	$(PY) scripts/collect.py results/runs --out results/summary
+	$(PY) scripts/collect.py results/runs --bench results/bench --out results/summary
 
 reproduce-scaling: $(STAMP)
 	$(SRUN)$(PY) scripts/bench_latency.py --experiment scaling $(if $(MODEL_ARG),--model $(MODEL))
-	$(PY) scripts/collect.py results/runs --out results/summary
+	$(PY) scripts/collect.py results/runs --bench results/bench --out results/summary
 
 collect: $(STAMP)
-	$(PY) scripts/collect.py results/runs --out results/summary
+	$(PY) scripts/collect.py results/runs --bench results/bench --out results/summary

@@ -138,3 +138,38 @@ def test_triton_h2o_step_matches_the_reference(dtype, n_slots, n_empty, group):
             torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(state[1], theirs[1], rtol=1e-4, atol=1e-5)
         assert torch.equal(state[2], theirs[2]) and torch.equal(state[0], theirs[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n_pages,n_finished,group", [(1, 0, 1), (300, 257, 4), (2049, 2049, 2)])
+def test_triton_page_bounds_match_the_reference(dtype, n_pages, n_finished, group):
+    """Quest's bound in one pass over both metadata tiles against q+ . M + q- . m from the reference."""
+    from icecache.core.scores import page_bounds, page_bounds_reference
+
+    if not triton_kernels.available():
+        pytest.skip("needs CUDA and Triton")
+    gen = torch.Generator().manual_seed(n_pages + group)
+    query = torch.randn(2 * group, 128, generator=gen).to("cuda", dtype)
+    corners = torch.randn(2, 2, n_pages, 128, generator=gen)
+    page_max, page_min = corners.amax(0).to("cuda", dtype), corners.amin(0).to("cuda", dtype)
+    count = torch.tensor([n_finished], device="cuda")
+    expected = page_bounds_reference(query, page_max, page_min, count)
+    out = page_bounds(query, page_max, page_min, count)
+    assert torch.equal(torch.isinf(out), torch.isinf(expected))
+    finite = torch.isfinite(expected)
+    torch.testing.assert_close(out[finite], expected[finite], rtol=2e-5, atol=2e-4)
+
+
+def test_page_bounds_reference_is_the_per_channel_box_bound():
+    from icecache.core.scores import page_bounds_reference
+
+    gen = torch.Generator().manual_seed(3)
+    query, corners = torch.randn(4, 8, generator=gen), torch.randn(2, 2, 5, 8, generator=gen)
+    page_max, page_min = corners.amax(0), corners.amin(0)  # [Hkv, P, D]
+    bounds = page_bounds_reference(query, page_max, page_min, torch.tensor([4]))
+    for head in range(4):
+        for page in range(5):
+            box = torch.maximum(query[head] * page_max[head // 2, page], query[head] * page_min[head // 2, page])
+            expected = float(box.sum()) if page < 4 else float("-inf")
+            assert bounds[head, page].item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
