@@ -295,7 +295,8 @@ def latency_vs_context(ours: pd.DataFrame, paper: pd.DataFrame | None, stem: str
         set(paper["context_tokens"].astype(int)) if paper is not None else set()))
     ax.set_xticks(ticks, [length_label(t) for t in ticks])
     ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("decode latency per token (ms)")
+    ax.set_ylabel("decode latency per token (ms, log scale)")
+    ax.set_yscale("log")  # the methods span 8 to 200 ms: on a linear axis the fast ones merge into one line
     ax.set_title(title)
     ax.grid(alpha=0.3)
     _source_legend(ax, drawn, sources=sources)
