@@ -18,6 +18,7 @@ import math
 import torch
 
 from . import triton_kernels
+from .token_slots import slot_attention
 
 triton, tl = triton_kernels.triton, triton_kernels.tl
 
@@ -28,14 +29,10 @@ def h2o_step_reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
     """``query [Hq, D]``; ``keys``/``values [Hkv, S, D]``; ``positions [Hkv, S]`` int64; ``scores [Hq, S]`` float32
     and ``free_slot [Hkv]`` int64, both updated in place, as ``positions`` (the victim's). Returns float32
     ``[Hq, D]``."""
-    n_heads, head_dim = query.shape
     n_kv_heads, n_slots = positions.shape
     valid = positions >= 0
-    q = query.float().view(n_kv_heads, n_heads // n_kv_heads, head_dim)
-    logits = torch.einsum("hgd,hsd->hgs", q, keys.float()) * scaling
-    probs = torch.softmax(logits.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
-    out = torch.einsum("hgs,hsd->hgd", probs, values.float()).reshape(n_heads, head_dim)
-    scores.add_(probs.reshape(n_heads, n_slots))
+    out, probs = slot_attention(query, keys, values, valid, scaling)
+    scores.add_(probs)
     older = valid & (positions <= position - (n_recent - 1))
     kv_scores = scores.view(n_kv_heads, -1, n_slots).sum(dim=1)
     victim = kv_scores.masked_fill(~older, float("inf")).argmin(dim=-1)
