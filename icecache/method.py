@@ -319,7 +319,13 @@ class IceCacheLayer(DenseKV):
             shared["index"] = index
             shared["changed"] = index.pop_changed_pages() if middle_k.shape[1] else None
             shared["page_counts"] = None
-        self._rewrite_pages(shared["changed"])
+            # What every layer's prompt job lays out: the index as built. A prompt that fitted in the budget is
+            # offloaded at a decode step, layer by layer, and the owner's first window insert (the same step) can
+            # come before its reusers' prompt jobs run, so they must not read the live index.
+            shared["prompt_changed"] = shared["changed"]
+            shared["prompt_layout"] = (None if shared["changed"] is None else
+                                       [index.page_tokens(head).copy() for head in range(self.model.n_kv_heads)])
+        self._rewrite_pages(shared["prompt_changed"], shared["prompt_layout"])
         self._progress().update()
 
     def _progress(self):
@@ -334,8 +340,9 @@ class IceCacheLayer(DenseKV):
             )
         return bar
 
-    def _rewrite_pages(self, changed: np.ndarray | None) -> None:
-        """Lay out the pages flagged in ``changed [Hkv, pages]`` from the token store (the owner's page map)."""
+    def _rewrite_pages(self, changed: np.ndarray | None, layout: list[np.ndarray] | None = None) -> None:
+        """Lay out the pages flagged in ``changed [Hkv, pages]`` from the token store, by the owner's page map
+        (``layout``: per head, the token ids of each page, -1 padded; default the index as it is now)."""
         if changed is None or not changed.any():
             return
         index = self._shared()["index"]
@@ -344,7 +351,7 @@ class IceCacheLayer(DenseKV):
             pages = np.flatnonzero(changed[head])
             if pages.size == 0:
                 continue
-            tokens = index.page_tokens(head)[pages]  # [n, 16], -1 padded
+            tokens = (index.page_tokens(head) if layout is None else layout[head])[pages]  # [n, 16], -1 padded
             page_ids.append(pages)
             heads.append(np.full(pages.size, head))
             rows.append(tokens)
