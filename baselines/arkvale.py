@@ -316,6 +316,7 @@ class ArkValeKV(DenseKV):
 @METHODS.register("arkvale")
 class ArkVale(Method):
     config_class = ArkValeConfig
+    test_settings = {"page_size": 8}
 
     def check(self) -> None:
         super().check()
@@ -333,7 +334,7 @@ class ArkVale(Method):
             raise ConfigError(
                 f"{c.name}: page_size={c.page_size} must be a power of two <= 64 for the CUDA paged attention kernel"
             )
-        needed = (c.n_sink_pages + c.n_window_pages + 1) * c.page_size
+        needed = self.min_budget()
         if c.budget < needed:
             raise ConfigError(
                 f"arkvale: budget={c.budget} is below (n_sink_pages={c.n_sink_pages} + n_window_pages="
@@ -341,6 +342,16 @@ class ArkVale(Method):
             )
         if c.page_topks is not None and c.page_topks < 1:
             raise ConfigError(f"arkvale: page_topks={c.page_topks} must be >= 1 (or null for the paper's rule)")
+
+    def min_budget(self) -> int:
+        c = self.config  # sink pages, window pages and one middle page
+        return (c.n_sink_pages + c.n_window_pages + 1) * c.page_size
+
+    def forced_positions(self, n_tokens):
+        c = self.config  # the sink pages and the window's last pages, the current one included
+        n_pages = -(-n_tokens // c.page_size)
+        sinks = list(range(min(c.n_sink_pages * c.page_size, n_tokens)))
+        return sinks + list(range(max(len(sinks), (n_pages - c.n_window_pages) * c.page_size), n_tokens))
 
     def make_sparse_layer(self, layer_idx, seq):
         return ArkValeKV(layer_idx, self.model, seq, self.config)

@@ -132,11 +132,24 @@ class H2O(Method):
         if config.score_chunk_size < 1:
             raise ConfigError(f"h2o: score_chunk_size={config.score_chunk_size} must be >= 1")
         n_heavy, n_recent = self.split()
-        if n_recent < 2:
+        if config.budget < self.min_budget():
             raise ConfigError(
                 f"h2o: budget={config.budget} with heavy_fraction={config.heavy_fraction} leaves a recent window of "
                 f"{n_recent} tokens; it needs at least 2 (the new token and one more)"
             )
+
+    def min_budget(self) -> int:
+        """The smallest budget whose recent window keeps the new token and one more (``heavy_fraction < 1``)."""
+        if not 0.0 <= self.config.heavy_fraction < 1.0:
+            return 2  # check refuses the fraction itself
+        budget = 2
+        while budget - int(round(self.config.heavy_fraction * budget)) < 2:
+            budget += 1
+        return budget
+
+    def forced_positions(self, n_tokens):
+        _, n_recent = self.split()
+        return list(range(max(0, n_tokens - n_recent), n_tokens))
 
     def make_sparse_layer(self, layer_idx, seq):
         n_heavy, _ = self.split()

@@ -186,6 +186,7 @@ class QuestKV(StaticDenseKV):
 @METHODS.register("quest")
 class Quest(Method):
     config_class = QuestConfig
+    test_settings = {"page_size": 8}
 
     def check(self) -> None:
         super().check()
@@ -197,11 +198,18 @@ class Quest(Method):
         page_size = config.page_size
         if self.model.device.type == "cuda" and (page_size & (page_size - 1) or page_size > 64):
             raise ConfigError(f"quest: page_size={page_size} must be a power of two <= 64 for the CUDA paged attention")
-        if config.budget < 2 * config.page_size:
+        if config.budget < self.min_budget():
             raise ConfigError(
                 f"quest: budget={config.budget} must be at least 2 x page_size={config.page_size} "
                 f"(the current page plus one selected page)"
             )
+
+    def min_budget(self) -> int:
+        return 2 * self.config.page_size  # the current page and one selected page
+
+    def forced_positions(self, n_tokens):
+        page_size = self.config.page_size  # the current page, pages aligned from position 0
+        return list(range((n_tokens - 1) // page_size * page_size, n_tokens))
 
     @property
     def captures_decode_step(self) -> bool:

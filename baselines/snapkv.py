@@ -90,6 +90,7 @@ class SnapKVKV(RingSlotsKV):
 @METHODS.register("snapkv")
 class SnapKV(Method):
     config_class = SnapKVConfig
+    test_settings = {"observation_window": 16}
 
     def check(self) -> None:
         super().check()
@@ -98,11 +99,17 @@ class SnapKV(Method):
             raise ConfigError(f"snapkv: observation_window={config.observation_window} must be >= 1")
         if config.pooling_kernel < 1 or config.pooling_kernel % 2 == 0:
             raise ConfigError(f"snapkv: pooling_kernel={config.pooling_kernel} must be odd and >= 1")
-        if config.budget < config.observation_window + 1:
+        if config.budget < self.min_budget():
             raise ConfigError(
                 f"snapkv: budget={config.budget} must exceed observation_window={config.observation_window} "
                 f"(at least one selected prompt token besides the window)"
             )
+
+    def min_budget(self) -> int:
+        return self.config.observation_window + 1  # the window and one selected prompt token
+
+    def forced_positions(self, n_tokens):
+        return list(range(max(0, n_tokens - self.config.observation_window), n_tokens))
 
     def make_sparse_layer(self, layer_idx, seq):
         return SnapKVKV(

@@ -48,11 +48,19 @@ class StreamingLLM(Method):
         config = self.config
         if config.n_sink_tokens < 0:
             raise ConfigError(f"streaming_llm: n_sink_tokens={config.n_sink_tokens} must be >= 0")
-        if config.budget < config.n_sink_tokens + 2:
+        if config.budget < self.min_budget():
             raise ConfigError(
                 f"streaming_llm: budget={config.budget} must be at least n_sink_tokens={config.n_sink_tokens} "
                 f"+ 2 (a window of the new token and one recent token)"
             )
+
+    def min_budget(self) -> int:
+        return self.config.n_sink_tokens + 2  # the sinks, the new token and one recent token
+
+    def forced_positions(self, n_tokens):
+        n_recent = self.config.budget - self.config.n_sink_tokens
+        return list(range(min(self.config.n_sink_tokens, n_tokens))) + list(range(max(0, n_tokens - n_recent),
+                                                                                  n_tokens))
 
     def make_sparse_layer(self, layer_idx, seq):
         return StreamingKV(layer_idx, self.model, seq, self.config.budget, self.config.n_sink_tokens)

@@ -135,6 +135,21 @@ class IceCacheConfig(MethodConfig):
 @METHODS.register("icecache")
 class IceCache(Method):
     config_class = IceCacheConfig
+    # 64 tokens are 4 pages: 1 sink + 2 selected + 1 window.
+    test_settings = {"n_sink_pages": 1, "n_window_pages": 1}
+
+    def min_budget(self) -> int:
+        """Three pages with one sink and one window page (the fixed pages shrink to those where they would leave
+        nothing to select, ``IceCacheConfig.fitted_to_budget``); two without sinks."""
+        cfg = self.config
+        return (min(cfg.n_sink_pages, 1) + min(cfg.n_window_pages, 1) + 1) * cfg.page_size
+
+    def forced_positions(self, n_tokens):
+        # The sink pages, and the window, which always holds its n_window_pages - 1 full pages and one more token.
+        cfg = self.config
+        n_window = (cfg.n_window_pages - 1) * cfg.page_size + 1
+        sinks = list(range(min(cfg.n_sink_pages * cfg.page_size, n_tokens)))
+        return sinks + list(range(max(0, n_tokens - n_window), n_tokens))
 
     @property
     def page_budget(self) -> int:

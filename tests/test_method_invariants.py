@@ -8,15 +8,16 @@ four tiny models.
 4. A sparse layer's output equals dense attention masked to exactly the positions it reports as attended.
 Plus: a budget too small for a method's fixed parts stops at start-up with a ConfigError naming the numbers.
 
-A method that lands later (IceCache) joins automatically: add its small test config and its always-attended
-positions below.
+Every registered method joins automatically, with what it declares on its class: its small test settings
+(``test_settings``), the positions it always attends (``forced_positions``) and its smallest budget
+(``min_budget``). ``test_a_new_method_needs_one_file`` registers a throw-away method to show that nothing else is
+needed.
 """
 
 from __future__ import annotations
 
 import functools
 import gc
-import math
 import weakref
 
 import pytest
@@ -38,61 +39,15 @@ SMALL_BUDGET = 64
 PROMPT_TOKENS = 300
 NEW_TOKENS = 8
 
-# Small settings per method for these tests (pages of 8 so that a 64-token budget holds several pages).
-TEST_CONFIGS: dict[str, dict] = {
-    "streaming_llm": {},
-    "h2o": {},
-    "snapkv": {"observation_window": 16},
-    "oracle_topk": {},
-    "quest": {"page_size": 8},
-    "arkvale": {"page_size": 8},
-    # IceCache pages are DCI leaves of 16 tokens: 64 tokens are 4 pages, 1 sink + 1 window + 2 selected.
-    "icecache": {"n_sink_pages": 1, "n_window_pages": 1},
-    "icecache_reuse": {"n_sink_pages": 1, "n_window_pages": 1},
-}
-
-# A budget just below what each method needs for its fixed parts (derivations in the comments).
-TOO_SMALL_BUDGETS: dict[str, int] = {
-    "streaming_llm": 5,  # 4 sinks + the new token + one recent token = 6
-    "h2o": 3,  # round(1.5) = 2 heavy hitters leave a recent window of 1 < 2
-    "snapkv": 16,  # observation window 16 + one selected token = 17
-    "oracle_topk": 0,  # any positive budget works
-    "quest": 15,  # the current page plus one selected page of 8 = 16
-    "arkvale": 31,  # (1 sink page + 2 window pages + 1 middle page) x 8 = 32
-    "icecache": 47,  # (1 sink page + 1 window page + 1 selected page) x 16 = 48
-    "icecache_reuse": 47,
-}
-
-
 def method_config(name: str, budget: int) -> dict:
-    return {"name": name, "budget": budget, **TEST_CONFIGS.get(name, {})}
+    """The method's own test settings (``Method.test_settings``) at ``budget``."""
+    return {"name": name, "budget": budget, **method_class(name).test_settings}
 
 
-def always_attended(name: str, config: dict, n_tokens: int) -> list[int] | None:
-    """Positions a method must attend at a step with ``n_tokens`` tokens (new one included), from each paper's
-    definition; None when the test does not know the method."""
-    budget = config["budget"]
-    if name == "streaming_llm":  # 4 sinks + the most recent budget - 4 tokens
-        return list(range(4)) + list(range(n_tokens - (budget - 4), n_tokens))
-    if name == "h2o":  # recent window: budget - round(budget / 2) tokens
-        n_recent = budget - round(0.5 * budget)
-        return list(range(n_tokens - n_recent, n_tokens))
-    if name == "snapkv":  # the observation window's length of most recent tokens
-        return list(range(n_tokens - config["observation_window"], n_tokens))
-    if name == "quest":  # the current page, pages aligned from position 0
-        page_size = config["page_size"]
-        return list(range((n_tokens - 1) // page_size * page_size, n_tokens))
-    if name == "arkvale":  # 1 sink page and the last 2 pages (the current one included)
-        page_size = config["page_size"]
-        n_pages = math.ceil(n_tokens / page_size)
-        return list(range(page_size)) + list(range((n_pages - 2) * page_size, n_tokens))
-    if name == "oracle_topk":  # nothing is forced in
-        return []
-    if name in ("icecache", "icecache_reuse"):  # sink pages, and the window always holds >= (nw-1) pages + 1 token
-        page_size = config.get("page_size", 16)
-        n_window = (config["n_window_pages"] - 1) * page_size + 1
-        return list(range(config["n_sink_pages"] * page_size)) + list(range(n_tokens - n_window, n_tokens))
-    return None
+def always_attended(name: str, config: dict, n_tokens: int) -> list[int]:
+    """Positions a method must attend at a step with ``n_tokens`` tokens (new one included): what the method
+    declares from its paper's definition (``Method.forced_positions``)."""
+    return build_method(config, ModelInfo(n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16)).forced_positions(n_tokens)
 
 
 def prompt_ids(n: int, vocab: int = 500) -> list[int]:
@@ -150,15 +105,14 @@ def test_small_budget_prefill_is_dense_and_budget_holds(name, arch):
         assert attended.shape == (info.n_heads, n_tokens)
         assert int(attended.sum(-1).max()) <= SMALL_BUDGET
         forced = always_attended(name, config, n_tokens)
-        if forced is not None:
-            assert attended[:, forced].all(), f"{name} skipped a sink or window position at length {n_tokens}"
+        assert attended[:, forced].all(), f"{name} skipped a sink or window position at length {n_tokens}"
     assert result.counters["mean_attended_tokens"] <= SMALL_BUDGET
 
 
 @pytest.mark.parametrize("name", SPARSE_METHODS)
 def test_budget_too_small_is_a_config_error(name):
     _, _, info = tiny_model("llama")
-    budget = TOO_SMALL_BUDGETS.get(name, 0)
+    budget = build_method(method_config(name, 256), info).min_budget() - 1  # just below the method's fixed parts
     with pytest.raises(ConfigError, match=rf"budget(=| ){budget}\b|positive budget"):
         build_method(method_config(name, budget), info)
     build_method(method_config(name, budget + 1), info)  # one more token is enough
@@ -225,3 +179,48 @@ def test_a_finished_cache_is_freed_without_the_garbage_collector(name, device):
     finally:
         gc.enable()
     assert not any(alive), f"{name} on {device}: {sum(alive)} of {len(alive)} layers outlived their cache"
+
+
+def test_a_new_method_needs_one_file():
+    """CONTRIBUTING.md's recipe: a settings dataclass, a layer and a registered ``Method`` that declares its own
+    metadata are all a method needs; the shared invariants above then hold it like every other method."""
+    from dataclasses import dataclass
+
+    import torch as _torch
+
+    from icecache.core.method import Method, MethodConfig
+    from icecache.core.token_slots import RingSlotsKV
+
+    @dataclass
+    class RecentOnlyConfig(MethodConfig):
+        name: str = "recent_only_for_test"
+
+    class RecentOnlyKV(RingSlotsKV):
+        """The last ``budget`` tokens, nothing pinned."""
+
+        def place_prompt(self, n_prompt):
+            self.ring_size = self.budget
+            kept = _torch.arange(max(0, n_prompt - self.budget), n_prompt).expand(self.model.n_kv_heads, -1)
+            return kept, self.ring_slots(kept)
+
+    class RecentOnly(Method):
+        config_class = RecentOnlyConfig
+
+        def min_budget(self):
+            return 2
+
+        def forced_positions(self, n_tokens):
+            return list(range(max(0, n_tokens - self.config.budget), n_tokens))
+
+        def make_sparse_layer(self, layer_idx, seq):
+            return RecentOnlyKV(layer_idx, self.model, seq, self.config.budget)
+
+    name = "recent_only_for_test"
+    METHODS.register(name)(RecentOnly)
+    try:
+        test_large_budget_matches_full_cache(name, "llama")
+        test_small_budget_prefill_is_dense_and_budget_holds(name, "qwen3")
+        test_budget_too_small_is_a_config_error(name)
+        test_output_equals_dense_attention_masked_to_the_selection(name, "cpu")
+    finally:
+        METHODS.unregister(name)

@@ -52,6 +52,9 @@ class Method(ABC):
     config_class: ClassVar[type[MethodConfig]] = MethodConfig
     uses_budget: ClassVar[bool] = True
     supports_cuda_graph: ClassVar[bool] = True
+    #: Settings for the shared invariant tests on tiny models at a 64-token budget (pages of 8 tokens, say, so that
+    #: the budget holds several); the method's defaults otherwise.
+    test_settings: ClassVar[dict[str, Any]] = {}
 
     @property
     def captures_decode_step(self) -> bool:
@@ -71,6 +74,16 @@ class Method(ABC):
             raise ConfigError(
                 f"n_dense_layers={self.config.n_dense_layers} must lie in [0, {self.model.n_layers}] for this model"
             )
+
+    def min_budget(self) -> int:
+        """The smallest budget these settings accept (their fixed parts and one more token or page); ``build_method``
+        refuses anything below it (after ``check``, whose own message may say why)."""
+        return 1
+
+    def forced_positions(self, n_tokens: int) -> list[int]:
+        """The positions a decode step with ``n_tokens`` tokens (the new one included) attends whatever it selects:
+        the paper's sinks and recent window. The invariant tests hold every step of every method to it."""
+        return []
 
     def make_layer(self, layer_idx: int, seq: SequenceContext) -> LayerKV:
         if layer_idx < self.config.n_dense_layers:
@@ -107,4 +120,9 @@ def build_method(values: dict[str, Any], model: ModelInfo) -> Method:
     config = method_cls.config_class.from_dict(dict(values))
     method = method_cls(config, model)
     method.check()
+    # A method's own check says in its terms why a budget is too small; this holds one that has no such check to
+    # the smallest budget it declares.
+    if method.uses_budget and config.budget < method.min_budget():
+        raise ConfigError(f"{config.name}: budget={config.budget} is below {method.min_budget()}, the least its fixed "
+                          f"parts need: raise the budget")
     return method

@@ -25,6 +25,10 @@ class Registry(Generic[T]):
 
         return add
 
+    def unregister(self, name: str) -> None:
+        """Remove an entry (tests that register a throw-away one)."""
+        self._entries.pop(name, None)
+
     def get(self, name: str) -> T:
         if name not in self._entries:
             known = ", ".join(sorted(self._entries)) or "none"
