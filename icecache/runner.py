@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from icecache.core.errors import ConfigError, check_types
-from icecache.core.method import method_class
 from icecache.core.models import ModelSpec, check_model, model_info
+from icecache.methods import method_class
 
 PREDICTIONS = "predictions.jsonl"
 METRICS = "metrics.json"
@@ -227,7 +227,7 @@ def prepare(config: RunConfig):
     Settings (the run's, the method's, the task's) come first, then the task's data, then the model's files, and
     last the model's config (for a GGUF file: seconds of parsing), which the method's geometry checks need."""
     from eval.base import build_task
-    from icecache.core.method import build_method
+    from icecache.methods import build_method
 
     config.check_settings()
     check_writable(Path(config.output_root))

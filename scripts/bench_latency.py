@@ -232,9 +232,9 @@ def main(argv: list[str] | None = None) -> Path:
     from icecache.core.cache import ATTENTION_NAME, HarnessCache
     from icecache.core.errors import ConfigError
     from icecache.core.generation import GenerationRequest, greedy_generate
-    from icecache.core.method import build_method
     from icecache.core.models import load_model, model_info
     from icecache.core.timing import PhaseTimer
+    from icecache.methods import build_method
 
     if args.threads:
         torch.set_num_threads(args.threads)

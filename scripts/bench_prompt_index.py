@@ -31,7 +31,8 @@ def llama8b_layer_method(threads: int):
     dimensions, bf16), its index on ``threads`` threads."""
     import torch
 
-    from icecache.core.method import ModelInfo, build_method
+    from icecache.core.method import ModelInfo
+    from icecache.methods import build_method
 
     info = ModelInfo(n_layers=1, n_heads=32, n_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
     return build_method({"name": "icecache", "budget": 256, "n_dense_layers": 0, "cpu_threads": threads}, info)

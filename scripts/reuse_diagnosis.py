@@ -24,8 +24,8 @@ from eval.base import PromptContext, build_task
 from icecache import provenance
 from icecache.core.cache import ATTENTION_NAME, HarnessCache
 from icecache.core.generation import GenerationRequest, _forward, greedy_generate
-from icecache.core.method import build_method
 from icecache.core.models import ModelSpec, load_model, model_info
+from icecache.methods import build_method
 
 torch.set_num_threads(1)
 sample_index = int(sys.argv[1]) if len(sys.argv) > 1 else 1

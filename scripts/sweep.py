@@ -159,7 +159,7 @@ def check_job(config, infos: dict[str, Any]) -> None:
     """The checks of one job that need neither its data nor its weights (``ConfigError`` if one fails)."""
     import importlib
 
-    from icecache.core.method import build_method
+    from icecache.methods import build_method
 
     TASKS = importlib.import_module("eval").base.TASKS  # importing the package registers every task
     task_cls = TASKS.get(config.task.get("name"))

@@ -13,7 +13,8 @@ from baselines.arkvale import ArkValeConfig, group_page_scores, page_digests, to
 from baselines.h2o import accumulated_attention
 from baselines.quest import upper_bound_scores
 from baselines.snapkv import pooled_votes
-from icecache.core.method import ModelInfo, SequenceContext, build_method
+from icecache.core.method import ModelInfo, SequenceContext
+from icecache.methods import build_method
 
 INFO = ModelInfo(n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8)
 GROUP = INFO.n_heads // INFO.n_kv_heads

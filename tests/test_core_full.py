@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from icecache.core.cache import HarnessCache
 from icecache.core.generation import GenerationRequest, greedy_generate
-from icecache.core.method import build_method
+from icecache.methods import build_method
 
 
 def reference_generate(model, ids, n_new):

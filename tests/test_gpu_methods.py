@@ -11,7 +11,7 @@ import torch
 
 from icecache.core.cache import HarnessCache
 from icecache.core.generation import GenerationRequest, greedy_generate
-from icecache.core.method import METHODS, build_method, method_class
+from icecache.methods import METHODS, build_method, method_class
 from tests.test_method_invariants import SMALL_BUDGET, method_config
 
 pytestmark = pytest.mark.gpu

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from icecache.core.cache import HarnessCache
 from icecache.core.errors import ConfigError
 from icecache.core.generation import GenerationRequest, greedy_generate
-from icecache.core.method import build_method
 from icecache.method import diff_selection, merge_group_pages
+from icecache.methods import build_method
 
 
 def prompt(n, seed=0):

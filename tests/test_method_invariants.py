@@ -23,12 +23,11 @@ import weakref
 import pytest
 import torch
 
-import baselines  # noqa: F401  registers the baselines
-import icecache.method  # noqa: F401  registers IceCache (when it lands)
 from icecache.core.cache import HarnessCache
 from icecache.core.errors import ConfigError
 from icecache.core.generation import GenerationRequest, greedy_generate
-from icecache.core.method import METHODS, ModelInfo, SequenceContext, build_method, method_class
+from icecache.core.method import ModelInfo, SequenceContext
+from icecache.methods import METHODS, build_method, method_class
 from tests.conftest import tiny_model, tiny_model_on
 
 # Methods that ignore the budget are full caches; tests/test_core_full.py holds them to the full cache's tokens.

@@ -9,8 +9,8 @@ import pytest
 from eval.base import PromptContext, build_task
 from icecache.core.cache import ATTENTION_NAME, HarnessCache
 from icecache.core.generation import GenerationRequest, greedy_generate
-from icecache.core.method import build_method
 from icecache.core.models import ModelSpec, load_model, model_info
+from icecache.methods import build_method
 
 pytestmark = pytest.mark.slow
 

@@ -114,7 +114,7 @@ def test_icecache_reuse_prompt_within_the_budget_and_decode_past_it():
 
     from icecache.core.cache import HarnessCache
     from icecache.core.generation import GenerationRequest, greedy_generate
-    from icecache.core.method import build_method
+    from icecache.methods import build_method
     from tests.conftest import tiny_model
 
     model, _, info = tiny_model("llama")

@@ -107,10 +107,8 @@ METHODS: Registry[type[Method]] = Registry("method")
 
 
 def method_class(name: str | None) -> type[Method]:
-    """The registered class of a method name (importing the modules that register methods)."""
-    import baselines  # noqa: F401  registers the baselines
-    import icecache.method  # noqa: F401  registers IceCache
-
+    """The registered class of a method name. The method modules fill the registry when they are imported
+    (``icecache.methods`` imports them all)."""
     return METHODS.get(name)
 
 
