@@ -315,6 +315,7 @@ class ArkValeKV(DenseKV):
 
 @METHODS.register("arkvale")
 class ArkVale(Method):
+    display_name = "ArkVale"
     config_class = ArkValeConfig
     test_settings = {"page_size": 8}
 

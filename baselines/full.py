@@ -24,6 +24,8 @@ class FullCache(Method):
     """The plain transformers decode path, kept eager on purpose: it is the reference that shows what a step costs
     without static buffers or a graph (``full_static`` is the same cache with both)."""
 
+    display_name = "FULL"
+
     uses_budget = False
     supports_cuda_graph = False
 
@@ -43,6 +45,7 @@ class FullStaticConfig(MethodConfig):
 
 @METHODS.register("full_static")
 class FullStaticCache(Method):
+    display_name = "FULL (static, graph)"
     config_class = FullStaticConfig
     uses_budget = False
 

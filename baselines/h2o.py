@@ -117,6 +117,7 @@ class H2OKV(TokenSlotsKV):
 
 @METHODS.register("h2o")
 class H2O(Method):
+    display_name = "H2O"
     config_class = H2OConfig
 
     def split(self) -> tuple[int, int]:

@@ -57,6 +57,7 @@ class OracleTopKKV(StaticDenseKV):
 
 @METHODS.register("oracle_topk")
 class OracleTopK(Method):
+    display_name = "TOPK"
     config_class = OracleTopKConfig
 
     def make_sparse_layer(self, layer_idx, seq):

@@ -185,6 +185,7 @@ class QuestKV(StaticDenseKV):
 
 @METHODS.register("quest")
 class Quest(Method):
+    display_name = "Quest"
     config_class = QuestConfig
     test_settings = {"page_size": 8}
 

@@ -89,6 +89,7 @@ class SnapKVKV(RingSlotsKV):
 
 @METHODS.register("snapkv")
 class SnapKV(Method):
+    display_name = "SnapKV"
     config_class = SnapKVConfig
     test_settings = {"observation_window": 16}
 

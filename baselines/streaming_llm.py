@@ -41,6 +41,7 @@ class StreamingKV(RingSlotsKV):
 
 @METHODS.register("streaming_llm")
 class StreamingLLM(Method):
+    display_name = "StreamingLLM"
     config_class = StreamingLLMConfig
 
     def check(self) -> None:

@@ -134,6 +134,7 @@ class IceCacheConfig(MethodConfig):
 
 @METHODS.register("icecache")
 class IceCache(Method):
+    display_name = "IceCache"
     config_class = IceCacheConfig
     # 64 tokens are 4 pages: 1 sink + 2 selected + 1 window.
     test_settings = {"n_sink_pages": 1, "n_window_pages": 1}
@@ -213,6 +214,7 @@ class IceCacheReuseConfig(IceCacheConfig):
 class IceCacheReuse(IceCache):
     """IceCache(r): one index and selection per group of ``n_reuse_layers`` consecutive layers (default 3)."""
 
+    display_name = "IceCache(r)"
     config_class = IceCacheReuseConfig
 
 

@@ -26,6 +26,8 @@ from typing import Any, Iterable
 
 import pandas as pd
 
+from icecache.methods import METHODS, method_class
+
 METRICS = "metrics.json"
 PREDICTIONS = "predictions.jsonl"
 
@@ -40,11 +42,10 @@ METHOD_ORDER = [
     "arkvale",
     "icecache", "icecache_reuse",
 ]
+# Printed names: each registered method's own (``Method.display_name``), and the paper's for those not implemented.
 DISPLAY_NAME = {
-    "full": "FULL", "full_static": "FULL (static, graph)", "oracle_topk": "TOPK", "snapkv": "SnapKV",
-    "streaming_llm": "StreamingLLM", "h2o": "H2O",
-    "quest": "Quest", "omnikv": "OmniKV", "magicpig": "MagicPIG", "pqcache": "PQCache", "arkvale": "ArkVale",
-    "icecache": "IceCache", "icecache_reuse": "IceCache(r)",
+    "omnikv": "OmniKV", "magicpig": "MagicPIG", "pqcache": "PQCache",
+    **{name: method_class(name).display_name or name for name in METHODS.names()},
 }
 NOT_IMPLEMENTED = ("omnikv", "magicpig", "pqcache")  # shown with the paper's numbers only
 # Every spelling of a method in the paper's tables, lower-cased and without spaces.
@@ -55,8 +56,8 @@ _ALIASES = {
     "omnikv": "omnikv", "okv": "omnikv", "magicpig": "magicpig", "mpg": "magicpig", "pqcache": "pqcache",
     "pqc": "pqcache", "quest": "quest", "h2o": "h2o",
 }
-# Methods whose result does not depend on the budget: their rows are keyed by budget None.
-BUDGET_FREE_METHODS = frozenset({"full"})
+# Methods whose result does not depend on the budget (``Method.uses_budget`` false): rows keyed by budget None.
+BUDGET_FREE_METHODS = frozenset(name for name in METHODS.names() if not method_class(name).uses_budget)
 
 # The paper's RULER columns as means over RULER subtasks.
 RULER_CATEGORIES = {

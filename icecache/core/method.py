@@ -52,6 +52,8 @@ class Method(ABC):
     config_class: ClassVar[type[MethodConfig]] = MethodConfig
     uses_budget: ClassVar[bool] = True
     supports_cuda_graph: ClassVar[bool] = True
+    #: The name tables and figures print (the paper's); None: the registry name.
+    display_name: ClassVar[str | None] = None
     #: Settings for the shared invariant tests on tiny models at a 64-token budget (pages of 8 tokens, say, so that
     #: the budget holds several); the method's defaults otherwise.
     test_settings: ClassVar[dict[str, Any]] = {}
