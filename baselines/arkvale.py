@@ -207,10 +207,7 @@ class ArkValeKV(DenseKV):
             raise ValueError("sparse KV methods run with batch size 1")
         if self.seq_len // self.page_size + 1 > self.scratch_page:  # only outside the generation loop
             self._allocate_store(2 * self.scratch_page, key)
-        position = self.seq.position
-        if position is None:  # called outside the generation loop: nothing is captured, a host position is fine
-            position = torch.full((1,), self.seq_len, dtype=torch.long, device=key.device)
-        position = position[:1]
+        position = self.decode_position(key.device)
         page, offset = position // self.page_size, position % self.page_size
         self._start_page(page, offset == 0)
         slot = self.home_slot(page)

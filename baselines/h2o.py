@@ -100,7 +100,7 @@ class H2OKV(TokenSlotsKV):
         return self.scores.gather(1, self.kept_order().repeat_interleave(group, dim=0))
 
     def next_slot(self, position):
-        return self.free_slot.clone()  # after_attention rewrites free_slot in place
+        return self.free_slot.clone()  # attend rewrites free_slot in place
 
     def on_write(self, slot):
         group = self.model.n_heads // self.model.n_kv_heads
@@ -112,7 +112,7 @@ class H2OKV(TokenSlotsKV):
                        position, scaling, self.n_recent)
         # Slots fill one per step until all are taken, then one goes as one comes.
         self.seq.counters.record_on_device((position + 1).clamp(max=self.budget))
-        return out, None
+        return out
 
 
 @METHODS.register("h2o")

@@ -101,6 +101,14 @@ class LayerKV(ABC):
         self.seq_len += key.shape[-2]
         return out
 
+    def decode_position(self, device: torch.device) -> torch.Tensor:
+        """The one-element device tensor of the decode step's position: ``SequenceContext.position``, which a
+        captured step reads on every replay, or, called outside the generation loop (nothing captured), the host's
+        ``seq_len``."""
+        if self.seq.position is None:
+            return torch.full((1,), self.seq_len, dtype=torch.long, device=device)
+        return self.seq.position[:1]
+
     @abstractmethod
     def prefill(self, query, key, value, attention_mask, scaling) -> torch.Tensor:
         """A prompt chunk; ``self.seq.more_prefill_chunks`` says whether more follow."""

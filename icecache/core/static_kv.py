@@ -65,10 +65,7 @@ class StaticDenseKV(LayerKV):
         the one-element device tensor of its position, where ``append_token`` writes it."""
         if self.seq_len + 1 > self.capacity:
             self._allocate(key, self.seq_len + 1)
-        position = self.seq.position
-        if position is None:  # called outside the generation loop: a host position is fine when nothing is captured
-            position = torch.full((1,), self.seq_len, dtype=torch.long, device=key.device)
-        return position[:1]
+        return self.decode_position(key.device)
 
     def append_token(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Write the step's ``key``/``value [1, Hkv, 1, D]`` at its device-side position; returns the position."""

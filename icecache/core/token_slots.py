@@ -4,9 +4,9 @@ StreamingLLM, SnapKV and H2O keep a fixed number of tokens and evict the rest fo
 tokens they keep. Here they share one layout that a CUDA graph can replay: every KV head has ``budget`` slots of
 keys, values and positions (``-1`` for an empty slot), allocated once when the prompt is done. A decode step
 writes its token into the slot the method names (``next_slot``, from the device-side position or from state the
-method keeps on the device), attends over the valid slots, and lets the method update its state in place
-(``after_attention``). Nothing in the step reads a host value that changes between steps, so the step is the same
-computation eagerly and replayed.
+method keeps on the device) and attends over the valid slots (``attend``, where a method whose eviction follows the
+attention, H2O, also updates its state in place). Nothing in the step reads a host value that changes between
+steps, so the step is the same computation eagerly and replayed.
 
 Attention over the slots does not depend on their order. H2O needs the probabilities, so its attention is an
 explicit float32 softmax; the ring methods fill their slots in order until the ring turns, so their valid slots are
@@ -42,7 +42,7 @@ class TokenSlotsKV(DenseKV):
     """The prompt is stored densely while it arrives (prefill attention is dense and method-independent); after its
     last chunk the method picks the prompt tokens to keep and their slots (``place_prompt``), and the dense copy
     goes. Subclasses define ``place_prompt``, ``next_slot`` and optionally ``observe_prefill``, ``on_write``
-    and ``after_attention``."""
+    and ``attend`` (a method whose eviction follows the step's attention does it there, in place)."""
 
     def __init__(self, layer_idx: int, model: ModelInfo, seq: SequenceContext, budget: int):
         super().__init__(layer_idx, model, seq)
@@ -68,10 +68,6 @@ class TokenSlotsKV(DenseKV):
 
     def on_write(self, slot: torch.Tensor) -> None:
         """Called when the step's token has been written to ``slot [Hkv]``, before the attention."""
-
-    def after_attention(self, probs: torch.Tensor | None, position: torch.Tensor) -> None:
-        """Called with the step's probabilities ``[Hq, budget]`` over the slots (None where ``attend`` does not make
-        them); state changes must be in place."""
 
     # --- the shared mechanics ----------------------------------------------------------------------------------
     def prefill(self, query, key, value, attention_mask, scaling):
@@ -100,16 +96,12 @@ class TokenSlotsKV(DenseKV):
     def decode(self, query, key, value, scaling):
         if query.shape[0] != 1:
             raise ValueError("sparse KV methods run with batch size 1")
-        position = self.seq.position
-        if position is None:  # called outside the generation loop: nothing is captured, a host position is fine
-            position = torch.full((1,), self.seq_len, dtype=torch.long, device=key.device)
-        position = position[:1]
+        position = self.decode_position(key.device)
         slot = self.next_slot(position)  # [Hkv]
         self.write(slot, key[0], value[0], position)
         if self.seq.trace_selection:  # what the step attends: the slots after its write, before any eviction
             self.last_attended = self.attended_positions(self.seq_len + 1)
-        out, probs = self.attend(query[0, :, 0], position, scaling)
-        self.after_attention(probs, position)
+        out = self.attend(query[0, :, 0], position, scaling)
         return out.view(1, 1, *out.shape).to(query.dtype)
 
     def write(self, slot: torch.Tensor, key: torch.Tensor, value: torch.Tensor, position: torch.Tensor) -> None:
@@ -121,14 +113,12 @@ class TokenSlotsKV(DenseKV):
         self.slot_positions.scatter_(1, index, position.expand(n_kv_heads, 1))
         self.on_write(slot)
 
-    def attend(self, query: torch.Tensor, position: torch.Tensor,
-               scaling: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``query [Hq, D]`` over the valid slots -> ``(out [Hq, D], probs [Hq, slots] or None)``; records the
-        attended count."""
+    def attend(self, query: torch.Tensor, position: torch.Tensor, scaling: float) -> torch.Tensor:
+        """``query [Hq, D]`` over the valid slots -> ``out [Hq, D]``; records the attended count."""
         valid = self.slot_positions >= 0
-        out, probs = slot_attention(query, self.slot_keys, self.slot_values, valid, scaling)
+        out, _ = slot_attention(query, self.slot_keys, self.slot_values, valid, scaling)
         self.seq.counters.record_on_device(valid.sum(-1).float().mean())
-        return out, probs
+        return out
 
     def kept_order(self) -> torch.Tensor:
         """``[Hkv, n]``: the slots holding a token, in position order (every head holds as many; host-synchronising,
@@ -201,4 +191,4 @@ class RingSlotsKV(TokenSlotsKV):
                  for t in (self.slot_keys, self.slot_values)]
         out = paged_decode_attention(query, *pages, self._page_table, counts, scaling)
         self.seq.counters.record_on_device(n_valid)
-        return out, None
+        return out
