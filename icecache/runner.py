@@ -221,6 +221,16 @@ def model_error(spec: ModelSpec, error: BaseException) -> ConfigError:
 _MODEL_READ_ERRORS = (OSError, ValueError, KeyError, ImportError, RuntimeError)
 
 
+def read_model_part(spec: ModelSpec, read):
+    """``read()`` (the model's config, its tokenizer), with what goes wrong reading it as one ``ConfigError``."""
+    try:
+        return read()
+    except _MODEL_READ_ERRORS as error:
+        if isinstance(error, ConfigError):
+            raise
+        raise model_error(spec, error) from None
+
+
 def prepare(config: RunConfig):
     """Every check that needs no weights, cheapest first, before anything is written: -> (task, method).
 
@@ -235,12 +245,7 @@ def prepare(config: RunConfig):
     task.check_max_length(config.model.max_length)
     check_model_path(config.model)
     check_model(config.model)
-    try:
-        info = model_info(config.model)
-    except _MODEL_READ_ERRORS as error:
-        if isinstance(error, ConfigError):
-            raise
-        raise model_error(config.model, error) from None
+    info = read_model_part(config.model, lambda: model_info(config.model))
     method = build_method(config.method, info)
     return task, method
 
@@ -252,12 +257,7 @@ def build_samples(task, config: RunConfig):
     from eval.base import PromptContext
     from icecache.core.models import load_tokenizer
 
-    try:
-        tokenizer = load_tokenizer(config.model)
-    except _MODEL_READ_ERRORS as error:
-        if isinstance(error, ConfigError):
-            raise
-        raise model_error(config.model, error) from None
+    tokenizer = read_model_part(config.model, lambda: load_tokenizer(config.model))
     context = PromptContext(
         tokenizer=tokenizer,
         model_name=config.model.name,
