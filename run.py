@@ -94,7 +94,7 @@ def check_syntax(overrides: list[str]):
 def check_run_settings(cfg) -> None:
     """What the settings alone show (types, budget rules, unknown method keys): ``RunConfig.from_dict``."""
     from icecache.core.errors import ConfigError
-    from icecache.runner import RunConfig
+    from icecache_harness.runner import RunConfig
 
     try:
         RunConfig.from_dict(run_values(cfg))
@@ -212,7 +212,7 @@ def check_sweep(overrides: list[str], launching: bool) -> None:
                     failures.append((index, job, f"bad override: {first_line(error)}"))
                     continue
                 try:
-                    from icecache.runner import RunConfig
+                    from icecache_harness.runner import RunConfig
 
                     RunConfig.from_dict(run_values(cfg))
                 except ConfigError as error:
@@ -257,7 +257,7 @@ def main() -> None:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
-        from icecache.runner import main_from_dict
+        from icecache_harness.runner import main_from_dict
 
         multirun = HydraConfig.get().mode == RunMode.MULTIRUN
         metrics = main_from_dict(run_values(cfg), exit_on_error=not multirun)

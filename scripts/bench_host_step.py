@@ -34,7 +34,7 @@ def time_host_steps(length: int, steps: int, threads: int) -> dict[str, list[flo
     import torch
     from bench_prompt_index import llama8b_layer_method, timed
 
-    import icecache.method as icecache_method
+    import icecache.methods.icecache as icecache_method
     from icecache.core.method import SequenceContext
 
     method = llama8b_layer_method(threads)
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> Path:
         parser.error("--length must be >= 1024 tokens, --steps >= 2 and --threads >= 1")
     import torch
 
-    from icecache import provenance
+    from icecache_harness import provenance
 
     torch.set_num_threads(args.threads)
     times = time_host_steps(args.length, args.steps, args.threads)

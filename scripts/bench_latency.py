@@ -228,13 +228,13 @@ def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     import torch
 
-    from icecache import provenance
     from icecache.core.cache import ATTENTION_NAME, HarnessCache
     from icecache.core.errors import ConfigError
     from icecache.core.generation import GenerationRequest, greedy_generate
     from icecache.core.models import load_model, model_info
     from icecache.core.timing import PhaseTimer
     from icecache.methods import build_method
+    from icecache_harness import provenance
 
     if args.threads:
         torch.set_num_threads(args.threads)

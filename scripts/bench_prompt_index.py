@@ -52,7 +52,7 @@ def time_layer(length: int, threads: int, repeats: int) -> dict[str, float]:
     import numpy as np
     import torch
 
-    import icecache.method as icecache_method
+    import icecache.methods.icecache as icecache_method
     from icecache.core.method import SequenceContext
     from icecache.dci import DCIIndex
 
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> Path:
     import torch
     from tqdm.auto import tqdm
 
-    from icecache import provenance
+    from icecache_harness import provenance
 
     torch.set_num_threads(args.threads)
     results = []

@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib
 
     matplotlib.use("Agg")
-    from eval.report.collect import REFERENCE_DIR
-    from eval.report.summary import write_summary
+    from icecache_harness.report.collect import REFERENCE_DIR
+    from icecache_harness.report.summary import write_summary
 
     missing = [r for r in args.runs if not Path(r).exists()]
     if missing:

@@ -56,7 +56,7 @@ class Job:
         if not predictions.is_absolute():
             predictions = REPO / predictions
         if predictions.exists():
-            from eval.report.collect import count_complete_lines
+            from icecache_harness.report.collect import count_complete_lines
 
             return f"partial {count_complete_lines(predictions)}"
         return "todo"
@@ -132,7 +132,7 @@ def expand(overrides: list[str], device: str | None = None, resolve_dirs: bool =
         seen: dict[str, int] = {}
         infos: dict[str, Any] = {}
         with _as_device(device):
-            from icecache.runner import RunConfig
+            from icecache_harness.runner import RunConfig
 
             for job_override in job_overrides:
                 try:
@@ -157,11 +157,10 @@ def expand(overrides: list[str], device: str | None = None, resolve_dirs: bool =
 
 def check_job(config, infos: dict[str, Any]) -> None:
     """The checks of one job that need neither its data nor its weights (``ConfigError`` if one fails)."""
-    import importlib
-
+    import icecache.tasks  # noqa: F401  importing the package registers every task
     from icecache.methods import build_method
+    from icecache.tasks.base import TASKS
 
-    TASKS = importlib.import_module("eval").base.TASKS  # importing the package registers every task
     task_cls = TASKS.get(config.task.get("name"))
     task_cls(task_cls.config_class.from_dict(dict(config.task))).check_max_length(config.model.max_length)
     info = cheap_model_info(config.model, infos)

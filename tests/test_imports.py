@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PACKAGES = ("icecache", "baselines", "eval")
+PACKAGES = ("icecache", "icecache_harness")
 
 
 def modules() -> dict[str, Path]:
@@ -93,7 +93,7 @@ def test_the_harness_has_no_import_cycle():
 
 
 def test_the_core_names_no_method_and_no_task():
-    plugins = ("baselines", "eval", "icecache.method", "icecache.methods", "icecache.runner")
+    plugins = ("icecache.methods", "icecache.tasks", "icecache_harness")
     for name, targets in import_graph().items():
         if name.startswith("icecache.core"):
             named = sorted(t for t in targets if t.startswith(plugins))

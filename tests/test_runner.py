@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from icecache import runner
 from icecache.core.errors import ConfigError
+from icecache_harness import runner
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -118,7 +118,7 @@ def test_bad_input_gives_one_line_and_exit_code_2(overrides, message, tmp_path):
 
 def test_provenance_names_the_snapshot_commit_over_the_enclosing_checkout(monkeypatch):
     """A git-archive copy inside another checkout (the GPU host) must record the commit it was made from."""
-    from icecache import provenance
+    from icecache_harness import provenance
 
     monkeypatch.setenv("ICECACHE_GIT_COMMIT", "0123abcd")
     info = provenance.collect()

@@ -64,7 +64,7 @@ def test_every_configured_cell_composes_and_passes_its_checks(experiment):
 
 @pytest.mark.parametrize("experiment", SWEPT)
 def test_every_configured_cell_runs_on_a_tiny_model(experiment, tmp_path):
-    from icecache.runner import RunConfig, run
+    from icecache_harness.runner import RunConfig, run
 
     overrides = [f"experiment={experiment}", "model=tiny_llama", f"output_root={tmp_path}", *TINY_TASKS[experiment]]
     jobs, _ = sweep.expand(overrides, device="cpu")  # with the tiny model's geometry: the methods' own checks too

@@ -236,8 +236,8 @@ def prepare(config: RunConfig):
 
     Settings (the run's, the method's, the task's) come first, then the task's data, then the model's files, and
     last the model's config (for a GGUF file: seconds of parsing), which the method's geometry checks need."""
-    from eval.base import build_task
     from icecache.methods import build_method
+    from icecache.tasks.base import build_task
 
     config.check_settings()
     check_writable(Path(config.output_root))
@@ -254,8 +254,8 @@ def build_samples(task, config: RunConfig):
     """(tokenizer, samples): the model's tokenizer and every sample, built before any weights load, so a task
     that cannot be built for this model (a passkey length shorter than its fixed text, a RULER length too short for
     a task) or that yields nothing stops the run before it starts."""
-    from eval.base import PromptContext
     from icecache.core.models import load_tokenizer
+    from icecache.tasks.base import PromptContext
 
     tokenizer = read_model_part(config.model, lambda: load_tokenizer(config.model))
     context = PromptContext(
@@ -302,11 +302,11 @@ def run(config: RunConfig) -> dict[str, Any]:
     from omegaconf import OmegaConf
     from tqdm.auto import tqdm
 
-    from icecache import provenance
     from icecache.core.cache import ATTENTION_NAME, HarnessCache
     from icecache.core.generation import GenerationRequest, greedy_generate
     from icecache.core.models import load_model
     from icecache.core.timing import PhaseTimer
+    from icecache_harness import provenance
 
     task, method = prepare(config)
     out_dir = config.output_dir()

@@ -3,7 +3,7 @@
 Prompt: the exemplars + ``"\\nQuestion: " + question + "\\n"``, no chat template, greedy, 256 new tokens, stopping at
 the next ``"\\nQuestion: "`` the model starts. The exemplars are the eight classic ones of the chain-of-thought paper
 (Wei et al. 2022) because IceCache's own prompt file, ``gsm8k_prompt_formal.txt``, was never made public; see
-``eval/data/gsm8k/SOURCE.md``.
+``icecache/tasks/data/gsm8k/SOURCE.md``.
 
 Answer extraction (docs/algorithms.md, GSM8K): cut the generation at the first ``"\\nQuestion: "``, remove commas, and
 read the last match of ``\\d*\\.?\\d+`` as a float; the gold answer is read the same way (its last number is the one
@@ -25,7 +25,7 @@ from icecache.core.errors import ConfigError
 from .base import TASKS, PromptContext, Sample, Task, TaskConfig, read_jsonl
 from .chat import encode_prompt
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 EXEMPLARS_FILE = Path(__file__).resolve().parent / "data" / "gsm8k" / "cot_8shot.txt"
 DEFAULT_PATH = "~/.cache/icecache-harness/gsm8k/test.jsonl"  # where $ICECACHE_GSM8K is unset
 QUESTION_MARKER = "\nQuestion: "

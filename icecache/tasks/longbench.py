@@ -2,7 +2,7 @@
 
 Per sample (docs/algorithms.md, LongBench):
 
-1. ``prompt = dataset2prompt[dataset].format(**sample)`` (templates are data: ``eval/data/longbench/``).
+1. ``prompt = dataset2prompt[dataset].format(**sample)`` (templates are data: ``icecache/tasks/data/longbench/``).
 2. Middle truncation to the model's prompt budget ``L`` (``PromptContext.max_length``): if the tokenised prompt is
    longer than ``L``, keep the first ``int(L/2)`` and the last ``int(L/2)`` tokens, decode each half with special
    tokens skipped and concatenate the two strings. The string is re-tokenised later, so the length can drift by a
@@ -11,9 +11,10 @@ Per sample (docs/algorithms.md, LongBench):
    sets, where chat models do better on the raw continuation).
 4. Greedy generation of ``dataset2maxlen[dataset]`` tokens; samsum also forces one new token and stops on "\\n".
 
-Scores: the official per-sample metric (``eval.metrics``), ``round(100 * mean, 2)`` per dataset, the leaderboard's
-"Avg" (mean of the six category means), the IceCache table's plain mean over datasets, and for LongBench-E the same
-per length bucket (``length`` < 4000, 4000-7999, >= 8000; words for English and code, characters for Chinese).
+Scores: the official per-sample metric (``icecache.tasks.metrics``), ``round(100 * mean, 2)`` per dataset, the
+leaderboard's "Avg" (mean of the six category means), the IceCache table's plain mean over datasets, and for
+LongBench-E the same per length bucket (``length`` < 4000, 4000-7999, >= 8000; words for English and code,
+characters for Chinese).
 
 Data: the hub's parquet mirror ``Xnhyacinth/LongBench`` (the script-based ``THUDM/LongBench`` no longer loads with
 recent ``datasets``), or a local folder in the official ``data.zip`` layout. The mirror stores each prompt pre-split
@@ -38,7 +39,7 @@ from .base import TASKS, PromptContext, Sample, Task, TaskConfig, read_jsonl
 from .chat import encode_prompt, newline_token_id, wrap_chat
 from .metrics import longbench_sample_score, official_round
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 DATA_FILES = Path(__file__).resolve().parent / "data" / "longbench"
 DEFAULT_LOCAL_DIR = Path("~/.cache/icecache-harness/longbench").expanduser()
 DATA_ZIP_URL = "https://huggingface.co/datasets/THUDM/LongBench/resolve/main/data.zip"

@@ -106,7 +106,7 @@ TASKS: Registry[type[Task]] = Registry("task")
 
 
 def build_task(values: dict[str, Any]) -> Task:
-    import eval as _all_tasks  # noqa: F401  registers every task
+    import icecache.tasks as _all_tasks  # noqa: F401  registers every task
 
     task_cls = TASKS.get(values.get("name"))
     task = task_cls(task_cls.config_class.from_dict(dict(values)))
