@@ -364,7 +364,7 @@ def run(config: RunConfig) -> dict[str, Any]:
                 sink.write(json.dumps(record, default=str) + "\n")
                 sink.flush()
                 os.fsync(sink.fileno())
-                del cache
+                cache.close()  # ends the method's workers now, not when the garbage collector runs
 
         records = read_records(predictions_path)
         order = {s.sample_id: i for i, s in enumerate(samples)}

@@ -4,13 +4,14 @@
 One sparsified layer with the Llama-3.1-8B geometry (32 query / 8 KV heads of 128 dimensions, budget 256) is
 prefilled with ``--length`` random bf16 tokens on the CPU; its prompt index is built, then ``--steps`` decode steps
 run with random queries (the worst case for loading: nearly every selected page changes at every step, as with
-the random-weight model of the latency benchmark). ``_host_step``'s parts are timed per step:
+the random-weight model of the latency benchmark). The parts of the layer's host step are read from the phase
+timer per step:
 
 * ``search``: the DCI query and the merge of each GQA group's ranked pages (the step's ``query`` phase);
 * ``stage``: the diff against the slots and the gather of the pages to load into the transit buffer (``load``);
 * ``rest``: the window bookkeeping (and, every 16 steps, the offload of the oldest window page into the index),
   the valid counts and the counters: host work that the latency phases count as ``model``;
-* ``host_step``: all of it.
+* ``host_step``: all of it (the timer's span ``host_step``).
 
 Writes ``host_step_<machine>_<date>.json`` with provenance to ``--out``.
 Usage: python scripts/bench_host_step.py --length 32768 --steps 64 --threads 16
@@ -32,36 +33,37 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 def time_host_steps(length: int, steps: int, threads: int) -> dict[str, list[float]]:
     import torch
-    from bench_prompt_index import llama8b_layer_method, timed
+    from bench_prompt_index import llama8b_layer_method
 
-    import icecache.methods.icecache as icecache_method
     from icecache.core.method import SequenceContext
+    from icecache.core.timing import PhaseTimer
 
     method = llama8b_layer_method(threads)
     generator = torch.Generator().manual_seed(0)
-    layer = method.make_layer(0, SequenceContext())
-    with torch.inference_mode():
-        layer.append(torch.randn(1, 8, length, 128, generator=generator).to(torch.bfloat16),
-                     torch.randn(1, 8, length, 128, generator=generator).to(torch.bfloat16))
-        layer._offload_prompt()
-        layer._ready.result()
-        layer.seq_len = length  # what the prefill's forward would have counted
-    times: dict[str, list[float]] = {"search": [], "stage": [], "host_step": []}
-    cls = icecache_method.IceCacheLayer
-    originals = {name: getattr(cls, name) for name in ("_select", "_stage_pages", "_host_step")}
-    cls._select = timed(times, "search", originals["_select"])
-    cls._stage_pages = timed(times, "stage", originals["_stage_pages"])
-    cls._host_step = timed(times, "host_step", originals["_host_step"])
+    timer = PhaseTimer(enabled=True)
+    seq = SequenceContext(timer=timer)
+    layer = method.make_layer(0, seq)
+    times: dict[str, list[float]] = {"search": [], "stage": []}
     try:
         with torch.inference_mode():
+            layer.append(torch.randn(1, 8, length, 128, generator=generator).to(torch.bfloat16),
+                         torch.randn(1, 8, length, 128, generator=generator).to(torch.bfloat16))
+            layer.offload_prompt()
+            layer.wait_until_indexed()
+            layer.seq_len = length  # what the prefill's forward would have counted
+            timer.take_step()
+            timer.spans.clear()
             for _ in range(steps):
                 query = torch.randn(1, 32, 1, 128, generator=generator).to(torch.bfloat16)
                 key = torch.randn(1, 8, 1, 128, generator=generator).to(torch.bfloat16)
                 value = torch.randn(1, 8, 1, 128, generator=generator).to(torch.bfloat16)
                 layer.forward(query, key, value, None, 128 ** -0.5)
+                phases = timer.take_step()
+                times["search"].append(phases.get("query", 0.0))
+                times["stage"].append(phases.get("load", 0.0))
     finally:
-        for name, function in originals.items():
-            setattr(cls, name, function)
+        seq.close()
+    times["host_step"] = list(timer.spans["host_step"])
     times["rest"] = [total - search - stage for total, search, stage in
                      zip(times["host_step"], times["search"], times["stage"])]
     times["pages_loaded_per_step"] = [layer.seq.counters.pages_loaded / steps]

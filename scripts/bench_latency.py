@@ -282,6 +282,7 @@ def main(argv: list[str] | None = None) -> Path:
                         "pages_loaded_per_step": result.counters.get("pages_loaded", 0) / n_steps,
                         "bytes_to_gpu_per_step": result.counters.get("bytes_to_gpu", 0) / n_steps,
                     })
+                cache.close()
                 del cache, result
                 if device.type == "cuda":
                     torch.cuda.empty_cache()

@@ -1,8 +1,9 @@
 """Time the parts of one IceCache layer's prompt job (what TT2T waits for, 30 times for Llama-3.1-8B).
 
 After a layer's prefill, IceCache copies the prompt's middle keys and values to the CPU and a worker thread builds the
-layer's DCI index and lays out its pages in the CPU store (``IceCacheLayer._index_prompt``). This script runs that job
-for one layer of random bf16 keys (Llama-3.1-8B geometry: 8 KV heads of 128 dimensions) and times its parts:
+layer's DCI index and lays out its pages in the CPU store (``IceCacheLayer.offload_prompt``). This script runs that job
+for one layer of random bf16 keys (Llama-3.1-8B geometry: 8 KV heads of 128 dimensions) and times its parts (the
+build and the layout are the phase timer's spans ``index_build`` and ``index_layout``):
 
 * ``to_float32``: the keys as float32 for the index;
 * ``build``: the DCI build (all KV heads, ``--threads`` OpenMP threads);
@@ -38,23 +39,12 @@ def llama8b_layer_method(threads: int):
     return build_method({"name": "icecache", "budget": 256, "n_dense_layers": 0, "cpu_threads": threads}, info)
 
 
-def timed(record: dict[str, list[float]], name: str, function):
-    """``function``, appending the seconds of each call to ``record[name]``."""
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        result = function(*args, **kwargs)
-        record.setdefault(name, []).append(time.perf_counter() - start)
-        return result
-    return wrapper
-
-
-def time_layer(length: int, threads: int, repeats: int) -> dict[str, float]:
+def time_layer(length: int, threads: int, repeats: int) -> dict[str, list[float]]:
     import numpy as np
     import torch
 
-    import icecache.methods.icecache as icecache_method
     from icecache.core.method import SequenceContext
-    from icecache.dci import DCIIndex
+    from icecache.core.timing import PhaseTimer
 
     method = llama8b_layer_method(threads)
     info = method.model
@@ -62,30 +52,31 @@ def time_layer(length: int, threads: int, repeats: int) -> dict[str, float]:
     keys = torch.randn(1, 8, length, 128, generator=generator).to(torch.bfloat16)
     values = torch.randn(1, 8, length, 128, generator=generator).to(torch.bfloat16)
     rows: dict[str, list[float]] = {}
-    build, rewrite = DCIIndex.build, icecache_method.IceCacheLayer._rewrite_pages
-    DCIIndex.build = timed(rows, "build", build)
-    icecache_method.IceCacheLayer._rewrite_pages = timed(rows, "rewrite", rewrite)
-    try:
-        for _ in range(repeats):
-            layer = method.make_layer(0, SequenceContext())
+    for _ in range(repeats):
+        timer = PhaseTimer(enabled=True)
+        seq = SequenceContext(timer=timer)
+        layer = method.make_layer(0, seq)
+        try:
             with torch.inference_mode():
                 start = time.perf_counter()
                 keys.float()
                 rows.setdefault("to_float32", []).append(time.perf_counter() - start)
                 start = time.perf_counter()
                 layer.append(keys, values)
-                layer._offload_prompt()
-                layer._ready.result()
+                layer.offload_prompt()
+                layer.wait_until_indexed()
                 rows.setdefault("job_total", []).append(time.perf_counter() - start)
-                index = layer._shared()["index"]
+                rows.setdefault("build", []).extend(timer.spans["index_build"])
+                rows.setdefault("rewrite", []).extend(timer.spans["index_layout"])
+                index = layer.group.index
                 everything = np.zeros_like(layer.stale)
                 for head in range(info.n_kv_heads):
                     everything[head, : index.page_tokens(head).shape[0]] = True
                 start = time.perf_counter()
-                rewrite(layer, everything)
+                layer.rewrite_pages(everything)
                 rows.setdefault("rewrite_again", []).append(time.perf_counter() - start)
-    finally:
-        DCIIndex.build, icecache_method.IceCacheLayer._rewrite_pages = build, rewrite
+        finally:
+            seq.close()
     return rows
 
 

@@ -92,8 +92,8 @@ def check_layer(cache, layer, log, q, out, scaling):
     V = torch.cat(log["v"][li], dim=1)
     K_owner = torch.cat(log["k"][owner.layer_idx], dim=1)
     assert K.shape[1] == total, (K.shape, total)
-    index = layer._shared()["index"]
-    selection = layer._shared()["selection"]
+    index = layer.group.index
+    selection = layer.group.selection
     res = {"layer": li, "owner": owner.layer_idx, "step": len(log["q"][li]) - 1}
     res["resident_eq_owner"] = bool(np.array_equal(layer.resident, owner.resident))
     res["resident_is_selection"] = all(
@@ -173,7 +173,7 @@ def ownrank(layer, owner, index, t, total):
     """Oracle: the k_sel pages of the owner's current layout with most of THIS layer's full-run attention mass."""
     li = layer.layer_idx
     g = info.group_size
-    k_sel = layer.method.n_selected_pages
+    k_sel = layer.cfg.n_selected_pages
     q = FULL["log"]["q"][li][t].double()
     K = FULL["K"][li][:, :total].repeat_interleave(g, 0).double()
     p = torch.softmax(torch.einsum("hd,htd->ht", q, K) * info.head_dim ** -0.5, -1).view(info.n_kv_heads, g, total)

@@ -163,3 +163,24 @@ def test_residual_on_host_without_layer_by_layer_is_refused_before_any_work(tiny
     with pytest.raises(ValueError, match="needs layer_by_layer"):
         greedy_generate(model, HarnessCache(build_method({"name": "full"}, info)), GenerationRequest([1, 2, 3], 2),
                         residual_on_host=True)
+
+
+def test_a_sequence_state_is_made_once_per_kind_and_closed_with_the_sequence():
+    from icecache.core.layer import SequenceContext
+
+    class Worker:
+        def __init__(self):
+            self.closed = 0
+
+        def close(self):
+            self.closed += 1
+
+    class Plain:  # no close(): nothing to end
+        pass
+
+    seq = SequenceContext()
+    worker = seq.state(Worker)
+    assert seq.state(Worker) is worker and isinstance(seq.state(Plain), Plain)
+    assert SequenceContext().state(Worker) is not worker  # per sequence, not global
+    seq.close()
+    assert worker.closed == 1

@@ -46,7 +46,7 @@ def test_attended_set_is_sinks_selected_pages_and_window(tiny):
         expected = torch.zeros(info.n_kv_heads, total, dtype=torch.bool)
         expected[:, : layer.sink_len] = True
         expected[:, layer.window_start:] = True
-        index = layer._shared()["index"]
+        index = layer.group.index
         for head in range(info.n_kv_heads):
             for page in layer.resident[head][layer.resident[head] >= 0]:
                 tokens = index.page_tokens(head)[page]
@@ -287,7 +287,7 @@ def test_half_precision_search_selects_the_float32_pages(tiny):
         values = {"name": "icecache", "budget": 96, "dci_score_precision": precision}
         cache = HarnessCache(build_method(values, info))
         runs[precision] = greedy_generate(model, cache, GenerationRequest(ids, 40))
-        assert cache.layer_kvs[-1]._shared()["index"].score_precision == precision
+        assert cache.layer_kvs[-1].group.index.score_precision == precision
     assert runs["half"].token_ids == runs["float32"].token_ids
     assert runs["half"].counters == runs["float32"].counters and runs["half"].counters["pages_loaded"] > 0
 
@@ -349,3 +349,57 @@ def _check_rows(store):
                 assert torch.equal(keys[head * stride + token], store.keys[head, token])
                 assert torch.equal(values[head * stride + token], store.values[head, token])
         store.append(torch.randn(3, 300, 4), torch.randn(3, 300, 4))  # grows: new storage, new stride
+
+
+def _index_workers() -> list:
+    import threading
+
+    return [t for t in threading.enumerate() if t.name.startswith("icecache-index")]
+
+
+@pytest.mark.parametrize("name", ["icecache", "icecache_reuse"])
+def test_closing_the_cache_ends_the_prompt_worker_and_its_progress_bar(tiny, name):
+    from icecache.methods.icecache import IceCacheSequence
+
+    model, _, info = tiny
+    before = len(_index_workers())
+    method = build_method({"name": name, "budget": 96}, info)
+    with HarnessCache(method) as cache:
+        greedy_generate(model, cache, GenerationRequest(prompt(300, 3), 20))
+        state = cache.seq.state(IceCacheSequence)
+        # One group per owner layer; reusers share their owner's.
+        owners = {method.owner_of(i) for i in range(method.config.n_dense_layers, info.n_layers)}
+        assert set(state.groups) == owners
+        assert all(group.index is not None for group in state.groups.values())
+        assert len(_index_workers()) == before + 1
+        assert state._progress is not None and state.n_layers_done == info.n_layers - method.config.n_dense_layers
+    assert len(_index_workers()) == before
+    assert state._worker is None and state._progress is None
+
+
+def test_the_phase_timer_exposes_the_host_step_and_the_prompt_job(tiny):
+    """The parts a benchmark times come from the timer, one span per layer step and per prompt build, and the
+    host step's phases fit inside its span."""
+    from icecache.core.timing import PhaseTimer
+
+    model, _, info = tiny
+    method = build_method({"name": "icecache", "budget": 96}, info)
+    n_sparse = info.n_layers - method.config.n_dense_layers
+    timer = PhaseTimer(enabled=True)
+    with HarnessCache(method, timer) as cache:
+        result = greedy_generate(model, cache, GenerationRequest(prompt(300, 4), 12))
+    n_steps = len(result.step_times_s)
+    assert len(timer.spans["index_build"]) == len(timer.spans["index_layout"]) == n_sparse
+    assert len(timer.spans["host_step"]) == n_sparse * n_steps
+    host = sum(timer.spans["host_step"])
+    phases = sum(p.get("query", 0.0) + p.get("load", 0.0) for p in result.step_phases)
+    assert 0 < phases <= host
+
+
+def test_a_disabled_timer_records_no_span():
+    from icecache.core.timing import PhaseTimer
+
+    timer = PhaseTimer(enabled=False)
+    with timer.span("x"):
+        pass
+    assert timer.spans == {}

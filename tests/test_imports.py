@@ -102,3 +102,10 @@ def test_the_core_names_no_method_and_no_task():
 
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_library_imports_nothing_from_the_application():
+    for name, targets in import_graph().items():
+        if name == "icecache" or name.startswith("icecache."):
+            named = sorted(t for t in targets if t.startswith("icecache_harness"))
+            assert not named, f"{name} imports {named}"

@@ -62,7 +62,8 @@ class HarnessCacheLayer(CacheLayerMixin):
 
 
 class HarnessCache(Cache):
-    """One sequence's KV state under a method. Make a new one per sequence."""
+    """One sequence's KV state under a method. Make a new one per sequence, and close it when the sequence ends
+    (``close``, or ``with HarnessCache(...) as cache:``), which ends the workers a method's layers share."""
 
     def __init__(self, method: Method, timer: PhaseTimer | None = None, trace_selection: bool = False):
         self.method = method
@@ -81,6 +82,15 @@ class HarnessCache(Cache):
 
     def cpu_kv_bytes(self) -> int:
         return sum(kv.cpu_kv_bytes() for kv in self.layer_kvs)
+
+    def close(self) -> None:
+        self.seq.close()
+
+    def __enter__(self) -> "HarnessCache":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
 
 def harness_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -47,6 +47,9 @@ class ModelInfo:
         return self.n_heads // self.n_kv_heads
 
 
+State = TypeVar("State")
+
+
 @dataclass
 class SequenceContext:
     """Per-sequence state shared by the layers of one cache (no globals): timers, counters, phase flags."""
@@ -55,7 +58,6 @@ class SequenceContext:
     counters: DecodeCounters = field(default_factory=DecodeCounters)
     more_prefill_chunks: bool = False  # set by the generation loop for every prefill chunk but the last
     trace_selection: bool = False  # layers record the token positions they attend to (tests, analysis)
-    shared: dict[str, Any] = field(default_factory=dict)  # e.g. a selection one layer hands to the next
     # Set by the generation loop: the device tensor [S] of the current forward's positions (a CUDA-graphed step
     # reads it on every replay, so layers that support graphs take positions from it, never from Python ints),
     # and the most tokens the sequence will reach (prompt + suffix + new tokens), for static buffers.
@@ -63,6 +65,23 @@ class SequenceContext:
     max_total_tokens: int | None = None
     # Host work a layer enqueues on the stream (cuda_driver): kept alive with the graphs that replay it.
     host_functions: HostFunctions = field(default_factory=HostFunctions)
+    _states: dict[type, Any] = field(default_factory=dict, repr=False)
+
+    def state(self, kind: type[State]) -> State:
+        """The sequence's one instance of ``kind`` (made on first use as ``kind()``): what the layers of a method
+        share within a sequence (an index one layer builds and the next reads, a worker thread), typed, and gone
+        with the sequence. An instance with a ``close()`` method is closed by ``close``."""
+        found = self._states.get(kind)
+        if found is None:
+            found = self._states[kind] = kind()
+        return found
+
+    def close(self) -> None:
+        """The sequence has ended: close the states that hold workers or other resources."""
+        for found in self._states.values():
+            close = getattr(found, "close", None)
+            if close is not None:
+                close()
 
 
 def storage_capacity(seq: SequenceContext, needed: int, current: int) -> int:

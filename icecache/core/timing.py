@@ -6,6 +6,7 @@ step's time; synchronising costs a little, so timers are enabled only for latenc
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -22,12 +23,18 @@ def synchronize(device: torch.device | str) -> None:
 
 
 class PhaseTimer:
-    """Accumulates named phases (``query``, ``load``, ...) within the current decode step."""
+    """Accumulates named phases (``query``, ``load``, ...) within the current decode step, and spans.
+
+    A step's phases do not overlap, so that the step's remainder is the model's own work. A span is a piece of
+    work timed on its own, whatever thread runs it and whether or not it overlaps phases or other spans (a layer's
+    prompt index build on a worker thread, a layer's whole host step): every occurrence is kept, in ``spans``."""
 
     def __init__(self, device: torch.device | str = "cpu", enabled: bool = False):
         self.device = torch.device(device)
         self.enabled = enabled
         self._step: dict[str, float] = defaultdict(float)
+        self.spans: dict[str, list[float]] = defaultdict(list)
+        self._lock = threading.Lock()  # spans and host phases may be timed on worker threads
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -54,11 +61,28 @@ class PhaseTimer:
         try:
             yield
         finally:
-            self._step[name] += time.perf_counter() - start
+            elapsed = time.perf_counter() - start
+            with self._lock:
+                self._step[name] += elapsed
+
+    @contextmanager
+    def span(self, name: str) -> Iterator[None]:
+        """Wall-clock seconds of the work inside, appended to ``spans[name]``; no synchronisation (host work)."""
+        if not self.enabled:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            elapsed = time.perf_counter() - start
+            with self._lock:
+                self.spans[name].append(elapsed)
 
     def take_step(self) -> dict[str, float]:
         """Return the phases of the step just finished and start a new one."""
-        step, self._step = dict(self._step), defaultdict(float)
+        with self._lock:
+            step, self._step = dict(self._step), defaultdict(float)
         return step
 
 

@@ -1,0 +1,122 @@
+"""IceCache's settings: the paper's parameters, and how the budget divides into sink, selected and window pages."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from icecache.core.errors import ConfigError
+from icecache.core.method import MethodConfig
+
+DCI_LEAF_CAPACITY = 16
+CPU_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class IceCacheConfig(MethodConfig):
+    name: str = "icecache"
+    budget: int | None = 256
+    page_size: int = 16  # must equal the DCI leaf capacity
+    n_sink_pages: int = 2
+    n_window_pages: int = 2
+    n_dense_layers: int = 2
+    n_reuse_layers: int = 1  # 1: every layer owns its index; R > 1: IceCache-reuse
+    promotion_prob: float = 0.01
+    promotion_prob_subseq: float = 0.2
+    build_field_of_view: int = 30
+    build_prop_to_retrieve: float = 1.0
+    anchor_interval: int = 60
+    anchor_neighbours: int = 60
+    anchor_threshold: float = 1.02
+    insert_field_of_view: int = 20
+    insert_prop_to_retrieve: float = 0.6
+    query_field_of_view: int | None = None  # None: max(int(1.5e-3 * tokens), 30)
+    query_prop_to_retrieve: float = 0.8
+    cpu_threads: int | None = None  # OpenMP threads of the index (None: all cores)
+    # Threads of the prompt's index builds, which run beside the prefill (None: cpu_threads). Searches and inserts,
+    # which the decode step waits for, always use cpu_threads.
+    build_threads: int | None = None
+    # Key rows a search scores first: "half" keeps a half copy and re-scores in float32 only what error bounds cannot
+    # rule out; the same pages and scores bit for bit as "float32", from about half the bytes (docs/dci.md). It
+    # searches 14-23% faster on the H200 host but builds slower (TT2T +1.9 s at 32k) and holds 25% more index
+    # memory, so it pays off only for outputs of several hundred tokens: off by default.
+    dci_score_precision: str = "float32"
+    cpu_kv_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16
+    offload_short_prompts: bool = False  # index even prompts that fit in the budget (tests, analysis)
+    seed: int = 0
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "IceCacheConfig":
+        config = super().from_dict(values).fitted_to_budget()
+        config.check_pages()  # needs no model: a sweep refuses such a cell before any job runs
+        return config
+
+    def check_pages(self) -> None:
+        """``ConfigError`` unless the budget's pages hold the fixed pages and at least one selected page."""
+        if not isinstance(self.budget, int) or isinstance(self.budget, bool) or self.budget <= 0 or self.page_size <= 0:
+            return  # no budget, a wrong type, a bad page size: the method's check says which
+        pages = self.budget // self.page_size
+        if pages - self.n_sink_pages - self.n_window_pages < 1:
+            raise ConfigError(
+                f"budget {self.budget} gives {pages} pages of {self.page_size} tokens, but n_sink_pages "
+                f"({self.n_sink_pages}) + n_window_pages ({self.n_window_pages}) + 1 selected page need "
+                f"{(self.n_sink_pages + self.n_window_pages + 1) * self.page_size}: raise the budget (IceCache needs "
+                f"at least {3 * self.page_size}: 1 sink + 1 selected + 1 window page)"
+            )
+
+    @property
+    def page_budget(self) -> int:
+        """GPU pages per KV head: sinks + selected + window."""
+        return self.budget // self.page_size
+
+    @property
+    def gpu_tokens(self) -> int:
+        """Tokens the budget's GPU pages hold; a sequence no longer than this is attended densely."""
+        return self.page_budget * self.page_size
+
+    @property
+    def n_selected_pages(self) -> int:
+        return self.page_budget - self.n_sink_pages - self.n_window_pages
+
+    @property
+    def index_threads(self) -> int:
+        """OpenMP threads of the index: ``cpu_threads``, or every core this process may run on."""
+        if self.cpu_threads:
+            return self.cpu_threads
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+    def owner_of(self, layer_idx: int) -> int:
+        """The layer whose index and selection ``layer_idx`` uses (itself unless reused)."""
+        position = layer_idx - self.n_dense_layers
+        return layer_idx - position % self.n_reuse_layers
+
+    def fitted_to_budget(self) -> "IceCacheConfig":
+        """The settings IceCache runs with at this budget (docs/eval.md, "IceCache at small budgets").
+
+        The budget counts every GPU slot of a head: sink + selected + window pages of ``page_size`` tokens. When the
+        configured fixed pages leave no page to select (64 tokens are 4 pages; the default 2 sink + 2 window pages
+        fill them), the sink and the window shrink to one page each, which leaves 2 selected pages at 64 and 1 at
+        48. Budgets where the fixed pages already leave a selected page are untouched. Below 3 pages (48 tokens)
+        nothing is changed and ``IceCache.check`` refuses the budget. The runner records the settings returned here,
+        so a run's config.yaml and directory say what was attended.
+        """
+        budget = self.budget
+        if not isinstance(budget, int) or isinstance(budget, bool) or self.page_size <= 0:
+            return self
+        pages = budget // self.page_size
+        if pages - self.n_sink_pages - self.n_window_pages >= 1:
+            return self
+        sink, window = min(self.n_sink_pages, 1), min(self.n_window_pages, 1)
+        if pages - sink - window < 1:
+            return self
+        return dataclasses.replace(self, n_sink_pages=sink, n_window_pages=window)
+
+
+@dataclass
+class IceCacheReuseConfig(IceCacheConfig):
+    name: str = "icecache_reuse"
+    n_reuse_layers: int = 3

@@ -1,0 +1,84 @@
+"""IceCache and IceCache-reuse as registered methods: the checks of their settings, the budget's pages, and which
+layer owns the index and selection a layer uses."""
+
+from __future__ import annotations
+
+from icecache.core.errors import ConfigError
+from icecache.core.method import METHODS, Method, SequenceContext
+
+from .config import CPU_KV_DTYPES, DCI_LEAF_CAPACITY, IceCacheConfig, IceCacheReuseConfig
+from .layer import IceCacheLayer
+
+
+@METHODS.register("icecache")
+class IceCache(Method):
+    display_name = "IceCache"
+    config_class = IceCacheConfig
+    # 64 tokens are 4 pages: 1 sink + 2 selected + 1 window.
+    test_settings = {"n_sink_pages": 1, "n_window_pages": 1}
+
+    def min_budget(self) -> int:
+        """Three pages with one sink and one window page (the fixed pages shrink to those where they would leave
+        nothing to select, ``IceCacheConfig.fitted_to_budget``); two without sinks."""
+        cfg = self.config
+        return (min(cfg.n_sink_pages, 1) + min(cfg.n_window_pages, 1) + 1) * cfg.page_size
+
+    def forced_positions(self, n_tokens):
+        # The sink pages, and the window, which always holds its n_window_pages - 1 full pages and one more token.
+        cfg = self.config
+        n_window = (cfg.n_window_pages - 1) * cfg.page_size + 1
+        sinks = list(range(min(cfg.n_sink_pages * cfg.page_size, n_tokens)))
+        return sinks + list(range(max(0, n_tokens - n_window), n_tokens))
+
+    @property
+    def page_budget(self) -> int:
+        return self.config.page_budget
+
+    @property
+    def gpu_tokens(self) -> int:
+        return self.config.gpu_tokens
+
+    @property
+    def n_selected_pages(self) -> int:
+        return self.config.n_selected_pages
+
+    def check(self) -> None:
+        super().check()
+        cfg = self.config
+        if cfg.page_size != DCI_LEAF_CAPACITY:
+            raise ConfigError(
+                f"icecache page_size must be {DCI_LEAF_CAPACITY} (the DCI leaf capacity), not {cfg.page_size}")
+        if cfg.n_sink_pages < 0 or cfg.n_window_pages < 1:
+            raise ConfigError("icecache needs n_sink_pages >= 0 and n_window_pages >= 1")
+        cfg.check_pages()
+        if cfg.n_reuse_layers < 1:
+            raise ConfigError("n_reuse_layers must be >= 1 (1 = no reuse)")
+        if cfg.dci_score_precision not in ("float32", "half"):
+            raise ConfigError(f"dci_score_precision={cfg.dci_score_precision}: use float32 or half")
+        if cfg.cpu_kv_dtype != "auto" and cfg.cpu_kv_dtype not in CPU_KV_DTYPES:
+            raise ConfigError(f"cpu_kv_dtype={cfg.cpu_kv_dtype}: use auto, {', '.join(CPU_KV_DTYPES)}")
+
+    @property
+    def index_threads(self) -> int:
+        return self.config.index_threads
+
+    def owner_of(self, layer_idx: int) -> int:
+        return self.config.owner_of(layer_idx)
+
+    @property
+    def captures_decode_step(self) -> bool:
+        # The host step writes into the Triton kernels' fixed buffers; without Triton the step runs eagerly.
+        from icecache.core import triton_kernels
+
+        return super().captures_decode_step and triton_kernels.available()
+
+    def make_sparse_layer(self, layer_idx: int, seq: SequenceContext):
+        return IceCacheLayer(layer_idx, self.model, seq, self.config)
+
+
+@METHODS.register("icecache_reuse")
+class IceCacheReuse(IceCache):
+    """IceCache(r): one index and selection per group of ``n_reuse_layers`` consecutive layers (default 3)."""
+
+    display_name = "IceCache(r)"
+    config_class = IceCacheReuseConfig
