@@ -67,6 +67,9 @@ MIN_COLLISIONS = 2
 WEIGHT_FLOOR = 1e-4
 # Codes are int32 and each table keeps 2^K + 1 bucket offsets per KV head.
 MAX_HASH_BITS = 16
+# The prompt is hashed this many tokens at a time (the public code's chunk): at 128k tokens and K * L = 1500
+# projections a layer's projections at once would take 6 GB.
+HASH_BLOCK_TOKENS = 8192
 
 
 @dataclass
@@ -237,8 +240,13 @@ class MagicPIGKV(DenseKV):
 
         self.projections = hash_projections(head_dim, cfg.K, cfg.L, cfg.seed).to(device)
         with self.seq.timer.phase("hash_tables"):
-            codes = simhash_codes(keys[:, self.n_sink :].float() - self.mean_key[:, None], self.projections, cfg.K)
-            self.tables = HashTables(codes, self.n_sink, cfg.K) if codes.shape[1] else None
+            middle = keys[:, self.n_sink :]
+            codes = torch.cat([
+                simhash_codes(middle[:, begin : begin + HASH_BLOCK_TOKENS].float() - self.mean_key[:, None],
+                              self.projections, cfg.K)
+                for begin in range(0, middle.shape[1], HASH_BLOCK_TOKENS)
+            ], dim=1) if middle.shape[1] else None
+            self.tables = HashTables(codes, self.n_sink, cfg.K) if codes is not None else None
         self.tail_codes = torch.zeros(n_kv_heads, capacity - n_tokens, cfg.L, dtype=torch.int32)
 
         f32, i32 = torch.float32, torch.int32

@@ -93,6 +93,8 @@ def key_basis(pre_rope_keys: torch.Tensor, rank: int) -> torch.Tensor:
     if rank >= width:
         return torch.eye(width, device=pre_rope_keys.device)
     matrix = pre_rope_keys.float().transpose(0, 1).reshape(n_tokens, width)
+    if n_tokens > width:  # the right singular vectors of a tall matrix are those of its R factor (far smaller)
+        matrix = torch.linalg.qr(matrix, mode="r").R
     _, _, vh = torch.linalg.svd(matrix, full_matrices=False)
     return vh[: min(rank, vh.shape[0])]
 
