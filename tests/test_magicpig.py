@@ -75,10 +75,11 @@ def test_sampling_probability_matches_the_frequency_over_random_hash_functions()
     assert abs(hits / trials - expected) < 4 * math.sqrt(expected * (1 - expected) / trials)
 
 
-def layer_after_prompt(gen, n_prompt=200, budget=64, device="cpu", **settings):
+def layer_after_prompt(gen, n_prompt=200, budget=64, device="cpu", announced=None, **settings):
     values = {"name": "magicpig", "budget": budget, "n_local_tokens": 16, "n_dense_layers": 0, **settings}
     info = dataclasses.replace(INFO, device=torch.device(device))
-    layer = build_method(values, info).make_layer(0, SequenceContext(trace_selection=True))
+    seq = SequenceContext(trace_selection=True, max_total_tokens=announced)
+    layer = build_method(values, info).make_layer(0, seq)
     keys = torch.randn(1, 2, n_prompt, 16, generator=gen)
     values_ = torch.randn(1, 2, n_prompt, 16, generator=gen)
     layer.forward(torch.randn(1, 4, n_prompt, 16, generator=gen).to(device), keys.to(device), values_.to(device),
@@ -153,6 +154,18 @@ def test_while_the_middle_fits_the_budget_attention_is_exact():
         expected = torch.einsum("hgt,htd->hgd", probs, all_values).reshape(4, 16)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
         assert layer.last_attended.all() and not layer.last_log_weights.any()
+
+
+def test_a_store_grown_past_its_first_capacity_gives_what_a_store_sized_once_gives():
+    runs = []
+    for announced in (None, 280):  # unannounced: room for 256 tokens, grown at the sixth step
+        gen = torch.Generator().manual_seed(7)
+        layer, _, _ = layer_after_prompt(gen, n_prompt=250, announced=announced)
+        runs.append([(step(layer, gen)[-1], layer.last_attended.clone()) for _ in range(20)])
+        assert layer.store_keys.shape[1] >= 270
+    for (out_grown, attended_grown), (out_sized, attended_sized) in zip(*runs):
+        assert torch.equal(attended_grown, attended_sized)
+        torch.testing.assert_close(out_grown, out_sized, atol=1e-6, rtol=1e-6)
 
 
 def test_settings_that_cannot_work_are_refused():

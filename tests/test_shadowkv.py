@@ -141,10 +141,11 @@ def test_budget_split_follows_the_papers_llama31_setting():
 
 
 # ------------------------------------------------------------------------------------------------------ the layer
-def sparse_layer(gen, n_prompt=160, budget=64, rank=4, device="cpu", info=INFO):
+def sparse_layer(gen, n_prompt=160, budget=64, rank=4, device="cpu", info=INFO, announced=None):
     values = {"name": "shadowkv", "budget": budget, "rank": rank, "n_local_chunks": 2, "n_dense_layers": 0}
     info = dataclasses.replace(info, device=torch.device(device))
-    layer = build_method(values, info).make_layer(0, SequenceContext(trace_selection=True))
+    seq = SequenceContext(trace_selection=True, max_total_tokens=announced)
+    layer = build_method(values, info).make_layer(0, seq)
     keys = torch.randn(1, 2, n_prompt, 16, generator=gen)
     values_ = torch.randn(1, 2, n_prompt, 16, generator=gen)
     layer.forward(torch.randn(1, 4, n_prompt, 16, generator=gen).to(device), keys.to(device), values_.to(device),
@@ -235,11 +236,27 @@ def test_a_sequence_within_the_budget_is_attended_in_full_and_an_unannounced_one
             assert int(layer.last_attended.sum(-1).max()) <= 64
 
 
+def test_storage_grown_past_its_first_capacity_gives_what_storage_sized_once_gives():
+    """Unannounced, a 250-token prompt gets room for 256 tokens and grows at the sixth step; the same steps on
+    storage sized for the announced length give the same outputs and selections."""
+    runs = []
+    for announced in (None, 280):
+        gen = torch.Generator().manual_seed(8)
+        layer, _, _ = sparse_layer(gen, n_prompt=250, announced=announced)
+        runs.append([(step_out, layer.last_attended.clone()) for step_out in
+                     (layer.forward(torch.randn(1, 4, 1, 16, generator=gen), torch.randn(1, 2, 1, 16, generator=gen),
+                                    torch.randn(1, 2, 1, 16, generator=gen), None, SCALING) for _ in range(20))])
+        assert layer.n_chunks * CS >= 270
+    for (out_grown, attended_grown), (out_sized, attended_sized) in zip(*runs):
+        assert torch.equal(attended_grown, attended_sized)
+        torch.testing.assert_close(out_grown, out_sized, atol=1e-6, rtol=1e-6)
+
+
 def test_generation_on_a_tiny_model_keeps_the_budget_with_a_low_rank():
     model, _, info = tiny_model("llama")
-    ids = torch.randint(0, 500, (300,), generator=torch.Generator().manual_seed(6)).tolist()
+    ids = torch.randint(0, 500, (200,), generator=torch.Generator().manual_seed(6)).tolist()
     method = build_method({"name": "shadowkv", "budget": 64, "rank": 8, "n_local_chunks": 2}, info)
-    result = greedy_generate(model, HarnessCache(method), GenerationRequest(ids, 24))
+    result = greedy_generate(model, HarnessCache(method), GenerationRequest(ids, 12))
     assert 40 < result.counters["mean_attended_tokens"] <= 64
     assert result.counters["pages_loaded"] > 0
     assert result.cpu_kv_bytes > 0
