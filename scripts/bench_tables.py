@@ -37,7 +37,7 @@ RESULTS = REPO / "results" / "bench"
 PAPER = REPO / "results" / "paper" / "paper_figures.json"
 
 METHOD_ORDER = ("full", "full_static", "icecache", "icecache_reuse", "arkvale", "quest", "h2o", "streaming_llm",
-                "snapkv", "oracle_topk")
+                "snapkv", "oracle_topk", "magicpig", "shadowkv")
 REFERENCES = ("full", "full_static")
 ICECACHE_METHODS = ("icecache", "icecache_reuse")
 # Command-line settings of a run that do not change its results (paths, thread counts) or that are columns already.

@@ -117,12 +117,15 @@ def test_budget_too_small_is_a_config_error(name):
     build_method(method_config(name, budget + 1), info)  # one more token is enough
 
 
-def masked_dense_attention(query, keys, values, attended, scaling):
-    """Reference for invariant 4: ``query [Hq, D]`` over ``keys [Hkv, T, D]`` masked to ``attended [Hq, T]``."""
+def masked_dense_attention(query, keys, values, attended, scaling, log_weights=None):
+    """Reference for invariant 4: ``query [Hq, D]`` over ``keys [Hkv, T, D]`` masked to ``attended [Hq, T]``; a
+    sampling estimator (MagicPIG) also reports the additive log-weight of each attended position."""
     group = query.shape[0] // keys.shape[0]
     k = keys.repeat_interleave(group, dim=0)
     v = values.repeat_interleave(group, dim=0)
     scores = torch.einsum("hd,htd->ht", query, k) * scaling
+    if log_weights is not None:
+        scores = scores + log_weights
     probs = torch.softmax(scores.masked_fill(~attended, float("-inf")), dim=-1)
     return torch.einsum("ht,htd->hd", probs, v)
 
@@ -152,7 +155,8 @@ def test_output_equals_dense_attention_masked_to_the_selection(name, device):
         query, key, value = randn(1, 4, 1, 16), randn(1, 2, 1, 16), randn(1, 2, 1, 16)
         keys, values = torch.cat([keys, key], dim=2), torch.cat([values, value], dim=2)
         out = layer.forward(query, key, value, None, scaling)
-        expected = masked_dense_attention(query[0, :, 0], keys[0], values[0], layer.last_attended, scaling)
+        expected = masked_dense_attention(query[0, :, 0], keys[0], values[0], layer.last_attended, scaling,
+                                          getattr(layer, "last_log_weights", None))
         torch.testing.assert_close(out[0, 0], expected, atol=1e-5, rtol=1e-5)
         assert int(layer.last_attended.sum(-1).max()) <= SMALL_BUDGET
 

@@ -15,6 +15,7 @@ import torch
 
 from .attention import dense_attention
 from .cuda_driver import HostFunctions
+from .rope import Rotary
 from .timing import DecodeCounters, PhaseTimer
 
 
@@ -28,6 +29,8 @@ class ModelInfo:
     head_dim: int
     device: torch.device = torch.device("cpu")
     dtype: torch.dtype = torch.float32
+    # The model's RoPE, for methods that need the keys before it (None: not known, as for a bare geometry).
+    rotary: Rotary | None = None
 
     @classmethod
     def from_config(cls, config: Any, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
@@ -40,6 +43,7 @@ class ModelInfo:
             head_dim=head_dim,
             device=torch.device(device),
             dtype=dtype,
+            rotary=Rotary.from_config(config),
         )
 
     @property

@@ -39,7 +39,7 @@ LONGBENCH_16 = [
 # Canonical method ids: the harness's method names, plus the paper's baselines we do not implement.
 METHOD_ORDER = [
     "full", "full_static", "oracle_topk", "snapkv", "streaming_llm", "h2o", "quest", "omnikv", "magicpig", "pqcache",
-    "arkvale",
+    "arkvale", "shadowkv",
     "icecache", "icecache_reuse",
 ]
 # Printed names: each registered method's own (``Method.display_name``), and the paper's for those not implemented.
@@ -47,14 +47,15 @@ DISPLAY_NAME = {
     "omnikv": "OmniKV", "magicpig": "MagicPIG", "pqcache": "PQCache",
     **{name: method_class(name).display_name or name for name in METHODS.names()},
 }
-NOT_IMPLEMENTED = ("omnikv", "magicpig", "pqcache")  # shown with the paper's numbers only
+# The paper's baselines not registered here, shown with the paper's numbers only.
+NOT_IMPLEMENTED = tuple(name for name in ("omnikv", "magicpig", "pqcache") if name not in METHODS)
 # Every spelling of a method in the paper's tables, lower-cased and without spaces.
 _ALIASES = {
     "full": "full", "fullkv": "full", "topk": "oracle_topk", "top-k": "oracle_topk", "snapkv": "snapkv",
     "skv": "snapkv", "streamingllm": "streaming_llm", "slm": "streaming_llm", "arkvale": "arkvale", "akv": "arkvale",
     "icecache": "icecache", "ice": "icecache", "icecache(r)": "icecache_reuse", "ice(r)": "icecache_reuse",
     "omnikv": "omnikv", "okv": "omnikv", "magicpig": "magicpig", "mpg": "magicpig", "pqcache": "pqcache",
-    "pqc": "pqcache", "quest": "quest", "h2o": "h2o",
+    "pqc": "pqcache", "quest": "quest", "h2o": "h2o", "shadowkv": "shadowkv",
 }
 # Methods whose result does not depend on the budget (``Method.uses_budget`` false): rows keyed by budget None.
 BUDGET_FREE_METHODS = frozenset(name for name in METHODS.names() if not method_class(name).uses_budget)

@@ -22,15 +22,15 @@ from .tables import ComparisonTable, budget_text, row_id
 # One colour per method across every figure (one per METHOD_ORDER id).
 _PALETTE = [
     "#222222", "#555555", "#7f7f7f", "#1f77b4", "#ff7f0e", "#bcbd22", "#17becf", "#9467bd", "#8c564b", "#e377c2",
-    "#2ca02c",
+    "#2ca02c", "#aec7e8",
     "#d62728", "#ff9896",
 ]
 COLORS = dict(zip(METHOD_ORDER, _PALETTE))
 # Our phases -> the paper's breakdown parts; the generation loop's remainder ("model") is the paper's "decoding".
 PHASE_GROUPS = {
-    "query": ("query", "select", "search", "index_query"),
+    "query": ("query", "select", "search", "index_query", "hash"),
     "load": ("load", "transfer", "copy", "gather", "scatter"),
-    "compute": ("model", "attention", "compute", "decoding"),
+    "compute": ("model", "attention", "compute", "decoding", "cpu_attention", "rebuild"),
 }
 PHASE_COLORS = {"query": "#1f77b4", "load": "#ff7f0e", "compute": "#2ca02c", "other": "#7f7f7f"}
 

@@ -1,0 +1,451 @@
+"""MagicPIG (Chen et al., ICLR 2025): attention estimated from keys sampled by locality-sensitive hashing, with
+importance weights, the sampled part computed on the CPU.
+
+The paper. Attention is not sparse enough for TopK to be unbiased, so MagicPIG samples keys instead and
+reweights them. Each key, centred by the mean of the prompt's keys, gets ``L`` SimHash codes of ``K`` bits (the
+signs of ``K`` random projections per table); a query is hashed the same way, and a key is sampled when it falls
+in the query's bucket in at least two of the ``L`` tables. The chance of that for a key at angle ``theta`` to the
+query is ``u = 1 - (1 - p)^L - L p (1 - p)^(L - 1)`` with ``p = (1 - theta / pi)^K``, so the sampled keys are
+weighted by ``1 / u`` (self-normalised importance sampling): the estimate of a head's output is
+``sum_S exp(s_i) / u_i v_i / sum_S exp(s_i) / u_i`` over the sampled set ``S``, ``s_i = q . k_i / sqrt(d)``.
+The GPU holds the first tokens (sinks) and a local window and attends to them exactly; the hash tables, the
+offloaded keys and values and the sampled attention live on the CPU; the two partial softmaxes are merged by their
+log-sum-exp. The paper's configurations are ``K = 10, L = 150`` and ``K = 11, L = 300``, stated by their
+computation cost (the share of full attention's work, about 2% for both), not by a number of tokens.
+
+This code. The prompt is attended densely; after its last chunk each sparsified layer keeps 4 sink tokens and a
+window of 64 (the public code's ``num_sink_tokens`` and ``num_local_tokens``) in device buffers and copies every
+token to host memory, with the norm of its centred key. The device hashes the middle of the prompt (after the
+sinks) with one set of ``K * L`` Gaussian projections (the same for every layer, seeded) and sorts each table by
+bucket; the host keeps the tables (``HashTables``: per KV head and table, the tokens in bucket order and each
+bucket's span). A decode step writes the new token into the window ring (the token it overwrites is in host memory
+already and joins the middle), hashes the query and the new key on the device, and sends them to the host with
+the new key and value; the host stores the token, counts for each query head the tables in which each middle token
+shares its bucket (the prompt's through the tables, later tokens directly), samples the tokens with at least two
+collisions and computes, in vectorised float32 torch on its threads, their attention with the log-weights
+``-log(u + 1e-4)`` (the public code's floor) and its log-sum-exp; the device attends the sinks and window, and
+merges the two parts. The step is captured in a CUDA graph on CUDA: the host work is a host function of the graph
+(``core.host_step``), as IceCache's search is.
+
+Budget. ``budget`` slots per query head: the sinks, the window (the new token included) and at most
+``budget - n_sink_tokens - n_local_tokens`` sampled tokens. While the middle fits in those slots, every middle
+token is attended with weight 1, so attention is exact (a sequence that fits the budget is attended in full, as for
+every method). Beyond, the tokens the hash tables sample are attended; if a head samples more than fit
+(``capped: true``), a uniformly random subset of them of the allowed size is kept (drawn per layer and step from a
+seeded generator) and the weights of that head's kept tokens grow by the inverse of the fraction kept, so the
+estimator stays importance-weighted. The number attended varies from step to step and head to head; runs record
+the mean (``mean_attended_tokens``), the effective budget. ``capped: false`` runs the paper's uncapped sampling
+(the budget then only decides when attention is exact) for comparisons with its tables.
+
+With ``seq.trace_selection`` a layer records the positions each query head attended (``last_attended``) and, since
+this is a weighted estimate rather than a softmax over a subset, the additive log-weight of each
+(``last_log_weights``: 0 for sinks, window and exact attention): its output is the softmax of
+``q . k / sqrt(d) + log_weight`` over the attended positions.
+
+Differences from the paper's code: the first ``n_dense_layers`` layers (default 2) keep the full cache, where the
+public code keeps layers 0 and 16 of Llama-3.1-8B dense; tokens generated after the prompt join the hash tables
+when they leave the window (the public code keeps every generated token on the GPU); the tables are built when a
+layer's prompt is done rather than beside the next layer's prefill; the CPU attention is torch (float32) rather
+than AVX-512 kernels (bf16 keys converted on the fly); the cap above is ours (the paper has no token budget).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from icecache.core.errors import ConfigError
+from icecache.core.host_step import HostExchange
+from icecache.core.method import METHODS, DenseKV, Method, MethodConfig, storage_capacity
+
+# A key is sampled when it shares the query's bucket in at least this many tables (the public code's rule).
+MIN_COLLISIONS = 2
+# The public code's floor in the log-weights, -log(u + 1e-4): a key sampled against the odds (u near 0) weighs at
+# most 1e4 times a sure one.
+WEIGHT_FLOOR = 1e-4
+# Codes are int32 and each table keeps 2^K + 1 bucket offsets per KV head.
+MAX_HASH_BITS = 16
+# The prompt is hashed this many tokens at a time (the public code's chunk): at 128k tokens and K * L = 1500
+# projections a layer's projections at once would take 6 GB.
+HASH_BLOCK_TOKENS = 8192
+
+
+@dataclass
+class MagicPIGConfig(MethodConfig):
+    name: str = "magicpig"
+    K: int = 10  # bits per hash table (SimHash projections per table)
+    L: int = 150  # hash tables
+    n_sink_tokens: int = 4  # first tokens, attended exactly on the device
+    n_local_tokens: int = 64  # the recent window on the device, the new token included
+    capped: bool = True  # at most budget - sinks - window sampled tokens per head (false: the paper's uncapped)
+    seed: int = 0  # hash projections and the thinning draws
+
+
+# --- the paper's definitions ---------------------------------------------------------------------------------------
+
+
+def hash_projections(head_dim: int, K: int, L: int, seed: int) -> torch.Tensor:
+    """``[head_dim, L * K]`` float32 Gaussian projections; table ``l`` uses columns ``l * K .. l * K + K - 1``."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(head_dim, L * K, generator=generator)
+
+
+def simhash_codes(vectors: torch.Tensor, projections: torch.Tensor, K: int) -> torch.Tensor:
+    """``vectors [..., D]`` -> int32 ``[..., L]``: in table ``l``, bit ``j`` is set when the vector's projection
+    on column ``l * K + j`` is positive (SimHash: the bucket of a direction, not of a length)."""
+    bits = (vectors.float() @ projections.to(vectors.device)) > 0
+    bits = bits.view(*bits.shape[:-1], -1, K).to(torch.int32)
+    weights = 2 ** torch.arange(K, dtype=torch.int32, device=vectors.device)
+    return (bits * weights).sum(-1, dtype=torch.int32)
+
+
+def collision_probability(cos_angle: torch.Tensor, K: int) -> torch.Tensor:
+    """SimHash: two vectors at angle theta share a K-bit bucket with probability ``(1 - theta / pi)^K``."""
+    theta = torch.arccos(cos_angle.clamp(-1.0, 1.0))
+    return (1.0 - theta / math.pi) ** K
+
+
+def sampling_probability(cos_angle: torch.Tensor, K: int, L: int) -> torch.Tensor:
+    """The chance that a key collides with the query in at least two of ``L`` tables:
+    ``1 - (1 - p)^L - L p (1 - p)^(L - 1)``, in float64 (in float32 the difference of terms near 1 loses the
+    small chances that weigh most), returned as float32."""
+    p = collision_probability(cos_angle.double(), K)
+    miss = 1.0 - p
+    return (1.0 - miss ** L - L * p * miss ** (L - 1)).float()
+
+
+def collision_counts_reference(query_codes: torch.Tensor, key_codes: torch.Tensor, group: int) -> torch.Tensor:
+    """``query_codes [Hq, L]`` against ``key_codes [Hkv, T, L]`` -> ``[Hq, T]``: in how many tables each key shares
+    the query's bucket (query head ``h`` reads KV head ``h // group``)."""
+    keys = key_codes.repeat_interleave(group, dim=0)
+    return (keys == query_codes[:, None, :]).sum(-1)
+
+
+class HashTables:
+    """One layer's hash tables over a run of positions: per KV head and table the positions sorted by bucket
+    (``positions [Hkv, L, T]``) and where each bucket starts (``offsets [Hkv, L, 2^K + 1]``), on the CPU.
+    ``counts`` gives what ``collision_counts_reference`` gives, reading only the query's buckets."""
+
+    def __init__(self, key_codes: torch.Tensor, first_position: int, K: int):
+        n_kv_heads, n_tokens, n_tables = key_codes.shape
+        by_table = key_codes.transpose(1, 2).contiguous()  # [Hkv, L, T]
+        sorted_codes, order = torch.sort(by_table, dim=-1, stable=True)
+        buckets = torch.arange(2**K + 1, dtype=sorted_codes.dtype, device=key_codes.device)
+        self.offsets = torch.searchsorted(sorted_codes, buckets.expand(n_kv_heads, n_tables, -1).contiguous()).cpu()
+        self.positions = (order + first_position).to(torch.int32).cpu()
+        self.n_tables = n_tables
+
+    def counts(self, query_codes: torch.Tensor, group: int, n_positions: int) -> torch.Tensor:
+        """``[Hq, n_positions]`` int64: collisions of each position below ``n_positions`` with each query head."""
+        n_heads, n_tables = query_codes.shape
+        kv = (torch.arange(n_heads) // group)[:, None].expand(-1, n_tables)
+        table = torch.arange(n_tables)[None, :].expand(n_heads, -1)
+        codes = query_codes.long()
+        starts = self.offsets[kv, table, codes]
+        lengths = (self.offsets[kv, table, codes + 1] - starts).flatten()
+        total = int(lengths.sum())
+        counts = torch.zeros(n_heads * n_positions, dtype=torch.int64)
+        if total == 0 or n_positions == 0:
+            return counts.view(n_heads, n_positions)
+        # The query's buckets as one flat list of (head, table, index into the bucket order).
+        rows = torch.repeat_interleave(torch.arange(n_heads * n_tables), lengths)
+        within = torch.arange(total) - (torch.cumsum(lengths, 0) - lengths)[rows]
+        source = starts.flatten()[rows] + within
+        head = rows // n_tables
+        positions = self.positions[kv.flatten()[rows], table.flatten()[rows], source].long()
+        keep = positions < n_positions
+        counts += torch.bincount(head[keep] * n_positions + positions[keep], minlength=n_heads * n_positions)
+        return counts.view(n_heads, n_positions)
+
+    def nbytes(self) -> int:
+        return self.positions.nbytes + self.offsets.nbytes
+
+
+def sampled_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                      valid: torch.Tensor, log_weights: torch.Tensor, scaling: float, group: int):
+    """The host's part: ``query [Hq, D]`` over ``positions [Hq, M]`` (``valid`` marks the used entries) of
+    ``keys``/``values [Hkv, T, D]``, each score shifted by its ``log_weights``. Returns float32 ``(out [Hq, D],
+    lse [Hq])``: the weighted softmax's output and the log of its normaliser (``-inf`` with nothing attended)."""
+    n_heads, head_dim = query.shape
+    kv = (torch.arange(n_heads) // group)[:, None]
+    picked_keys = keys[kv, positions].float()  # [Hq, M, D]
+    scores = torch.einsum("hd,hmd->hm", query, picked_keys) * scaling + log_weights
+    scores = scores.masked_fill(~valid, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    finite = torch.isfinite(lse)
+    probs = torch.where(valid, torch.exp(scores - torch.where(finite, lse, 0.0)[:, None]), 0.0)
+    out = torch.einsum("hm,hmd->hd", probs, values[kv, positions].float())
+    return out, lse
+
+
+# --- the layer -----------------------------------------------------------------------------------------------------
+
+
+class MagicPIGKV(DenseKV):
+    """Sinks and window on the device (``n_sink_tokens + n_local_tokens`` slots, the window a ring); every token in
+    host memory; the prompt's hash tables on the host; the sampled attention on the host."""
+
+    def __init__(self, layer_idx, model, seq, config: MagicPIGConfig):
+        super().__init__(layer_idx, model, seq)
+        self.cfg = config
+        self.n_sink, self.n_local = config.n_sink_tokens, config.n_local_tokens
+        self.cap = config.budget - self.n_sink - self.n_local  # sampled tokens a head may attend
+        self.group = model.n_heads // model.n_kv_heads
+        self.offloaded = False
+        self._last_sample = None
+
+    # --- prompt ----------------------------------------------------------------------------------------------------
+    def prefill(self, query, key, value, attention_mask, scaling):
+        if query.shape[0] != 1:
+            raise ValueError("sparse KV methods run with batch size 1")
+        out = super().prefill(query, key, value, attention_mask, scaling)
+        if not self.seq.more_prefill_chunks:
+            with self.seq.timer.phase("offload"):
+                self._offload(self.keys[0], self.values[0])
+            self._keys = self._values = None
+            self.length = 0
+        return out
+
+    def _ring_slot(self, position: torch.Tensor) -> torch.Tensor:
+        return torch.where(position < self.n_sink, position, self.n_sink + (position - self.n_sink) % self.n_local)
+
+    def _offload(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        cfg, device = self.cfg, keys.device
+        n_kv_heads, n_tokens, head_dim = keys.shape
+        self.prompt_len = n_tokens
+        n_slots = self.n_sink + self.n_local
+        self.gpu_keys = keys.new_zeros(n_kv_heads, n_slots, head_dim)
+        self.gpu_values = values.new_zeros(n_kv_heads, n_slots, head_dim)
+        self.gpu_positions = torch.full((n_slots,), -1, dtype=torch.long, device=device)
+        placed = torch.cat([torch.arange(min(self.n_sink, n_tokens), device=device),
+                            torch.arange(max(self.n_sink, n_tokens - self.n_local), n_tokens, device=device)])
+        slots = self._ring_slot(placed)
+        self.gpu_keys[:, slots], self.gpu_values[:, slots] = keys[:, placed], values[:, placed]
+        self.gpu_positions[slots] = placed
+
+        # Every token in host memory: those in the window join the middle as they leave it.
+        capacity = storage_capacity(self.seq, n_tokens + 1, 0)
+        self.store_keys = torch.zeros(n_kv_heads, capacity, head_dim, dtype=keys.dtype)
+        self.store_values = torch.zeros(n_kv_heads, capacity, head_dim, dtype=values.dtype)
+        self.store_keys[:, :n_tokens] = keys.cpu()
+        self.store_values[:, :n_tokens] = values.cpu()
+        middle_end = max(self.n_sink, n_tokens - self.n_local)
+        centred_on = keys[:, self.n_sink : middle_end] if middle_end > self.n_sink else keys
+        self.mean_key = centred_on.float().mean(dim=1)  # [Hkv, D], on the device
+        self.mean_key_host = self.mean_key.cpu()
+        self.store_norms = torch.zeros(n_kv_heads, capacity)
+        self.store_norms[:, :n_tokens] = (keys.float() - self.mean_key[:, None]).norm(dim=-1).cpu()
+
+        self.projections = hash_projections(head_dim, cfg.K, cfg.L, cfg.seed).to(device)
+        with self.seq.timer.phase("hash_tables"):
+            middle = keys[:, self.n_sink :]
+            codes = torch.cat([
+                simhash_codes(middle[:, begin : begin + HASH_BLOCK_TOKENS].float() - self.mean_key[:, None],
+                              self.projections, cfg.K)
+                for begin in range(0, middle.shape[1], HASH_BLOCK_TOKENS)
+            ], dim=1) if middle.shape[1] else None
+            self.tables = HashTables(codes, self.n_sink, cfg.K) if codes is not None else None
+        self.tail_codes = torch.zeros(n_kv_heads, capacity - n_tokens, cfg.L, dtype=torch.int32)
+
+        f32, i32 = torch.float32, torch.int32
+        n_heads, n_tables = self.model.n_heads, cfg.L
+        self.exchange = HostExchange(
+            to_host={"query": ((n_heads, head_dim), f32), "key": ((n_kv_heads, head_dim), f32),
+                     "value": ((n_kv_heads, head_dim), f32), "query_codes": ((n_heads, n_tables), i32),
+                     "key_codes": ((n_kv_heads, n_tables), i32), "position": ((1,), torch.int64)},
+            to_device={"out": ((n_heads, head_dim), f32), "lse": ((n_heads,), f32)},
+            device=device, host_functions=self.seq.host_functions,
+        )
+        self.scaling = 1.0
+        self.offloaded = True
+
+    def _grow_store(self, needed: int) -> None:
+        """Room for ``needed`` tokens (only outside the generation loop, which announces the length)."""
+        capacity = self.store_keys.shape[1]
+        if needed <= capacity:
+            return
+        grown = max(needed, 2 * capacity)
+
+        def grow(tensor, size, dim):
+            shape = list(tensor.shape)
+            shape[dim] = size
+            bigger = tensor.new_zeros(shape)
+            bigger.narrow(dim, 0, tensor.shape[dim]).copy_(tensor)
+            return bigger
+
+        self.store_keys = grow(self.store_keys, grown, 1)
+        self.store_values = grow(self.store_values, grown, 1)
+        self.store_norms = grow(self.store_norms, grown, 1)
+        self.tail_codes = grow(self.tail_codes, grown - self.prompt_len, 1)
+
+    # --- decode ----------------------------------------------------------------------------------------------------
+    def decode(self, query, key, value, scaling):
+        if query.shape[0] != 1:
+            raise ValueError("sparse KV methods run with batch size 1")
+        position = self.decode_position(key.device)
+        slot = self._ring_slot(position)
+        self.gpu_keys.index_copy_(1, slot, key[0])
+        self.gpu_values.index_copy_(1, slot, value[0])
+        self.gpu_positions.index_copy_(0, slot, position)
+        q = query[0, :, 0].float()
+        new_key, new_value = key[0, :, 0].float(), value[0, :, 0].float()
+        with self.seq.timer.phase("hash"):
+            query_codes = simhash_codes(q, self.projections, self.cfg.K)
+            key_codes = simhash_codes(new_key - self.mean_key, self.projections, self.cfg.K)
+        self.scaling = scaling
+        self.exchange.send(query=q, key=new_key, value=new_value, query_codes=query_codes, key_codes=key_codes,
+                           position=position)
+        gpu_out, gpu_lse = self._window_attention(q, scaling)
+        self.exchange.run(self._host_step)
+        host = self.exchange.receive()
+        lse = torch.logaddexp(gpu_lse, host["lse"])
+        out = torch.exp(gpu_lse - lse)[:, None] * gpu_out + torch.exp(host["lse"] - lse)[:, None] * host["out"]
+        if self.seq.trace_selection:
+            self.last_attended, self.last_log_weights = self._traced(self.seq_len + 1)
+        return out.view(1, 1, *q.shape).to(query.dtype)
+
+    def _window_attention(self, q: torch.Tensor, scaling: float):
+        """Exact attention over the device's sinks and window: float32 ``(out [Hq, D], lse [Hq])``."""
+        n_kv_heads, n_slots, head_dim = self.gpu_keys.shape
+        scores = torch.einsum("hgd,hsd->hgs", q.view(n_kv_heads, self.group, head_dim), self.gpu_keys.float())
+        scores = (scores * scaling).masked_fill(self.gpu_positions[None, None, :] < 0, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse[..., None])
+        out = torch.einsum("hgs,hsd->hgd", probs, self.gpu_values.float())
+        return out.reshape(-1, head_dim), lse.reshape(-1)
+
+    @torch.inference_mode()
+    def _host_step(self) -> None:
+        """The host's part of a step: store the new token, sample the middle, attend to the sample. Must not call
+        CUDA (it may run as a host function)."""
+        inputs, outputs = self.exchange.host_in, self.exchange.host_out
+        position = int(inputs["position"][0])
+        self._grow_store(position + 1)
+        self.store_keys[:, position] = inputs["key"].to(self.store_keys.dtype)
+        self.store_values[:, position] = inputs["value"].to(self.store_values.dtype)
+        self.store_norms[:, position] = (inputs["key"] - self.mean_key_host).norm(dim=-1)
+        self.tail_codes[:, position - self.prompt_len] = inputs["key_codes"]
+        query = inputs["query"]
+        with self.seq.timer.host_phase("select"):
+            positions, valid, log_weights = self.sample(query, inputs["query_codes"], position)
+        with self.seq.timer.host_phase("cpu_attention"):
+            out, lse = sampled_attention(query, self.store_keys, self.store_values, positions, valid, log_weights,
+                                         self.scaling, self.group)
+        outputs["out"].copy_(out)
+        outputs["lse"].copy_(lse)
+        on_device = min(position + 1, self.n_sink + self.n_local)
+        self.seq.counters.record_attention(on_device + valid.sum(-1).double().mean().item())
+        self._last_sample = (positions, valid, log_weights) if self.seq.trace_selection else None
+
+    def sample(self, query: torch.Tensor, query_codes: torch.Tensor, position: int):
+        """The middle tokens each query head attends at the step of ``position``, on the host: ``(positions
+        [Hq, M], valid [Hq, M], log_weights [Hq, M])``. Exact (every middle token, weight 1) while the middle fits
+        the budget; else the LSH sample with its importance log-weights, thinned to the budget when capped."""
+        n_heads = query.shape[0]
+        end = position + 1 - self.n_local  # the middle is [n_sink, end): after the sinks, before the window
+        n_middle = end - self.n_sink
+        if n_middle <= 0:
+            empty = torch.zeros(n_heads, 0, dtype=torch.long)
+            return empty, empty.bool(), empty.float()
+        if n_middle <= self.cap:
+            positions = torch.arange(self.n_sink, end).expand(n_heads, -1)
+            return positions, torch.ones(n_heads, n_middle, dtype=torch.bool), torch.zeros(n_heads, n_middle)
+        candidates = self.collision_counts(query_codes, end) >= MIN_COLLISIONS  # [Hq, end]
+        candidates[:, : self.n_sink] = False
+        n_candidates = candidates.sum(-1)
+        kept_fraction = torch.ones(n_heads)
+        if self.cfg.capped and int(n_candidates.max()) > self.cap:
+            # A uniform random subset of cap candidates per head: the cap smallest of one uniform draw per token.
+            draw = torch.rand(end, generator=self._step_generator(position))
+            priority = torch.where(candidates, draw, float("inf"))
+            positions = priority.topk(self.cap, dim=-1, largest=False).indices
+            valid = candidates.gather(1, positions)
+            kept_fraction = (self.cap / n_candidates.clamp(min=1).double()).clamp(max=1.0).float()
+        else:
+            width = int(n_candidates.max())
+            positions = torch.sort(candidates.to(torch.int8), dim=-1, descending=True, stable=True).indices[:, :width]
+            valid = candidates.gather(1, positions)
+        kv = (torch.arange(n_heads) // self.group)[:, None]
+        dots = torch.einsum("hd,hmd->hm", query, self.store_keys[kv, positions].float())
+        centred_dots = dots - (query * self.mean_key_host[kv[:, 0]]).sum(-1, keepdim=True)
+        norms = query.norm(dim=-1, keepdim=True) * self.store_norms[kv, positions]
+        cos_angle = centred_dots / norms.clamp(min=torch.finfo(torch.float32).tiny)
+        chance = sampling_probability(cos_angle, self.cfg.K, self.cfg.L)
+        log_weights = -torch.log(chance + WEIGHT_FLOOR) - torch.log(kept_fraction)[:, None]
+        return positions, valid, torch.where(valid, log_weights, 0.0)
+
+    def collision_counts(self, query_codes: torch.Tensor, end: int) -> torch.Tensor:
+        """``[Hq, end]``: for each position below ``end`` in how many tables it shares the head's bucket (the
+        prompt's through its tables, later tokens compared directly; sinks count 0)."""
+        in_prompt = min(end, self.prompt_len)
+        if self.tables is None:
+            counts = torch.zeros(query_codes.shape[0], in_prompt, dtype=torch.int64)
+        else:
+            counts = self.tables.counts(query_codes, self.group, in_prompt)
+        if end > self.prompt_len:
+            tail = collision_counts_reference(query_codes, self.tail_codes[:, : end - self.prompt_len], self.group)
+            counts = torch.cat([counts, tail.to(counts.dtype)], dim=1)
+        return counts
+
+    def _step_generator(self, position: int) -> torch.Generator:
+        # One stream per (seed, layer, position): the same draw on every device and in every replay.
+        return torch.Generator().manual_seed((self.cfg.seed * 1_000_003 + self.layer_idx) * 10_000_019 + position)
+
+    def _traced(self, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        device = self.gpu_positions.device
+        attended = torch.zeros(self.model.n_heads, n_tokens, dtype=torch.bool)
+        log_weights = torch.zeros(self.model.n_heads, n_tokens)
+        on_device = self.gpu_positions.cpu()
+        attended[:, on_device[on_device >= 0]] = True
+        positions, valid, weights = self._last_sample
+        heads = torch.arange(self.model.n_heads)[:, None].expand_as(positions)
+        attended[heads[valid], positions[valid]] = True
+        log_weights[heads[valid], positions[valid]] = weights[valid]
+        return attended.to(device), log_weights.to(device)
+
+    def gpu_kv_bytes(self) -> int:
+        if not self.offloaded or self.gpu_keys.device.type != "cuda":
+            return super().gpu_kv_bytes()
+        return self.gpu_keys.nbytes + self.gpu_values.nbytes + self.projections.nbytes
+
+    def cpu_kv_bytes(self) -> int:
+        if not self.offloaded:
+            return 0
+        tables = self.tables.nbytes() if self.tables is not None else 0
+        return (self.store_keys.nbytes + self.store_values.nbytes + self.store_norms.nbytes + self.tail_codes.nbytes
+                + tables)
+
+
+@METHODS.register("magicpig")
+class MagicPIG(Method):
+    display_name = "MagicPIG"
+    config_class = MagicPIGConfig
+    # At the shared tests' budget of 64: 4 sinks, a window of 16 and up to 44 sampled tokens.
+    test_settings = {"n_local_tokens": 16}
+
+    def check(self) -> None:
+        super().check()
+        c = self.config
+        if not 1 <= c.K <= MAX_HASH_BITS:
+            raise ConfigError(f"magicpig: K={c.K} bits per table must lie in [1, {MAX_HASH_BITS}]")
+        if c.L < MIN_COLLISIONS:
+            raise ConfigError(f"magicpig: L={c.L} tables cannot give the {MIN_COLLISIONS} collisions that sample a key")
+        if c.n_sink_tokens < 0 or c.n_local_tokens < 1:
+            raise ConfigError(f"magicpig: n_sink_tokens={c.n_sink_tokens} must be >= 0 and n_local_tokens="
+                              f"{c.n_local_tokens} >= 1 (the window holds the new token)")
+        if c.budget < self.min_budget():
+            raise ConfigError(f"magicpig: budget={c.budget} leaves no sampled token besides n_sink_tokens="
+                              f"{c.n_sink_tokens} + n_local_tokens={c.n_local_tokens}: raise it to {self.min_budget()}")
+
+    def min_budget(self) -> int:
+        return self.config.n_sink_tokens + self.config.n_local_tokens + 1
+
+    def forced_positions(self, n_tokens):
+        c = self.config
+        sinks = list(range(min(c.n_sink_tokens, n_tokens)))
+        return sinks + list(range(max(len(sinks), n_tokens - c.n_local_tokens), n_tokens))
+
+    def make_sparse_layer(self, layer_idx, seq):
+        return MagicPIGKV(layer_idx, self.model, seq, self.config)

@@ -1,0 +1,459 @@
+"""ShadowKV (Sun et al., ICML 2025): low-rank pre-RoPE keys and chunk landmarks on the GPU, values in CPU memory.
+
+The paper. Keys before RoPE are nearly low-rank, values are not. After the prompt ShadowKV keeps on the GPU a
+rank-``r`` factorisation of the prompt's pre-RoPE keys (the SVD of the ``[T, n_kv_heads * head_dim]`` matrix of
+all KV heads together, rank 160), one landmark per chunk of 8 tokens (the mean of its post-RoPE keys), the
+"outlier" chunks whose keys are least like their landmark (lowest minimum cosine similarity) kept exactly, and the
+last chunks (the local window) exactly; the values go to CPU memory. At a decode step each query head scores the
+landmarks, ``softmax(q . landmark / sqrt(d))`` over the chunks, the scores are maximised over the query heads of a
+KV group, and each KV head takes its top chunks; their keys are rebuilt on the GPU from the factorisation and
+rotated by RoPE at their positions, while their values are copied from the CPU (chunks already on the GPU from the
+step before are not copied again), the copy overlapping the rebuild. Attention runs over the outliers, the selected
+chunks and the window. Its Llama-3.1-8B setting: a sparse budget of 2048 tokens (256 chunks of 8), 48 outlier
+chunks, 4 local chunks, rank 160.
+
+Pre-RoPE keys. Layers see keys after RoPE (``LayerKV`` receives what the attention function receives), so the
+keys before it are recovered by the inverse rotation with the model's own frequencies (``core.rope.Rotary``, read
+from the model's config into ``ModelInfo.rotary``); rebuilt keys are rotated with the same frequencies. A model
+whose RoPE changes with the sequence length is refused. A bare geometry with no rotary information (the core's unit
+tests) is taken as having no RoPE.
+
+This code. ``budget`` slots per query head, all chunks of ``chunk_size`` tokens: ``n_local_chunks`` (4) window
+chunks (the current, partly filled chunk counts whole, as page methods count their current page), outlier chunks
+and selected chunks. Of the chunks besides the window, 48 in 304 are outliers unless ``n_outlier_chunks`` is set,
+the share of the paper's Llama-3.1-8B setting: at its budget, 8 x (4 + 48 + 256) = 2464 tokens, that is 48
+outliers and 256 selected chunks; at budget 256, 4 window, 4 outlier and 24 selected chunks. A sequence that fits
+the budget (its announced length at most ``budget``) keeps its cache whole and is attended in full. Otherwise, after
+the prompt's last chunk: the pre-RoPE keys of the whole prompt are factorised (``rank`` at or above
+``n_kv_heads * head_dim``: the factorisation is the identity, and rebuilt keys are exact); the chunks before the
+window are candidates, their landmarks computed and their outliers chosen per KV head; everything goes into one
+device pool of chunk slots (outliers, selected, window ring, one scratch slot) and the candidates' values into the
+host store (pinned on CUDA, read in place by the copy kernel). The factor kept per token is its coefficients on the
+rank-``r`` basis (``pre-RoPE key @ basis^T``, which is ``U S`` of the SVD for a prompt token), so a chunk that
+leaves the window later gets its coefficients, landmark and host copy of its values the same way and becomes a
+candidate (outliers are chosen once, at the prompt, as in ShadowKV). A decode step, every decision on the device
+and its shapes fixed, is captured in a CUDA graph on CUDA: turn the window ring when a chunk starts, write the new
+token, score the landmarks, take each KV head's top chunks (a ``topk`` of fixed size, ``-inf`` picks padding),
+keep the chunks already resident and send the others' values from the host store into the freed slots with
+``core.paged.copy_blocks`` on a side stream, while the main stream rebuilds every resident selected chunk's keys;
+then one paged attention over all slots.
+
+Differences from the paper: the first ``n_dense_layers`` (default 2) layers keep the full cache (ShadowKV
+sparsifies every layer of its prompts over 4k tokens); the window is a fixed ring of chunks, so tokens generated
+after the prompt leave it and become candidates (ShadowKV keeps every generated token on the GPU); the window is
+chunk-aligned from position 0 (ShadowKV keeps the prompt's last 4 chunks plus the remainder, aligned to 8 chunks);
+the keys of every resident selected chunk are rebuilt at each step (ShadowKV rebuilds the missing ones and moves
+the rest); the landmark softmax uses the model's scaling (ShadowKV's ``1 / sqrt(128)``); no initial selection by
+the last prompt query (the first step loads its chunks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from icecache.core.attention import paged_decode_attention
+from icecache.core.errors import ConfigError
+from icecache.core.method import METHODS, Method, MethodConfig, StaticDenseKV, storage_capacity
+from icecache.core.paged import copy_blocks, mapped_device_view
+
+# The paper's Llama-3.1-8B setting: 48 outlier chunks beside 256 selected ones (2048 tokens of sparse budget).
+PAPER_OUTLIER_CHUNKS, PAPER_SELECTED_CHUNKS = 48, 256
+
+
+@dataclass
+class ShadowKVConfig(MethodConfig):
+    name: str = "shadowkv"
+    chunk_size: int = 8  # tokens per chunk (one landmark each)
+    rank: int = 160  # rank of the pre-RoPE key factorisation (all KV heads together)
+    n_local_chunks: int = 4  # the window, in chunks, the current one included
+    n_outlier_chunks: int | None = None  # None: 48 in 304 of the chunks besides the window (the paper's share)
+
+
+def chunk_split(config: ShadowKVConfig) -> tuple[int, int, int]:
+    """``(window, outlier, selected)`` chunks of a budget of ``budget // chunk_size`` chunks."""
+    rest = config.budget // config.chunk_size - config.n_local_chunks
+    if config.n_outlier_chunks is not None:
+        n_outlier = config.n_outlier_chunks
+    else:
+        n_outlier = round(rest * PAPER_OUTLIER_CHUNKS / (PAPER_OUTLIER_CHUNKS + PAPER_SELECTED_CHUNKS))
+    return config.n_local_chunks, n_outlier, rest - n_outlier
+
+
+# --- the paper's definitions ---------------------------------------------------------------------------------------
+
+
+def key_basis(pre_rope_keys: torch.Tensor, rank: int) -> torch.Tensor:
+    """The rank-``rank`` basis of ``pre_rope_keys [Hkv, T, D]``, all heads together: the top right singular vectors
+    of the ``[T, Hkv * D]`` matrix, ``[r, Hkv * D]`` float32 with ``r = min(rank, T, Hkv * D)``; the identity when
+    ``rank`` covers every dimension (then a rebuilt key is the key itself)."""
+    n_kv_heads, n_tokens, head_dim = pre_rope_keys.shape
+    width = n_kv_heads * head_dim
+    if rank >= width:
+        return torch.eye(width, device=pre_rope_keys.device)
+    matrix = pre_rope_keys.float().transpose(0, 1).reshape(n_tokens, width)
+    if n_tokens > width:  # the right singular vectors of a tall matrix are those of its R factor (far smaller)
+        matrix = torch.linalg.qr(matrix, mode="r").R
+    _, _, vh = torch.linalg.svd(matrix, full_matrices=False)
+    return vh[: min(rank, vh.shape[0])]
+
+
+def key_coefficients(pre_rope_keys: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+    """``[Hkv, T, D]`` -> ``[T, r]``: each token's coordinates on the basis (``U S`` of the SVD for its tokens)."""
+    n_kv_heads, n_tokens, head_dim = pre_rope_keys.shape
+    return pre_rope_keys.float().transpose(0, 1).reshape(n_tokens, n_kv_heads * head_dim) @ basis.T
+
+
+def rebuild_keys(coefficients: torch.Tensor, basis: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
+    """``coefficients [..., T, r]`` (leading dims ``[Hkv]`` or none) -> pre-RoPE keys ``[Hkv, T, D]`` float32."""
+    per_head = basis.float().view(basis.shape[0], n_kv_heads, -1).transpose(0, 1)  # [Hkv, r, D]
+    if coefficients.dim() == 2:
+        coefficients = coefficients.expand(n_kv_heads, -1, -1)
+    return torch.einsum("htr,hrd->htd", coefficients.float(), per_head)
+
+
+def chunk_landmarks(keys: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """``[Hkv, C * chunk_size, D]`` post-RoPE keys -> ``[Hkv, C, D]`` float32 chunk means."""
+    n_kv_heads, n_tokens, head_dim = keys.shape
+    return keys.float().view(n_kv_heads, n_tokens // chunk_size, chunk_size, head_dim).mean(dim=2)
+
+
+def outlier_chunks(keys: torch.Tensor, chunk_size: int, n_outliers: int) -> torch.Tensor:
+    """``[Hkv, n]`` ids of the chunks whose keys are least like their landmark: the smallest minimum cosine
+    similarity between a chunk's landmark and its keys (``n = min(n_outliers, chunks)``)."""
+    n_kv_heads, n_tokens, head_dim = keys.shape
+    chunks = keys.float().view(n_kv_heads, n_tokens // chunk_size, chunk_size, head_dim)
+    landmarks = chunks.mean(dim=2, keepdim=True)
+    similarity = torch.nn.functional.cosine_similarity(landmarks.expand_as(chunks), chunks, dim=-1)
+    worst = similarity.amin(dim=-1)  # [Hkv, C]
+    return worst.topk(min(n_outliers, worst.shape[1]), dim=-1, largest=False).indices
+
+
+def landmark_scores(query: torch.Tensor, landmarks: torch.Tensor, candidates: torch.Tensor, scaling: float):
+    """``query [Hq, D]``, ``landmarks [Hkv, C, D]``, ``candidates [Hkv, C]`` -> ``[Hkv, C]`` float32: each query
+    head's softmax over its candidate chunks of ``q . landmark * scaling``, maximised over the KV group's heads
+    (0 for chunks that are not candidates)."""
+    n_kv_heads = landmarks.shape[0]
+    q = query.float().view(n_kv_heads, -1, query.shape[-1])
+    scores = torch.einsum("hgd,hcd->hgc", q, landmarks.float()) * scaling
+    scores = scores.masked_fill(~candidates[:, None, :], float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)  # no candidate: all 0 below
+    weights = torch.exp(scores - top)
+    probs = weights / weights.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    return probs.amax(dim=1)
+
+
+class _NoRotary:
+    """RoPE of a geometry without rotary information: none."""
+
+    def frequencies(self, device):
+        return None
+
+    def apply(self, x, positions, inv_freq=None):
+        return x.float()
+
+    invert = apply
+
+
+# --- the layer -----------------------------------------------------------------------------------------------------
+
+
+class ShadowKVKV(StaticDenseKV):
+    """Dense (``StaticDenseKV``) while the sequence fits the budget; otherwise one device pool of chunk slots
+    ``[n_outlier + n_selected + n_local + 1, Hkv, chunk_size, D]`` (the last a scratch slot), the landmarks, the
+    per-token key coefficients and the basis on the device, the values of candidate chunks in host memory."""
+
+    def __init__(self, layer_idx, model, seq, config: ShadowKVConfig):
+        super().__init__(layer_idx, model, seq, page_size=config.chunk_size)
+        self.cfg = config
+        self.budget = config.budget
+        self.chunk_size = config.chunk_size
+        self.n_local, self.n_outlier, self.n_selected = chunk_split(config)
+        self.window_slot0 = self.n_outlier + self.n_selected
+        self.n_attended_slots = self.window_slot0 + self.n_local
+        self.rotary = model.rotary if model.rotary is not None else _NoRotary()
+        self.sparse = False
+
+    # --- prompt ----------------------------------------------------------------------------------------------------
+    def prefill(self, query, key, value, attention_mask, scaling):
+        out = super().prefill(query, key, value, attention_mask, scaling)
+        if not self.seq.more_prefill_chunks:
+            n_tokens = self.seq_len + key.shape[2]
+            announced = self.seq.max_total_tokens
+            if (announced if announced is not None else n_tokens + 1) > self.budget:
+                with self.seq.timer.phase("offload"):
+                    self._enter_sparse(n_tokens)
+        return out
+
+    def _enter_sparse(self, n_tokens: int) -> None:
+        """Factorise, pick landmarks and outliers, lay out the pool and the host store; the dense buffers go."""
+        cs, n_local = self.chunk_size, self.n_local
+        keys, values = self._keys[:, :n_tokens], self._values[:, :n_tokens]
+        n_kv_heads, _, head_dim = keys.shape
+        device, dtype = keys.device, keys.dtype
+        self._inv_freq = self.rotary.frequencies(device)
+        positions = torch.arange(n_tokens, device=device)
+        pre_rope = self.rotary.invert(keys, positions, self._inv_freq)
+        basis = key_basis(pre_rope, self.cfg.rank)
+        self.basis = basis.to(dtype)  # [r, Hkv * D]
+
+        # Capacity in chunks, plus one scratch chunk (and its rows) that fixed-shape writes go to when idle.
+        n_chunks = -(-storage_capacity(self.seq, n_tokens + 1, 0) // cs)
+        self._allocate_sparse(n_chunks, n_kv_heads, head_dim, basis.shape[0], device, dtype)
+        self.coefficients[:n_tokens] = key_coefficients(pre_rope, basis).to(dtype)
+
+        # The window of the last prompt token; the chunks before it are candidates.
+        n_candidates = max(0, (n_tokens - 1) // cs - n_local + 1)
+        split = n_candidates * cs
+        if n_candidates:
+            self.landmarks[:, :n_candidates] = chunk_landmarks(keys[:, :split], cs).to(dtype)
+            chunk_values = values[:, :split].reshape(n_kv_heads, n_candidates, cs, head_dim).transpose(0, 1)
+            self.store_values[:n_candidates].copy_(chunk_values)
+            outliers = outlier_chunks(keys[:, :split], cs, self.n_outlier)  # [Hkv, n]
+            n = outliers.shape[1]
+            self.outlier_ids[:, :n] = outliers
+            self.is_outlier.scatter_(1, outliers, True)
+            heads = torch.arange(n_kv_heads, device=device)[:, None]
+            chunk_keys = keys[:, :split].reshape(n_kv_heads, n_candidates, cs, head_dim)
+            slots = torch.arange(n, device=device)[None, :].expand(n_kv_heads, -1)
+            self.pool_keys[slots, heads] = chunk_keys[heads, outliers]
+            self.pool_values[slots, heads] = values[:, :split].reshape_as(chunk_keys)[heads, outliers]
+        window = torch.arange(split, n_tokens, device=device)
+        ring = self.window_slot0 + (window // cs) % n_local
+        self.pool_keys[ring, :, window % cs] = keys[:, split:].transpose(0, 1)
+        self.pool_values[ring, :, window % cs] = values[:, split:].transpose(0, 1)
+        self._keys = self._values = None  # the dense copy goes
+        self.sparse = True
+
+    def _allocate_sparse(self, n_chunks, n_kv_heads, head_dim, rank, device, dtype) -> None:
+        cs = self.chunk_size
+        self.n_chunks = n_chunks
+        n_slots = self.n_attended_slots + 1
+        self.pool_keys = torch.zeros(n_slots, n_kv_heads, cs, head_dim, dtype=dtype, device=device)
+        self.pool_values = torch.zeros_like(self.pool_keys)
+        self.landmarks = torch.zeros(n_kv_heads, n_chunks + 1, head_dim, dtype=dtype, device=device)
+        self.is_outlier = torch.zeros(n_kv_heads, n_chunks + 1, dtype=torch.bool, device=device)
+        self.coefficients = torch.zeros((n_chunks + 1) * cs, rank, dtype=dtype, device=device)
+        self.outlier_ids = torch.full((n_kv_heads, self.n_outlier), -1, dtype=torch.long, device=device)
+        # The chunk each selected slot holds per KV head (-1: empty); the last column takes writes with no target.
+        self.slot_chunk = torch.full((n_kv_heads, self.n_selected + 1), -1, dtype=torch.long, device=device)
+        pin = device.type == "cuda"
+        self.store_values = torch.zeros(n_chunks + 1, n_kv_heads, cs, head_dim, dtype=dtype, pin_memory=pin)
+        self._store_on_device = mapped_device_view(self.store_values, device) if pin else self.store_values
+        self._heads = torch.arange(n_kv_heads, device=device)
+        self._chunk_ids = torch.arange(n_chunks + 1, device=device)
+        self._offsets = torch.arange(cs, device=device)
+        self._slot_table = torch.arange(self.n_attended_slots, device=device, dtype=torch.int32).expand(
+            n_kv_heads, -1)
+        self._ring_index = torch.arange(self.n_local, device=device)
+
+    def _grow(self, n_tokens: int) -> None:
+        """Room for ``n_tokens`` (only outside the generation loop, which announces the length)."""
+        cs = self.chunk_size
+        n_chunks = max(-(-n_tokens // cs), 2 * self.n_chunks)
+        old = (self.landmarks, self.is_outlier, self.coefficients, self.store_values, self.pool_keys, self.pool_values,
+               self.outlier_ids, self.slot_chunk)
+        kept = self.n_chunks
+        if self.pool_keys.is_cuda:
+            torch.cuda.synchronize(self.pool_keys.device)
+        n_kv_heads, _, head_dim = self.landmarks.shape
+        self._allocate_sparse(n_chunks, n_kv_heads, head_dim, self.coefficients.shape[1], self.pool_keys.device,
+                              self.pool_keys.dtype)
+        self.landmarks[:, :kept], self.is_outlier[:, :kept] = old[0][:, :kept], old[1][:, :kept]
+        self.coefficients[: kept * cs] = old[2][: kept * cs]
+        self.store_values[:kept] = old[3][:kept]
+        self.pool_keys.copy_(old[4])
+        self.pool_values.copy_(old[5])
+        self.outlier_ids.copy_(old[6])
+        self.slot_chunk.copy_(old[7])
+
+    # --- decode ----------------------------------------------------------------------------------------------------
+    def decode(self, query, key, value, scaling):
+        if query.shape[0] != 1:
+            raise ValueError("sparse KV methods run with batch size 1")
+        if not self.sparse:
+            if self.seq_len + 1 <= self.budget:
+                self.seq.counters.record_on_device((self.decode_position(key.device) + 1).float())
+                return super().decode(query, key, value, scaling)
+            self._enter_sparse(self.seq_len)  # an unannounced sequence outgrew the budget (never captured)
+        if self.seq_len + 1 > self.n_chunks * self.chunk_size:
+            self._grow(self.seq_len + 1)
+        position = self.decode_position(key.device)
+        chunk = position // self.chunk_size
+        offset = position % self.chunk_size
+        self._turn_window(chunk, offset == 0)
+        ring_slot = self.window_slot0 + chunk % self.n_local
+        self.pool_keys.index_put_((ring_slot, self._heads, offset), key[0, :, 0])
+        self.pool_values.index_put_((ring_slot, self._heads, offset), value[0, :, 0])
+
+        q = query[0, :, 0]
+        with self.seq.timer.phase("select"):
+            window_base = chunk - self.n_local + 1  # candidates are the chunks before the window
+            candidates = (self._chunk_ids < window_base)[None, :] & ~self.is_outlier
+            scores = landmark_scores(q, self.landmarks, candidates, scaling)
+            top = scores.topk(min(self.n_selected, scores.shape[1]), dim=-1).indices  # [Hkv, k]
+            wanted = candidates.gather(1, top)
+        missing, target_slots = self._update_slots(top, wanted)
+        side = self._load_values(top, missing, target_slots)
+        with self.seq.timer.phase("rebuild"):
+            self._rebuild_selected_keys()
+        if side is not None:
+            torch.cuda.current_stream(key.device).wait_stream(side)
+
+        counts = self._valid_counts(position, window_base)
+        out = paged_decode_attention(q, self.pool_keys, self.pool_values, self._slot_table, counts, scaling)
+        n_loaded = missing.sum()
+        block_bytes = self.pool_values[0, 0].nbytes
+        self.seq.counters.record_on_device(counts.sum(-1).float().mean(), pages_loaded=n_loaded,
+                                           bytes_to_gpu=n_loaded * block_bytes)
+        if self.seq.trace_selection:
+            self.last_attended = self._attended_positions(counts)
+        return out.view(1, 1, *q.shape)
+
+    def _turn_window(self, chunk: torch.Tensor, starting: torch.Tensor) -> None:
+        """When a chunk starts, the window's oldest chunk (in the ring slot the new one takes) becomes a candidate:
+        its landmark, its keys' coefficients and the host copy of its values. Written every step, to the scratch
+        chunk when no chunk leaves."""
+        cs = self.chunk_size
+        leaving = chunk - self.n_local
+        leaves = starting & (leaving >= 0)
+        target = torch.where(leaves, leaving, self.n_chunks)  # [1]
+        ring_slot = self.window_slot0 + chunk % self.n_local
+        block_keys = self.pool_keys.index_select(0, ring_slot)[0]  # [Hkv, cs, D] post-RoPE, exact
+        self.landmarks.index_copy_(1, target, block_keys.float().mean(dim=1, keepdim=True).to(self.landmarks.dtype))
+        self._store_on_device.index_copy_(0, target, self.pool_values.index_select(0, ring_slot))
+        positions = leaving.clamp(min=0) * cs + self._offsets
+        pre_rope = self.rotary.invert(block_keys, positions, self._inv_freq)
+        rows = target * cs + self._offsets
+        coefficients = key_coefficients(pre_rope, self.basis.float())
+        self.coefficients.index_copy_(0, rows, coefficients.to(self.coefficients.dtype))
+
+    def _update_slots(self, top: torch.Tensor, wanted: torch.Tensor):
+        """Keep the chosen chunks already in a selected slot; the others (``missing [Hkv, k]``) take the freed
+        slots in order (``target_slots``). Updates ``slot_chunk`` in place."""
+        held = self.slot_chunk[:, : self.n_selected]  # [Hkv, S]
+        same = (held[:, :, None] == top[:, None, :]) & wanted[:, None, :]  # [Hkv, S, k]
+        kept = same.any(dim=2)
+        missing = wanted & ~same.any(dim=1)
+        free_first = torch.argsort(kept.to(torch.int8), dim=1, stable=True)  # freed slots first, in slot order
+        rank = (missing.long().cumsum(dim=1) - 1).clamp(min=0)
+        target_slots = free_first.gather(1, rank)
+        updated = torch.where(kept, held, -1)
+        updated = torch.cat([updated, updated.new_full((updated.shape[0], 1), -1)], dim=1)
+        updated.scatter_(1, torch.where(missing, target_slots, self.n_selected), torch.where(missing, top, -1))
+        self.slot_chunk.copy_(updated)
+        return missing, target_slots
+
+    def _load_values(self, top, missing, target_slots):
+        """The missing chunks' values from the host store into their slots: one block-copy kernel, on a side stream
+        on CUDA so that it overlaps the key rebuild (the caller joins it). ``copy_blocks`` moves two arrays of
+        blocks of one layout; a chunk's values are one, so it is passed as its two halves."""
+        half = self.chunk_size // 2
+        pages = top.clamp(min=0).flatten()
+        slots = torch.where(missing, self.n_outlier + target_slots, -1).flatten()
+        heads = self._heads[:, None].expand_as(top).flatten()
+        source, target = self._store_on_device, self.pool_values
+        arguments = (source[:, :, :half], source[:, :, half:], pages, target[:, :, :half], target[:, :, half:], slots,
+                     heads)
+        if not target.is_cuda:
+            copy_blocks(*arguments)
+            return None
+        side = self.seq.shared.get("shadowkv_copy_stream")
+        if side is None:
+            side = self.seq.shared["shadowkv_copy_stream"] = torch.cuda.Stream(target.device)
+        side.wait_stream(torch.cuda.current_stream(target.device))
+        with torch.cuda.stream(side), self.seq.timer.phase("load"):
+            copy_blocks(*arguments)
+        return side
+
+    def _rebuild_selected_keys(self) -> None:
+        """Every resident selected chunk's keys from its coefficients, rotated at its positions (empty slots get
+        the scratch chunk's rows; they are never attended)."""
+        cs, n_kv_heads = self.chunk_size, self.pool_keys.shape[1]
+        held = self.slot_chunk[:, : self.n_selected]
+        chunk = torch.where(held >= 0, held, self.n_chunks)
+        positions = (chunk[..., None] * cs + self._offsets).flatten(1)  # [Hkv, S * cs]
+        pre_rope = rebuild_keys(self.coefficients[positions], self.basis, n_kv_heads)
+        keys = self.rotary.apply(pre_rope, positions, self._inv_freq)
+        selected = keys.view(n_kv_heads, self.n_selected, cs, -1).transpose(0, 1)
+        self.pool_keys[self.n_outlier : self.window_slot0].copy_(selected)
+
+    def _valid_counts(self, position: torch.Tensor, window_base: torch.Tensor) -> torch.Tensor:
+        """``[Hkv, slots]`` int32 valid tokens per attended slot: whole outlier and selected chunks, the window's
+        chunks up to the new token."""
+        cs = self.chunk_size
+        outliers = (self.outlier_ids >= 0) * cs
+        selected = (self.slot_chunk[:, : self.n_selected] >= 0) * cs
+        ring_chunk = window_base + torch.remainder(self._ring_index - window_base, self.n_local)  # [n_local]
+        window = torch.where(ring_chunk >= 0, (position + 1 - ring_chunk * cs).clamp(0, cs), 0)
+        window = window.expand(self.pool_keys.shape[1], -1)
+        return torch.cat([outliers, selected, window], dim=1).to(torch.int32)
+
+    def _attended_positions(self, counts: torch.Tensor) -> torch.Tensor:
+        """bool ``[Hq, seq_len + 1]``: the valid tokens of the attended chunks (host-synchronising, for tests)."""
+        cs, n_tokens = self.chunk_size, self.seq_len + 1
+        window_base = (n_tokens - 1) // cs - self.n_local + 1
+        ring_chunk = window_base + torch.remainder(self._ring_index.cpu() - window_base, self.n_local)
+        chunks = torch.cat([self.outlier_ids.cpu(), self.slot_chunk[:, : self.n_selected].cpu(),
+                            ring_chunk.expand(self.outlier_ids.shape[0], -1)], dim=1)
+        counts = counts.cpu()
+        positions = chunks[..., None] * cs + torch.arange(cs)
+        valid = (torch.arange(cs) < counts[..., None]) & (chunks[..., None] >= 0)
+        attended = torch.zeros(chunks.shape[0], n_tokens + 1, dtype=torch.bool)
+        attended.scatter_(1, torch.where(valid, positions, n_tokens).flatten(1), True)
+        group = self.model.n_heads // chunks.shape[0]
+        return attended[:, :n_tokens].repeat_interleave(group, dim=0).to(self.pool_keys.device)
+
+    def gpu_kv_bytes(self) -> int:
+        if not self.sparse:
+            return super().gpu_kv_bytes()
+        if self.pool_keys.device.type != "cuda":
+            return 0
+        return (self.pool_keys.nbytes + self.pool_values.nbytes + self.landmarks.nbytes + self.coefficients.nbytes
+                + self.basis.nbytes)
+
+    def cpu_kv_bytes(self) -> int:
+        return self.store_values.nbytes if self.sparse else 0
+
+
+@METHODS.register("shadowkv")
+class ShadowKV(Method):
+    display_name = "ShadowKV"
+    config_class = ShadowKVConfig
+    # At the shared tests' budget of 64 with chunks of 8: 2 window, 1 outlier and 5 selected chunks.
+    test_settings = {"n_local_chunks": 2}
+
+    def check(self) -> None:
+        super().check()
+        c = self.config
+        cs = c.chunk_size
+        if cs < 2 or cs % 2:
+            raise ConfigError(f"shadowkv: chunk_size={cs} must be even and >= 2")
+        if self.model.device.type == "cuda" and (cs & (cs - 1) or cs > 64):
+            raise ConfigError(f"shadowkv: chunk_size={cs} must be a power of two <= 64 for the CUDA paged attention")
+        if c.rank < 1 or c.n_local_chunks < 1 or (c.n_outlier_chunks is not None and c.n_outlier_chunks < 0):
+            raise ConfigError(f"shadowkv: rank={c.rank} and n_local_chunks={c.n_local_chunks} must be >= 1, "
+                              f"n_outlier_chunks={c.n_outlier_chunks} >= 0 or null")
+        rotary = self.model.rotary
+        if rotary is not None and not rotary.supported:
+            raise ConfigError(f"shadowkv: the model's RoPE ({rotary.rope_type}) is not one fixed rotation, so its "
+                              f"pre-RoPE keys cannot be recovered: use a model with default or fixed-scaled RoPE")
+        if c.budget % cs:
+            raise ConfigError(f"shadowkv: budget={c.budget} must be a multiple of chunk_size={cs}")
+        if c.budget < self.min_budget():
+            raise ConfigError(f"shadowkv: budget={c.budget} leaves no selected chunk besides n_local_chunks="
+                              f"{c.n_local_chunks} and the outliers: raise it to {self.min_budget()}")
+
+    def min_budget(self) -> int:
+        c = self.config
+        fixed = c.n_local_chunks + (c.n_outlier_chunks or 0)
+        return (fixed + 1) * c.chunk_size
+
+    def forced_positions(self, n_tokens):
+        c = self.config  # the window: the current chunk and the n_local_chunks - 1 before it
+        first = max(0, ((n_tokens - 1) // c.chunk_size - c.n_local_chunks + 1) * c.chunk_size)
+        return list(range(first, n_tokens))
+
+    def make_sparse_layer(self, layer_idx, seq):
+        return ShadowKVKV(layer_idx, self.model, seq, self.config)

@@ -1,0 +1,195 @@
+"""MagicPIG's rules against direct computations: SimHash codes, the collision counts of the hash tables, the
+sampling rule (two collisions), the estimator's weights, the thinning to the budget and the exact mode; on a CUDA
+host the GPU path against the CPU path."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from icecache.core.errors import ConfigError
+from icecache.core.method import ModelInfo, SequenceContext
+from icecache.methods import build_method
+from icecache.methods.magicpig import (
+    WEIGHT_FLOOR,
+    HashTables,
+    collision_counts_reference,
+    hash_projections,
+    sampling_probability,
+    simhash_codes,
+)
+
+INFO = ModelInfo(n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16)
+SCALING = 16**-0.5
+
+
+def test_simhash_codes_are_the_signs_of_each_tables_projections():
+    projections = hash_projections(16, K=5, L=7, seed=3)
+    vectors = torch.randn(6, 16, generator=torch.Generator().manual_seed(0))
+    codes = simhash_codes(vectors, projections, K=5)
+    for i in range(6):
+        for table in range(7):
+            bits = [(vectors[i] @ projections[:, table * 5 + j]).item() > 0 for j in range(5)]
+            assert codes[i, table] == sum(1 << j for j, bit in enumerate(bits) if bit)
+    torch.testing.assert_close(simhash_codes(3.0 * vectors, projections, K=5), codes)  # a direction's bucket
+
+
+@pytest.mark.parametrize("n_positions", [64, 40])
+def test_hash_tables_count_what_a_direct_comparison_counts(n_positions):
+    gen = torch.Generator().manual_seed(1)
+    key_codes = torch.randint(0, 8, (2, 60, 9), generator=gen, dtype=torch.int32)  # K=3: 8 buckets, L=9
+    query_codes = torch.randint(0, 8, (4, 9), generator=gen, dtype=torch.int32)
+    tables = HashTables(key_codes, first_position=4, K=3)  # positions 4..63
+    counts = tables.counts(query_codes, group=2, n_positions=n_positions)
+    expected = torch.zeros(4, 64, dtype=torch.int64)
+    expected[:, 4:] = collision_counts_reference(query_codes, key_codes, group=2)
+    assert torch.equal(counts, expected[:, :n_positions])
+
+
+def test_sampling_probability_is_the_chance_of_two_collisions_in_L_tables():
+    cos_angle = torch.tensor([0.9, 0.5, 0.0, -0.3])
+    for K, L in ((10, 150), (11, 300), (3, 6)):
+        p = (1 - torch.arccos(cos_angle) / math.pi) ** K
+        at_least_two = [sum(math.comb(L, j) * pj**j * (1 - pj) ** (L - j) for j in range(2, L + 1))
+                        for pj in p.double().tolist()]
+        torch.testing.assert_close(sampling_probability(cos_angle, K, L).double(), torch.tensor(at_least_two,
+                                   dtype=torch.float64), atol=1e-6, rtol=1e-4)
+
+
+def test_sampling_probability_matches_the_frequency_over_random_hash_functions():
+    """Draw 3000 sets of hash functions (K=3, L=6): a key at angle theta to the query collides in >= 2 tables as
+    often as the formula says (within 4 standard deviations)."""
+    gen = torch.Generator().manual_seed(2)
+    query, other = torch.randn(2, 16, generator=gen)
+    key = 0.7 * query / query.norm() + 0.5 * other / other.norm()
+    cos_angle = (query @ key) / (query.norm() * key.norm())
+    trials, hits = 3000, 0
+    for seed in range(trials):
+        projections = hash_projections(16, K=3, L=6, seed=seed)
+        same = simhash_codes(query[None], projections, 3) == simhash_codes(key[None], projections, 3)
+        hits += int(same.sum() >= 2)
+    expected = float(sampling_probability(cos_angle, 3, 6))
+    assert abs(hits / trials - expected) < 4 * math.sqrt(expected * (1 - expected) / trials)
+
+
+def layer_after_prompt(gen, n_prompt=200, budget=64, device="cpu", announced=None, **settings):
+    values = {"name": "magicpig", "budget": budget, "n_local_tokens": 16, "n_dense_layers": 0, **settings}
+    info = dataclasses.replace(INFO, device=torch.device(device))
+    seq = SequenceContext(trace_selection=True, max_total_tokens=announced)
+    layer = build_method(values, info).make_layer(0, seq)
+    keys = torch.randn(1, 2, n_prompt, 16, generator=gen)
+    values_ = torch.randn(1, 2, n_prompt, 16, generator=gen)
+    layer.forward(torch.randn(1, 4, n_prompt, 16, generator=gen).to(device), keys.to(device), values_.to(device),
+                  None, SCALING)
+    return layer, keys[0], values_[0]
+
+
+def step(layer, gen, device="cpu"):
+    query, key, value = (torch.randn(1, 4, 1, 16, generator=gen), torch.randn(1, 2, 1, 16, generator=gen),
+                         torch.randn(1, 2, 1, 16, generator=gen))
+    out = layer.forward(query.to(device), key.to(device), value.to(device), None, SCALING)
+    return query[0, :, 0], key[0, :, 0], value[0, :, 0], out[0, 0]
+
+
+def test_a_step_samples_the_two_collision_keys_with_importance_weights():
+    """Uncapped: the sampled middle tokens are exactly those sharing the query's bucket in >= 2 of the L tables
+    (codes of keys centred by the mean middle key), each with log-weight -log(u + 1e-4)."""
+    gen = torch.Generator().manual_seed(3)
+    layer, keys, _ = layer_after_prompt(gen, capped=False, K=6, L=20)
+    query, key, _, _ = step(layer, gen)
+    mean_key = keys[:, 4:184].mean(dim=1)  # the middle after the prompt: after 4 sinks, before the 16-token window
+    projections = hash_projections(16, 6, 20, seed=0)
+    all_keys = torch.cat([keys, key[:, None]], dim=1)
+    key_codes = simhash_codes(all_keys - mean_key[:, None], projections, 6)
+    counts = collision_counts_reference(simhash_codes(query, projections, 6), key_codes, group=2)
+    positions, valid, log_weights = layer._last_sample
+    kv = torch.arange(4) // 2
+    for head in range(4):
+        sampled = positions[head][valid[head]]
+        expected = [t for t in range(4, 185) if counts[head, t] >= 2]  # the middle at position 200: [4, 185)
+        assert sorted(sampled.tolist()) == expected
+        centred = all_keys[kv[head], sampled] - mean_key[kv[head]]
+        cos_angle = centred @ query[head] / (centred.norm(dim=-1) * query[head].norm())
+        expected_weights = -torch.log(sampling_probability(cos_angle, 6, 20) + WEIGHT_FLOOR)
+        torch.testing.assert_close(log_weights[head][valid[head]], expected_weights, atol=1e-5, rtol=1e-5)
+    assert (layer.last_log_weights[layer.last_attended] != 0).any()
+
+
+def test_a_head_sampling_more_than_the_budget_keeps_a_random_subset_with_reweighted_keys():
+    """K=1: nearly every key collides in two tables, so every head samples far more than the 44 slots left by 4
+    sinks and 16 window tokens at budget 64: it keeps 44 of its candidates, drawn the same way in every run, and
+    their weights grow by candidates / 44."""
+    gen = torch.Generator().manual_seed(4)
+    layer, _, _ = layer_after_prompt(gen, K=1, L=8)
+    query, _, _, _ = step(layer, gen)
+    positions, valid, log_weights = layer._last_sample
+    assert valid.all() and positions.shape == (4, 44)
+    assert int(layer.last_attended.sum(-1).max()) <= 64
+    again = layer.sample(query, simhash_codes(query, layer.projections, 1), 200)
+    layer.cfg.capped = False  # the same step uncapped: every candidate and its own weight
+    all_positions, all_valid, all_weights = layer.sample(query, simhash_codes(query, layer.projections, 1), 200)
+    layer.cfg.capped = True
+    for head in range(4):
+        candidates = dict(zip(all_positions[head][all_valid[head]].tolist(), all_weights[head][all_valid[head]]))
+        assert len(candidates) > 44 and set(positions[head].tolist()) <= set(candidates)
+        kept = torch.stack([candidates[t] for t in positions[head].tolist()])
+        torch.testing.assert_close(log_weights[head], kept + math.log(len(candidates) / 44))
+    # The thinning draw depends on (seed, layer, position) only: the step's sample again, to the bit.
+    assert all(torch.equal(a, b) for a, b in zip(again, (positions, valid, log_weights)))
+
+
+def test_while_the_middle_fits_the_budget_attention_is_exact():
+    gen = torch.Generator().manual_seed(5)
+    layer, keys, values = layer_after_prompt(gen, n_prompt=50, budget=128)  # middle 31 + 1 per step <= 108
+    all_keys, all_values = keys, values
+    for _ in range(4):
+        query, key, value, out = step(layer, gen)
+        all_keys = torch.cat([all_keys, key[:, None]], dim=1)
+        all_values = torch.cat([all_values, value[:, None]], dim=1)
+        q = query.view(2, 2, 16)
+        probs = torch.softmax(torch.einsum("hgd,htd->hgt", q, all_keys) * SCALING, dim=-1)
+        expected = torch.einsum("hgt,htd->hgd", probs, all_values).reshape(4, 16)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        assert layer.last_attended.all() and not layer.last_log_weights.any()
+
+
+def test_a_store_grown_past_its_first_capacity_gives_what_a_store_sized_once_gives():
+    runs = []
+    for announced in (None, 280):  # unannounced: room for 256 tokens, grown at the sixth step
+        gen = torch.Generator().manual_seed(7)
+        layer, _, _ = layer_after_prompt(gen, n_prompt=250, announced=announced)
+        runs.append([(step(layer, gen)[-1], layer.last_attended.clone()) for _ in range(20)])
+        assert layer.store_keys.shape[1] >= 270
+    for (out_grown, attended_grown), (out_sized, attended_sized) in zip(*runs):
+        assert torch.equal(attended_grown, attended_sized)
+        torch.testing.assert_close(out_grown, out_sized, atol=1e-6, rtol=1e-6)
+
+
+def test_settings_that_cannot_work_are_refused():
+    for values, message in (({"K": 0}, "K=0"), ({"L": 1}, "L=1"), ({"n_local_tokens": 0}, "n_local_tokens=0"),
+                            ({"budget": 68}, "budget=68")):
+        with pytest.raises(ConfigError, match=message):
+            build_method({"name": "magicpig", "budget": 256, **values}, INFO)
+    assert build_method({"name": "magicpig", "budget": 69}, INFO).min_budget() == 69
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_path_samples_and_computes_what_the_cpu_path_does():
+    """float32 on both: the device hashes the query and the new key, the host samples and attends; the same
+    samples and weights as the CPU path, outputs within float tolerance, while the window turns."""
+    runs = {}
+    for device in ("cpu", "cuda"):
+        gen = torch.Generator().manual_seed(6)
+        layer, _, _ = layer_after_prompt(gen, n_prompt=300, device=device)
+        runs[device] = []
+        for _ in range(20):
+            *_, out = step(layer, gen, device)
+            runs[device].append((out.cpu(), layer.last_attended.cpu(), layer.last_log_weights.cpu()))
+    for (out_cpu, att_cpu, w_cpu), (out_gpu, att_gpu, w_gpu) in zip(runs["cpu"], runs["cuda"]):
+        assert torch.equal(att_cpu, att_gpu)
+        torch.testing.assert_close(w_gpu, w_cpu, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out_gpu, out_cpu, atol=1e-4, rtol=1e-4)

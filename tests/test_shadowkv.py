@@ -1,0 +1,284 @@
+"""ShadowKV's rules against direct computations: the inverse RoPE that recovers pre-RoPE keys, the SVD rebuild,
+landmark scores, outlier chunks and the chunks a decode step chooses and loads; on a CUDA host the GPU path
+against the CPU path."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from transformers import AutoConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from icecache.core.cache import HarnessCache
+from icecache.core.errors import ConfigError
+from icecache.core.generation import GenerationRequest, greedy_generate
+from icecache.core.method import ModelInfo, SequenceContext
+from icecache.core.rope import Rotary
+from icecache.methods import build_method
+from icecache.methods.shadowkv import (
+    ShadowKVConfig,
+    chunk_landmarks,
+    chunk_split,
+    key_basis,
+    key_coefficients,
+    landmark_scores,
+    outlier_chunks,
+    rebuild_keys,
+)
+from tests.conftest import ARCHITECTURES, tiny_model
+
+CS = 8  # chunk size
+ROTARY = Rotary(inv_freq=tuple(float(f) for f in 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))))
+INFO = ModelInfo(n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, rotary=ROTARY)
+SCALING = 16**-0.5
+
+
+# ------------------------------------------------------------------------------------------------------------- RoPE
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_inverse_rope_recovers_the_keys_the_model_projected(arch):
+    """The keys a layer receives are the model's k_proj (and Qwen3's k_norm) output after its RoPE; inverting RoPE
+    with ModelInfo.rotary gives back that output, and applying it again gives the layer's keys."""
+    model, _, info = tiny_model(arch)
+    attention = model.model.layers[2].self_attn
+    projected, received = [], []
+    source = attention.k_norm if arch == "qwen3" else attention.k_proj
+    hook = source.register_forward_hook(lambda module, args, out: projected.append(out))
+    cache = HarnessCache(build_method({"name": "full"}, info))
+    layer = cache.layer_kvs[2]
+    forward = layer.forward
+    layer.forward = lambda q, k, v, mask, scaling: (received.append(k), forward(q, k, v, mask, scaling))[1]
+    try:
+        ids = torch.randint(0, 500, (1, 40), generator=torch.Generator().manual_seed(2))
+        with torch.inference_mode():
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+    finally:
+        hook.remove()
+    n_kv_heads, head_dim = info.n_kv_heads, info.head_dim
+    pre = projected[0].view(1, 40, n_kv_heads, head_dim).transpose(1, 2)[0]
+    post = received[0][0]
+    positions = torch.arange(40)
+    torch.testing.assert_close(info.rotary.invert(post, positions), pre, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(info.rotary.apply(pre, positions), post, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(post, pre, atol=1e-3)  # RoPE did turn the keys
+
+
+def test_scaled_llama3_rope_is_read_from_the_config_and_length_dependent_rope_is_refused():
+    config = AutoConfig.for_model("llama", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                  rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 64})
+    rotary = Rotary.from_config(config)
+    reference = LlamaRotaryEmbedding(config)
+    assert rotary.rope_type == "llama3"
+    assert torch.equal(rotary.frequencies("cpu"), reference.inv_freq.float())
+    positions = torch.arange(300)[None]
+    x = torch.randn(1, 2, 300, 16, generator=torch.Generator().manual_seed(0))
+    cos, sin = reference(x, positions)
+    expected, _ = apply_rotary_pos_emb(x, x, cos, sin)
+    torch.testing.assert_close(rotary.apply(x, positions[0]), expected, atol=1e-5, rtol=1e-5)
+
+    config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    dynamic = ModelInfo(n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, rotary=Rotary.from_config(config))
+    assert not dynamic.rotary.supported
+    with pytest.raises(ConfigError, match="dynamic"):
+        build_method({"name": "shadowkv", "budget": 256}, dynamic)
+
+
+# ------------------------------------------------------------------------------------------------ the definitions
+def test_rebuild_is_the_best_rank_r_approximation_of_all_heads_keys_together():
+    gen = torch.Generator().manual_seed(1)
+    # Nearly low-rank keys, as pre-RoPE keys are: rank 6 plus noise, over 2 heads of 16 channels.
+    keys = (torch.randn(200, 6, generator=gen) @ torch.randn(6, 32, generator=gen)).view(200, 2, 16).transpose(0, 1)
+    keys = keys + 0.01 * torch.randn(keys.shape, generator=gen)
+    basis = key_basis(keys, rank=6)
+    rebuilt = rebuild_keys(key_coefficients(keys, basis), basis, n_kv_heads=2)
+    u, s, vh = torch.linalg.svd(keys.transpose(0, 1).reshape(200, 32).double(), full_matrices=False)
+    best = (u[:, :6] * s[:6] @ vh[:6]).view(200, 2, 16).transpose(0, 1)
+    torch.testing.assert_close(rebuilt.double(), best, atol=1e-4, rtol=1e-4)
+    assert (rebuilt - keys).norm() / keys.norm() < 0.01
+    # A rank that covers every channel: the identity, the keys themselves.
+    basis = key_basis(keys, rank=160)
+    assert torch.equal(rebuild_keys(key_coefficients(keys, basis), basis, 2), keys)
+
+
+def test_landmarks_outliers_and_scores_by_their_definitions():
+    gen = torch.Generator().manual_seed(2)
+    keys = torch.randn(2, 10 * CS, 16, generator=gen)
+    keys[1, 3 * CS] *= -4  # chunk 3 of head 1: one key against the others
+    landmarks = chunk_landmarks(keys, CS)
+    for head in range(2):
+        for chunk in range(10):
+            torch.testing.assert_close(landmarks[head, chunk], keys[head, chunk * CS : (chunk + 1) * CS].mean(0))
+    worst = torch.tensor([[min(torch.nn.functional.cosine_similarity(landmarks[h, c], keys[h, c * CS + i], dim=0)
+                               for i in range(CS)) for c in range(10)] for h in range(2)])
+    outliers = outlier_chunks(keys, CS, 3)
+    for head in range(2):
+        assert set(outliers[head].tolist()) == set(worst[head].argsort()[:3].tolist())
+    assert 3 in outliers[1].tolist()
+
+    query = torch.randn(4, 16, generator=gen)
+    candidates = torch.ones(2, 10, dtype=torch.bool)
+    candidates[0, 7:] = False
+    scores = landmark_scores(query, landmarks, candidates, SCALING)
+    for head in range(2):
+        best = torch.zeros(10)
+        for q in query[2 * head : 2 * head + 2]:  # the KV head's query heads
+            logits = torch.tensor([q @ landmarks[head, c] * SCALING if candidates[head, c] else -math.inf
+                                   for c in range(10)])
+            best = torch.maximum(best, torch.softmax(logits, 0))
+        torch.testing.assert_close(scores[head], best)
+
+
+def test_budget_split_follows_the_papers_llama31_setting():
+    assert chunk_split(ShadowKVConfig(budget=8 * (4 + 48 + 256))) == (4, 48, 256)  # 2048-token sparse budget
+    assert chunk_split(ShadowKVConfig(budget=256)) == (4, 4, 24)
+    assert chunk_split(ShadowKVConfig(budget=256, n_outlier_chunks=0)) == (4, 0, 28)
+    with pytest.raises(ConfigError, match="multiple of chunk_size"):
+        build_method({"name": "shadowkv", "budget": 252}, INFO)
+
+
+# ------------------------------------------------------------------------------------------------------ the layer
+def sparse_layer(gen, n_prompt=160, budget=64, rank=4, device="cpu", info=INFO, announced=None):
+    values = {"name": "shadowkv", "budget": budget, "rank": rank, "n_local_chunks": 2, "n_dense_layers": 0}
+    info = dataclasses.replace(info, device=torch.device(device))
+    seq = SequenceContext(trace_selection=True, max_total_tokens=announced)
+    layer = build_method(values, info).make_layer(0, seq)
+    keys = torch.randn(1, 2, n_prompt, 16, generator=gen)
+    values_ = torch.randn(1, 2, n_prompt, 16, generator=gen)
+    layer.forward(torch.randn(1, 4, n_prompt, 16, generator=gen).to(device), keys.to(device), values_.to(device),
+                  None, SCALING)
+    return layer, keys[0], values_[0]
+
+
+def test_a_step_chooses_each_kv_heads_top_candidate_chunks_and_attends_rebuilt_keys():
+    """Budget 64 = 2 window + 1 outlier + 5 selected chunks of 8, rank 4 of 32: the chosen chunks are the top 5 by
+    the landmark scores over the candidates (chunks before the window, outliers excluded); the output is the
+    softmax over outliers and window (exact keys) and the chosen chunks (keys rebuilt from rank 4, rotated)."""
+    gen = torch.Generator().manual_seed(3)
+    layer, keys, values = sparse_layer(gen)
+    assert layer.sparse and (layer.n_local, layer.n_outlier, layer.n_selected) == (2, 1, 5)
+    positions = torch.arange(160)
+    pre = ROTARY.invert(keys, positions)
+    basis = key_basis(pre, 4)
+    rebuilt = ROTARY.apply(rebuild_keys(key_coefficients(pre, basis), basis, 2), positions)
+    # After the prompt the window is chunks 18 and 19 and the outlier is chosen among chunks 0..17; at position 160
+    # chunk 20 starts and chunk 18 leaves the window: the candidates are chunks 0..18 less the outlier.
+    candidates = torch.zeros(2, 20, dtype=torch.bool)
+    candidates[:, :19] = True
+    outliers = outlier_chunks(keys[:, : 18 * CS], CS, 1)
+    candidates.scatter_(1, outliers, False)
+    query, key, value = torch.randn(1, 4, 1, 16, generator=gen), torch.randn(1, 2, 1, 16, generator=gen), \
+        torch.randn(1, 2, 1, 16, generator=gen)
+    out = layer.forward(query, key, value, None, SCALING)
+
+    scores = landmark_scores(query[0, :, 0], chunk_landmarks(keys[:, : 20 * CS], CS), candidates, SCALING)
+    chosen = scores.topk(5, dim=-1).indices
+    held = layer.slot_chunk[:, :5]
+    for head in range(2):
+        assert set(held[head].tolist()) == set(chosen[head].tolist())
+    assert layer.seq.counters.as_dict()["pages_loaded"] == 10  # 5 chunks for each KV head, none resident before
+
+    all_keys = torch.cat([keys, key[0, :, :, :]], dim=1)
+    all_values = torch.cat([values, value[0]], dim=1)
+    used = all_keys.clone()
+    attended = torch.zeros(2, 161, dtype=torch.bool)
+    attended[:, 19 * CS :] = True  # the window
+    for head in range(2):
+        for chunk in outliers[head].tolist():
+            attended[head, chunk * CS : (chunk + 1) * CS] = True
+        for chunk in chosen[head].tolist():
+            span = slice(chunk * CS, (chunk + 1) * CS)
+            attended[head, span] = True
+            used[head, span] = rebuilt[head, span]
+    assert torch.equal(layer.last_attended, attended.repeat_interleave(2, dim=0))
+    q = query[0, :, 0].view(2, 2, 16)
+    logits = torch.einsum("hgd,htd->hgt", q, used) * SCALING
+    probs = torch.softmax(logits.masked_fill(~attended[:, None], -math.inf), dim=-1)
+    expected = torch.einsum("hgt,htd->hgd", probs, all_values).reshape(4, 16)
+    torch.testing.assert_close(out[0, 0], expected, atol=1e-5, rtol=1e-5)
+
+    # The same query again: every chosen chunk is resident, nothing is copied.
+    layer.forward(query, key, value, None, SCALING)
+    assert layer.seq.counters.as_dict()["pages_loaded"] == 10
+
+
+def test_a_chunk_leaving_the_window_becomes_a_candidate():
+    gen = torch.Generator().manual_seed(4)
+    layer, keys, values = sparse_layer(gen, n_prompt=160)  # window after the prompt: chunks 18 and 19
+    steps = [(torch.randn(1, 4, 1, 16, generator=gen), torch.randn(1, 2, 1, 16, generator=gen),
+              torch.randn(1, 2, 1, 16, generator=gen)) for _ in range(9)]
+    for query, key, value in steps:  # positions 160..168: at 168 chunk 21 starts and chunk 19 leaves
+        layer.forward(query, key, value, None, SCALING)
+    chunk19 = keys[:, 19 * CS : 20 * CS]
+    torch.testing.assert_close(layer.landmarks[:, 19], chunk19.mean(dim=1))
+    torch.testing.assert_close(layer.store_values[19], values[:, 19 * CS : 20 * CS])
+    pre = ROTARY.invert(chunk19, torch.arange(19 * CS, 20 * CS))
+    torch.testing.assert_close(layer.coefficients[19 * CS : 20 * CS], key_coefficients(pre, layer.basis))
+    assert not layer.is_outlier[:, 19].any()
+    assert layer.last_attended[:, 20 * CS :].all()  # chunks 20 and 21 are the window now
+
+
+def test_a_sequence_within_the_budget_is_attended_in_full_and_an_unannounced_one_goes_sparse_when_it_outgrows_it():
+    gen = torch.Generator().manual_seed(5)
+    layer, _, _ = sparse_layer(gen, n_prompt=40, budget=64)
+    assert not layer.sparse
+    for step in range(40):
+        layer.forward(torch.randn(1, 4, 1, 16, generator=gen), torch.randn(1, 2, 1, 16, generator=gen),
+                      torch.randn(1, 2, 1, 16, generator=gen), None, SCALING)
+        n_tokens = 41 + step
+        assert layer.sparse == (n_tokens > 64)
+        if n_tokens <= 64:
+            assert layer.last_attended.all() and layer.last_attended.shape == (4, n_tokens)
+        else:
+            assert int(layer.last_attended.sum(-1).max()) <= 64
+
+
+def test_storage_grown_past_its_first_capacity_gives_what_storage_sized_once_gives():
+    """Unannounced, a 250-token prompt gets room for 256 tokens and grows at the sixth step; the same steps on
+    storage sized for the announced length give the same outputs and selections."""
+    runs = []
+    for announced in (None, 280):
+        gen = torch.Generator().manual_seed(8)
+        layer, _, _ = sparse_layer(gen, n_prompt=250, announced=announced)
+        runs.append([(step_out, layer.last_attended.clone()) for step_out in
+                     (layer.forward(torch.randn(1, 4, 1, 16, generator=gen), torch.randn(1, 2, 1, 16, generator=gen),
+                                    torch.randn(1, 2, 1, 16, generator=gen), None, SCALING) for _ in range(20))])
+        assert layer.n_chunks * CS >= 270
+    for (out_grown, attended_grown), (out_sized, attended_sized) in zip(*runs):
+        assert torch.equal(attended_grown, attended_sized)
+        torch.testing.assert_close(out_grown, out_sized, atol=1e-6, rtol=1e-6)
+
+
+def test_generation_on_a_tiny_model_keeps_the_budget_with_a_low_rank():
+    model, _, info = tiny_model("llama")
+    ids = torch.randint(0, 500, (200,), generator=torch.Generator().manual_seed(6)).tolist()
+    method = build_method({"name": "shadowkv", "budget": 64, "rank": 8, "n_local_chunks": 2}, info)
+    result = greedy_generate(model, HarnessCache(method), GenerationRequest(ids, 12))
+    assert 40 < result.counters["mean_attended_tokens"] <= 64
+    assert result.counters["pages_loaded"] > 0
+    assert result.cpu_kv_bytes > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_path_chooses_and_computes_what_the_cpu_path_does():
+    """float32 on both: the same chunks chosen and resident, the same attended positions, outputs within float
+    tolerance (the SVD and the kernels differ in rounding only), over steps that turn the window and reload."""
+    layers = {}
+    for device in ("cpu", "cuda"):
+        gen = torch.Generator().manual_seed(7)
+        layers[device] = sparse_layer(gen, n_prompt=300, budget=64, rank=8, device=device)[0]
+        outputs = []
+        for _ in range(20):
+            q, k, v = (torch.randn(1, 4, 1, 16, generator=gen), torch.randn(1, 2, 1, 16, generator=gen),
+                       torch.randn(1, 2, 1, 16, generator=gen))
+            outputs.append((layers[device].forward(q.to(device), k.to(device), v.to(device), None, SCALING).cpu(),
+                            layers[device].last_attended.cpu(), layers[device].slot_chunk.cpu()))
+        layers[device] = outputs
+    for (out_cpu, att_cpu, held_cpu), (out_gpu, att_gpu, held_gpu) in zip(layers["cpu"], layers["cuda"]):
+        assert torch.equal(att_cpu, att_gpu)
+        assert torch.equal(held_cpu, held_gpu)
+        torch.testing.assert_close(out_gpu, out_cpu, atol=1e-4, rtol=1e-4)
