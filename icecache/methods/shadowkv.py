@@ -144,6 +144,13 @@ def landmark_scores(query: torch.Tensor, landmarks: torch.Tensor, candidates: to
     return probs.amax(dim=1)
 
 
+@dataclass
+class ShadowKVSequence:
+    """What a sequence's ShadowKV layers share: one side stream for the value copies, made at the first step."""
+
+    copy_stream: torch.cuda.Stream | None = None
+
+
 class _NoRotary:
     """RoPE of a geometry without rotary information: none."""
 
@@ -359,9 +366,10 @@ class ShadowKVKV(StaticDenseKV):
         if not target.is_cuda:
             copy_blocks(*arguments)
             return None
-        side = self.seq.shared.get("shadowkv_copy_stream")
-        if side is None:
-            side = self.seq.shared["shadowkv_copy_stream"] = torch.cuda.Stream(target.device)
+        shared = self.seq.state(ShadowKVSequence)
+        if shared.copy_stream is None:
+            shared.copy_stream = torch.cuda.Stream(target.device)
+        side = shared.copy_stream
         side.wait_stream(torch.cuda.current_stream(target.device))
         with torch.cuda.stream(side), self.seq.timer.phase("load"):
             copy_blocks(*arguments)
