@@ -280,5 +280,6 @@ def test_gpu_path_chooses_and_computes_what_the_cpu_path_does():
         layers[device] = outputs
     for (out_cpu, att_cpu, held_cpu), (out_gpu, att_gpu, held_gpu) in zip(layers["cpu"], layers["cuda"]):
         assert torch.equal(att_cpu, att_gpu)
-        assert torch.equal(held_cpu, held_gpu)
+        # The same chunks resident; which slot holds which follows the top-k's order, which CUDA leaves unsorted.
+        assert torch.equal(held_cpu.sort(dim=-1).values, held_gpu.sort(dim=-1).values)
         torch.testing.assert_close(out_gpu, out_cpu, atol=1e-4, rtol=1e-4)
