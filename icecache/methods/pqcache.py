@@ -90,9 +90,9 @@ def budget_split(config: PQCacheConfig) -> tuple[int, int]:
 
 def selection_votes(query: torch.Tensor, centroids: torch.Tensor, rows: torch.Tensor, candidate: torch.Tensor,
                     scaling: float) -> torch.Tensor:
-    """PQCache's ranking: per query head the softmax of ``scaling * `` the approximate scores over the candidate
-    tokens (``candidate [T]`` bool), summed over each KV head's query heads -> ``[Hkv, T]``, ``-1`` off the
-    candidates (so no candidate at all gives ``-1`` everywhere rather than NaN)."""
+    """PQCache's ranking: per query head the softmax of the approximate scores times ``scaling`` over the
+    candidate tokens (``candidate [T]`` bool), summed over each KV head's query heads -> ``[Hkv, T]``, ``-1`` off
+    the candidates (so no candidate at all gives ``-1`` everywhere rather than NaN)."""
     n_kv_heads = centroids.shape[0]
     logits = (pq_scores(query, centroids, rows) * scaling).masked_fill(~candidate, float("-inf"))
     votes = torch.softmax(logits, dim=-1).view(n_kv_heads, -1, logits.shape[-1]).sum(dim=1)
@@ -217,14 +217,12 @@ class PQCacheKV(RingSlotsKV):
         begin = min(self.config.n_sink_tokens, self._prompt_length)
         self.code_rows[..., begin : self._prompt_length] = code_rows(codes, self.n_centroids).to(self.code_rows.device)
 
-    @property
-    def graph_ready(self) -> bool:
-        return self._codebooks is None
-
     # --- decode -----------------------------------------------------------------------------------------------
     def decode(self, query, key, value, scaling):
         if query.shape[0] != 1:
             raise ValueError("sparse KV methods run with batch size 1")
+        # A host branch a replay would skip, taken at the layer's first decode step only: the generation loop runs
+        # that step eagerly (it warms up on it), so no captured step finds the codebooks pending.
         if self._codebooks is not None:
             with self.seq.timer.phase("select"):
                 self._install_codebooks()
