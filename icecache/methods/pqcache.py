@@ -310,12 +310,14 @@ class PQCacheKV(RingSlotsKV):
         order_key = torch.where(slots < 0, -1, (self.slot_uses[: self.n_cache_blocks] << 32)
                                 + self.slot_stamp[: self.n_cache_blocks])
         held = torch.zeros(self.n_cache_blocks + 1, dtype=torch.bool, device=blocks.device)
-        held[torch.where(hit, offered_slot, scratch_slot)] = True
+        # index_fill_ takes its value as a kernel argument: a Python value assigned by indexing would be copied from
+        # host memory, which a captured step cannot do.
+        held.index_fill_(0, torch.where(hit, offered_slot, scratch_slot), True)
         order = order_key.masked_fill(held[: self.n_cache_blocks], _HELD).argsort(stable=True)
         rank = (missing.long().cumsum(0) - 1).clamp(min=0)
         victims = torch.where(missing, order.gather(0, rank), scratch_slot)
         evicted = self.slot_block.index_select(0, victims)
-        self.block_slot[torch.where(missing & (evicted >= 0), evicted, scratch_block)] = -1
+        self.block_slot.index_fill_(0, torch.where(missing & (evicted >= 0), evicted, scratch_block), -1)
         self.block_slot[torch.where(missing, offered, scratch_block)] = victims
         self.slot_block[victims] = torch.where(missing, offered, -1)
         self.slot_uses.index_put_((torch.where(hit, offered_slot, scratch_slot),), hit.long(), accumulate=True)
