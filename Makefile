@@ -31,7 +31,8 @@ test: lint
 ## GPU checks on a CUDA host: Triton kernels against their references, the methods on GPU vs their CPU paths,
 ## every method's CUDA-graphed decode step against its eager step.
 GPU_TESTS = tests/test_gpu_methods.py tests/test_method_invariants.py tests/test_paged_attention.py \
-	tests/test_selection_kernels.py tests/test_cuda_driver.py tests/test_magicpig.py tests/test_shadowkv.py
+	tests/test_selection_kernels.py tests/test_cuda_driver.py tests/test_magicpig.py tests/test_shadowkv.py \
+	tests/test_pqcache.py tests/test_omnikv.py
 test-gpu:
 	python3 scripts/gpu_check.py --skip-tests
 	python3 -m pytest -q -m gpu $(GPU_TESTS)

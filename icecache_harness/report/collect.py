@@ -47,8 +47,8 @@ DISPLAY_NAME = {
     "omnikv": "OmniKV", "magicpig": "MagicPIG", "pqcache": "PQCache",
     **{name: method_class(name).display_name or name for name in METHODS.names()},
 }
-# The paper's baselines not registered here, shown with the paper's numbers only.
-NOT_IMPLEMENTED = tuple(name for name in ("omnikv", "magicpig", "pqcache") if name not in METHODS)
+# The paper's baselines without a registered method, shown with the paper's numbers only.
+NOT_IMPLEMENTED = tuple(name for name in ("omnikv", "magicpig", "pqcache") if name not in METHODS.names())
 # Every spelling of a method in the paper's tables, lower-cased and without spaces.
 _ALIASES = {
     "full": "full", "fullkv": "full", "topk": "oracle_topk", "top-k": "oracle_topk", "snapkv": "snapkv",

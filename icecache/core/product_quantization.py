@@ -1,0 +1,106 @@
+"""Product quantisation of attention keys: k-means codebooks per sub-space, codes, and approximate ``q . k``.
+
+A head's ``D`` channels are cut into ``m`` contiguous sub-vectors of ``d = D / m`` channels; each sub-space has its
+own codebook of ``C = 2**bits`` centroids, learnt by k-means (Lloyd's iterations, squared Euclidean distance) over
+the keys it will encode, and a key is stored as the ``m`` indices of its nearest centroids. The inner product of a
+query with an encoded key is approximated by ``sum_j q_j . c_j[code_j]``: one ``[m, C]`` table of query-centroid
+products per query head, then one table lookup per sub-space and key.
+
+Everything here is plain PyTorch and runs on any device. PQCache builds its codebooks on the CPU (``pq_build``,
+beside the GPU's prefill) and encodes later keys and scores on the model's device (``pq_encode``, ``pq_scores``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: Points whose distances to the centroids are computed at once (bounds k-means' memory at long prompts).
+_ASSIGN_CHUNK = 16384
+
+
+def nearest_centroids(points: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """``points [G, N, d]``, ``centroids [G, C, d]`` -> int64 ``[G, N]``: the index of each point's nearest centroid
+    (squared Euclidean distance; ties go to the lower index)."""
+    points, centroids = points.float(), centroids.float()
+    norms = (centroids * centroids).sum(-1)  # [G, C]
+    codes = []
+    for begin in range(0, points.shape[1], _ASSIGN_CHUNK):
+        chunk = points[:, begin : begin + _ASSIGN_CHUNK]
+        # |x - c|^2 = |x|^2 - 2 x.c + |c|^2; |x|^2 is the same for every centroid of a point.
+        distance = norms[:, None, :] - 2 * torch.bmm(chunk, centroids.transpose(1, 2))
+        codes.append(distance.argmin(dim=-1))
+    if not codes:
+        return torch.zeros(points.shape[0], 0, dtype=torch.long, device=points.device)
+    return torch.cat(codes, dim=1)
+
+
+def kmeans(points: torch.Tensor, n_centroids: int, n_iters: int,
+           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lloyd's k-means on each of ``G`` independent point sets ``points [G, N, d]`` (float32).
+
+    Initial centroids are ``n_centroids`` distinct points drawn at random (one draw per set, from ``generator``);
+    with fewer points than centroids every point is a centroid and the rest repeat them, so each point is encoded
+    exactly. A cluster that loses all its points keeps its centroid. Returns ``(centroids [G, C, d], codes [G, N])``
+    with the codes of the final centroids."""
+    n_sets, n_points, dim = points.shape
+    points = points.float()
+    if n_points == 0:
+        return points.new_zeros(n_sets, n_centroids, dim), torch.zeros(n_sets, 0, dtype=torch.long)
+    if n_points >= n_centroids:
+        order = torch.rand(n_sets, n_points, generator=generator).argsort(dim=-1)[:, :n_centroids]
+    else:
+        order = (torch.arange(n_centroids) % n_points).expand(n_sets, -1)
+    centroids = points.gather(1, order.to(points.device)[..., None].expand(-1, -1, dim))
+    ones = points.new_ones(n_sets, n_points)
+    for _ in range(n_iters):
+        codes = nearest_centroids(points, centroids)
+        sums = points.new_zeros(n_sets, n_centroids, dim).scatter_add_(1, codes[..., None].expand(-1, -1, dim), points)
+        counts = points.new_zeros(n_sets, n_centroids).scatter_add_(1, codes, ones)
+        centroids = torch.where(counts[..., None] > 0, sums / counts.clamp(min=1)[..., None], centroids)
+    return centroids, nearest_centroids(points, centroids)
+
+
+def split_subspaces(vectors: torch.Tensor, n_subspaces: int) -> torch.Tensor:
+    """``[H, N, D]`` -> ``[H, m, N, D / m]``: the ``m`` contiguous sub-vectors of every vector."""
+    n_heads, n, dim = vectors.shape
+    return vectors.view(n_heads, n, n_subspaces, dim // n_subspaces).permute(0, 2, 1, 3)
+
+
+def pq_build(keys: torch.Tensor, n_subspaces: int, n_bits: int, n_iters: int,
+             generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codebooks and codes of ``keys [Hkv, N, D]``: ``(centroids [Hkv, m, C, d] float32, codes [Hkv, m, N] int64)``,
+    one k-means per (KV head, sub-space)."""
+    n_kv_heads, n, dim = keys.shape
+    sub = split_subspaces(keys.float(), n_subspaces).reshape(n_kv_heads * n_subspaces, n, dim // n_subspaces)
+    centroids, codes = kmeans(sub.contiguous(), 2**n_bits, n_iters, generator)
+    return (centroids.view(n_kv_heads, n_subspaces, 2**n_bits, dim // n_subspaces),
+            codes.view(n_kv_heads, n_subspaces, n))
+
+
+def pq_encode(keys: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """``keys [Hkv, n, D]`` against ``centroids [Hkv, m, C, d]`` -> int64 codes ``[Hkv, m, n]``."""
+    n_kv_heads, n_subspaces, n_centroids, sub_dim = centroids.shape
+    sub = split_subspaces(keys.float(), n_subspaces).reshape(n_kv_heads * n_subspaces, -1, sub_dim)
+    codes = nearest_centroids(sub, centroids.reshape(n_kv_heads * n_subspaces, n_centroids, sub_dim))
+    return codes.view(n_kv_heads, n_subspaces, -1)
+
+
+def code_rows(codes: torch.Tensor, n_centroids: int) -> torch.Tensor:
+    """Codes ``[Hkv, m, n]`` as int32 rows of the flattened ``[Hkv * m * C]`` lookup table of ``pq_scores``: row
+    ``(h * m + j) * C + code``. Kept in this form, a step scores every key with one ``index_select``."""
+    n_kv_heads, n_subspaces = codes.shape[:2]
+    base = torch.arange(n_kv_heads * n_subspaces, device=codes.device).view(n_kv_heads, n_subspaces, 1)
+    return (base * n_centroids + codes).to(torch.int32)
+
+
+def pq_scores(query: torch.Tensor, centroids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Approximate ``q_h . k_t`` for ``query [Hq, D]`` and keys encoded as ``rows [Hkv, m, T]`` (``code_rows``)
+    against ``centroids [Hkv, m, C, d]`` -> float32 ``[Hq, T]``: ``sum_j q_hj . c_j[code_j(t)]``. Query head ``h``
+    reads KV head ``h // (Hq / Hkv)``."""
+    n_heads, dim = query.shape
+    n_kv_heads, n_subspaces, n_centroids, sub_dim = centroids.shape
+    group = n_heads // n_kv_heads
+    q = query.float().view(n_kv_heads, group, n_subspaces, sub_dim)
+    table = torch.einsum("hgmd,hmcd->hmcg", q, centroids.float()).reshape(-1, group)  # [Hkv * m * C, g]
+    looked_up = table.index_select(0, rows.reshape(-1)).view(n_kv_heads, n_subspaces, -1, group)
+    return looked_up.sum(dim=1).permute(0, 2, 1).reshape(n_heads, -1)

@@ -1,0 +1,405 @@
+"""PQCache (Zhang et al., SIGMOD 2025): product-quantised keys choose the tokens whose KV comes from CPU memory.
+
+**The paper.** After the prefill, each layer's keys are product-quantised per KV head: a key's ``D`` channels are
+cut into ``m`` sub-vectors, each sub-space gets ``2**b`` centroids by k-means, and a key is kept as its ``m``
+centroid indices. Keys and values go to CPU memory; the codes and centroids stay on the GPU. The clustering runs on
+CPU threads while the GPU computes the next layers' prefill. At each decode step a query head scores every middle
+token with ``sum_j q_j . c_j[code_j]`` (a table of query-centroid products, then lookups), the softmax of those
+approximate scores is summed over each GQA group, and the top tokens of every KV head are fetched from CPU memory;
+attention runs exactly over the initial (sink) tokens, the local window and the fetched tokens. A token leaving the
+local window gets the code of its nearest centroids. A GPU block cache (blocks of consecutive tokens, LFU) keeps
+the blocks that the selections hit most, so that part of a step's tokens need no transfer.
+
+**Settings (the paper's Llama-3.1 runs).** ``m = 2`` sub-spaces, ``b = 6`` bits (64 centroids per sub-space),
+Euclidean k-means seeded with a random sample of the keys, 32 initial tokens, half of the rest of the budget for
+the local window, every layer compressed (no dense layers); the block cache holds 4096 tokens in blocks of 128 and
+takes the 32 blocks with the most selected tokens at each step.
+
+**The budget** (the harness's one meaning: tokens a query head attends at a decode step): ``n_sink_tokens``
+initial tokens + ``n_local = int(local_ratio * (budget - n_sink_tokens))`` most recent tokens (the new one
+included) + ``n_topk = budget - n_sink_tokens - n_local`` selected middle tokens (PQCache's ``topk_size``). At
+budget 256: 32 + 112 + 112. PQCache sizes its parts as fractions of the prompt; here they are the budget's. When
+the middle has no more than ``n_topk`` tokens every token is attended.
+
+**This code.** The window is a ``RingSlotsKV`` of ``budget`` slots per KV head: the sinks pinned, the local
+window a ring, and the last ``n_topk`` slots holding the step's selection. After the prompt, every token's key and
+value is in a host store (pinned on CUDA, read in place through ``core.paged.mapped_device_view``) and a worker
+thread of the sequence runs the layer's k-means on the CPU, layer after layer, while the prefill goes on; the
+first decode step waits for its layer's codebooks. Each step, on the device: the new token goes to the ring and the
+host store and is encoded; ``core.product_quantization.pq_scores`` scores every token; the candidates (after the
+sinks, before the window) get a softmax per query head, summed per KV head, and a ``topk`` of fixed size chooses
+``n_topk`` tokens; the chosen tokens held by the block cache are gathered from it and the others are read from the
+host store with ``core.paged.copy_blocks`` (one kernel, skipped entries read nothing); then the cache update: the
+``cache_topk_blocks`` complete blocks with the most selected tokens (all KV heads counted) are inserted in LFU
+order (a hit adds one to a block's count; a missing block takes an empty slot or evicts the slot with the lowest
+count, the oldest among equals, never one of the step's blocks) and copied in from the host store. The step
+reads no host value, so on CUDA it replays from a CUDA graph.
+
+**Deviations.** The number of k-means iterations is fixed (``kmeans_iters``, default 10); PQCache's code picks it
+per layer from a timing model so that clustering ends within the GPU's work on the following layers (3 to 300
+iterations), which would make results depend on the machine. An empty cluster keeps its centroid (scikit-learn
+moves it to a far point). The clustering overlaps the prefill through one Python worker thread whose PyTorch
+operations use the process's CPU threads (PQCache runs a pool of processes pinned to cores). A token's code is
+computed when it arrives rather than when it leaves the window (the same code: the centroids are fixed after the
+prompt). The block cache takes a step's blocks as one batch (PQCache's LFU inserts them one by one, so a block of a
+step can evict another of the same step), only complete blocks are cached, and its update runs in the step's
+stream after the fetch (PQCache overlaps it on a side stream). ``pages_loaded`` counts (token, KV head) entries
+read from host memory plus (block, KV head) blocks copied into the cache; ``bytes_to_gpu`` their bytes. A prompt
+with fewer middle tokens than centroids makes every middle token a centroid (exact scores); one with none leaves
+all centroids at zero, so later tokens score alike until they are the middle.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from icecache.core.errors import ConfigError
+from icecache.core.method import METHODS, Method, MethodConfig, storage_capacity
+from icecache.core.paged import copy_blocks, mapped_device_view
+from icecache.core.product_quantization import code_rows, pq_build, pq_encode, pq_scores
+from icecache.core.token_slots import RingSlotsKV
+
+#: Sort key of a slot held by one of the step's blocks: never a victim.
+_HELD = torch.iinfo(torch.int64).max
+
+
+class PQCacheSequence:
+    """What a sequence's PQCache layers share: the worker thread of their clusterings, ended with the sequence."""
+
+    def __init__(self):
+        self._worker: ThreadPoolExecutor | None = None
+
+    def worker(self) -> ThreadPoolExecutor:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="pqcache-kmeans")
+        return self._worker
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+
+@dataclass
+class PQCacheConfig(MethodConfig):
+    name: str = "pqcache"
+    n_dense_layers: int = 0  # PQCache compresses every layer
+    n_subspaces: int = 2  # m: sub-vectors per key (PQCache's SUBVEC)
+    n_bits: int = 6  # b: 2**b centroids per sub-space (SUBBITS)
+    kmeans_iters: int = 10  # Lloyd iterations of each k-means (PQCache: adaptive, 3 to 300)
+    n_sink_tokens: int = 32  # initial tokens, always attended (SINK_SIZE)
+    local_ratio: float = 0.5  # share of budget - n_sink_tokens for the local window (RECENT_RATIO)
+    cache_block_size: int = 128  # tokens per block of the GPU block cache
+    cache_tokens: int = 4096  # tokens the block cache holds per layer (0: no cache)
+    cache_topk_blocks: int = 32  # blocks offered to the cache at each step (the most selected ones)
+    seed: int = 0  # k-means initialisation (layer l draws with seed + l)
+
+
+def budget_split(config: PQCacheConfig) -> tuple[int, int]:
+    """``(n_local, n_topk)``: the local window (the new token included) and the selected tokens of ``budget``."""
+    rest = config.budget - config.n_sink_tokens
+    n_local = max(1, int(config.local_ratio * rest))
+    return n_local, rest - n_local
+
+
+def selection_votes(query: torch.Tensor, centroids: torch.Tensor, rows: torch.Tensor, candidate: torch.Tensor,
+                    scaling: float) -> torch.Tensor:
+    """PQCache's ranking: per query head the softmax of the approximate scores times ``scaling`` over the
+    candidate tokens (``candidate [T]`` bool), summed over each KV head's query heads -> ``[Hkv, T]``, ``-1`` off
+    the candidates (so no candidate at all gives ``-1`` everywhere rather than NaN)."""
+    n_kv_heads = centroids.shape[0]
+    logits = (pq_scores(query, centroids, rows) * scaling).masked_fill(~candidate, float("-inf"))
+    votes = torch.softmax(logits, dim=-1).view(n_kv_heads, -1, logits.shape[-1]).sum(dim=1)
+    return torch.where(candidate, votes, -1.0)
+
+
+@torch.inference_mode()  # inference mode is per thread: the worker's tensors are made under it too
+def _build_codebooks(host_keys: torch.Tensor, begin: int, end: int, config: PQCacheConfig, seed: int,
+                     copied: torch.cuda.Event | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if copied is not None:
+        copied.synchronize()  # the prompt's keys are still on their way to the host store
+    generator = torch.Generator().manual_seed(seed)
+    return pq_build(host_keys[:, begin:end], config.n_subspaces, config.n_bits, config.kmeans_iters, generator)
+
+
+class PQCacheKV(RingSlotsKV):
+    """Slots ``[0, n_sink)`` the sinks, ``[n_sink, W)`` the local window (a ring), ``[W, W + n_topk)`` the step's
+    selection; all tokens in the host store ``[Hkv, capacity, D]``; codes, centroids and the block cache on the
+    device."""
+
+    def __init__(self, layer_idx, model, seq, config: PQCacheConfig):
+        super().__init__(layer_idx, model, seq, config.budget)
+        self.config = config
+        self.n_local, self.n_topk = budget_split(config)
+        self.n_pinned = self.ring_start = config.n_sink_tokens
+        self.ring_size = self.n_local
+        self.window = config.n_sink_tokens + self.n_local
+        self.n_centroids = 2**config.n_bits
+        self.block_size = config.cache_block_size
+        self.n_cache_blocks = config.cache_tokens // config.cache_block_size
+        self.capacity = 0
+        self._codebooks: Future | None = None
+        self._prompt_length = 0
+
+    # --- prompt -----------------------------------------------------------------------------------------------
+    def place_prompt(self, n_prompt):
+        sinks = torch.arange(min(self.n_pinned, n_prompt))
+        recent = torch.arange(max(self.n_pinned, n_prompt - self.ring_size), n_prompt)
+        kept = torch.cat([sinks, recent]).to(self.keys.device).expand(self.model.n_kv_heads, -1)
+        return kept, self.ring_slots(kept)
+
+    def on_prompt_placed(self, kept, slots):
+        super().on_prompt_placed(kept, slots)
+        keys, values = self.keys[0], self.values[0]
+        n_prompt = keys.shape[1]
+        with self.seq.timer.phase("offload"):
+            self._allocate(storage_capacity(self.seq, n_prompt + 1, 0), keys)
+            pin = keys.is_cuda
+            self.host_keys[:, :n_prompt].copy_(keys, non_blocking=pin)
+            self.host_values[:, :n_prompt].copy_(values, non_blocking=pin)
+            copied = None
+            if pin:
+                copied = torch.cuda.Event()
+                copied.record()
+            self._prompt_length = n_prompt
+            begin = min(self.config.n_sink_tokens, n_prompt)
+            self._codebooks = self._worker().submit(_build_codebooks, self.host_keys, begin, n_prompt, self.config,
+                                                    self.config.seed + self.layer_idx, copied)
+
+    def _worker(self) -> ThreadPoolExecutor:
+        # One worker per sequence: the layers' clusterings run in layer order, beside the prefill of later layers.
+        return self.seq.state(PQCacheSequence).worker()
+
+    def _allocate(self, needed: int, like: torch.Tensor) -> None:
+        """Host store, codes and block-cache state for ``needed`` tokens (rounded up to whole blocks); what is
+        there is kept (a store grows only outside the generation loop, which announces the length)."""
+        capacity = -(-needed // self.block_size) * self.block_size
+        n_kv_heads, head_dim, device = self.model.n_kv_heads, like.shape[-1], like.device
+        pin = like.is_cuda
+        # Not zeroed: a position is read only once written (skipped reads of copy_blocks read nothing).
+        host_keys = torch.empty(n_kv_heads, capacity, head_dim, dtype=like.dtype, pin_memory=pin)
+        host_values = torch.empty(n_kv_heads, capacity, head_dim, dtype=like.dtype, pin_memory=pin)
+        rows = torch.zeros(n_kv_heads, self.config.n_subspaces, capacity, dtype=torch.int32, device=device)
+        n_blocks = capacity // self.block_size
+        block_slot = torch.full((n_blocks + 1,), -1, dtype=torch.long, device=device)  # + a scratch block
+        if self.capacity:
+            if pin:
+                torch.cuda.synchronize(device)
+            host_keys[:, : self.capacity] = self.host_keys
+            host_values[:, : self.capacity] = self.host_values
+            rows[..., : self.capacity] = self.code_rows
+            block_slot[: self.block_slot.shape[0] - 1] = self.block_slot[:-1]
+        else:
+            sub_dim = head_dim // self.config.n_subspaces
+            self.centroids = torch.zeros(n_kv_heads, self.config.n_subspaces, self.n_centroids, sub_dim,
+                                         device=device)
+            self._heads = torch.arange(n_kv_heads, device=device)
+            self._picks = torch.arange(self.n_topk, device=device)
+            # The fetch target: one row per pick plus a scratch row (copy_blocks' skipped entries).
+            self.fetch_keys = like.new_zeros(self.n_topk + 1, n_kv_heads, 1, head_dim)
+            self.fetch_values = like.new_zeros(self.n_topk + 1, n_kv_heads, 1, head_dim)
+            n_slots = self.n_cache_blocks
+            self.cache_keys = like.new_zeros(n_slots + 1, n_kv_heads, self.block_size, head_dim)  # + a scratch slot
+            self.cache_values = like.new_zeros(n_slots + 1, n_kv_heads, self.block_size, head_dim)
+            self.slot_block = torch.full((n_slots + 1,), -1, dtype=torch.long, device=device)
+            self.slot_uses = torch.zeros(n_slots + 1, dtype=torch.long, device=device)
+            self.slot_stamp = torch.zeros(n_slots + 1, dtype=torch.long, device=device)
+        self.host_keys, self.host_values, self.code_rows, self.block_slot = host_keys, host_values, rows, block_slot
+        self.capacity = capacity
+        if pin:
+            keys_on_device = mapped_device_view(host_keys, device)
+            values_on_device = mapped_device_view(host_values, device)
+        else:
+            keys_on_device, values_on_device = host_keys, host_values
+        self._store_keys, self._store_values = keys_on_device, values_on_device
+        # copy_blocks' views of the store: single tokens [T, Hkv, 1, D] and cache blocks [P, Hkv, block, D].
+        self._token_keys = keys_on_device.permute(1, 0, 2).unsqueeze(2)
+        self._token_values = values_on_device.permute(1, 0, 2).unsqueeze(2)
+        self._block_keys = keys_on_device.view(n_kv_heads, n_blocks, self.block_size, head_dim).permute(1, 0, 2, 3)
+        self._block_values = values_on_device.view(n_kv_heads, n_blocks, self.block_size, head_dim).permute(
+            1, 0, 2, 3)
+        self._block_ends = (torch.arange(n_blocks, device=device) + 1) * self.block_size
+
+    def _install_codebooks(self) -> None:
+        """The first decode step of the layer: wait for its k-means and put codes and centroids on the device."""
+        centroids, codes = self._codebooks.result()
+        self._codebooks = None
+        self.centroids.copy_(centroids)
+        begin = min(self.config.n_sink_tokens, self._prompt_length)
+        self.code_rows[..., begin : self._prompt_length] = code_rows(codes, self.n_centroids).to(self.code_rows.device)
+
+    # --- decode -----------------------------------------------------------------------------------------------
+    def decode(self, query, key, value, scaling):
+        if query.shape[0] != 1:
+            raise ValueError("sparse KV methods run with batch size 1")
+        # A host branch a replay would skip, taken at the layer's first decode step only: the generation loop runs
+        # that step eagerly (it warms up on it), so no captured step finds the codebooks pending.
+        if self._codebooks is not None:
+            with self.seq.timer.phase("select"):
+                self._install_codebooks()
+        if self.seq_len + 1 > self.capacity:  # only outside the generation loop
+            self._allocate(2 * self.capacity, key)
+        position = self.decode_position(key.device)
+        self.write(self.next_slot(position), key[0], value[0], position)
+        self._store_keys.index_copy_(1, position, key[0])
+        self._store_values.index_copy_(1, position, value[0])
+        new_rows = code_rows(pq_encode(key[0], self.centroids), self.n_centroids)
+        self.code_rows.index_copy_(2, position, new_rows)
+
+        q = query[0, :, 0]
+        with self.seq.timer.phase("select"):
+            picks, chosen = self.select(q, position, scaling)
+        with self.seq.timer.phase("load"):
+            self._fetch(picks, chosen, position)
+        if self.seq.trace_selection:
+            self.last_attended = self.attended_positions(self.seq_len + 1)
+        out = self.attend(q, position, scaling)
+        return out.view(1, 1, *out.shape).to(query.dtype)
+
+    def select(self, q: torch.Tensor, position: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(picks, chosen)``, both ``[Hkv, n_topk]``: the top tokens of each KV head by summed approximate
+        probability, best first, and whether each pick is a real candidate (fewer candidates than ``n_topk``)."""
+        positions = torch.arange(self.capacity, device=q.device)
+        candidate = (positions >= self.config.n_sink_tokens) & (positions < position + 1 - self.n_local)
+        votes = selection_votes(q, self.centroids, self.code_rows, candidate, scaling)
+        # Keys with the same codes tie; a stable sort breaks ties by position, the same way on every device.
+        ranked = votes.sort(dim=-1, descending=True, stable=True)
+        k = min(self.n_topk, self.capacity)
+        return ranked.indices[:, :k], ranked.values[:, :k] >= 0
+
+    def _fetch(self, picks: torch.Tensor, chosen: torch.Tensor, position: torch.Tensor) -> None:
+        """The chosen tokens' keys and values into the selection slots: from the block cache where it holds them,
+        else from the host store; then the cache takes the step's most selected blocks."""
+        n_kv_heads, k = picks.shape
+        heads = self._heads[:, None].expand(-1, k)
+        blocks = picks // self.block_size
+        if self.n_cache_blocks:
+            cache_slot = self.block_slot.index_select(0, blocks.flatten()).view(n_kv_heads, k)
+            hit = chosen & (cache_slot >= 0)
+        else:
+            hit = torch.zeros_like(chosen)
+        miss = chosen & ~hit
+        targets = torch.where(miss, self._picks[:k], -1)
+        copy_blocks(self._token_keys, self._token_values, picks.flatten(), self.fetch_keys, self.fetch_values,
+                    targets.flatten(), heads.flatten())
+        keys = self.fetch_keys[:k, :, 0].transpose(0, 1)  # [Hkv, k, D]
+        values = self.fetch_values[:k, :, 0].transpose(0, 1)
+        if self.n_cache_blocks:
+            index = (cache_slot.clamp(min=0), heads, picks % self.block_size)
+            keys = torch.where(hit[..., None], self.cache_keys[index], keys)
+            values = torch.where(hit[..., None], self.cache_values[index], values)
+        self.slot_keys[:, self.window : self.window + k] = keys
+        self.slot_values[:, self.window : self.window + k] = values
+        self.slot_positions[:, self.window : self.window + k] = torch.where(chosen, picks, -1)
+        item = self.fetch_keys.element_size()
+        n_missed = miss.sum()
+        loaded, n_bytes = n_missed, n_missed * 2 * self.model.head_dim * item
+        if self.n_cache_blocks:
+            n_blocks_loaded = self._update_cache(blocks, chosen, position)
+            loaded = loaded + n_blocks_loaded * n_kv_heads
+            n_bytes = n_bytes + n_blocks_loaded * n_kv_heads * 2 * self.block_size * self.model.head_dim * item
+        self.seq.counters.record_on_device(pages_loaded=loaded, bytes_to_gpu=n_bytes)
+
+    def _update_cache(self, blocks: torch.Tensor, chosen: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """LFU insertion of the ``cache_topk_blocks`` complete blocks with the most chosen tokens; returns how many
+        blocks were copied in (a one-element tensor). Fixed shapes: entries with nothing to do go to the scratch
+        block and slot."""
+        n_blocks = self.block_slot.shape[0] - 1
+        scratch_block, scratch_slot = n_blocks, self.n_cache_blocks
+        counts = torch.zeros(n_blocks + 1, device=blocks.device)
+        counts.scatter_add_(0, torch.where(chosen, blocks, scratch_block).flatten(), chosen.flatten().float())
+        complete = self._block_ends <= position + 1  # every token of the block is in the store
+        counts = torch.where(complete, counts[:n_blocks], 0.0)
+        ranked = counts.sort(descending=True, stable=True)  # ties to the lower block, on every device
+        n_offered = min(self.config.cache_topk_blocks, n_blocks)
+        offered, wanted = ranked.indices[:n_offered], ranked.values[:n_offered] > 0
+        offered_slot = self.block_slot.index_select(0, offered)
+        hit = wanted & (offered_slot >= 0)
+        missing = wanted & (offered_slot < 0)
+        # Victims: empty slots first, then the lowest use count, the oldest among equals; never a slot of this step.
+        slots = self.slot_block[: self.n_cache_blocks]
+        order_key = torch.where(slots < 0, -1, (self.slot_uses[: self.n_cache_blocks] << 32)
+                                + self.slot_stamp[: self.n_cache_blocks])
+        held = torch.zeros(self.n_cache_blocks + 1, dtype=torch.bool, device=blocks.device)
+        # index_fill_ takes its value as a kernel argument: a Python value assigned by indexing would be copied from
+        # host memory, which a captured step cannot do.
+        held.index_fill_(0, torch.where(hit, offered_slot, scratch_slot), True)
+        order = order_key.masked_fill(held[: self.n_cache_blocks], _HELD).argsort(stable=True)
+        rank = (missing.long().cumsum(0) - 1).clamp(min=0)
+        victims = torch.where(missing, order.gather(0, rank), scratch_slot)
+        evicted = self.slot_block.index_select(0, victims)
+        self.block_slot.index_fill_(0, torch.where(missing & (evicted >= 0), evicted, scratch_block), -1)
+        self.block_slot[torch.where(missing, offered, scratch_block)] = victims
+        self.slot_block[victims] = torch.where(missing, offered, -1)
+        self.slot_uses.index_put_((torch.where(hit, offered_slot, scratch_slot),), hit.long(), accumulate=True)
+        self.slot_uses[victims] = missing.long()
+        touched = torch.where(hit, offered_slot, victims)
+        self.slot_stamp[touched] = position.expand_as(touched)
+        n_heads = self.model.n_kv_heads
+        shape = (offered.shape[0], n_heads)
+        copy_blocks(self._block_keys, self._block_values, offered[:, None].expand(shape).flatten(), self.cache_keys,
+                    self.cache_values, torch.where(missing, victims, -1)[:, None].expand(shape).flatten(),
+                    self._heads[None, :].expand(shape).flatten())
+        return missing.sum()
+
+    def gpu_kv_bytes(self) -> int:
+        if self.slot_keys is None or self.slot_keys.device.type != "cuda":
+            return super().gpu_kv_bytes()
+        return sum(t.nbytes for t in (self.slot_keys, self.slot_values, self.cache_keys, self.cache_values,
+                                      self.code_rows, self.centroids, self.fetch_keys, self.fetch_values))
+
+    def cpu_kv_bytes(self) -> int:
+        return 0 if not self.capacity else self.host_keys.nbytes + self.host_values.nbytes
+
+
+@METHODS.register("pqcache")
+class PQCache(Method):
+    display_name = "PQCache"
+    config_class = PQCacheConfig
+    # Small parts for 300-token prompts at budget 64: 4 sinks, 30 local, 30 selected; blocks of 8 in a 4-block cache.
+    test_settings = {"n_sink_tokens": 4, "cache_block_size": 8, "cache_tokens": 32, "cache_topk_blocks": 4}
+
+    def check(self) -> None:
+        super().check()
+        c = self.config
+        if c.n_subspaces < 1 or self.model.head_dim % c.n_subspaces:
+            raise ConfigError(f"pqcache: n_subspaces={c.n_subspaces} must divide head_dim={self.model.head_dim}")
+        if not 1 <= c.n_bits <= 16:
+            raise ConfigError(f"pqcache: n_bits={c.n_bits} must lie in [1, 16]")
+        if c.kmeans_iters < 0 or c.n_sink_tokens < 0:
+            raise ConfigError(f"pqcache: kmeans_iters={c.kmeans_iters} and n_sink_tokens={c.n_sink_tokens} must "
+                              f"be >= 0")
+        if not 0 < c.local_ratio < 1:
+            raise ConfigError(f"pqcache: local_ratio={c.local_ratio} must lie strictly between 0 and 1")
+        if c.cache_block_size < 1 or c.cache_tokens < 0 or c.cache_tokens % c.cache_block_size:
+            raise ConfigError(f"pqcache: cache_tokens={c.cache_tokens} must be a multiple of cache_block_size="
+                              f"{c.cache_block_size} (>= 1)")
+        n_cache_blocks = c.cache_tokens // c.cache_block_size
+        if n_cache_blocks and not 1 <= c.cache_topk_blocks <= n_cache_blocks:
+            raise ConfigError(f"pqcache: cache_topk_blocks={c.cache_topk_blocks} must lie in [1, {n_cache_blocks}] "
+                              f"(the blocks the cache holds)")
+        if c.budget < self.min_budget():
+            n_local, n_topk = budget_split(c)
+            raise ConfigError(
+                f"pqcache: budget={c.budget} leaves {n_local} local and {n_topk} selected tokens after "
+                f"n_sink_tokens={c.n_sink_tokens}; at least {self.min_budget()} gives one of each")
+
+    def min_budget(self) -> int:
+        c = self.config
+        budget = c.n_sink_tokens + 2
+        while min(budget_split(PQCacheConfig(budget=budget, n_sink_tokens=c.n_sink_tokens,
+                                             local_ratio=c.local_ratio))) < 1:
+            budget += 1
+        return budget
+
+    def forced_positions(self, n_tokens):
+        c = self.config
+        n_local, _ = budget_split(c)
+        sinks = list(range(min(c.n_sink_tokens, n_tokens)))
+        return sinks + list(range(max(len(sinks), n_tokens - n_local), n_tokens))
+
+    def make_sparse_layer(self, layer_idx, seq):
+        return PQCacheKV(layer_idx, self.model, seq, self.config)
