@@ -139,6 +139,25 @@ def test_some_samples_shrink_and_end_shorter_as_in_ruler():
     assert max(ruler_tokens(s) for s in shrunk) < min(ruler_tokens(s) for s in kept)
 
 
+class BosWordTokenizer(WordTokenizer):
+    """Adds a BOS to the model input, as Llama and Mistral tokenizers do."""
+
+    def __call__(self, text, add_special_tokens=True, **_):
+        ids = super().__call__(text)["input_ids"]
+        return {"input_ids": ([super().__call__("<s>")["input_ids"][0]] if add_special_tokens else []) + ids}
+
+
+def test_length_counts_the_text_as_ruler_does_and_the_model_gets_the_bos_on_top():
+    tokenizer = BosWordTokenizer()
+    task = make_task(tasks=["niah_multikey_2", "qa_1"], lengths=[1500])
+    for chat_template in ("mistral", "none"):
+        context = PromptContext(tokenizer=tokenizer, chat_template=chat_template, max_length=100_000)
+        for sample in task.samples(context):
+            text = tokenizer.decode(sample.input_ids)
+            assert text.startswith("<s>") and sample.input_ids[1:] == tokenizer(text[3:], False)["input_ids"]
+            assert sample.meta["ruler_tokens"] == ruler_tokens(sample) - 1 <= 1500  # the BOS is not counted
+
+
 def test_binary_search_size():
     assert binary_search_size(lambda size: 10 * size, 370, 1, 1000) == (37, 370)
     assert binary_search_size(lambda size: size, 5000, 1, 1000) == (1000, 1000)

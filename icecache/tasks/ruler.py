@@ -619,15 +619,31 @@ def model_template(context: PromptContext) -> Wrap:
 
 
 class TokenCounter:
-    """RULER's length of a text (``tokenizer.tokenize``: no special tokens added) and the ids the model gets."""
+    """RULER's length of a text (``tokenizer.tokenize``: no special tokens added) and the ids the model gets.
+
+    The last text counted keeps its ids: a sample is counted when it is accepted, so its ids need no second pass
+    unless the tokenizer adds special tokens to the model input."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
+        self._text: str | None = None
+        self._ids: list[int] = []
+        probe = "a"
+        self.adds_special_tokens = (tokenizer(probe)["input_ids"]
+                                    != tokenizer(probe, add_special_tokens=False)["input_ids"])
+
+    def _encode(self, text: str) -> list[int]:
+        if text != self._text:
+            self._text, self._ids = text, list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self._ids
 
     def __call__(self, text: str) -> int:
-        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return len(self._encode(text))
 
     def input_ids(self, text: str) -> list[int]:
+        bos = getattr(self.tokenizer, "bos_token", None)
+        if not self.adds_special_tokens or (bos and text.startswith(bos)):
+            return list(self._encode(text))  # what encode_prompt gives: no special token added
         return encode_prompt(text, self.tokenizer)
 
 
