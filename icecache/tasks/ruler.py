@@ -29,9 +29,10 @@ The model template is RULER's for ``llama3`` (``meta-llama3``, no system turn), 
 
 Where this differs from RULER: sentences of the essays are split by a regex instead of nltk's punkt (whose model is
 a separate download), so a needle's insertion point in an essay haystack can differ by a sentence; a sample that does
-not fit at the smallest size is refused instead of retried forever; CWE lengths that would need more words than the
-``wonderwords`` lists hold (RULER then draws from its ``english_words.json``, kept in git-lfs) are refused; and a
-sample more than ``length_tolerance`` short of its length (before RULER's fixed shrink steps) is refused.
+not fit at the smallest size is refused after 50 redraws instead of redrawn forever; CWE lengths that would need
+more words than the ``wonderwords`` lists hold (RULER then draws from its ``english_words.json``, kept in git-lfs)
+are refused; and a (task, length) whose size search stops at its upper bound more than ``length_tolerance`` short of
+the length is refused rather than run short.
 
 Scores: RULER's ``string_match_all`` (share of references found in the prediction, case-insensitive), and
 ``string_match_part`` for QA (any reference found).
