@@ -303,7 +303,7 @@ def run(config: RunConfig) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     from icecache.core.cache import ATTENTION_NAME, HarnessCache
-    from icecache.core.generation import GenerationRequest, greedy_generate
+    from icecache.core.generation import GenerationRequest, default_eos_token_ids, greedy_generate
     from icecache.core.models import load_model
     from icecache.core.timing import PhaseTimer
     from icecache_harness import provenance
@@ -334,7 +334,7 @@ def run(config: RunConfig) -> dict[str, Any]:
         model, tokenizer = load_model(config.model, ATTENTION_NAME, tokenizer=tokenizer)
         done = {r["sample_id"] for r in read_records(predictions_path)}
         todo = [s for s in samples if s.sample_id not in done]
-        default_eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        default_eos = default_eos_token_ids(tokenizer, getattr(model, "generation_config", None))
         with open(predictions_path, "a", encoding="utf-8") as sink:
             for sample in tqdm(todo, desc=f"{config.task['name']} / {config.method['name']}", initial=len(done),
                                total=len(samples)):

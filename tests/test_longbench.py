@@ -179,10 +179,45 @@ def test_samples_carry_meta_lengths_and_stable_ids():
     assert [s.max_new_tokens for s in samples] == [128, 128, 128, 64, 64]  # dataset2maxlen
     first, trec = samples[0], samples[3]
     assert first.meta == {"dataset": "narrativeqa", "variant": "v1", "length": 15, "all_classes": None,
-                          "_id": "nqa-fixture-0"}  # fmt: skip
+                          "_id": "nqa-fixture-0", "max_length": 100_000}  # fmt: skip
     assert first.answers == ["Mara", "Mara the keeper"]
     assert trec.meta["all_classes"][4] == "Location"
     assert first.eos_token_ids is None and first.min_new_tokens == 0
+
+
+def test_prompt_budget_is_the_icecache_scripts_model2maxlen_for_the_models_they_list():
+    import yaml
+
+    configs = Path(__file__).parents[1] / "configs" / "model"
+    names = {yaml.safe_load(path.read_text())["name"]: path.stem for path in configs.glob("*.yaml")}
+    assert set(longbench.REFERENCE_MAX_LENGTH) <= set(names)  # the table names harness models
+    model_max = {"llama-3.1-8b-instruct": 131072, "mistral-7b-instruct-v0.2": 32768, "qwen3-4b-instruct-2507": 262144}
+    # model2maxlen.json of the IceCache scripts: llama-3.1 131072, mistral-7b-inst 32768, qwen3 32760
+    budgets = {name: longbench.prompt_budget(PromptContext(tokenizer=None, model_name=name, max_length=maximum))
+               for name, maximum in model_max.items()}
+    assert budgets == {"llama-3.1-8b-instruct": 131072, "mistral-7b-instruct-v0.2": 32768,
+                       "qwen3-4b-instruct-2507": 32760}  # fmt: skip
+    unlisted = PromptContext(tokenizer=None, model_name="smollm2-135m", max_length=8000)
+    assert longbench.prompt_budget(unlisted) == 8000
+    capped = PromptContext(tokenizer=None, model_name="qwen3-4b-instruct-2507", max_length=16000)
+    assert longbench.prompt_budget(capped) == 16000 and longbench.prompt_budget(capped, 900) == 900
+
+
+def local_task_with_rows(row, **settings):
+    task = local_task(datasets=["narrativeqa"], **settings)
+    task._rows["narrativeqa"] = [row]
+    return task
+
+
+def test_samples_are_truncated_to_the_references_budget_and_record_it():
+    row = {"context": "x" * 40_000, "input": "Who?", "answers": ["a"], "length": 1, "all_classes": None}
+    context = PromptContext(tokenizer=byte_tokenizer(), model_name="qwen3-4b-instruct-2507", max_length=262_144)
+    (sample,) = local_task_with_rows(row).samples(context)
+    assert len(sample.input_ids) == 32760 and sample.meta["max_length"] == 32760  # one byte a token, no template
+    (sample,) = local_task_with_rows(row, max_length=1000).samples(context)
+    assert len(sample.input_ids) == 1000 and sample.meta["max_length"] == 1000
+    with pytest.raises(ConfigError, match="task.max_length 300000 exceeds the model's max_length 262144"):
+        local_task(datasets=["narrativeqa"], max_length=300_000).check_max_length(262_144)
 
 
 def test_limit_applies_per_dataset():

@@ -29,6 +29,19 @@ class GenerationRequest:
     suffix_ids: Sequence[int] = ()  # fed one by one as decode steps after the prompt (Quest / ArkVale protocols)
 
 
+def default_eos_token_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
+    """The ids generation stops on when a sample names none: the tokenizer's EOS and every EOS id of the model's
+    generation config (Llama-3.1-Instruct lists three; ``generate`` in the reference scripts stops on that list),
+    in that order, without repeats."""
+    ids: list[int] = []
+    configured = getattr(generation_config, "eos_token_id", None)
+    for token_id in [getattr(tokenizer, "eos_token_id", None),
+                     *(configured if isinstance(configured, (list, tuple)) else [configured])]:
+        if token_id is not None and int(token_id) not in ids:
+            ids.append(int(token_id))
+    return ids
+
+
 @dataclass
 class GenerationResult:
     token_ids: list[int]

@@ -3,10 +3,11 @@
 Per sample (docs/algorithms.md, LongBench):
 
 1. ``prompt = dataset2prompt[dataset].format(**sample)`` (templates are data: ``icecache/tasks/data/longbench/``).
-2. Middle truncation to the model's prompt budget ``L`` (``PromptContext.max_length``): if the tokenised prompt is
-   longer than ``L``, keep the first ``int(L/2)`` and the last ``int(L/2)`` tokens, decode each half with special
-   tokens skipped and concatenate the two strings. The string is re-tokenised later, so the length can drift by a
-   token or two, exactly as in the official script.
+2. Middle truncation to the prompt budget ``L``: if the tokenised prompt is longer than ``L``, keep the first
+   ``int(L/2)`` and the last ``int(L/2)`` tokens, decode each half with special tokens skipped and concatenate the
+   two strings. ``L`` is the IceCache scripts' ``model2maxlen`` value for the models they list
+   (``REFERENCE_MAX_LENGTH``), else the model's ``max_length``; ``task.max_length`` overrides both. The string is
+   re-tokenised later, so the length can drift by a token or two, exactly as in the official script.
 3. The model family's chat template, except on trec, triviaqa, samsum, lsht, lcc and repobench-p (few-shot and code
    sets, where chat models do better on the raw continuation).
 4. Greedy generation of ``dataset2maxlen[dataset]`` tokens; samsum also forces one new token and stops on "\\n".
@@ -62,6 +63,14 @@ LONGBENCH_E_DATASETS = (
     "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "multi_news", "trec", "triviaqa", "samsum",
     "passage_count", "passage_retrieval_en", "lcc", "repobench-p",
 )  # fmt: skip
+# The prompt budget (pred.py's max_length) of the IceCache scripts' longbench_config/model2maxlen.json
+# (yuzhenmao/IceCache at 44346b0), for the harness models whose checkpoint their model2path.json names: harness model
+# name -> (their model name, budget). THUDM's own model2maxlen.json lists none of these models.
+REFERENCE_MAX_LENGTH: dict[str, tuple[str, int]] = {
+    "llama-3.1-8b-instruct": ("llama-3.1", 131072),  # meta-llama/Llama-3.1-8B-Instruct
+    "mistral-7b-instruct-v0.2": ("mistral-7b-inst", 32768),  # mistralai/Mistral-7B-Instruct-v0.2
+    "qwen3-4b-instruct-2507": ("qwen3", 32760),  # their Qwen/Qwen3-4B, the nearest checkpoint they list
+}
 NO_CHAT_DATASETS = frozenset({"trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p"})
 LENGTH_BUCKETS = ("0-4k", "4-8k", "8k+")
 
@@ -118,9 +127,19 @@ def truncate_middle(prompt: str, tokenizer: Any, max_length: int) -> str:
     )
 
 
-def build_input_ids(prompt: str, dataset: str, context: PromptContext) -> list[int]:
+def prompt_budget(context: PromptContext, max_length: int | None = None) -> int:
+    """The truncation budget: ``max_length`` if given, else the reference's value for a model it lists (never over
+    the model's ``max_length``), else the model's ``max_length``."""
+    if max_length is not None:
+        return max_length
+    if context.model_name in REFERENCE_MAX_LENGTH:
+        return min(REFERENCE_MAX_LENGTH[context.model_name][1], context.max_length)
+    return context.max_length
+
+
+def build_input_ids(prompt: str, dataset: str, context: PromptContext, max_length: int | None = None) -> list[int]:
     """Truncate, wrap in the chat template unless the dataset skips it, and tokenise."""
-    prompt = truncate_middle(prompt, context.tokenizer, context.max_length)
+    prompt = truncate_middle(prompt, context.tokenizer, prompt_budget(context, max_length))
     if dataset not in NO_CHAT_DATASETS:
         prompt = wrap_chat(prompt, context.tokenizer, context.chat_template)
     return encode_prompt(prompt, context.tokenizer)
@@ -141,6 +160,7 @@ class LongBenchConfig(TaskConfig):
     data_dir: str | None = None  # local: folder with <dataset>.jsonl / <dataset>_e.jsonl (official data.zip)
     hub_repo: str = "Xnhyacinth/LongBench"  # hub: parquet mirror with one data folder per (dataset[_e])
     offline: bool = False  # hub: read only the local Hugging Face cache, never the network
+    max_length: int | None = None  # truncation budget; None: the reference's for the model, else model.max_length
 
 
 def _file_stem(dataset: str, variant: str) -> str:
@@ -249,6 +269,8 @@ class LongBench(Task):
             )
         if config.limit is not None and config.limit < 1:
             raise ConfigError(f"task.limit must be at least 1, not {config.limit}")
+        if config.max_length is not None and config.max_length < 2:
+            raise ConfigError(f"task.max_length must be at least 2 tokens (or null), not {config.max_length}")
         for dataset in self.datasets:  # load now: a missing file should stop the run before the model loads
             rows = self.rows(dataset)
             stem = _file_stem(dataset, config.variant)
@@ -264,14 +286,19 @@ class LongBench(Task):
             self._rows[dataset] = rows[: self.config.limit] if self.config.limit is not None else rows
         return self._rows[dataset]
 
+    def check_max_length(self, max_length: int) -> None:
+        if self.config.max_length is not None and self.config.max_length > max_length:
+            raise ConfigError(f"task.max_length {self.config.max_length} exceeds the model's max_length {max_length}")
+
     def samples(self, context: PromptContext) -> Iterator[Sample]:
         max_new_tokens = max_new_tokens_per_dataset()
+        budget = prompt_budget(context, self.config.max_length)
         for dataset in self.datasets:
             stem = _file_stem(dataset, self.config.variant)
             for index, row in enumerate(self.rows(dataset)):
                 sample = Sample(
                     sample_id=f"{stem}/{index}",
-                    input_ids=build_input_ids(official_prompt(dataset, row), dataset, context),
+                    input_ids=build_input_ids(official_prompt(dataset, row), dataset, context, budget),
                     max_new_tokens=max_new_tokens[dataset],
                     answers=list(row["answers"]),
                     meta={
@@ -280,6 +307,7 @@ class LongBench(Task):
                         "length": int(row["length"]),
                         "all_classes": list(row["all_classes"]) if row.get("all_classes") is not None else None,
                         "_id": row.get("_id"),
+                        "max_length": budget,
                     },
                 )
                 if dataset == "samsum":

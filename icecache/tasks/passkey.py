@@ -1,12 +1,24 @@
-"""Passkey retrieval, the ArkVale / IceCache protocol (docs/algorithms.md, Passkey).
+"""Passkey retrieval, as the ArkVale and IceCache benchmark scripts run it (``benchmark/passkey_pred.py`` of
+pku-liang/ArkVale at 0c3b45e and of yuzhenmao/IceCache at 63db4c1; docs/algorithms.md, Passkey).
 
-A pass key sentence is hidden at a relative depth in repeated filler text; the model must continue
-"The pass key is" with the key. Lengths are given in tokens: the filler's character count is calibrated with
-the model's tokenizer so each prompt has at most ``length`` tokens. Keys come from
-``numpy.random.RandomState(seed).randint(1, 50000)`` drawn in sample order, as the reference scripts do with the
+A pass key sentence is hidden at depth ``i / num_depths`` in repeated filler text; the model must continue
+"What is the pass key? The pass key is" with the key. The prompt is the four lines task, filler prefix, key sentence,
+filler suffix (both filler parts cut from the start of one long filler string), joined by newlines, with the question
+appended straight onto the suffix, no newline between: the scripts' layout.
+
+Length: the scripts fix the filler in characters, 38000 / 76000 / 114000 for their 10k / 20k / 30k contexts, a ratio
+of 3.8 characters per token; ``calibration: reference`` uses that ratio, ``round(3.8 * length)`` filler characters,
+so the prompt's token count is whatever the model's tokenizer makes of it (recorded as ``prompt_tokens``).
+``calibration: tokens`` instead fits the filler so that the prompt has at most ``length`` tokens.
+
+Keys come from ``numpy.random.RandomState(seed).randint(1, 50000)`` drawn in sample order, as the scripts do with the
 global NumPy seed 42. A sample is correct iff the last ``len(answer_ids)`` generated ids equal the key's ids
-(``max_new_tokens = len(answer_ids) + 1``, IceCache's setting). The prompt joins its five lines (task, filler
-prefix, key sentence, filler suffix, question) with newlines, as the landmark-attention generator does.
+(``max_new_tokens = len(answer_ids) + 1``, IceCache's setting; ArkVale's is ``extra_new_tokens: 0``). The key's ids
+are its tokenisation without special tokens (the scripts drop the first id, which is that for tokenizers with a BOS).
+
+``decode_question`` is the scripts' question-as-decode mode (``--use-3-stages-gen``, Quest's protocol): the question
+is tokenised on its own with the tokenizer's default special tokens (a BOS for Llama) and fed token by token as decode
+steps after the prompt without it.
 """
 
 from __future__ import annotations
@@ -29,34 +41,52 @@ TASK_LINE = (
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 KEY_LINE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
+CHARS_PER_TOKEN = 3.8  # the scripts' filler characters per context token (38000 for 10k)
+CALIBRATIONS = ("reference", "tokens")
 
 
 @dataclass
 class PasskeyConfig(TaskConfig):
     name: str = "passkey"
-    lengths: list[int] = field(default_factory=lambda: [4096])  # prompt tokens, at most
+    lengths: list[int] = field(default_factory=lambda: [4096])  # context length in tokens (see calibration)
+    calibration: str = "reference"  # reference: round(3.8 * length) filler characters; tokens: at most length tokens
     num_depths: int = 20  # depths i / num_depths for i = 0 .. num_depths-1, one sample each per length
     extra_new_tokens: int = 1  # IceCache generates len(answer_ids) + 1 tokens; ArkVale uses 0
-    decode_question: bool = False  # feed the question line token by token as decode steps (Quest's protocol)
+    decode_question: bool = False  # feed the question, tokenised alone, token by token as decode steps
 
 
-def build_prompt(n_filler_chars: int, depth: float, key: int) -> str:
+def prompt_body(n_filler_chars: int, depth: float, key: int) -> str:
+    """The four lines before the question: task, filler prefix, key sentence, filler suffix."""
     filler = " ".join([FILLER] * (n_filler_chars // len(FILLER) + 2))
     n_prefix = int(n_filler_chars * depth)
-    lines = [TASK_LINE, filler[:n_prefix], KEY_LINE.format(key=key), filler[: n_filler_chars - n_prefix], QUESTION]
+    lines = [TASK_LINE, filler[:n_prefix], KEY_LINE.format(key=key), filler[: n_filler_chars - n_prefix]]
     return "\n".join(lines)
 
 
-def filler_chars_for(tokenizer, n_tokens: int) -> int:
+def build_prompt(n_filler_chars: int, depth: float, key: int) -> str:
+    return prompt_body(n_filler_chars, depth, key) + QUESTION
+
+
+def tokenise(tokenizer, n_filler_chars: int, depth: float, key: int, decode_question: bool):
+    """(prompt ids, decode-step ids): the whole prompt at once, or the body and the question tokenised apart."""
+    if decode_question:
+        body = tokenizer(prompt_body(n_filler_chars, depth, key))["input_ids"]
+        return list(body), list(tokenizer(QUESTION)["input_ids"])
+    return list(tokenizer(build_prompt(n_filler_chars, depth, key))["input_ids"]), []
+
+
+def prompt_tokens(tokenizer, n_filler_chars: int, decode_question: bool) -> int:
+    input_ids, suffix_ids = tokenise(tokenizer, n_filler_chars, 0.5, 12345, decode_question)
+    return len(input_ids) + len(suffix_ids)
+
+
+def filler_chars_for(tokenizer, n_tokens: int, decode_question: bool = False) -> int:
     """The largest filler size (in characters, to a few characters) whose prompt fits in ``n_tokens`` tokens."""
 
     def count(chars: int) -> int:
-        return len(tokenizer(build_prompt(chars, 0.5, 12345))["input_ids"])
+        return prompt_tokens(tokenizer, chars, decode_question)
 
     overhead = count(0)
-    if overhead >= n_tokens:
-        raise ConfigError(f"passkey length {n_tokens} is shorter than the prompt's fixed text ({overhead} tokens with "
-                          f"this tokenizer): raise task.lengths")
     chars = (n_tokens - overhead) * 4
     for _ in range(4):  # fixed-point on the tokens-per-character ratio
         chars = max(1, int(chars * (n_tokens - overhead) / max(1, count(chars) - overhead)))
@@ -72,6 +102,9 @@ class Passkey(Task):
     def check(self) -> None:
         if not self.config.lengths or min(self.config.lengths) <= 0:
             raise ConfigError("task.lengths must be a non-empty list of positive token counts")
+        if self.config.calibration not in CALIBRATIONS:
+            raise ConfigError(f"task.calibration must be one of {', '.join(CALIBRATIONS)}, not "
+                              f"{self.config.calibration!r}")
         if self.config.num_depths <= 0:
             raise ConfigError("task.num_depths must be positive")
         if self.config.limit is not None and self.config.limit < 1:
@@ -87,12 +120,21 @@ class Passkey(Task):
                 f"(or raise model.max_length if the model takes longer prompts)"
             )
 
+    def filler_chars(self, tokenizer, length: int) -> int:
+        overhead = prompt_tokens(tokenizer, 0, self.config.decode_question)
+        if overhead >= length:
+            raise ConfigError(f"passkey length {length} is shorter than the prompt's fixed text ({overhead} tokens "
+                              f"with this tokenizer): raise task.lengths")
+        if self.config.calibration == "tokens":
+            return filler_chars_for(tokenizer, length, self.config.decode_question)
+        return round(CHARS_PER_TOKEN * length)
+
     def samples(self, context: PromptContext) -> Iterator[Sample]:
-        tokenizer = context.tokenizer
+        tokenizer, decode_question = context.tokenizer, self.config.decode_question
         rng = np.random.RandomState(self.config.seed)
         count = 0
         for length in self.config.lengths:
-            chars = filler_chars_for(tokenizer, length)
+            chars = self.filler_chars(tokenizer, length)
             for i in range(self.config.num_depths):
                 key = int(rng.randint(1, 50000))
                 if self.config.limit is not None and count >= self.config.limit:
@@ -100,18 +142,22 @@ class Passkey(Task):
                 count += 1
                 depth = i / self.config.num_depths
                 answer_ids = tokenizer.encode(str(key), add_special_tokens=False)
-                input_ids = tokenizer(build_prompt(chars, depth, key))["input_ids"]
-                suffix_ids: list[int] = []
-                if self.config.decode_question:
-                    n_question = len(tokenizer.encode("\n" + QUESTION, add_special_tokens=False))
-                    input_ids, suffix_ids = input_ids[:-n_question], input_ids[-n_question:]
+                input_ids, suffix_ids = tokenise(tokenizer, chars, depth, key, decode_question)
+                max_new_tokens = len(answer_ids) + self.config.extra_new_tokens
+                total = len(input_ids) + len(suffix_ids) + max_new_tokens
+                if total > context.max_length:
+                    raise ConfigError(
+                        f"passkey length {length} makes a prompt of {len(input_ids) + len(suffix_ids)} tokens with "
+                        f"this tokenizer ({chars} filler characters), over the model's max_length "
+                        f"{context.max_length} with the answer: lower task.lengths or use task.calibration=tokens"
+                    )
                 yield Sample(
                     sample_id=f"len{length}-depth{i:02d}",
                     input_ids=input_ids,
                     suffix_ids=suffix_ids,
-                    max_new_tokens=len(answer_ids) + self.config.extra_new_tokens,
+                    max_new_tokens=max_new_tokens,
                     answers=[str(key)],
-                    meta={"length": length, "depth": depth, "answer_ids": answer_ids,
+                    meta={"length": length, "depth": depth, "answer_ids": answer_ids, "filler_chars": chars,
                           "prompt_tokens": len(input_ids) + len(suffix_ids)},
                 )
 

