@@ -39,10 +39,14 @@ def test_layer_roles_follow_the_papers_llama_setting():
     assert [layer for layer in range(32) if two_waits.layer_role(layer)[0] == "dense"] == [0, 1, 3, 4, 9, 10, 19, 20]
 
 
+# Head dim 16: the paged kernel's tile product needs at least 16 (every real model has 64 or more).
+HEAD_DIM = 16
+
+
 def drive(config: dict, n_prompt: int, n_steps: int, seed: int, device: str = "cpu"):
     """A filter layer (1) and the sparsified layer after it (2) on one sequence, fed random tensors; yields, per
     step, the filter's query and keys and the sparse layer's keys, values, output and attended positions."""
-    info = ModelInfo(n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8, device=torch.device(device))
+    info = ModelInfo(n_layers=4, n_heads=4, n_kv_heads=2, head_dim=HEAD_DIM, device=torch.device(device))
     method = build_method({"name": "omnikv", "filter_layers": [1], "n_wait_layers": 0, "n_dense_layers": 1,
                            **config}, info)
     seq = SequenceContext(trace_selection=True)
@@ -53,14 +57,15 @@ def drive(config: dict, n_prompt: int, n_steps: int, seed: int, device: str = "c
     def randn(*shape):
         return torch.randn(*shape, generator=gen).to(device)
 
-    filter_keys, keys, values = randn(2, n_prompt, 8), randn(2, n_prompt, 8), randn(2, n_prompt, 8)
-    filter_layer.forward(randn(1, 4, n_prompt, 8), filter_keys[None], randn(1, 2, n_prompt, 8), None, SCALING)
-    sparse.forward(randn(1, 4, n_prompt, 8), keys[None], values[None], None, SCALING)
+    filter_keys, keys, values = (randn(2, n_prompt, HEAD_DIM) for _ in range(3))
+    filter_layer.forward(randn(1, 4, n_prompt, HEAD_DIM), filter_keys[None], randn(1, 2, n_prompt, HEAD_DIM), None,
+                         SCALING)
+    sparse.forward(randn(1, 4, n_prompt, HEAD_DIM), keys[None], values[None], None, SCALING)
     for _ in range(n_steps):
-        filter_query, filter_key = randn(1, 4, 1, 8), randn(1, 2, 1, 8)
-        filter_layer.forward(filter_query, filter_key, randn(1, 2, 1, 8), None, SCALING)
+        filter_query, filter_key = randn(1, 4, 1, HEAD_DIM), randn(1, 2, 1, HEAD_DIM)
+        filter_layer.forward(filter_query, filter_key, randn(1, 2, 1, HEAD_DIM), None, SCALING)
         filter_keys = torch.cat([filter_keys, filter_key[0]], dim=1)
-        query, key, value = randn(1, 4, 1, 8), randn(1, 2, 1, 8), randn(1, 2, 1, 8)
+        query, key, value = randn(1, 4, 1, HEAD_DIM), randn(1, 2, 1, HEAD_DIM), randn(1, 2, 1, HEAD_DIM)
         out = sparse.forward(query, key, value, None, SCALING)
         keys, values = torch.cat([keys, key[0]], dim=1), torch.cat([values, value[0]], dim=1)
         yield filter_query[0, :, 0], filter_keys, query[0, :, 0], keys, values, out[0, 0], sparse.last_attended, seq
@@ -96,7 +101,7 @@ def test_a_short_sequence_is_attended_whole_and_transfers_count_the_chosen_token
     chosen = sum(min(max(0, 11 + step - 8), 16) for step in range(16))
     counters = steps[-1][-1].counters.as_dict()
     assert counters["pages_loaded"] == 2 * chosen
-    assert counters["bytes_to_gpu"] == 2 * chosen * 2 * 8 * 4  # keys and values, float32
+    assert counters["bytes_to_gpu"] == 2 * chosen * 2 * HEAD_DIM * 4  # keys and values, float32
 
 
 def test_a_layer_with_no_filter_below_chooses_with_its_own_query():

@@ -6,6 +6,8 @@ Layers are driven directly (no model) with random tensors, 4 query heads over 2 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -265,14 +267,16 @@ def test_settings_that_cannot_work_are_refused(setting, message):
 def test_the_gpu_layer_chooses_and_attends_what_the_cpu_layer_does():
     """float32 on both: the same codebooks (built on the CPU from the same keys), so the same tokens, read on the
     GPU from the pinned store in place and from the block cache."""
-    gpu_info = ModelInfo(n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8, device=torch.device("cuda"))
-    layers = {"cpu": make_layer(SMALL, max_total_tokens=200), "cuda": make_layer(SMALL, gpu_info, 200)}
+    # Head dim 16: the paged kernel's tile product needs at least 16 (every real model has 64 or more).
+    cpu_info = ModelInfo(n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16)
+    gpu_info = dataclasses.replace(cpu_info, device=torch.device("cuda"))
+    layers = {"cpu": make_layer(SMALL, cpu_info, 200), "cuda": make_layer(SMALL, gpu_info, 200)}
     gen = torch.Generator().manual_seed(12)
-    q, k, v = random_qkv(gen, 150)
+    q, k, v = random_qkv(gen, 150, cpu_info)
     for device, layer in layers.items():
         layer.forward(q.to(device), k.to(device), v.to(device), None, SCALING)
     for _ in range(20):
-        q1, k1, v1 = random_qkv(gen, 1)
+        q1, k1, v1 = random_qkv(gen, 1, cpu_info)
         outs = {device: layer.forward(q1.to(device), k1.to(device), v1.to(device), None, SCALING)
                 for device, layer in layers.items()}
         assert torch.equal(layers["cuda"].last_attended.cpu(), layers["cpu"].last_attended)
