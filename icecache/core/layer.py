@@ -53,6 +53,9 @@ class SequenceContext:
 
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     counters: DecodeCounters = field(default_factory=DecodeCounters)
+    # With measure_selection (core.selection_quality.SelectionMeter): measures every decode step of the sparsified
+    # layers against their exact attention; None (the default) costs one attribute read per attention call.
+    selection_meter: Any = None
     more_prefill_chunks: bool = False  # set by the generation loop for every prefill chunk but the last
     trace_selection: bool = False  # layers record the token positions they attend to (tests, analysis)
     shared: dict[str, Any] = field(default_factory=dict)  # e.g. a selection one layer hands to the next
