@@ -155,3 +155,36 @@ def test_measured_eager_steps_give_the_tokens_of_the_captured_ones(name):
         cache = HarnessCache(build_method(method_config(name, 64), info), measure_selection=measure)
         tokens.append(greedy_generate(model, cache, request).token_ids)
     assert tokens[0] == tokens[1]
+
+
+def test_a_measured_run_records_each_sample_and_summarises_them(tmp_path):
+    """The runner's ``measure_selection``: its own run directory (an unmeasured run's settings and hash are as
+    before), one record per sample with the per-layer means, metrics.json's summary the mean of those, and the
+    generated tokens of the unmeasured run."""
+    import json
+
+    from icecache_harness.runner import RunConfig, read_records, run
+    from tests.conftest import tiny_spec
+
+    base = {"model": dict(vars(tiny_spec("llama"))), "method": method_config("quest", 64),
+            "task": {"name": "passkey", "lengths": [400], "num_depths": 3}, "output_root": str(tmp_path)}
+    plain = RunConfig.from_dict(dict(base))
+    measured = RunConfig.from_dict({**base, "measure_selection": True})
+    assert "measure_selection" not in plain.identity() and measured.identity()["measure_selection"] is True
+    assert plain.output_dir() != measured.output_dir()
+    metrics = [run(plain), run(measured)]
+    plain_records, records = (read_records(c.output_dir() / "predictions.jsonl") for c in (plain, measured))
+    assert [r["output_ids"] for r in records] == [r["output_ids"] for r in plain_records]
+    assert "selection" not in metrics[0] and all("selection" not in r for r in plain_records)
+    summary = metrics[1]["selection"]
+    assert summary["layers"] == [2, 3] and summary["n_samples"] == 3
+    for position in range(2):
+        mean = sum(r["selection"]["mass"][position] for r in records) / 3
+        assert summary["mass"][position] == pytest.approx(mean, abs=1e-6)
+    assert summary["by_length"]["400"]["mean_mass"] == summary["mean_mass"]
+    assert summary["mean_oracle_mass"] >= summary["mean_mass"]
+    written = json.loads((measured.output_dir() / "metrics.json").read_text())
+    assert written["selection"] == summary and "measure_selection: true" in (
+        measured.output_dir() / "config.yaml").read_text()
+    low, high = written["confidence"]["intervals"]["by_length.400"]
+    assert low <= written["metrics"]["by_length"]["400"] <= high
