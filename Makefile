@@ -32,7 +32,7 @@ test: lint
 ## every method's CUDA-graphed decode step against its eager step.
 GPU_TESTS = tests/test_gpu_methods.py tests/test_method_invariants.py tests/test_paged_attention.py \
 	tests/test_selection_kernels.py tests/test_cuda_driver.py tests/test_magicpig.py tests/test_shadowkv.py \
-	tests/test_pqcache.py tests/test_omnikv.py
+	tests/test_pqcache.py tests/test_omnikv.py tests/test_selection_quality.py
 test-gpu:
 	python3 scripts/gpu_check.py --skip-tests
 	python3 -m pytest -q -m gpu $(GPU_TESTS)
@@ -69,3 +69,23 @@ reproduce-scaling: $(STAMP)
 
 collect: $(STAMP)
 	$(PY) scripts/collect.py results/runs --bench results/bench --out results/summary
+
+.PHONY: reproduce-accuracy accuracy-tables
+JOBS ?= 1
+ACCURACY_SWEEPS = --sweep "experiment=accuracy_passkey $(MODEL_ARG)" --sweep "experiment=accuracy_ruler $(MODEL_ARG)"
+
+## The accuracy table (BENCHMARKS.md, "Accuracy with the selection diagnostic"): passkey and RULER at 4k and 8k,
+## every method at budgets 128 / 256 / 512 beside the full cache, the selection diagnostic on. JOBS=N runs N jobs
+## at once on this host, DEADLINE=<seconds> stops them then (the next call resumes). RULER sources: make ruler-data.
+## On a Slurm cluster: python scripts/sweep.py experiment=accuracy_passkey hydra/launcher=slurm (and
+## experiment=accuracy_ruler), then make accuracy-tables.
+reproduce-accuracy: $(STAMP)
+	-$(PY) scripts/run_jobs.py $(ACCURACY_SWEEPS) --workers $(JOBS) $(if $(DEADLINE),--deadline $(DEADLINE))
+	$(MAKE) accuracy-tables
+
+## The accuracy table from the runs on disk: the curated file (results/bench/accuracy_<model>_<date>.json) and its
+## figures, the summary tables, BENCHMARKS.md.
+accuracy-tables: $(STAMP)
+	$(PY) scripts/run_jobs.py $(ACCURACY_SWEEPS) --no-run --curate accuracy --out results/bench --bench results/bench
+	$(PY) scripts/collect.py results/runs --bench results/bench --out results/summary
+	$(PY) scripts/bench_tables.py

@@ -14,6 +14,7 @@ import json
 import os
 import statistics
 import sys
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 from icecache.core.errors import ConfigError, check_types
 from icecache.core.models import ModelSpec, check_model, model_info
 from icecache.methods import method_class
+from icecache_harness.report.bootstrap import bootstrap_intervals
 
 PREDICTIONS = "predictions.jsonl"
 METRICS = "metrics.json"
@@ -65,6 +67,9 @@ class RunConfig:
     prefill_residual_on_host: bool = False  # with layer_by_layer_prefill: the residual stream in host memory
     threads: int | None = None
     measure_phases: bool = False
+    # The selection-quality diagnostic (icecache.core.selection_quality): every decode step of the sparsified
+    # layers measured against its exact attention; keeps decoding eager, generates the same tokens.
+    measure_selection: bool = False
     resume: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
     adjusted: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # method settings fitted to the budget
@@ -99,7 +104,13 @@ class RunConfig:
         model["device"] = str(self.model.resolved_device())
         model["dtype"] = str(self.model.resolved_dtype())
         model.pop("install_hint", None)
-        return {"model": model, "method": self.method, "task": self.task, "prefill_chunk_size": self.prefill_chunk_size}
+        identity = {"model": model, "method": self.method, "task": self.task,
+                    "prefill_chunk_size": self.prefill_chunk_size}
+        if self.measure_selection:
+            # Only when on, so that every directory of an unmeasured run keeps its hash. A measured run is a run of
+            # its own: its records carry the measurement, and its timings include the measuring.
+            identity["measure_selection"] = True
+        return identity
 
     def config_hash(self) -> str:
         canonical = json.dumps(self.identity(), sort_keys=True, default=str)
@@ -231,6 +242,30 @@ def read_model_part(spec: ModelSpec, read):
         raise model_error(spec, error) from None
 
 
+# What one process computes once and may need again: the jobs of a sweep run one after another in one process
+# (Hydra's local launcher, scripts/run_jobs.py), and for a GGUF model reading its geometry and converting its
+# tokenizer take seconds each, building RULER's prompts at 8k tokens half a minute, loading the weights more. Each
+# entry is a pure function of its key (the model's settings, the task's); runs do not change what they get.
+_MEMO: dict[str, "OrderedDict[str, Any]"] = {}
+
+
+def memo(kind: str, key: str, compute, keep: int = 2):
+    """``compute()``, or what it gave last time for this ``kind`` and ``key``; the ``keep`` latest per kind stay,
+    the oldest goes first (before computing, so that two models are never held at once with ``keep=1``)."""
+    held = _MEMO.setdefault(kind, OrderedDict())
+    if key in held:
+        held.move_to_end(key)
+        return held[key]
+    while len(held) >= keep:
+        held.popitem(last=False)
+    held[key] = value = compute()
+    return value
+
+
+def model_key(config: RunConfig) -> str:
+    return json.dumps(config.identity()["model"], sort_keys=True, default=str)
+
+
 def prepare(config: RunConfig):
     """Every check that needs no weights, cheapest first, before anything is written: -> (task, method).
 
@@ -245,7 +280,8 @@ def prepare(config: RunConfig):
     task.check_max_length(config.model.max_length)
     check_model_path(config.model)
     check_model(config.model)
-    info = read_model_part(config.model, lambda: model_info(config.model))
+    info = read_model_part(config.model, lambda: memo("model_info", model_key(config),
+                                                     lambda: model_info(config.model)))
     method = build_method(config.method, info)
     return task, method
 
@@ -257,14 +293,16 @@ def build_samples(task, config: RunConfig):
     from icecache.core.models import load_tokenizer
     from icecache.tasks.base import PromptContext
 
-    tokenizer = read_model_part(config.model, lambda: load_tokenizer(config.model))
+    tokenizer = read_model_part(config.model, lambda: memo("tokenizer", model_key(config),
+                                                          lambda: load_tokenizer(config.model)))
     context = PromptContext(
         tokenizer=tokenizer,
         model_name=config.model.name,
         chat_template=config.model.chat_template,
         max_length=config.model.max_length,
     )
-    samples = list(task.samples(context))
+    key = model_key(config) + json.dumps(config.task, sort_keys=True, default=str)
+    samples = memo("samples", key, lambda: list(task.samples(context)), keep=4)
     if not samples:
         raise ConfigError(f"task {config.task['name']} gives no samples with these settings; a run of 0 samples "
                           f"would look finished: check task.limit and the task's data")
@@ -297,14 +335,47 @@ def summarise_latency(records: list[dict[str, Any]], by_length: bool = False) ->
     }
 
 
+def loaded_model(config: RunConfig, tokenizer):
+    """(model, tokenizer) of ``config.model``, loaded once per process while the model's settings stay the same."""
+    from icecache.core.cache import ATTENTION_NAME
+    from icecache.core.models import load_model
+
+    return memo("model", model_key(config), lambda: load_model(config.model, ATTENTION_NAME, tokenizer=tokenizer),
+                keep=1)
+
+
+def summarise_selection(records: list[dict[str, Any]], by_length: bool = False) -> dict[str, Any] | None:
+    """The selection-quality diagnostic over a run's measured samples: per sparsified layer, the mean over samples
+    of each sample's means (mass the attended set holds, mass of the best set of the same size, tokens attended),
+    and their means over layers; with ``by_length``, the same per context length. None when nothing was measured."""
+    rows = [r for r in records if r.get("selection")]
+    if not rows:
+        return None
+    if by_length:
+        groups: dict[Any, list[dict[str, Any]]] = {}
+        for record in rows:
+            groups.setdefault((record.get("meta") or {}).get("length"), []).append(record)
+        summary = summarise_selection(rows)
+        summary["by_length"] = {str(length): summarise_selection(group) for length, group in groups.items()
+                                if length is not None}
+        return summary
+    layers = rows[0]["selection"]["layers"]
+    out: dict[str, Any] = {"layers": layers, "n_samples": len(rows)}
+    for key, digits in (("mass", 6), ("oracle_mass", 6), ("attended", 3)):
+        per_layer = [round(statistics.fmean(r["selection"][key][i] for r in rows), digits)
+                     for i in range(len(layers))]
+        out[key] = per_layer
+        out[f"mean_{key}"] = round(statistics.fmean(per_layer), digits)
+    return out
+
+
 def run(config: RunConfig) -> dict[str, Any]:
     import torch
     from omegaconf import OmegaConf
     from tqdm.auto import tqdm
 
-    from icecache.core.cache import ATTENTION_NAME, HarnessCache
+    from icecache.core.cache import HarnessCache
     from icecache.core.generation import GenerationRequest, default_eos_token_ids, greedy_generate
-    from icecache.core.models import load_model
     from icecache.core.timing import PhaseTimer
     from icecache_harness import provenance
 
@@ -331,14 +402,15 @@ def run(config: RunConfig) -> dict[str, Any]:
         (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config.identity())))
         write_json_atomic(out_dir / "env.json", provenance.collect())
 
-        model, tokenizer = load_model(config.model, ATTENTION_NAME, tokenizer=tokenizer)
+        model, tokenizer = loaded_model(config, tokenizer)
         done = {r["sample_id"] for r in read_records(predictions_path)}
         todo = [s for s in samples if s.sample_id not in done]
         default_eos = default_eos_token_ids(tokenizer, getattr(model, "generation_config", None))
         with open(predictions_path, "a", encoding="utf-8") as sink:
             for sample in tqdm(todo, desc=f"{config.task['name']} / {config.method['name']}", initial=len(done),
                                total=len(samples)):
-                cache = HarnessCache(method, PhaseTimer(config.model.resolved_device(), config.measure_phases))
+                cache = HarnessCache(method, PhaseTimer(config.model.resolved_device(), config.measure_phases),
+                                     measure_selection=config.measure_selection)
                 request = GenerationRequest(
                     input_ids=sample.input_ids,
                     max_new_tokens=sample.max_new_tokens,
@@ -361,6 +433,8 @@ def run(config: RunConfig) -> dict[str, Any]:
                     "meta": sample.meta,
                     "gen": result.summary(),
                 }
+                if result.selection is not None:
+                    record["selection"] = result.selection
                 sink.write(json.dumps(record, default=str) + "\n")
                 sink.flush()
                 os.fsync(sink.fileno())
@@ -369,6 +443,7 @@ def run(config: RunConfig) -> dict[str, Any]:
         records = read_records(predictions_path)
         order = {s.sample_id: i for i, s in enumerate(samples)}
         records = sorted((r for r in records if r["sample_id"] in order), key=lambda r: order[r["sample_id"]])
+        by_length = "lengths" in config.task
         metrics = {
             "task": config.task["name"],
             "model": config.model.name,
@@ -377,10 +452,14 @@ def run(config: RunConfig) -> dict[str, Any]:
             "config_hash": config.config_hash(),
             "n_samples": len(records),
             "metrics": task.aggregate(records),
-            "latency": summarise_latency(records, by_length="lengths" in config.task),
+            "confidence": bootstrap_intervals(records, task.aggregate),
+            "latency": summarise_latency(records, by_length=by_length),
             "settings": config.identity(),
             "provenance": provenance.collect(),
         }
+        selection = summarise_selection(records, by_length=by_length)
+        if selection is not None:
+            metrics["selection"] = selection
         write_json_atomic(metrics_path, metrics)
     return metrics
 

@@ -16,6 +16,10 @@ Each table shows the newest numbers, row by row, and names the file and commit e
 * kernels (``kernels_*.json``): the newest file per host.
 * cpu-accuracy (``cpu_accuracy*.json``, lists of run metrics): the newest run per (task, model, method, budget,
   command-line settings).
+* accuracy (``accuracy_*.json``, the runs of the accuracy experiments that ``scripts/run_jobs.py --curate`` lists):
+  the newest file per model, every cell from its runs' metrics.json (icecache_harness.report.accuracy).
+* page-quality (``page_quality_*.json``, scripts/page_quality.py): the newest file per (host, model, task, length,
+  budget).
 
 "Newest" is the latest ``provenance.date`` (then the file name); the host is the file name's label
 (``latency_<host>_<date>.json``).
@@ -32,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
 PAGE = REPO / "BENCHMARKS.md"
 RESULTS = REPO / "results" / "bench"
 PAPER = REPO / "results" / "paper" / "paper_figures.json"
@@ -64,7 +69,8 @@ class Result:
     @property
     def host(self) -> str:
         """The label between the kind and the date in ``<kind>_<host>_<date>.json``."""
-        match = re.fullmatch(r"(?:latency|dci|kernels|prompt_index|host_step)_(.+?)_\d{8}(?:-\d+)?\.json", self.name)
+        match = re.fullmatch(r"(?:latency|dci|kernels|prompt_index|host_step|page_quality)_(.+?)_\d{8}(?:-\d+)?\.json",
+                             self.name)
         return match.group(1) if match else "?"
 
     @property
@@ -444,6 +450,61 @@ def render_cpu_accuracy(results: Path, paper: dict[str, Any]) -> str:
     return table(header, rows)
 
 
+# --------------------------------------------------------------------------------------------------------------
+# Accuracy with the selection diagnostic, and the page layouts' own quality
+
+
+def render_accuracy(results: Path, paper: dict[str, Any]) -> str:
+    from icecache_harness.report import accuracy as A
+
+    newest = newest_by([((str(f.data.get("model")),), f.order, f) for f in load(results, "accuracy_*.json")])
+    if not newest:
+        return ("Not measured yet: no `results/bench/accuracy_*.json`. `make reproduce-accuracy` (or the commands "
+                "in docs/reproduce.md, \"Accuracy\") runs the experiments and writes one; every cell of this table "
+                "will come from the metrics.json of those runs.")
+    blocks = []
+    for (model,), f in sorted(newest.items()):
+        runs = f.data.get("runs") or []
+        rows = A.accuracy_rows(runs)
+        commits = sorted({short_commit(r.get("provenance") or {}) for r in runs})
+        gpus = sorted({str((r.get("provenance") or {}).get("gpu") or "CPU") for r in runs})
+        dates = sorted(str((r.get("provenance") or {}).get("date") or "")[:10] for r in runs)
+        missing = len(f.data.get("missing") or [])
+        source = (f"`{f.name}`: {len(runs)} finished runs" + (f", {missing} not finished" if missing else "")
+                  + f" of `{'`, `'.join(f.data.get('sweeps') or [])}`; {', '.join(gpus)}; commits "
+                  f"{', '.join(commits)}; run {dates[0] if dates else '?'} to {dates[-1] if dates else '?'}.")
+        figures = [name for name in (f"accuracy_vs_budget_{model}.png", f"accuracy_vs_tpot_{model}.png",
+                                     f"mass_by_layer_{model}.png") if (results / name).exists()]
+        blocks += [A.render_tables(rows) if rows else "(no finished runs)", source]
+        if figures:
+            blocks.append("Figures: " + ", ".join(f"`results/bench/{name}`" for name in figures) + ".")
+    return "\n\n".join(blocks + [A.DEFINITIONS])
+
+
+def render_page_quality(results: Path, paper: dict[str, Any]) -> str:
+    files = load(results, "page_quality_*.json")
+    if not files:
+        return ("Not measured yet: no `results/bench/page_quality_*.json`; `python scripts/page_quality.py --model "
+                "smollm2_135m --length 4096` writes one.")
+    def key(f: Result) -> tuple:
+        s = f.data.get("settings") or {}
+        return (f.host, str(s.get("model")), str(s.get("task")) + (f":{s.get('subtask')}" if s.get("task") == "ruler"
+                                                                     else ""), int(s.get("length") or 0),
+                int(s.get("budget") or 0))
+    newest = newest_by([(key(f), f.order, f) for f in files])
+    names = ("token_topk", "positional", "dci", "kmeans", "dci_fixed", "dci_search")
+    rows = []
+    for (host, model, task, length, budget), f in sorted(newest.items()):
+        result = f.data.get("result") or {}
+        mean = result.get("mean") or {}
+        tokens = result.get("prompt_tokens") or []
+        rows.append([host, model, task, str(length), str(budget), str(len(tokens)),
+                     str(budget // int(result.get("page_size") or 16)), str(result.get("n_selected_pages")),
+                     *[fmt(mean.get(name), digits=3) for name in names], f"`{f.name}`", f.commit])
+    header = ["host", "model", "task", "length", "budget", "prompts", "pages", "K", *names, "file", "commit"]
+    return table(header, rows)
+
+
 RENDERERS: dict[str, Callable[[Path, dict[str, Any]], str]] = {
     "latency": render_latency,
     "breakdown": render_breakdown,
@@ -452,6 +513,8 @@ RENDERERS: dict[str, Callable[[Path, dict[str, Any]], str]] = {
     "dci": render_dci,
     "kernels": render_kernels,
     "cpu-accuracy": render_cpu_accuracy,
+    "accuracy": render_accuracy,
+    "page-quality": render_page_quality,
 }
 
 

@@ -3,12 +3,17 @@
 
     python scripts/collect.py results/runs --out results/summary
     python scripts/collect.py results/runs other/runs --bench results/bench --out results/summary --no-plots
+    python scripts/collect.py results/bench/accuracy_smollm2-135m_<date>.json --bench results/bench --out summary
 
 Reads only what is on disk (metrics.json marks a finished run), so it works after any launcher, after a sweep
 that failed half-way, and while a sweep is still running. Writes Markdown, CSV and LaTeX tables next to the
 paper's numbers (results/reference/ in the repository) and PNG + PDF plots under <out>/plots/, all from the runs
 named on the command line; the latency figures only from the benchmark files of --bench (e.g. results/bench,
-where scripts/bench_latency.py writes). Runs of different settings never share a cell (docs/reproduce.md).
+where scripts/bench_latency.py writes). Runs of different settings never share a cell (docs/reproduce.md). A run
+root may also be a curated file of finished runs (results/bench/accuracy_*.json, scripts/run_jobs.py --curate).
+Runs with the selection diagnostic (measure_selection) also give accuracy.md / .csv (score with its 95% interval,
+share of full, tokens attended, mass captured) and its figures: accuracy against the budget, against TPOT from the
+--bench files, and the mass captured by layer, one line per method.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ sys.path.insert(0, str(REPO))
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="*", default=[str(REPO / "results" / "runs")], help="run roots to search")
+    parser.add_argument("runs", nargs="*", default=[str(REPO / "results" / "runs")],
+                        help="run roots to search, or curated files of runs")
     parser.add_argument("--out", default=str(REPO / "results" / "summary"), help="output folder")
     parser.add_argument("--bench", default=None,
                         help="latency_*.json folder for the latency figures, e.g. results/bench (default: none)")

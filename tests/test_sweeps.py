@@ -25,21 +25,26 @@ TINY_TASKS = {
     "gsm8k": [f"task.path={FIXTURES / 'gsm8k' / 'test.jsonl'}", "task.limit=1"],
     "ruler": [f"task.data_dir={FIXTURES / 'ruler'}", "task.tasks=[niah_single_1]", "task.lengths=[1024]",
               "task.num_samples=1"],
+    "accuracy_passkey": ["task.lengths=[400]", "task.num_depths=1"],
+    "accuracy_ruler": [f"task.data_dir={FIXTURES / 'ruler'}", "task.tasks=[fwe]", "task.lengths=[1024]",
+                       "task.num_samples=1"],  # fwe: 50 new tokens, the fewest of the tasks that fit at 1024
 }
 SWEPT = sorted(TINY_TASKS)
 
 
 def grid(experiment: str) -> set[tuple[str, int | None]]:
-    """(method, budget) of every configured cell: the sweeper's methods x budgets, the full cache budget-free."""
+    """(method, budget) of every configured cell: the sweeper's methods x budgets, the full caches budget-free."""
     from omegaconf import OmegaConf
 
+    from icecache.methods import method_class
     from run import hydra_context, sweep_jobs
 
     with hydra_context():
         _, base = sweep_jobs([f"experiment={experiment}"])
         params = OmegaConf.to_container(base.hydra.sweeper.params)
         budgets = [int(b) for b in str(params.get("budget", base.budget)).split(",")]
-        cells = {(m, None if m == "full" else b) for m in str(params["method"]).split(",") for b in budgets}
+        cells = {(m, b if method_class(m).uses_budget else None) for m in str(params["method"]).split(",")
+                 for b in budgets}
         if base.get("reference_runs"):
             cells.add(("full", None))
     return cells

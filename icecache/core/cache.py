@@ -16,6 +16,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention import dense_attention
 from .method import LayerKV, Method, SequenceContext
+from .selection_quality import SelectionMeter
 from .timing import PhaseTimer
 
 ATTENTION_NAME = "icecache_harness"
@@ -65,11 +66,14 @@ class HarnessCache(Cache):
     """One sequence's KV state under a method. Make a new one per sequence, and close it when the sequence ends
     (``close``, or ``with HarnessCache(...) as cache:``), which ends the workers a method's layers share."""
 
-    def __init__(self, method: Method, timer: PhaseTimer | None = None, trace_selection: bool = False):
+    def __init__(self, method: Method, timer: PhaseTimer | None = None, trace_selection: bool = False,
+                 measure_selection: bool = False):
         self.method = method
         self.seq = SequenceContext(
-            timer=timer or PhaseTimer(method.model.device), trace_selection=trace_selection
+            timer=timer or PhaseTimer(method.model.device), trace_selection=trace_selection or measure_selection
         )
+        if measure_selection:  # the layers' traces are what it measures (core.selection_quality)
+            self.seq.selection_meter = SelectionMeter(self.seq, method.model.n_layers, method.config.n_dense_layers)
         layers = [HarnessCacheLayer(method.make_layer(i, self.seq)) for i in range(method.model.n_layers)]
         super().__init__(layers=layers)
 
@@ -97,6 +101,9 @@ def harness_attention(module, query, key, value, attention_mask, scaling=None, d
     """The registered attention function: ``(attn_output [B, S, Hq, D], None)``."""
     scaling = module.scaling if scaling is None else scaling
     if isinstance(key, KVHandle):
+        meter = key.layer.seq.selection_meter
+        if meter is not None:
+            return meter.forward(key.layer, query, key.key, key.value, attention_mask, scaling), None
         return key.layer.forward(query, key.key, key.value, attention_mask, scaling), None
     # No HarnessCache (use_cache=False, or a plain DynamicCache): plain dense attention.
     return dense_attention(query, key, value, scaling, attention_mask), None

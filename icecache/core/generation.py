@@ -58,6 +58,7 @@ class GenerationResult:
     cpu_kv_bytes: int = 0
     peak_gpu_bytes: int | None = None
     logits: list[torch.Tensor] | None = None
+    selection: dict[str, Any] | None = None  # with measure_selection: SelectionMeter.summary()
 
     def phase_breakdown(self) -> dict[str, float]:
         """Median seconds per phase over decode steps 2..N, with ``model`` the remainder of the step."""
@@ -182,7 +183,8 @@ def greedy_generate(
     n_prompt = prompt.shape[0]
     chunk = prefill_chunk_size or n_prompt
     cache.seq.max_total_tokens = n_prompt + len(request.suffix_ids) + request.max_new_tokens
-    # Traced runs stay eager: tracing builds per-step tensors in Python, which a replay would skip.
+    # Traced runs (measure_selection among them) stay eager: tracing builds per-step tensors in Python, which a
+    # replay would skip.
     graphed = (GraphedDecodeStep(model, cache)
                if is_cuda and cuda_graph and cache.method.captures_decode_step and not cache.seq.trace_selection
                else None)
@@ -248,6 +250,7 @@ def greedy_generate(
         cpu_kv_bytes=cache.cpu_kv_bytes(),
         peak_gpu_bytes=torch.cuda.max_memory_allocated(device) if is_cuda else None,
         logits=logits_kept if keep_logits else None,
+        selection=cache.seq.selection_meter.summary() if cache.seq.selection_meter is not None else None,
     )
 
 

@@ -60,6 +60,9 @@ class SequenceContext:
 
     timer: PhaseTimer = field(default_factory=PhaseTimer)
     counters: DecodeCounters = field(default_factory=DecodeCounters)
+    # With measure_selection (core.selection_quality.SelectionMeter): measures every decode step of the sparsified
+    # layers against their exact attention; None (the default) costs one attribute read per attention call.
+    selection_meter: Any = None
     more_prefill_chunks: bool = False  # set by the generation loop for every prefill chunk but the last
     trace_selection: bool = False  # layers record the token positions they attend to (tests, analysis)
     # Set by the generation loop: the device tensor [S] of the current forward's positions (a CUDA-graphed step

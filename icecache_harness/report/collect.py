@@ -127,17 +127,21 @@ class RunResult:
     settings: dict[str, Any] = field(default_factory=dict)
     config_hash: str | None = None
     finished: float = 0.0  # mtime of metrics.json: the newer of two runs of the same settings wins a tie
+    payload: dict[str, Any] = field(default_factory=dict, repr=False)  # the whole metrics.json
 
     @classmethod
     def from_file(cls, path: Path) -> "RunResult":
-        payload = json.loads(path.read_text(encoding="utf-8"))
+        return cls.from_payload(json.loads(path.read_text(encoding="utf-8")), path.parent, path.stat().st_mtime)
+
+    @classmethod
+    def from_payload(cls, payload: dict[str, Any], run_dir: Path, finished: float) -> "RunResult":
         method = str(payload["method"])
         settings = payload.get("settings") or {}
         task = str(payload["task"])
         if task == "longbench" and (settings.get("task") or {}).get("variant") == "e":
             task = "longbench_e"  # LongBench-E scores per length bucket of other files: never a v1 cell
         return cls(
-            run_dir=path.parent,
+            run_dir=run_dir,
             task=task,
             model=str(payload["model"]),
             method=method,
@@ -147,7 +151,8 @@ class RunResult:
             latency=payload.get("latency") or {},
             settings=settings,
             config_hash=payload.get("config_hash"),
-            finished=path.stat().st_mtime,
+            finished=finished,
+            payload=payload,
         )
 
     @property
@@ -232,15 +237,30 @@ def _as_roots(roots: str | Path | Iterable[str | Path]) -> list[Path]:
 
 
 def load_runs(roots: str | Path | Iterable[str | Path]) -> list[RunResult]:
-    """Every finished run under ``roots`` (unreadable metrics files are skipped with a warning)."""
+    """Every finished run under ``roots`` (unreadable metrics files are skipped with a warning). A root that is a
+    file is a curated list of runs (``{"runs": [metrics.json, ...]}``, results/bench/accuracy_*.json): its runs."""
     runs = []
     for root in _as_roots(roots):
+        if root.is_file():
+            runs += load_run_list(root)
+            continue
         for path in sorted(root.rglob(METRICS)):
             try:
                 runs.append(RunResult.from_file(path))
             except (OSError, ValueError, KeyError, TypeError) as error:
                 warnings.warn(f"skipping unreadable {path}: {error}", stacklevel=2)
     return runs
+
+
+def load_run_list(path: Path) -> list[RunResult]:
+    """The runs of a curated file; each keeps the directory it was written in as its ``run_dir``."""
+    try:
+        entries = json.loads(path.read_text(encoding="utf-8"))["runs"]
+        finished = path.stat().st_mtime
+        return [RunResult.from_payload(entry, Path(entry.get("run_dir") or path), finished) for entry in entries]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        warnings.warn(f"skipping unreadable {path}: {error}", stacklevel=2)
+        return []
 
 
 def count_complete_lines(path: Path) -> int:
@@ -258,6 +278,8 @@ def count_complete_lines(path: Path) -> int:
 def find_partial_runs(roots: str | Path | Iterable[str | Path]) -> list[PartialRun]:
     partial = []
     for root in _as_roots(roots):
+        if root.is_file():
+            continue  # a curated list holds finished runs only
         for path in sorted(root.rglob(PREDICTIONS)):
             if not (path.parent / METRICS).exists():
                 partial.append(PartialRun(path.parent, count_complete_lines(path)))

@@ -354,3 +354,126 @@ def paper_breakdown(paper_latency: pd.DataFrame | None) -> dict[str, dict[str, f
             if pd.notna(row.context_tokens):
                 out[row.method]["context_tokens"] = float(row.context_tokens)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The accuracy table's figures (report.accuracy rows): one panel per task and context length
+
+
+def _panels(keys: list[tuple], width: float = 4.6, height: float = 3.4, columns: int = 2) -> tuple[Figure, list]:
+    columns = min(columns, len(keys))
+    rows = -(-len(keys) // columns)
+    fig = Figure(figsize=(width * columns, height * rows + 0.8), layout="constrained")
+    axes = [fig.add_subplot(rows, columns, i + 1) for i in range(len(keys))]
+    return fig, axes
+
+
+def _panel_title(task: str, length: Any) -> str:
+    return f"{task}, {length_label(length)} tokens" if length is not None else task
+
+
+def _error(row) -> list[list[float]] | None:
+    if row.interval is None:
+        return None
+    return [[row.score - row.interval[0]], [row.interval[1] - row.score]]
+
+
+def accuracy_vs_budget_panels(rows: list, stem: str | Path, title: str = "") -> list[Path]:
+    """Score (with its 95% interval) against the budget, one line per method; budget-free methods (the full
+    caches) as a horizontal line with their interval as a band. ``rows``: report.accuracy.AccuracyRow."""
+    rows = [r for r in rows if r.score is not None]
+    keys = sorted({(r.task, r.length) for r in rows}, key=lambda k: (k[0], k[1] or 0))
+    if not keys:
+        return []
+    fig, axes = _panels(keys)
+    drawn: set[str] = set()
+    for ax, (task, length) in zip(axes, keys):
+        here = [r for r in rows if (r.task, r.length) == (task, length)]
+        budgets = sorted({r.budget for r in here if r.budget is not None})
+        for method in sorted({r.method for r in here}, key=method_sort_key):
+            points = sorted((r for r in here if r.method == method), key=lambda r: r.budget or 0)
+            if points[0].budget is None:
+                row = points[0]
+                ax.axhline(row.score, color=color(method), linestyle="--", linewidth=1)
+                if row.interval is not None:
+                    ax.axhspan(*row.interval, color=color(method), alpha=0.08, linewidth=0)
+            else:
+                errors = [_error(r) or [[0.0], [0.0]] for r in points]
+                ax.errorbar([r.budget for r in points], [r.score for r in points], color=color(method), marker="o",
+                            markersize=4, capsize=2, linewidth=1.2,
+                            yerr=[[e[0][0] for e in errors], [e[1][0] for e in errors]])
+            drawn.add(method)
+        if budgets:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.set_xlabel("KV budget per query head (tokens)")
+        ax.set_ylabel("score (%)")
+        ax.set_title(_panel_title(task, length), fontsize=9)
+        ax.grid(alpha=0.3)
+    _method_legend(fig, drawn, "dashed: budget-free (full caches); bars and band: 95% bootstrap interval")
+    fig.suptitle(title or "Accuracy against the budget", fontsize=10)
+    return save(fig, stem)
+
+
+def accuracy_vs_tpot_panels(points: list[tuple], stem: str | Path, title: str = "") -> list[Path]:
+    """Score (with its interval) against TPOT, one point per (method, budget), one panel per task and length.
+    ``points``: (row, tpot_s) pairs."""
+    points = [(r, t) for r, t in points if r.score is not None and t is not None]
+    keys = sorted({(r.task, r.length) for r, _ in points}, key=lambda k: (k[0], k[1] or 0))
+    if not keys:
+        return []
+    fig, axes = _panels(keys)
+    drawn: set[str] = set()
+    for ax, (task, length) in zip(axes, keys):
+        for row, tpot in (p for p in points if (p[0].task, p[0].length) == (task, length)):
+            error = _error(row)
+            ax.errorbar([1000 * tpot], [row.score], yerr=error, color=color(row.method), marker="s", markersize=5,
+                        capsize=2, linestyle="none")
+            label = display_name(row.method) + ("" if row.budget is None else f"@{row.budget}")
+            ax.annotate(label, (1000 * tpot, row.score), fontsize=6, xytext=(3, 3), textcoords="offset points",
+                        color=color(row.method))
+            drawn.add(row.method)
+        ax.set_xlabel("time per output token, TPOT (ms)")
+        ax.set_ylabel("score (%)")
+        ax.set_title(_panel_title(task, length), fontsize=9)
+        ax.grid(alpha=0.3)
+    _method_legend(fig, drawn, "bars: 95% bootstrap interval")
+    fig.suptitle(title or "Accuracy against decode latency", fontsize=10)
+    return save(fig, stem)
+
+
+def mass_by_layer_panels(rows: list, stem: str | Path, title: str = "") -> list[Path]:
+    """Attention mass the attended tokens hold per sparsified layer, one line per method (dotted: the best set of
+    the same size), one panel per task, length and budget."""
+    from matplotlib.ticker import MaxNLocator
+
+    rows = [r for r in rows if r.mass_by_layer and r.budget is not None]
+    keys = sorted({(r.task, r.length, r.budget) for r in rows}, key=lambda k: (k[0], k[1] or 0, k[2]))
+    if not keys:
+        return []
+    # one row of panels per task and length, one column per budget
+    fig, axes = _panels(keys, width=4.0, height=2.8, columns=len({k[2] for k in keys}))
+    drawn: set[str] = set()
+    for ax, (task, length, budget) in zip(axes, keys):
+        for row in sorted((r for r in rows if (r.task, r.length, r.budget) == (task, length, budget)),
+                          key=lambda r: method_sort_key(r.method)):
+            ax.plot(row.layers, row.mass_by_layer, color=color(row.method), marker=".", linewidth=1.2)
+            if row.oracle_by_layer:
+                ax.plot(row.layers, row.oracle_by_layer, color=color(row.method), linestyle=":", linewidth=1)
+            drawn.add(row.method)
+        ax.set_ylim(0, 1.02)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("layer")
+        ax.set_ylabel("attention mass attended")
+        ax.set_title(f"{_panel_title(task, length)}, budget {budget}", fontsize=9)
+        ax.grid(alpha=0.3)
+    _method_legend(fig, drawn, "dotted: the best tokens of the same number (oracle)")
+    fig.suptitle(title or "Attention mass captured by layer", fontsize=10)
+    return save(fig, stem)
+
+
+def _method_legend(fig: Figure, methods: set[str], note: str) -> None:
+    handles = [Line2D([], [], color=color(m), marker="s", linestyle="-", label=display_name(m))
+               for m in sorted(methods, key=method_sort_key)]
+    fig.legend(handles=handles, fontsize=7, loc="outside lower center", ncol=min(6, max(1, len(handles))),
+               framealpha=0.9, title=note, title_fontsize=7)

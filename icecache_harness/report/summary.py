@@ -9,7 +9,11 @@ benchmarks and the paper's reference numbers, and writes
 * ``ruler_<model>_<length>.{md,csv,tex}``, ``<task>.{md,csv}`` for passkey, GSM8K, LongBench-E (``longbench_e``,
   per length bucket) and any other task, each score with its ``n``;
 * ``latency.{md,csv}`` from the benchmark files;
-* ``plots/``: accuracy vs budget, accuracy vs TPOT, TT2T bars, TPOT breakdown, decode latency vs context.
+* ``accuracy.{md,csv}`` from the runs with the selection diagnostic (``measure_selection``): per task, model,
+  length, method and budget the score with its 95% bootstrap interval, its share of full, the tokens attended and
+  the attention mass they hold (report.accuracy);
+* ``plots/``: accuracy vs budget, accuracy vs TPOT, TT2T bars, TPOT breakdown, decode latency vs context, and for
+  the measured runs accuracy vs budget and vs TPOT with intervals and the mass captured by layer.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from . import accuracy as A
 from . import plots as P
 from .collect import (
     REFERENCE_DIR,
@@ -145,6 +150,17 @@ def write_summary(runs_root: str | Path | list, out: str | Path, *, bench_root: 
             wide.to_csv(out / f"{task}.csv", na_rep="")
             files += [out / f"{task}.md", out / f"{task}.csv"]
 
+    # The measured runs' accuracy table and figures
+    measured = [run.payload for run in runs if (run.settings or {}).get("measure_selection")]
+    if measured:
+        rows = A.accuracy_rows(measured)
+        summary.tables["accuracy"] = pd.DataFrame([accuracy_record(r) for r in rows])
+        (out / "accuracy.md").write_text(A.render_tables(rows) + "\n\n" + A.DEFINITIONS + "\n", encoding="utf-8")
+        summary.tables["accuracy"].to_csv(out / "accuracy.csv", index=False, na_rep="")
+        files += [out / "accuracy.md", out / "accuracy.csv"]
+        if plots:
+            files += accuracy_figures(rows, bench.to_dict("records") if not bench.empty else [], plot_dir)
+
     # Latency benchmarks
     if not bench.empty:
         wide = latency_table(bench)
@@ -156,6 +172,37 @@ def write_summary(runs_root: str | Path | list, out: str | Path, *, bench_root: 
         if plots:
             files += _latency_plots(bench, references, plot_dir)
     return summary
+
+
+def accuracy_record(row: A.AccuracyRow) -> dict:
+    """One accuracy row as a flat CSV record (the per-layer lists as space-separated numbers)."""
+    record = {key: getattr(row, key) for key in ("task", "model", "length", "method", "budget", "score", "n",
+                                                   "share_of_full", "attended", "mass", "oracle_mass", "commit")}
+    record["ci_low"], record["ci_high"] = row.interval or (None, None)
+    for key in ("layers", "mass_by_layer", "oracle_by_layer"):
+        record[key] = " ".join(str(v) for v in getattr(row, key))
+    return record
+
+
+def accuracy_figures(rows: list[A.AccuracyRow], bench: list[dict], folder: Path, prefix: str = "") -> list[Path]:
+    """Per model: accuracy vs budget, accuracy vs TPOT (TPOT from the latency benchmark rows ``bench``, matched
+    by ``accuracy.tpot_for``; the title names the files and contexts used) and the mass captured by layer."""
+    files: list[Path] = []
+    for model in sorted({r.model for r in rows}):
+        mine = [r for r in rows if r.model == model]
+        name = prefix + safe_name(canonical_model(model))
+        files += P.accuracy_vs_budget_panels(mine, folder / f"accuracy_vs_budget_{name}",
+                                             title=f"Accuracy against the budget, {model}")
+        matched = [(r, A.tpot_for(r, bench)) for r in mine]
+        points = [(r, b["tpot_s_median"]) for r, b in matched if b is not None]
+        sources = sorted({f"{Path(str(b.get('file'))).name} ({b.get('model')}, {length_label(b.get('context'))})"
+                          for _, b in matched if b is not None})
+        files += P.accuracy_vs_tpot_panels(
+            points, folder / f"accuracy_vs_tpot_{name}",
+            title=f"Accuracy ({model}) against TPOT from " + "; ".join(sources) if sources else "")
+        files += P.mass_by_layer_panels(mine, folder / f"mass_by_layer_{name}",
+                                        title=f"Attention mass captured by layer, {model}")
+    return files
 
 
 def _latency_plots(bench: pd.DataFrame, references: References, plot_dir: Path) -> list[Path]:

