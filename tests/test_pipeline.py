@@ -85,9 +85,9 @@ def _first_values(experiment: str) -> list[str]:
 
 
 def test_table2_grid_size_and_reference_runs():
-    # 8 budgeted methods x 3 budgets x 16 datasets, plus the full cache once per dataset (budget null)
+    # 12 budgeted methods x 3 budgets x 16 datasets, plus the full cache once per dataset (budget null)
     jobs, base = sweep.expand(["experiment=table2"], resolve_dirs=False)
-    assert len(jobs) == 8 * 3 * 16 + 16
+    assert len(jobs) == 12 * 3 * 16 + 16
     full = [j for j in jobs if "method=full" in j.overrides]
     assert len(full) == 16 and all("budget=null" in j.overrides for j in full)
     # a command-line override replaces the swept key (Hydra's BasicSweeper rule); naming the method also drops the
