@@ -75,12 +75,11 @@ def scontrol_records(job_id: str) -> list[dict[str, str]]:
             for line in result.stdout.splitlines() if line.strip()]
 
 
-def known_jobs() -> set[str]:
-    """Every job the controller knows, finished ones included (they stay for MinJobAge, 300 s)."""
-    result = subprocess.run(["squeue", "-h", "-r", "-t", "all", "-o", "%i"], capture_output=True, text=True,
-                            timeout=60)
+def next_job_id() -> int:
+    """The id the controller gives the next job submitted: unchanged when nothing was submitted."""
+    result = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    return set(result.stdout.split())
+    return int(re.search(r"^NEXT_JOB_ID\s*=\s*(\d+)", result.stdout, re.M).group(1))
 
 
 def complete_lines(path: Path) -> list[str]:
@@ -147,11 +146,11 @@ def test_collect_builds_the_table_from_the_slurm_runs(finished_sweep):
 def test_resubmitting_a_finished_sweep_submits_nothing(finished_sweep):
     root, overrides, result = finished_sweep
     assert result.returncode == 0, result.stdout + result.stderr
-    jobs, folders = known_jobs(), sorted((root / "sweep" / ".submitit").iterdir())
+    next_id, folders = next_job_id(), sorted((root / "sweep" / ".submitit").iterdir())
     again = sweep(*overrides)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "all 2 runs of the sweep are done; nothing to submit" in again.stdout
-    assert known_jobs() == jobs  # no job reached the controller
+    assert next_job_id() == next_id  # no job reached the controller
     assert sorted((root / "sweep" / ".submitit").iterdir()) == folders
 
 
@@ -159,25 +158,53 @@ def test_resubmitting_a_finished_sweep_submits_nothing(finished_sweep):
 
 
 @pytest.mark.slurm
-def test_a_failing_task_is_reported_with_its_log_and_the_others_finish(slurm_cluster, tmp_path):
+def test_failed_and_killed_tasks_are_reported_with_their_logs_and_the_other_finishes(slurm_cluster, tmp_path):
     missing = tmp_path / "absent" / "test.jsonl"  # data missing on the node: only the task itself can tell
-    # one task at a time, the failing one first: the array goes on after it
-    result = sweep("experiment=gsm8k", "model=tiny_llama", "method=full", f"task.path={missing},"
-                   f"{FIXTURES / 'gsm8k' / 'test.jsonl'}", "task.limit=1", f"output_root={tmp_path / 'runs'}",
-                   f"hydra.sweep.dir={tmp_path / 'sweep'}", *LAUNCHER, "hydra.launcher.array_parallelism=1")
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert "sweep: 2 tasks: 1 finished, 1 failed, 0 crashed" in result.stdout
-    match = re.search(r"\[ +0\] failed: (.+)\n +log: (.+)\n +python run\.py (.+)\n", result.stdout)
-    assert match, result.stdout
-    reason, log, command = match.groups()
-    assert str(missing) in reason and "not found" in reason
-    assert f"task.path={missing}" in command
-    assert Path(log).is_file() and f"error: {reason}" in Path(log).read_text()
-    assert Path(log).is_relative_to(tmp_path / "sweep" / ".submitit")
+    good = FIXTURES / "gsm8k" / "test.jsonl"
+    copy = tmp_path / "copy" / "test.jsonl"  # the same data elsewhere: a third run, which the test kills
+    copy.parent.mkdir()
+    copy.write_text(good.read_text())
+    overrides = ["experiment=gsm8k", "model=tiny_llama", "method=full", f"task.path={missing},{good},{copy}",
+                 "task.limit=1", f"output_root={tmp_path / 'runs'}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+                 *LAUNCHER, "hydra.launcher.array_parallelism=2"]
+    log = tmp_path / "sweep.out"
+    with open(log, "w") as out:
+        driver = subprocess.Popen([PY, str(REPO / "scripts" / "sweep.py"), *overrides], cwd=REPO, stdout=out,
+                                  stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(REPO)})
+    array = None
+    try:
+        array = wait_for(lambda: re.search(r"submitted job array (\d+) ", log.read_text()), 300,
+                         "the submission").group(1)
+        # task 2 (the copy) starts once task 0 has failed; killed while it loads, it never writes a result
+        wait_for(lambda: any(t["ArrayTaskId"] == "2" and t["JobState"] == "RUNNING"
+                             for t in scontrol_records(array)), 300, "task 2 to start")
+        subprocess.run(["scancel", f"{array}_2"], check=True, timeout=60)
+        driver.wait(timeout=300)
+    finally:
+        if driver.poll() is None:  # the test failed half-way: free the cluster for the next test
+            driver.kill()
+            if array:
+                subprocess.run(["scancel", array], timeout=60)
+    output = log.read_text()
+    assert driver.returncode == 1, output  # 1: a task crashed (2 would be failures with an error line only)
+    assert "sweep: 3 tasks: 1 finished, 1 failed, 1 crashed" in output
+    reports = dict((int(index), rest) for index, rest in re.findall(
+        r"\[ +(\d+)\] (\w+: .+\n +log: .+\n +python run\.py .+)\n", output))
+    assert sorted(reports) == [0, 2], output
+    failed = re.match(r"failed: (.+)\n +log: (.+)\n +python run\.py (.+)", reports[0])
+    reason, task_log, command = failed.groups()
+    assert str(missing) in reason and "not found" in reason and f"task.path={missing}" in command
+    assert Path(task_log) == tmp_path / "sweep" / ".submitit" / f"{array}_0" / f"{array}_0_0_log.out"
+    assert f"error: {reason}" in Path(task_log).read_text()
+    crashed = re.match(r"crashed: (.+)\n +log: (.+)\n +python run\.py (.+)", reports[2])
+    reason, task_log, command = crashed.groups()
+    assert "without a result" in reason and "CANCELLED" in reason and f"task.path={copy}" in command
+    assert Path(task_log) == tmp_path / "sweep" / ".submitit" / f"{array}_2" / f"{array}_2_0_log.out"
     [finished] = (tmp_path / "runs").rglob("metrics.json")
-    assert json.loads(finished.read_text())["n_samples"] == 1
-    states = sorted(t["JobState"] for t in scontrol_records(array_id(result.stdout)))
-    assert states == ["COMPLETED", "COMPLETED"]  # a failed run still ends its task normally; the report says it
+    assert json.loads(finished.read_text())["settings"]["task"]["path"] == str(good)
+    # Slurm itself saw task 0 end normally: only the sweep's report tells that its run failed
+    states = {t["ArrayTaskId"]: t["JobState"] for t in scontrol_records(array)}
+    assert states == {"0": "COMPLETED", "1": "COMPLETED", "2": "CANCELLED"}
 
 
 @pytest.mark.slurm
