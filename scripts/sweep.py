@@ -472,6 +472,9 @@ def wait_for_tasks(jobs, outcomes: list[TaskOutcome], slurm: bool) -> None:
                 pending.discard(index)
             elif states is not None and states.get(job.job_id) not in ACTIVE_STATES:
                 first = inactive_since.setdefault(index, now)
+                refresh_listing(job.paths.folder)
+                if job.paths.result_pickle.exists():
+                    continue  # read at the next poll
                 if now - first >= LOST_AFTER_S:
                     state = states.get(job.job_id, "gone from the queue")
                     outcome.status, outcome.reason = "crashed", f"the task ended without a result (Slurm: {state})"
@@ -480,6 +483,14 @@ def wait_for_tasks(jobs, outcomes: list[TaskOutcome], slurm: bool) -> None:
                 inactive_since.pop(index, None)
         if pending:
             time.sleep(min(30.0, max(2.0, (time.time() - start) / 10)))
+
+
+def refresh_listing(folder: Path) -> None:
+    """Make an NFS client look at the folder again (a file another node wrote may not show yet otherwise)."""
+    try:
+        folder.chmod(folder.stat().st_mode)
+    except OSError:
+        pass
 
 
 def squeue_states(array_id: str) -> dict[str, str] | None:
