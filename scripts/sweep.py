@@ -30,7 +30,9 @@ GPU host will (the default is this machine's device, or cuda for a Slurm launche
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import shlex
@@ -406,9 +408,18 @@ def launch_submitit(overrides: list[str], todo: list[Job], n_done: int) -> int:
     sweep_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, sweep_dir / "multirun.yaml")
     slurm = launcher._EXECUTOR == "slurm"
-    kind = "one Slurm job array" if slurm else "submitit local processes"
-    print(f"submitting {len(todo)} runs as {kind}" + (f" ({n_done} done, skipped)" if n_done else ""), flush=True)
-    jobs = submit_array(launcher, [task_overrides(job.overrides) for job in todo])
+    runs = f"{len(todo)} run{'s' if len(todo) != 1 else ''}"
+    kind = ("to Slurm" + (" as one job array" if len(todo) > 1 else "")) if slurm else "as submitit local processes"
+    print(f"submitting {runs} {kind}" + (f" ({n_done} done, skipped)" if n_done else ""), flush=True)
+    try:
+        # submitit prints sbatch's stderr before it raises; the reason goes in the one error line instead
+        with contextlib.redirect_stderr(io.StringIO()):
+            jobs = submit_array(launcher, [task_overrides(job.overrides) for job in todo])
+    except Exception as error:  # noqa: BLE001  sbatch refused the array (a partition, account or QOS it rejects)
+        from run import fail
+
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        fail(f"the submission failed, nothing was submitted: {lines[-1] if lines else type(error).__name__}")
     if slurm:
         # submitit submits a lone task as a plain job, not an array of one
         what = (f"job array {jobs[0].job_id.split('_')[0]} (tasks 0-{len(jobs) - 1})" if len(jobs) > 1

@@ -154,6 +154,20 @@ def test_resubmitting_a_finished_sweep_submits_nothing(finished_sweep):
     assert sorted((root / "sweep" / ".submitit").iterdir()) == folders
 
 
+@pytest.mark.slurm
+def test_a_submission_sbatch_refuses_is_one_error_line_and_submits_nothing(slurm_cluster, tmp_path):
+    next_id = next_job_id()
+    launcher = [o for o in LAUNCHER if not o.startswith("hydra.launcher.partition=")]
+    result = sweep("experiment=passkey", "model=tiny_llama", "method=full", "task.lengths=[400]",
+                   "task.num_depths=1", f"output_root={tmp_path / 'runs'}", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+                   *launcher, "hydra.launcher.partition=nosuch")
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("error: the submission failed, nothing was submitted: ")
+    assert "partition" in errors[0].lower()
+    assert next_job_id() == next_id
+
+
 # ---------------------------------------------------------------------------------------------------------------
 
 
