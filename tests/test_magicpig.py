@@ -168,12 +168,15 @@ def test_a_store_grown_past_its_first_capacity_gives_what_a_store_sized_once_giv
         torch.testing.assert_close(out_grown, out_sized, atol=1e-6, rtol=1e-6)
 
 
-def test_settings_that_cannot_work_are_refused():
+def test_settings_that_cannot_work_are_refused_and_a_small_budget_shrinks_the_window():
     for values, message in (({"K": 0}, "K=0"), ({"L": 1}, "L=1"), ({"n_local_tokens": 0}, "n_local_tokens=0"),
-                            ({"budget": 68}, "budget=68")):
+                            ({"budget": 5}, "budget=5")):
         with pytest.raises(ConfigError, match=message):
             build_method({"name": "magicpig", "budget": 256, **values}, INFO)
-    assert build_method({"name": "magicpig", "budget": 69}, INFO).min_budget() == 69
+    windows = {budget: build_method({"name": "magicpig", "budget": budget}, INFO).config.n_local_tokens
+               for budget in (6, 64, 68, 69, 128, 256)}
+    # The public code's 64 where it leaves a slot to sample; else a quarter of what the 4 sinks leave.
+    assert windows == {6: 1, 64: 15, 68: 16, 69: 64, 128: 64, 256: 64}
 
 
 @pytest.mark.gpu

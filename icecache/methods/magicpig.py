@@ -28,9 +28,10 @@ merges the two parts. The step is captured in a CUDA graph on CUDA: the host wor
 (``core.host_step``), as IceCache's search is.
 
 Budget. ``budget`` slots per query head: the sinks, the window (the new token included) and at most
-``budget - n_sink_tokens - n_local_tokens`` sampled tokens. While the middle fits in those slots, every middle
-token is attended with weight 1, so attention is exact (a sequence that fits the budget is attended in full, as for
-every method). Beyond, the tokens the hash tables sample are attended; if a head samples more than fit
+``budget - n_sink_tokens - n_local_tokens`` sampled tokens; a budget the sinks and window would fill shrinks the
+window to a quarter of what the sinks leave (4 + 15 + 45 at budget 64). While the middle fits in the sampled slots,
+every middle token is attended with weight 1, so attention is exact (a sequence that fits the budget is attended in
+full, as for every method). Beyond, the tokens the hash tables sample are attended; if a head samples more than fit
 (``capped: true``), a uniformly random subset of them of the allowed size is kept (drawn per layer and step from a
 seeded generator) and the weights of that head's kept tokens grow by the inverse of the fraction kept, so the
 estimator stays importance-weighted. The number attended varies from step to step and head to head; runs record
@@ -51,8 +52,10 @@ than AVX-512 kernels (bf16 keys converted on the fly); the cap above is ours (th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -81,6 +84,22 @@ class MagicPIGConfig(MethodConfig):
     n_local_tokens: int = 64  # the recent window on the device, the new token included
     capped: bool = True  # at most budget - sinks - window sampled tokens per head (false: the paper's uncapped)
     seed: int = 0  # hash projections and the thinning draws
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "MagicPIGConfig":
+        return super().from_dict(values).fitted_to_budget()
+
+    def fitted_to_budget(self) -> "MagicPIGConfig":
+        """The settings MagicPIG runs with at this budget. Where the configured sinks and window leave no slot to
+        sample (64 sinks-and-window tokens in a budget of 64), the window takes a quarter of what the sinks leave,
+        the share of the public code's 64 in a budget of 256: 15 tokens at budget 64. Budgets with a slot to sample
+        are untouched; the runner records the settings returned here."""
+        budget = self.budget
+        if not isinstance(budget, int) or isinstance(budget, bool) or self.n_sink_tokens < 0 or self.n_local_tokens < 1:
+            return self
+        if budget - self.n_sink_tokens - self.n_local_tokens >= 1:
+            return self
+        return dataclasses.replace(self, n_local_tokens=max(1, (budget - self.n_sink_tokens) // 4))
 
 
 # --- the paper's definitions ---------------------------------------------------------------------------------------
@@ -435,12 +454,13 @@ class MagicPIG(Method):
         if c.n_sink_tokens < 0 or c.n_local_tokens < 1:
             raise ConfigError(f"magicpig: n_sink_tokens={c.n_sink_tokens} must be >= 0 and n_local_tokens="
                               f"{c.n_local_tokens} >= 1 (the window holds the new token)")
-        if c.budget < self.min_budget():
+        if c.budget < c.n_sink_tokens + c.n_local_tokens + 1:
             raise ConfigError(f"magicpig: budget={c.budget} leaves no sampled token besides n_sink_tokens="
                               f"{c.n_sink_tokens} + n_local_tokens={c.n_local_tokens}: raise it to {self.min_budget()}")
 
     def min_budget(self) -> int:
-        return self.config.n_sink_tokens + self.config.n_local_tokens + 1
+        """The sinks, a window of one and one sampled slot (the window shrinks to fit, ``fitted_to_budget``)."""
+        return self.config.n_sink_tokens + 2
 
     def forced_positions(self, n_tokens):
         c = self.config
