@@ -54,20 +54,22 @@ class PhaseTimer:
     def host_phase(self, name: str) -> Iterator[None]:
         """A phase of pure host work, timed without synchronising: it may run inside a CUDA host function, where
         synchronising is not allowed (and the device is idle, waiting for it, anyway)."""
-        if not self.enabled:
+        with self._host_timed(lambda elapsed: self._add_to_step(name, elapsed)):
             yield
-            return
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            elapsed = time.perf_counter() - start
-            with self._lock:
-                self._step[name] += elapsed
 
     @contextmanager
     def span(self, name: str) -> Iterator[None]:
         """Wall-clock seconds of the work inside, appended to ``spans[name]``; no synchronisation (host work)."""
+        with self._host_timed(lambda elapsed: self.spans[name].append(elapsed)):
+            yield
+
+    def _add_to_step(self, name: str, seconds: float) -> None:
+        self._step[name] += seconds
+
+    @contextmanager
+    def _host_timed(self, record) -> Iterator[None]:
+        """Wall-clock seconds of the work inside, handed to ``record`` under the lock (host phases and spans may be
+        timed on worker threads); nothing when the timer is off."""
         if not self.enabled:
             yield
             return
@@ -77,7 +79,7 @@ class PhaseTimer:
         finally:
             elapsed = time.perf_counter() - start
             with self._lock:
-                self.spans[name].append(elapsed)
+                record(elapsed)
 
     def take_step(self) -> dict[str, float]:
         """Return the phases of the step just finished and start a new one."""
