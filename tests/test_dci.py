@@ -478,3 +478,88 @@ def test_bad_inputs_raise_clear_errors():
         DCIIndex(8, 2, score_precision="fp16")
     with pytest.raises(ValueError, match="num_comp_indices \\* num_simp_indices == 1"):
         DCIIndex(8, 2, num_comp_indices=2, score_precision="half")
+
+
+def _bf16_pair(keys: np.ndarray, **options):
+    """A float32 index and a bfloat16 one over the same values: ``keys`` rounded to bfloat16 (exact in float32)."""
+    bf16 = torch.from_numpy(keys).to(torch.bfloat16)
+    exact = bf16.float().numpy()
+    dim, n_inst = keys.shape[2], keys.shape[0]
+    indexes = [DCIIndex(dim, n_inst, key_dtype=dtype, **options) for dtype in ("float32", "bfloat16")]
+    return indexes, exact, bf16
+
+
+@pytest.mark.parametrize("dim,precision", [(32, "float32"), (24, "float32"), (32, "half"), (128, "float32")])
+def test_bfloat16_keys_give_the_float32_index_results_bit_for_bit(dim, precision):
+    """An index holding its keys as bfloat16 widens each row exactly as it scores it: over the same values it
+    builds the same trees, inserts into the same pages and answers every query with the same pages, tokens and
+    scores as the float32 index (dims 32 and 128: the vector kernels; 24: their scalar tail)."""
+    rng = np.random.default_rng(5)
+    keys = clustered_keys(rng, 3, 2600, dim)
+    (f32, b16), exact, bf16 = _bf16_pair(keys, num_threads=3, score_precision=precision)
+    f32.build(exact[:, :2000])
+    b16.build(bf16[:, :2000])
+    for begin in range(2000, 2600, 16):
+        f32.insert(exact[:, begin : begin + 16])
+        b16.insert(bf16[:, begin : begin + 16])
+    for instance in range(3):
+        assert b16.check(instance) == ""
+        assert np.array_equal(f32.page_tokens(instance), b16.page_tokens(instance))
+        torch.testing.assert_close(b16.key_rows(instance), bf16[instance], rtol=0, atol=0)
+        info_f, info_b = f32.node_info(instance), b16.node_info(instance)
+        for name in ("level", "parent", "parent_dist", "sq_norm", "projections"):
+            assert np.array_equal(info_f[name], info_b[name]), name
+    q = aimed_queries(rng, exact, 4)
+    for fov in (None, 60):
+        a = f32.query(q, 24, ratio=4, field_of_view=fov, return_scores=True)
+        b = b16.query(q, 24, ratio=4, field_of_view=fov, return_scores=True)
+        for x, y in zip(a, b):
+            assert np.array_equal(x, y, equal_nan=True)
+
+
+def test_pages_items_and_gather_keys_read_the_stored_rows():
+    rng = np.random.default_rng(6)
+    keys = rng.standard_normal((2, 500, 16)).astype(np.float32)
+    (_, index), _, bf16 = _bf16_pair(keys)
+    index.build(bf16)
+    heads = np.array([0, 1, 1, 0])
+    pages = np.array([0, 3, 5, 7])
+    items = index.pages_items(heads, pages)
+    for r in range(4):
+        assert np.array_equal(items[r], index.page_tokens(heads[r])[pages[r]])
+    out = np.full((4, 16 * 16 * 2), 255, dtype=np.uint8)  # 4 pages of 16 rows of 16 bf16
+    index.gather_keys(heads, items, out)
+    rows = torch.from_numpy(out.view(np.int16)).view(torch.bfloat16).view(4, 16, 16)
+    for r in range(4):
+        for t in range(16):
+            expected = bf16[heads[r], items[r, t]] if items[r, t] >= 0 else torch.zeros(16, dtype=torch.bfloat16)
+            assert torch.equal(rows[r, t], expected)
+    with pytest.raises(IndexError):
+        index.pages_items(np.array([0]), np.array([10_000]))
+
+
+def test_reserved_room_is_held_once_and_inserts_stay_inside_it():
+    """``reserve`` sizes the key rows for the announced length: inserts up to there move nothing (the key rows'
+    address stays), ``memory_bytes`` counts the reserved bytes once, in the stored dtype, and the trees, pages and
+    projections take under 30% of what a token's bf16 key and value take at head_dim 128 (the host-memory bound
+    of an IceCache layer is 1.3x its offloaded KV)."""
+    rng = np.random.default_rng(7)
+    keys = rng.standard_normal((2, 1200, 128)).astype(np.float32)
+    (_, index), _, bf16 = _bf16_pair(keys)
+    index.reserve(1200)
+    index.build(bf16[:, :1000])
+    address = index.key_rows(0).data_ptr()
+    for begin in range(1000, 1200, 16):
+        index.insert(bf16[:, begin : begin + 16])
+    assert index.key_rows(0).data_ptr() == address
+    memory = index.memory_bytes()
+    assert memory["keys"] == 2 * 1200 * 128 * 2  # two instances, bf16, no float32 copy left after the build
+    assert 0 < memory["structure"] < 0.3 * 2 * memory["keys"]
+
+
+def test_a_bfloat16_index_refuses_float32_keys_with_one_clear_line():
+    index = DCIIndex(8, 2, key_dtype="bfloat16")
+    with pytest.raises(TypeError, match="bfloat16 torch tensor"):
+        index.build(np.zeros((2, 10, 8), dtype=np.float32))
+    with pytest.raises(ValueError, match="key_dtype must be one of"):
+        DCIIndex(8, 2, key_dtype="int8")

@@ -4,7 +4,8 @@ This is the Python face of the C++ index in ``src/`` (design notes in docs/dci.m
 Prioritized DCI over random directions, its multi-level form, M-DCI's page-leaf B+ tree (at most 16 tokens per
 leaf, 8-16 once a parent has more than one leaf) and the maximum-inner-product transform. Every operation is one
 call over all instances, threaded in C++ with the GIL released. Arrays are float32 and C-contiguous; NumPy arrays
-and CPU torch tensors are taken without a copy.
+and CPU torch tensors are taken without a copy. An index made with ``key_dtype="bfloat16"`` takes its keys as
+bfloat16 CPU tensors and holds them so: it is then the only host copy of them a KV cache needs (``key_rows``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,23 @@ from . import _dci
 PAGE_SLOTS: int = _dci.PAGE_SLOTS
 BRUTE_FORCE_THRESHOLD = 3000  # numa_threshold: parents searched exhaustively up to this many upper-level points
 SCORE_PRECISIONS = ("float32", "half")
+KEY_DTYPES = ("float32", "bfloat16")
+
+
+def _as_bfloat16_bits(name: str, tensor: Any, ndim: int) -> np.ndarray:
+    """The bits of a bfloat16 CPU tensor as a C-contiguous uint16 array (a view unless it was not contiguous)."""
+    import torch
+
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.bfloat16:
+        got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise TypeError(f"{name} must be a bfloat16 torch tensor for an index with key_dtype='bfloat16', got {got}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU tensor, got one on {tensor.device}")
+    if tensor.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(tensor.shape)}")
+    if not bool(torch.isfinite(tensor.detach().float().sum(dtype=torch.float64))):
+        raise ValueError(f"{name} contains NaN or infinite values")
+    return tensor.detach().contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
 def _as_float32(name: str, array: Any, ndim: int) -> np.ndarray:
@@ -65,6 +83,9 @@ class DCIIndex:
             IEEE half copy of them (+50% key memory), scores with it first and re-scores in float32 only the rows
             that error bounds cannot rule out: same results and scores, bit for bit, from about half the bytes read.
             Needs num_comp_indices * num_simp_indices == 1. See docs/dci.md.
+        key_dtype: "float32" (keys are float32 arrays) or "bfloat16" (keys are bfloat16 torch tensors, held as
+            such: half the bytes; each row is widened exactly when scored, so results equal the float32 index's
+            over the same values).
     """
 
     def __init__(
@@ -82,6 +103,7 @@ class DCIIndex:
         num_threads: int | None = None,
         directions: np.ndarray | None = None,
         score_precision: str = "float32",
+        key_dtype: str = "float32",
     ) -> None:
         if dim < 1 or num_instances < 1:
             raise ValueError(f"dim and num_instances must be positive, got {dim} and {num_instances}")
@@ -91,6 +113,8 @@ class DCIIndex:
             raise ValueError("promotion probabilities must lie in (0, 1) (promotion_prob_subseq may be 0)")
         if score_precision not in SCORE_PRECISIONS:
             raise ValueError(f"score_precision must be one of {SCORE_PRECISIONS}, got {score_precision!r}")
+        if key_dtype not in KEY_DTYPES:
+            raise ValueError(f"key_dtype must be one of {KEY_DTYPES}, got {key_dtype!r}")
         if score_precision == "half" and num_comp_indices * num_simp_indices != 1:
             raise ValueError(
                 "score_precision='half' needs num_comp_indices * num_simp_indices == 1 (it speeds up the L = 1 "
@@ -99,6 +123,7 @@ class DCIIndex:
         self.dim = dim
         self.num_instances = num_instances
         self.transform = transform
+        self.key_dtype = key_dtype
         n_dirs = num_comp_indices * num_simp_indices
         width = dim + 1 if transform else dim
         if directions is None:
@@ -118,6 +143,7 @@ class DCIIndex:
         self._forest = _dci.Forest(
             dim, num_instances, num_comp_indices, num_simp_indices, promotion_prob, promotion_prob_subseq,
             transform, deterministic_levels, seed, directions, threads, score_precision == "half",
+            key_dtype == "bfloat16",
         )
 
     # ------------------------------------------------------------------ threads
@@ -139,7 +165,7 @@ class DCIIndex:
 
     # ------------------------------------------------------------------ building
     def _check_keys(self, keys: Any) -> np.ndarray:
-        keys = _as_float32("keys", keys, 3)
+        keys = _as_bfloat16_bits("keys", keys, 3) if self.key_dtype == "bfloat16" else _as_float32("keys", keys, 3)
         if keys.shape[0] != self.num_instances or keys.shape[2] != self.dim:
             raise ValueError(
                 f"keys must have shape [num_instances={self.num_instances}, n, dim={self.dim}], got {keys.shape}"
@@ -241,6 +267,38 @@ class DCIIndex:
         if return_scores:
             return pages, tokens, page_scores, token_scores
         return pages, tokens
+
+    # ------------------------------------------------------------------ storage
+    def reserve(self, num_tokens: int) -> None:
+        """Room for ``num_tokens`` tokens per instance, so that inserts up to there reallocate no per-token array
+        (a KV cache announces its final length: no growth slack, no copy while it grows)."""
+        self._forest.reserve(int(num_tokens))
+
+    def key_rows(self, instance: int):
+        """The stored keys of one instance, [num_tokens, dim], without a copy: a bfloat16 torch tensor (key_dtype
+        bfloat16) or a float32 NumPy array. Valid until the next build or insert."""
+        rows = self._forest.key_rows(self._instance(instance))
+        if self.key_dtype == "bfloat16":
+            import torch
+
+            return torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16)
+        return rows
+
+    def pages_items(self, instances: np.ndarray, pages: np.ndarray) -> np.ndarray:
+        """int32 [n, 16]: the token ids of page ``pages[r]`` of instance ``instances[r]`` in slot order, -1 padded."""
+        return self._forest.pages_items(np.ascontiguousarray(instances, dtype=np.int64),
+                                        np.ascontiguousarray(pages, dtype=np.int64))
+
+    def gather_keys(self, instances: np.ndarray, token_ids: np.ndarray, out: np.ndarray) -> None:
+        """Copy the stored key rows of ``token_ids [n, 16]`` (-1: a zero row) of ``instances [n]`` into the
+        C-contiguous byte buffer ``out`` (row r * 16 + t), in the stored dtype."""
+        self._forest.gather_keys(np.ascontiguousarray(instances, dtype=np.int64),
+                                 np.ascontiguousarray(token_ids, dtype=np.int32), out)
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Host bytes the index holds (reserved capacity included): ``keys`` (its key rows) and ``structure``
+        (levels, trees, pages, projections)."""
+        return dict(self._forest.memory_bytes())
 
     # ------------------------------------------------------------------ maps and state
     @property

@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 
@@ -21,7 +22,7 @@ using FArray = py::array_t<float, py::array::c_style>;
 class Forest {
  public:
   Forest(int dim, int num_instances, int num_comp, int num_simp, double p0, double p1, bool transform,
-         bool deterministic, uint64_t seed, FArray directions, int threads, bool half_scores)
+         bool deterministic, uint64_t seed, FArray directions, int threads, bool half_scores, bool bf16_keys)
       : threads_(std::max(1, threads)) {
     cfg_.dim = dim;
     cfg_.num_comp = num_comp;
@@ -31,6 +32,7 @@ class Forest {
     cfg_.promotion_prob = p0;
     cfg_.promotion_prob_subseq = p1;
     cfg_.half_scores = half_scores;
+    cfg_.bf16_keys = bf16_keys;
     if (num_comp * num_simp > 64) throw std::invalid_argument("at most 64 directions");
     if (num_simp > 255) throw std::invalid_argument("at most 255 simple indices per composite index");
     if (half_scores && num_comp * num_simp != 1)
@@ -45,11 +47,21 @@ class Forest {
   void set_threads(int t) { threads_ = std::max(1, t); }
   int threads() const { return threads_; }
 
-  void build(FArray keys, int fov, double pr, double pv, int interval, int X, double thr, int brute) {
+  // Keys [instances, n, dim], C-contiguous: float32, or uint16 holding bfloat16 bits when the index keeps
+  // bfloat16 keys (checked in index.py; here only the element size is).
+  const char* key_base(const py::array& keys) const {
+    if (keys.itemsize() != (cfg_.bf16_keys ? 2 : 4) || !(keys.flags() & py::array::c_style) || keys.ndim() != 3)
+      throw std::invalid_argument(cfg_.bf16_keys ? "keys must be C-contiguous bfloat16 bits (uint16)"
+                                                 : "keys must be C-contiguous float32");
+    return static_cast<const char*>(keys.data());
+  }
+  size_t row_bytes() const { return static_cast<size_t>(cfg_.dim) * (cfg_.bf16_keys ? 2 : 4); }
+
+  void build(py::array keys, int fov, double pr, double pv, int interval, int X, double thr, int brute) {
     const int I = static_cast<int>(inst_.size());
     const int64_t n = keys.shape(1);
-    const float* base = keys.data();
-    const int dim = cfg_.dim;
+    const char* base = key_base(keys);
+    const size_t rb = row_bytes();
     dci::SearchConfig sc{fov, pr, pv};
     dci::AnchorConfig ac{interval, X, thr};
     py::gil_scoped_release nogil;
@@ -57,18 +69,90 @@ class Forest {
     const int inner = std::max(1, threads_ / outer);
     omp_set_max_active_levels(2);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(outer)
-    for (int i = 0; i < I; ++i) inst_[i]->build(base + static_cast<int64_t>(i) * n * dim, n, sc, ac, brute, inner);
+    for (int i = 0; i < I; ++i) inst_[i]->build(base + static_cast<int64_t>(i) * n * rb, n, sc, ac, brute, inner);
   }
 
-  void insert(FArray keys, int fov, double pr, double pv, bool as_batch, int brute) {
+  void insert(py::array keys, int fov, double pr, double pv, bool as_batch, int brute) {
     const int I = static_cast<int>(inst_.size());
     const int64_t m = keys.shape(1);
-    const float* base = keys.data();
-    const int dim = cfg_.dim;
+    const char* base = key_base(keys);
+    const size_t rb = row_bytes();
     dci::SearchConfig sc{fov, pr, pv};
     py::gil_scoped_release nogil;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(1, std::min(I, threads_)))
-    for (int i = 0; i < I; ++i) inst_[i]->insert(base + static_cast<int64_t>(i) * m * dim, m, sc, as_batch, brute);
+    for (int i = 0; i < I; ++i) inst_[i]->insert(base + static_cast<int64_t>(i) * m * rb, m, sc, as_batch, brute);
+  }
+
+  void reserve(int64_t n) {
+    for (auto& x : inst_) x->reserve(n);
+  }
+
+  // Instance i's key rows [n, dim] without a copy (uint16 bfloat16 bits, or float32); the array keeps the Forest
+  // alive, and is valid until the next build or insert.
+  py::array key_rows(py::object self, int i) const {
+    const Instance& x = at(i);
+    const py::ssize_t n = x.num_tokens(), dim = cfg_.dim;
+    if (cfg_.bf16_keys)
+      return py::array_t<uint16_t>({n, dim}, static_cast<const uint16_t*>(x.key_data()), self);
+    return py::array_t<float>({n, dim}, static_cast<const float*>(x.key_data()), self);
+  }
+
+  // Token ids [n, 16] (-1 padded) of page pages[r] of instance heads[r]: the rows a load of those pages reads.
+  py::array_t<int32_t> pages_items(py::array_t<int64_t, py::array::c_style> heads,
+                                   py::array_t<int64_t, py::array::c_style> pages) const {
+    const int64_t n = heads.size();
+    if (pages.size() != n) throw std::invalid_argument("heads and pages must have the same length");
+    py::array_t<int32_t> out({n, static_cast<int64_t>(dci::kPageSlots)});
+    int32_t* o = out.mutable_data();
+    const int64_t* h = heads.data();
+    const int64_t* p = pages.data();
+    for (int64_t r = 0; r < n; ++r) {
+      const Instance& x = at(static_cast<int>(h[r]));
+      if (p[r] < 0 || p[r] >= x.num_pages()) throw py::index_error("page out of range");
+      const dci::Leaf& lf = x.leaves()[p[r]];
+      const int count = lf.owner == -2 ? 0 : lf.count;
+      for (int t = 0; t < dci::kPageSlots; ++t) o[r * dci::kPageSlots + t] = t < count ? lf.item[t] : -1;
+    }
+    return out;
+  }
+
+  // Copies the key rows of tokens ids[r][t] of instance heads[r] to row r * 16 + t of `out` (bytes, C-contiguous,
+  // at least n * 16 rows); an id of -1 gives a zero row. The rows a load of pages_items(heads, pages) sends.
+  void gather_keys(py::array_t<int64_t, py::array::c_style> heads, py::array_t<int32_t, py::array::c_style> ids,
+                   py::array out) const {
+    const int64_t n = heads.size();
+    const size_t rb = row_bytes();
+    if (ids.ndim() != 2 || ids.shape(0) != n || ids.shape(1) != dci::kPageSlots)
+      throw std::invalid_argument("ids must have shape [len(heads), 16]");
+    if (!(out.flags() & py::array::c_style) || !out.writeable() ||
+        static_cast<size_t>(out.nbytes()) < static_cast<size_t>(n) * dci::kPageSlots * rb)
+      throw std::invalid_argument("out must be a writable C-contiguous buffer of len(heads) * 16 key rows");
+    char* o = static_cast<char*>(out.mutable_data());
+    const int64_t* h = heads.data();
+    const int32_t* id = ids.data();
+    for (int64_t r = 0; r < n; ++r) {
+      const Instance& x = at(static_cast<int>(h[r]));
+      const char* base = static_cast<const char*>(x.key_data());
+      for (int t = 0; t < dci::kPageSlots; ++t) {
+        const int32_t tok = id[r * dci::kPageSlots + t];
+        char* dst = o + (static_cast<size_t>(r) * dci::kPageSlots + t) * rb;
+        if (tok < 0) std::memset(dst, 0, rb);
+        else if (tok >= x.num_tokens()) throw py::index_error("token id out of range");
+        else std::memcpy(dst, base + static_cast<size_t>(tok) * rb, rb);
+      }
+    }
+  }
+
+  py::dict memory_bytes() const {
+    int64_t keys = 0, structure = static_cast<int64_t>(dirs_.capacity() * sizeof(float));
+    for (const auto& x : inst_) {
+      keys += x->key_bytes();
+      structure += x->structure_bytes();
+    }
+    py::dict d;
+    d["keys"] = keys;
+    d["structure"] = structure;
+    return d;
   }
 
   py::tuple query(FArray queries, int K, int fov, double pr, double pv, int ratio) {
@@ -360,8 +444,14 @@ PYBIND11_MODULE(_dci, m) {
   m.doc() = "Multi-level Prioritized DCI with M-DCI page leaves and the MIPS transform (see icecache/dci/index.py)";
   m.attr("PAGE_SLOTS") = dci::kPageSlots;
   py::class_<Forest>(m, "Forest")
-      .def(py::init<int, int, int, int, double, double, bool, bool, uint64_t, FArray, int, bool>())
+      .def(py::init<int, int, int, int, double, double, bool, bool, uint64_t, FArray, int, bool, bool>())
       .def_property_readonly("half_scores", [](const Forest& f) { return f.cfg_.half_scores; })
+      .def_property_readonly("bf16_keys", [](const Forest& f) { return f.cfg_.bf16_keys; })
+      .def("reserve", &Forest::reserve)
+      .def("key_rows", [](py::object self, int i) { return self.cast<const Forest&>().key_rows(self, i); })
+      .def("pages_items", &Forest::pages_items)
+      .def("memory_bytes", &Forest::memory_bytes)
+      .def("gather_keys", &Forest::gather_keys)
       .def_property("num_threads", &Forest::threads, &Forest::set_threads)
       .def("build", &Forest::build)
       .def("insert", &Forest::insert)

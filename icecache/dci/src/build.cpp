@@ -51,7 +51,7 @@ void Instance::assign_parents(int level, const SearchConfig& sc, const AnchorCon
   std::vector<uint8_t> accepted(n, 0);
   for (int64_t a : anchors) accepted[a] = 1;
   const int X = std::max(1, ac.neighbours);
-  const float* keys = keys_.data();
+  const float* keys = keys_.data();  // held through a build (bf16_keys too)
   const int dim = cfg_->dim;
 #pragma omp parallel num_threads(threads)
   {
@@ -94,11 +94,11 @@ void Instance::assign_parents(int level, const SearchConfig& sc, const AnchorCon
   exact(fallback);
 }
 
-void Instance::build(const float* keys, int64_t n, const SearchConfig& sc, const AnchorConfig& ac,
+void Instance::build(const void* keys, int64_t n, const SearchConfig& sc, const AnchorConfig& ac,
                      int brute_threshold, int threads) {
   reset();
   if (n <= 0) return;
-  append_points(keys, n);
+  append_points(keys, n, true);
   project(0, n, threads);
   for (int64_t i = 0; i < n; ++i) {
     const int l = next_level();
@@ -159,6 +159,7 @@ void Instance::build(const float* keys, int64_t n, const SearchConfig& sc, const
   }
   recount();
   std::fill(changed_.begin(), changed_.end(), 1);
+  if (cfg_->bf16_keys) std::vector<float>().swap(keys_);  // the bfloat16 rows are the index's keys from now on
 }
 
 }  // namespace dci

@@ -35,6 +35,10 @@ struct IndexConfig {
   // Keep a half-precision copy of the page key rows and score the last level of a query with it first; only the
   // rows that can still enter a result are re-scored in float32 (Instance::scan_runs_half). L = 1 only.
   bool half_scores = false;
+  // Keys are held as bfloat16 (the model's KV dtype) and widened to float32 as they are scored: the widening is
+  // exact, so every dot product, and so every result, is the one of the float32 index over the same values, from
+  // half the bytes. The float32 index keeps float32 keys.
+  bool bf16_keys = false;
   int num_dirs() const { return num_comp * num_simp; }
   int dir_stride() const { return transform ? dim + 1 : dim; }
 };
@@ -180,10 +184,19 @@ class Instance {
   Instance(const IndexConfig* cfg, const float* dirs, uint64_t seed) : cfg_(cfg), dirs_(dirs), rng_(seed) { reset(); }
 
   // bulk build (docs/dci.md)
-  void build(const float* keys, int64_t n, const SearchConfig& sc, const AnchorConfig& ac, int brute_threshold,
+  // `keys` is float32 [n][dim], or bfloat16 bit patterns [n][dim] when the index holds bfloat16 keys.
+  void build(const void* keys, int64_t n, const SearchConfig& sc, const AnchorConfig& ac, int brute_threshold,
              int threads);
-  // insertion (docs/dci.md)
-  void insert(const float* keys, int64_t m, const SearchConfig& sc, bool as_batch, int brute_threshold);
+  // insertion (docs/dci.md); `keys` as for build
+  void insert(const void* keys, int64_t m, const SearchConfig& sc, bool as_batch, int brute_threshold);
+  // Room for n tokens in every per-token array, so that inserting up to n tokens reallocates none of them.
+  void reserve(int64_t n);
+  // Bytes the instance holds (capacity, not size), its keys and its structure apart.
+  int64_t key_bytes() const;
+  int64_t structure_bytes() const;
+  // The stored key rows, [n][dim]: bfloat16 bit patterns (bf16_keys) or float32. Valid until the next insert.
+  const void* key_data() const { return cfg_->bf16_keys ? static_cast<const void*>(keys_bf16_.data())
+                                                        : static_cast<const void*>(keys_.data()); }
   // page query (docs/dci.md)
   void query(const float* q, int K, const SearchConfig& sc, Scratch& s, int32_t* pages, int32_t* tokens,
              float* page_scores, float* token_scores) const;
@@ -215,7 +228,6 @@ class Instance {
   double max_sq_norm() const { return M_; }
   const std::vector<Leaf>& leaves() const { return leaves_; }
   const std::vector<Node>& nodes() const { return nodes_; }
-  const std::vector<float>& keys() const { return keys_; }
   const std::vector<float>& sq_norms() const { return sq_norm_; }
   const std::vector<float>& projections() const { return proj_; }
   const std::vector<int32_t>& free_pages() const { return free_pages_; }
@@ -227,14 +239,29 @@ class Instance {
   // level schedule (docs/dci.md)
   int next_level();
   void reset();
-  void append_points(const float* keys, int64_t m);
+  void append_points(const void* keys, int64_t m, bool widen);
+  // Key row `id` as float32: a pointer into the float32 rows when they are held (always without bf16_keys; during
+  // a build with them), else the bfloat16 row widened into `buf` (dim floats), which is returned.
+  const float* key_row(int64_t id, float* buf) const;
+  // Dot products of q with the key rows `ids` (one query), and of qs[j] with them (several, out[j * stride + r]):
+  // the same sequence of operations whichever the storage, so a value never depends on it.
+  void dot_keys(const float* q, const int32_t* ids, int m, float* out) const;
+  void dot_keys_multi(const float* const* qs, int nq, const int32_t* ids, int m, float* out, int stride) const;
+  // A key row's cache lines requested ahead of its scoring (a page's rows lie anywhere in the key array).
+  void prefetch_row(int32_t id) const {
+    const int row_bytes = cfg_->dim * (cfg_->bf16_keys ? 2 : 4);
+    const char* row = static_cast<const char*>(key_data()) + static_cast<int64_t>(id) * row_bytes;
+    for (int off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + off);
+  }
+  void prefetch_rows(const Leaf& lf) const {
+    for (int t = 0; t < lf.count; ++t) prefetch_row(lf.item[t]);
+  }
   void project(int64_t first, int64_t last, int threads);
   void correct_projection(int32_t id);
   // pages (docs/dci.md, tree and pages)
   int32_t alloc_page();
   void free_page(int32_t page);
-  // Flags a page as changed and refreshes its key rows in page_keys_ (the leaf's own buffer, slot order), and with
-  // half_scores their half copies and error bounds.
+  // Flags a page as changed, and with half_scores refreshes the half copies and error bounds of its rows.
   void mark(int32_t page);
   // The half copy of one key row and its error slack (see page_slack_).
   void encode_half_row(const float* key, uint16_t* half, float* slack) const;
@@ -288,15 +315,17 @@ class Instance {
   const float* dirs_;   // [L][dir_stride]
   std::mt19937_64 rng_;
 
-  std::vector<float> keys_;       // [n][dim]
+  // Key rows by token id, [n][dim]: float32 (keys_), or bfloat16 (keys_bf16_) with bf16_keys, where keys_ holds a
+  // float32 copy only while a build runs (it reads every row many times) and is released at its end.
+  std::vector<float> keys_;
+  std::vector<uint16_t> keys_bf16_;
   std::vector<float> sq_norm_;    // [n]
   std::vector<float> proj_;       // [n][L]
   std::vector<Node> nodes_;
   std::vector<ChildIndex> kids_;  // kids_[0] = root
   std::vector<std::vector<int32_t>> levels_;
   std::vector<Leaf> leaves_;      // indexed by page id
-  std::vector<float> page_keys_;  // [pages][16][dim]: keys in page/slot order, so a query reads pages contiguously
-  // half_scores only. page_half_[pages][16][dim]: page_keys_ rounded to IEEE half. page_slack_[pages][16]: for a row
+  // half_scores only. page_half_[pages][16][dim]: each page's key rows in slot order rounded to IEEE half. page_slack_[pages][16]: for a row
   // k with half copy h, an s such that the float32 dot products of any q with k and with h differ by at most |q| s:
   // s = |k - h| + 2 max(dim, 16) 2^-24 (|k| + |h|), the second term covering the rounding of both sums. +inf (and
   // a zero half row) when a value is beyond the half range: that row is always re-scored.
@@ -311,10 +340,20 @@ class Instance {
 
 // kernels.cpp
 void dot_rows(const float* q, const float* rows, const int32_t* ids, int m, int dim, float* out);
+// dot_rows over bfloat16 rows (bit patterns), widened exactly: the values of dot_rows over their float32 copies.
+void dot_rows_bf16(const float* q, const uint16_t* rows, const int32_t* ids, int m, int dim, float* out);
 float dot(const float* a, const float* b, int dim);
 // out[j * out_stride + r] = qs[j] . rows[r] for j < nq (any nq), reading each row once; every value is bit-identical
 // to dot_rows' value for the same query and row.
 void dot_rows_multi(const float* const* qs, int nq, const float* rows, int m, int dim, float* out, int out_stride);
+// dot_rows_multi over rows ids[0..m) of `rows` (float32 or bfloat16 bit patterns): the same values as dot_rows_multi
+// over those rows copied out contiguously.
+void dot_rows_multi_ids(const float* const* qs, int nq, const float* rows, const int32_t* ids, int m, int dim,
+                        float* out, int out_stride);
+void dot_rows_multi_ids_bf16(const float* const* qs, int nq, const uint16_t* rows, const int32_t* ids, int m, int dim,
+                             float* out, int out_stride);
+// bfloat16 bit patterns to float32 (exact).
+void bf16_to_float(const uint16_t* src, int n, float* dst);
 // IEEE binary16 conversions (round to nearest even; overflow gives infinity) and dot_rows_multi over half rows.
 // The half kernel's values are approximate in their order of summation; only the bound in page_slack_ is relied on.
 uint16_t float_to_half(float f);

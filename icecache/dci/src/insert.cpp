@@ -20,11 +20,12 @@ void Instance::insert_point(int32_t id, const SearchConfig& sc, int brute_thresh
     ChildIndex& ci = kids_[slot];
     ci.children_sq_norm_max = M_;
     float mx = 0.0f;
+    std::vector<float> child_buf(dim), new_buf(dim);
+    const float* new_key = key_row(id, new_buf.data());
     for (int32_t c : old_top) {
       correct_projection(c);
       nodes_[c].parent = id;
-      nodes_[c].parent_dist = key_dist(&keys_[static_cast<int64_t>(c) * dim], sq_norm_[c],
-                                       &keys_[static_cast<int64_t>(id) * dim], sq_norm_[id]);
+      nodes_[c].parent_dist = key_dist(key_row(c, child_buf.data()), sq_norm_[c], new_key, sq_norm_[id]);
       mx = std::max(mx, nodes_[c].parent_dist);
     }
     std::vector<int32_t> pages;
@@ -54,7 +55,8 @@ void Instance::insert_point(int32_t id, const SearchConfig& sc, int brute_thresh
   if (t == 0) return;
   // Re-parent the level below: points strictly closer (by more than 1e-8) to the new point move under it.
   const std::vector<int32_t>& below = levels_[t - 1];
-  const Probe probe{&keys_[static_cast<int64_t>(id) * dim], sq_norm_[id], false};
+  std::vector<float> probe_buf(dim);
+  const Probe probe{key_row(id, probe_buf.data()), sq_norm_[id], false};
   std::vector<float> d(below.size());
   score(probe, below.data(), static_cast<int>(below.size()), d.data());
   ensure_kids(id);
@@ -69,7 +71,7 @@ void Instance::insert_point(int32_t id, const SearchConfig& sc, int brute_thresh
   }
 }
 
-void Instance::insert(const float* keys, int64_t m, const SearchConfig& sc, bool as_batch, int brute_threshold) {
+void Instance::insert(const void* keys, int64_t m, const SearchConfig& sc, bool as_batch, int brute_threshold) {
   if (m <= 0) return;
   Scratch s;
   const int64_t n0 = num_tokens();
@@ -77,7 +79,7 @@ void Instance::insert(const float* keys, int64_t m, const SearchConfig& sc, bool
     // dci_add with k > 1 points: M and the projections take in the whole batch first; the new points are then
     // merged top level first, so every new point finds its parent among old and new points of the level above and
     // old points may switch to a closer new upper point.
-    append_points(keys, m);
+    append_points(keys, m, false);
     project(n0, n0 + m, 1);
     std::vector<int32_t> order(m);
     for (int64_t i = 0; i < m; ++i) {
@@ -95,7 +97,8 @@ void Instance::insert(const float* keys, int64_t m, const SearchConfig& sc, bool
     for (int32_t id : order) insert_point(id, sc, brute_threshold, s);
   } else {
     for (int64_t i = 0; i < m; ++i) {
-      append_points(keys + i * cfg_->dim, 1);
+      const size_t row_bytes = static_cast<size_t>(cfg_->dim) * (cfg_->bf16_keys ? 2 : 4);
+      append_points(static_cast<const char*>(keys) + i * row_bytes, 1, false);
       project(n0 + i, n0 + i + 1, 1);
       nodes_[n0 + i].level = next_level();
       insert_point(static_cast<int32_t>(n0 + i), sc, brute_threshold, s);

@@ -29,12 +29,35 @@ static inline v8 load8(const float* p) {
   return v;
 }
 
+// A bfloat16 is the top half of a float32: widening it is a shift, exact, so a row scored from its bfloat16 bits
+// gives the values of the same row held as float32.
+typedef uint16_t v8h __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+
+static inline v8 load8(const uint16_t* p) {
+  v8h h;
+  std::memcpy(&h, p, sizeof(h));
+  const v8u w = __builtin_convertvector(h, v8u) << 16;
+  v8 v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+
+static inline float widen(float x) { return x; }
+static inline float widen(uint16_t x) {
+  const uint32_t w = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
+}
+
 static inline float hsum(v8 a, v8 b, float tail) {
   const v8 s = a + b;
   return (((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]))) + tail;
 }
 
-static inline float dot_impl(const float* a, const float* b, int dim) {
+template <typename R>
+__attribute__((always_inline)) static inline float dot_impl(const float* a, const R* b, int dim) {
   v8 x = {0}, y = {0};
   int i = 0;
   for (; i + 16 <= dim; i += 16) {
@@ -43,22 +66,28 @@ static inline float dot_impl(const float* a, const float* b, int dim) {
   }
   for (; i + 8 <= dim; i += 8) x += load8(a + i) * load8(b + i);
   float tail = 0.0f;
-  for (; i < dim; ++i) tail += a[i] * b[i];
+  for (; i < dim; ++i) tail += a[i] * widen(b[i]);
   return hsum(x, y, tail);
 }
 
 DCI_CLONES
 float dot(const float* a, const float* b, int dim) { return dot_impl(a, b, dim); }
 
+DCI_CLONES
+void bf16_to_float(const uint16_t* src, int n, float* dst) {
+  for (int i = 0; i < n; ++i) dst[i] = widen(src[i]);
+}
+
 // Four rows at a time share the query loads and give the FMA units independent chains. Each row's sum is the same
 // sequence of operations as dot_impl, so a row's value does not depend on its position in a block.
-DCI_CLONES
-void dot_rows(const float* q, const float* rows, const int32_t* ids, int m, int dim, float* out) {
+template <typename R>
+__attribute__((always_inline)) static inline void dot_rows_t(const float* q, const R* rows, const int32_t* ids, int m,
+                                                             int dim, float* out) {
   auto row = [&](int r) { return rows + static_cast<int64_t>(ids ? ids[r] : r) * dim; };
   int r = 0;
   if ((dim & 15) == 0) {
     for (; r + 4 <= m; r += 4) {
-      const float *p0 = row(r), *p1 = row(r + 1), *p2 = row(r + 2), *p3 = row(r + 3);
+      const R *p0 = row(r), *p1 = row(r + 1), *p2 = row(r + 2), *p3 = row(r + 3);
       v8 x0 = {0}, y0 = {0}, x1 = {0}, y1 = {0}, x2 = {0}, y2 = {0}, x3 = {0}, y3 = {0};
       for (int i = 0; i < dim; i += 16) {
         const v8 qa = load8(q + i), qb = load8(q + i + 8);
@@ -76,13 +105,25 @@ void dot_rows(const float* q, const float* rows, const int32_t* ids, int m, int 
   for (; r < m; ++r) out[r] = dot_impl(q, row(r), dim);
 }
 
+DCI_CLONES
+void dot_rows(const float* q, const float* rows, const int32_t* ids, int m, int dim, float* out) {
+  dot_rows_t(q, rows, ids, m, dim, out);
+}
+
+DCI_CLONES
+void dot_rows_bf16(const float* q, const uint16_t* rows, const int32_t* ids, int m, int dim, float* out) {
+  dot_rows_t(q, rows, ids, m, dim, out);
+}
+
 // NH queries against one row at a time: the row is loaded once for all of them (the heads of a GQA group share the
 // keys). Query j's sum over a row is the same sequence of operations as in dot_rows, so the values are identical.
-template <int NH>
-__attribute__((always_inline)) static inline void dot_rows_heads(const float* const* qs, const float* rows, int m,
-                                                                 int dim, float* out, int out_stride) {
+// Rows are rows[ids[r]] (ids may be null: rows r).
+template <int NH, typename R>
+__attribute__((always_inline)) static inline void dot_rows_heads(const float* const* qs, const R* rows,
+                                                                 const int32_t* ids, int m, int dim, float* out,
+                                                                 int out_stride) {
   for (int r = 0; r < m; ++r) {
-    const float* p = rows + static_cast<int64_t>(r) * dim;
+    const R* p = rows + static_cast<int64_t>(ids ? ids[r] : r) * dim;
     v8 x[NH], y[NH];
     for (int j = 0; j < NH; ++j) x[j] = y[j] = v8{0};
     for (int i = 0; i < dim; i += 16) {
@@ -96,21 +137,41 @@ __attribute__((always_inline)) static inline void dot_rows_heads(const float* co
   }
 }
 
-DCI_CLONES
-void dot_rows_multi(const float* const* qs, int nq, const float* rows, int m, int dim, float* out, int out_stride) {
+template <typename R>
+__attribute__((always_inline)) static inline void dot_rows_multi_t(const float* const* qs, int nq, const R* rows,
+                                                                   const int32_t* ids, int m, int dim, float* out,
+                                                                   int out_stride) {
   if ((dim & 15) != 0) {
     for (int j = 0; j < nq; ++j)
-      for (int r = 0; r < m; ++r) out[j * out_stride + r] = dot_impl(qs[j], rows + static_cast<int64_t>(r) * dim, dim);
+      for (int r = 0; r < m; ++r)
+        out[j * out_stride + r] = dot_impl(qs[j], rows + static_cast<int64_t>(ids ? ids[r] : r) * dim, dim);
     return;
   }
   int j = 0;
-  for (; j + 4 <= nq; j += 4) dot_rows_heads<4>(qs + j, rows, m, dim, out + j * out_stride, out_stride);
+  for (; j + 4 <= nq; j += 4) dot_rows_heads<4>(qs + j, rows, ids, m, dim, out + j * out_stride, out_stride);
   switch (nq - j) {
-    case 3: dot_rows_heads<3>(qs + j, rows, m, dim, out + j * out_stride, out_stride); break;
-    case 2: dot_rows_heads<2>(qs + j, rows, m, dim, out + j * out_stride, out_stride); break;
-    case 1: dot_rows_heads<1>(qs + j, rows, m, dim, out + j * out_stride, out_stride); break;
+    case 3: dot_rows_heads<3>(qs + j, rows, ids, m, dim, out + j * out_stride, out_stride); break;
+    case 2: dot_rows_heads<2>(qs + j, rows, ids, m, dim, out + j * out_stride, out_stride); break;
+    case 1: dot_rows_heads<1>(qs + j, rows, ids, m, dim, out + j * out_stride, out_stride); break;
     default: break;
   }
+}
+
+DCI_CLONES
+void dot_rows_multi(const float* const* qs, int nq, const float* rows, int m, int dim, float* out, int out_stride) {
+  dot_rows_multi_t(qs, nq, rows, static_cast<const int32_t*>(nullptr), m, dim, out, out_stride);
+}
+
+DCI_CLONES
+void dot_rows_multi_ids(const float* const* qs, int nq, const float* rows, const int32_t* ids, int m, int dim,
+                        float* out, int out_stride) {
+  dot_rows_multi_t(qs, nq, rows, ids, m, dim, out, out_stride);
+}
+
+DCI_CLONES
+void dot_rows_multi_ids_bf16(const float* const* qs, int nq, const uint16_t* rows, const int32_t* ids, int m, int dim,
+                             float* out, int out_stride) {
+  dot_rows_multi_t(qs, nq, rows, ids, m, dim, out, out_stride);
 }
 
 // ---------------------------------------------------------------------------------------------------------------

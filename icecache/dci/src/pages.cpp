@@ -11,13 +11,13 @@ namespace dci {
 
 void Instance::reset() {
   keys_.clear();
+  keys_bf16_.clear();
   sq_norm_.clear();
   proj_.clear();
   nodes_.clear();
   kids_.clear();
   levels_.clear();
   leaves_.clear();
-  page_keys_.clear();
   page_half_.clear();
   page_slack_.clear();
   free_pages_.clear();
@@ -59,31 +59,95 @@ int Instance::next_level() {
   return t;
 }
 
-void Instance::append_points(const float* keys, int64_t m) {
+// `widen`: also hold the float32 rows (a build with bf16_keys; always without them).
+void Instance::append_points(const void* keys, int64_t m, bool widen) {
   const int dim = cfg_->dim;
   const int64_t n0 = num_tokens();
-  keys_.insert(keys_.end(), keys, keys + m * dim);
+  if (cfg_->bf16_keys) {
+    const uint16_t* k = static_cast<const uint16_t*>(keys);
+    keys_bf16_.insert(keys_bf16_.end(), k, k + m * dim);
+    if (widen) {
+      keys_.resize((n0 + m) * dim);
+      bf16_to_float(k, static_cast<int>(m * dim), &keys_[n0 * dim]);
+    }
+  } else {
+    const float* k = static_cast<const float*>(keys);
+    keys_.insert(keys_.end(), k, k + m * dim);
+  }
   sq_norm_.resize(n0 + m);
+  nodes_.resize(n0 + m);
+  std::vector<float> buf(dim);
   for (int64_t i = n0; i < n0 + m; ++i) {
-    sq_norm_[i] = dot(&keys_[i * dim], &keys_[i * dim], dim);
+    const float* row = key_row(i, buf.data());
+    sq_norm_[i] = dot(row, row, dim);
     if (cfg_->transform) M_ = std::max(M_, static_cast<double>(sq_norm_[i]));
   }
   proj_.resize((n0 + m) * cfg_->num_dirs());
-  nodes_.resize(n0 + m);
+}
+
+const float* Instance::key_row(int64_t id, float* buf) const {
+  const int dim = cfg_->dim;
+  if (!keys_.empty()) return &keys_[id * dim];
+  bf16_to_float(&keys_bf16_[id * dim], dim, buf);
+  return buf;
+}
+
+void Instance::dot_keys(const float* q, const int32_t* ids, int m, float* out) const {
+  if (!keys_.empty()) dot_rows(q, keys_.data(), ids, m, cfg_->dim, out);
+  else dot_rows_bf16(q, keys_bf16_.data(), ids, m, cfg_->dim, out);
+}
+
+void Instance::dot_keys_multi(const float* const* qs, int nq, const int32_t* ids, int m, float* out,
+                              int stride) const {
+  if (!keys_.empty()) dot_rows_multi_ids(qs, nq, keys_.data(), ids, m, cfg_->dim, out, stride);
+  else dot_rows_multi_ids_bf16(qs, nq, keys_bf16_.data(), ids, m, cfg_->dim, out, stride);
+}
+
+void Instance::reserve(int64_t n) {
+  const int dim = cfg_->dim;
+  if (cfg_->bf16_keys) keys_bf16_.reserve(n * dim);
+  else keys_.reserve(n * dim);
+  sq_norm_.reserve(n);
+  proj_.reserve(n * cfg_->num_dirs());
+  nodes_.reserve(n);
+}
+
+int64_t Instance::key_bytes() const {
+  return static_cast<int64_t>(keys_.capacity() * sizeof(float) + keys_bf16_.capacity() * sizeof(uint16_t));
+}
+
+int64_t Instance::structure_bytes() const {
+  int64_t b = static_cast<int64_t>(sq_norm_.capacity() * sizeof(float) + proj_.capacity() * sizeof(float) +
+                                   nodes_.capacity() * sizeof(Node) + leaves_.capacity() * sizeof(Leaf) +
+                                   page_half_.capacity() * sizeof(uint16_t) + page_slack_.capacity() * sizeof(float) +
+                                   free_pages_.capacity() * sizeof(int32_t) + changed_.capacity() +
+                                   kids_.capacity() * sizeof(ChildIndex));
+  for (const ChildIndex& ci : kids_) {
+    b += static_cast<int64_t>(ci.leaves.capacity() * sizeof(int32_t));
+    for (const auto& v : ci.proj) b += static_cast<int64_t>(v.capacity() * sizeof(float));
+    for (const auto& v : ci.ids) b += static_cast<int64_t>(v.capacity() * sizeof(int32_t));
+  }
+  for (const auto& l : levels_) b += static_cast<int64_t>(l.capacity() * sizeof(int32_t));
+  return b;
 }
 
 // Projection of a key: u.k + sqrt(M - |k|^2) u_{d+1} (docs/dci.md, MIPS transform); plain u.k without the transform.
 void Instance::project(int64_t first, int64_t last, int threads) {
   const int dim = cfg_->dim, L = cfg_->num_dirs(), stride = cfg_->dir_stride();
   const double M = M_;
-#pragma omp parallel for schedule(static) num_threads(threads) if (last - first > 4096)
-  for (int64_t i = first; i < last; ++i) {
-    const float aug = cfg_->transform ? static_cast<float>(std::sqrt(std::max(0.0, M - sq_norm_[i]))) : 0.0f;
-    for (int j = 0; j < L; ++j) {
-      const float* u = dirs_ + static_cast<int64_t>(j) * stride;
-      proj_[i * L + j] = dot(u, &keys_[i * dim], dim) + (cfg_->transform ? aug * u[dim] : 0.0f);
+#pragma omp parallel num_threads(threads) if (last - first > 4096)
+  {
+    std::vector<float> buf(dim);
+#pragma omp for schedule(static)
+    for (int64_t i = first; i < last; ++i) {
+      const float aug = cfg_->transform ? static_cast<float>(std::sqrt(std::max(0.0, M - sq_norm_[i]))) : 0.0f;
+      const float* key = key_row(i, buf.data());
+      for (int j = 0; j < L; ++j) {
+        const float* u = dirs_ + static_cast<int64_t>(j) * stride;
+        proj_[i * L + j] = dot(u, key, dim) + (cfg_->transform ? aug * u[dim] : 0.0f);
+      }
+      nodes_[i].proj_sq_norm_max = M;
     }
-    nodes_[i].proj_sq_norm_max = M;
   }
 }
 
@@ -101,16 +165,13 @@ void Instance::correct_projection(int32_t id) {
 
 void Instance::mark(int32_t page) {
   changed_[page] = 1;
+  if (!cfg_->half_scores) return;
   const Leaf& lf = leaves_[page];
   const int dim = cfg_->dim;
-  float* dst = &page_keys_[static_cast<int64_t>(page) * kPageSlots * dim];
+  const int64_t row0 = static_cast<int64_t>(page) * kPageSlots;
+  std::vector<float> buf(dim);
   for (int t = 0; t < lf.count; ++t)
-    std::copy_n(&keys_[static_cast<int64_t>(lf.item[t]) * dim], dim, dst + static_cast<int64_t>(t) * dim);
-  if (cfg_->half_scores) {
-    const int64_t row0 = static_cast<int64_t>(page) * kPageSlots;
-    for (int t = 0; t < lf.count; ++t)
-      encode_half_row(dst + static_cast<int64_t>(t) * dim, &page_half_[(row0 + t) * dim], &page_slack_[row0 + t]);
-  }
+    encode_half_row(key_row(lf.item[t], buf.data()), &page_half_[(row0 + t) * dim], &page_slack_[row0 + t]);
 }
 
 void Instance::encode_half_row(const float* key, uint16_t* half, float* slack) const {
@@ -141,7 +202,6 @@ int32_t Instance::alloc_page() {
     page = static_cast<int32_t>(leaves_.size());
     leaves_.emplace_back();
     changed_.push_back(1);
-    page_keys_.resize(leaves_.size() * kPageSlots * cfg_->dim);
     if (cfg_->half_scores) {
       page_half_.resize(leaves_.size() * kPageSlots * cfg_->dim);
       page_slack_.resize(leaves_.size() * kPageSlots);
@@ -417,15 +477,12 @@ std::string Instance::check() const {
         if (nd.parent != ci.node) { err << "token " << it << " parent mismatch"; return err.str(); }
         if (lf.key[t] < prev) { err << "page order broken at token " << it; return err.str(); }
         if (lf.key[t] != proj_[static_cast<int64_t>(it) * L]) { err << "stale leaf key of " << it; return err.str(); }
-        if (!std::equal(&keys_[static_cast<int64_t>(it) * cfg_->dim], &keys_[static_cast<int64_t>(it + 1) * cfg_->dim],
-                        &page_keys_[(static_cast<int64_t>(p) * kPageSlots + t) * cfg_->dim])) {
-          err << "page buffer of page " << p << " slot " << t << " stale"; return err.str();
-        }
         if (cfg_->half_scores) {
           const int64_t row = static_cast<int64_t>(p) * kPageSlots + t;
           std::vector<uint16_t> half(cfg_->dim);
+          std::vector<float> buf(cfg_->dim);
           float slack;
-          encode_half_row(&keys_[static_cast<int64_t>(it) * cfg_->dim], half.data(), &slack);
+          encode_half_row(key_row(it, buf.data()), half.data(), &slack);
           if (!std::equal(half.begin(), half.end(), &page_half_[row * cfg_->dim]) || slack != page_slack_[row]) {
             err << "half page buffer of page " << p << " slot " << t << " stale"; return err.str();
           }

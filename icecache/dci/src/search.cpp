@@ -17,15 +17,7 @@ float Instance::key_dist(const float* a, float a_sq, const float* b, float b_sq)
 // Distances of rows `ids` to the probe: -q.k for a query in transform mode (transform_compute_dist_query),
 // |q - k|^2 for a query without it, the key-key distance for a key.
 void Instance::score(const Probe& p, const int32_t* ids, int m, float* out) const {
-  if (p.is_query) {
-    // read the keys from the pages: children adjacent in projection order sit in the same 16-row block
-    thread_local std::vector<int32_t> rows;
-    rows.resize(m);
-    for (int r = 0; r < m; ++r) rows[r] = nodes_[ids[r]].page * kPageSlots + nodes_[ids[r]].slot;
-    dot_rows(p.vec, page_keys_.data(), rows.data(), m, cfg_->dim, out);
-  } else {
-    dot_rows(p.vec, keys_.data(), ids, m, cfg_->dim, out);
-  }
+  dot_keys(p.vec, ids, m, out);
   for (int r = 0; r < m; ++r) {
     const double ab = out[r];
     const double b_sq = sq_norm_[ids[r]];
@@ -201,7 +193,6 @@ void Instance::scan_runs(int32_t kid_slot, int nh, const Probe* probes, const in
     lo = std::min(lo, first[j]);
     hi = std::max(hi, last[j]);
   }
-  const int dim = cfg_->dim;
   const float* qs[kMaxGroupHeads];
   for (int j = 0; j < nh; ++j) qs[j] = probes[j].vec;
   float dots[kMaxGroupHeads * kPageSlots];
@@ -211,17 +202,12 @@ void Instance::scan_runs(int32_t kid_slot, int nh, const Probe* probes, const in
     if (pos >= hi) break;
     const int32_t page = ci.leaves[li];
     const Leaf& lf = leaves_[page];
-    if (li + 1 < nleaves && pos + lf.count < hi) {
-      const char* nxt = reinterpret_cast<const char*>(&page_keys_[static_cast<int64_t>(ci.leaves[li + 1]) * kPageSlots * dim]);
-      const int bytes = leaves_[ci.leaves[li + 1]].count * dim * static_cast<int>(sizeof(float));
-      for (int off = 0; off < bytes; off += 64) __builtin_prefetch(nxt + off);
-    }
+    if (li + 1 < nleaves && pos + lf.count < hi) prefetch_rows(leaves_[ci.leaves[li + 1]]);
     const int s0 = std::max(lo - pos, 0), s1 = std::min(hi - pos, static_cast<int>(lf.count));
     const int base = pos;
     pos += lf.count;
     if (s0 >= s1) continue;
-    dot_rows_multi(qs, nh, &page_keys_[(static_cast<int64_t>(page) * kPageSlots + s0) * dim], s1 - s0, dim, dots,
-                   kPageSlots);
+    dot_keys_multi(qs, nh, lf.item + s0, s1 - s0, dots, kPageSlots);
     for (int j = 0; j < nh; ++j) {
       // head j's own rows of this page, as scan_last_level would take them
       const int t0 = std::max(first[j] - base, s0), t1 = std::min(last[j] - base, s1);
@@ -288,7 +274,7 @@ thread_local HalfScanBuffers half_scan_buffers;
 //   1. a for the union of the heads' runs, each half row read once for all heads;
 //   2. per head, the bounds of every row and of every page (the min over its rows), and the K-th smallest page
 //      upper bound: K pages, hence K rows, are at least that close;
-//   3. per head, exact scores (from page_keys_, with the float path's kernel) of
+//   3. per head, exact scores (from the stored key rows, with the exact path's kernel) of
 //      * every row whose lb does not exceed the token bar: the smallest of that bound, the head's token
 //        accumulator's K-th distance and the shared bar (it might enter the K best tokens), and
 //      * for a page whose lb does not exceed the page bar (likewise), every row whose lb is within the page's ub:
@@ -414,8 +400,7 @@ void Instance::scan_runs_half(int32_t kid_slot, int nh, const Probe* probes, con
         for (int t = t0; t < t1; ++t) {
           if (row_lb[t] > row_bar) continue;
           picked.push_back({si, t});
-          const float* row = &page_keys_[(static_cast<int64_t>(sp.page) * kPageSlots + t) * dim];
-          for (int off = 0; off < dim; off += 16) __builtin_prefetch(row + off);
+          prefetch_row(leaves_[sp.page].item[t]);
         }
       }
     }
@@ -426,7 +411,6 @@ void Instance::scan_runs_half(int32_t kid_slot, int nh, const Probe* probes, con
       const int si = picked[i].first;
       const HalfSpan& sp = spans[si];
       const Leaf& lf = leaves_[sp.page];
-      const float* rows = &page_keys_[static_cast<int64_t>(sp.page) * kPageSlots * dim];
       const float* row_lb = lj + sp.base;
       const bool page_in = !(plb[si] > page_bar());
       Candidate best{INFINITY, -1};
@@ -435,7 +419,7 @@ void Instance::scan_runs_half(int32_t kid_slot, int nh, const Probe* probes, con
         const bool for_page = page_in && !(row_lb[t] > pub[si]);
         if (!for_page && row_lb[t] > token_bar()) continue;
         float dot_f;
-        dot_rows_multi(&qs[j], 1, rows + static_cast<int64_t>(t) * dim, 1, dim, &dot_f, 1);
+        dot_keys_multi(&qs[j], 1, &lf.item[t], 1, &dot_f, 1);
         const int32_t id = lf.item[t];
         const Candidate cand{query_distance(probes[j], id, dot_f), id};
         bt.push(cand);
@@ -571,7 +555,8 @@ void Instance::emit(TopK& best_tokens, TopK& best_pages, int K, int32_t* pages, 
 }
 
 std::pair<int32_t, float> Instance::brute_parent(int32_t point, const std::vector<int32_t>& upper) const {
-  const float* a = &keys_[static_cast<int64_t>(point) * cfg_->dim];
+  std::vector<float> buf(cfg_->dim);
+  const float* a = key_row(point, buf.data());
   const Probe probe{a, sq_norm_[point], false};
   std::vector<float> d(upper.size());
   score(probe, upper.data(), static_cast<int>(upper.size()), d.data());
@@ -596,19 +581,20 @@ void Instance::brute_parents(const std::vector<int32_t>& points, const std::vect
   std::vector<float> packed(nu * dim);
   std::vector<double> upper_sq(nu);
   for (int64_t u = 0; u < nu; ++u) {
-    std::copy_n(&keys_[static_cast<int64_t>(upper[u]) * dim], dim, packed.data() + u * dim);
+    const float* row = key_row(upper[u], packed.data() + u * dim);
+    if (row != packed.data() + u * dim) std::copy_n(row, dim, packed.data() + u * dim);
     upper_sq[u] = sq_norm_[upper[u]];
   }
   const int64_t n_blocks = (m + kBlock - 1) / kBlock;
 #pragma omp parallel num_threads(threads) if (n_blocks > 16)
   {
-    std::vector<float> d(kBlock * std::max<int64_t>(nu, 1));
+    std::vector<float> d(kBlock * std::max<int64_t>(nu, 1)), rows(kBlock * dim);
 #pragma omp for schedule(dynamic, 8)
     for (int64_t b = 0; b < n_blocks; ++b) {
       const int64_t first = b * kBlock;
       const int nb = static_cast<int>(std::min<int64_t>(kBlock, m - first));
       const float* qs[kBlock];
-      for (int j = 0; j < nb; ++j) qs[j] = &keys_[static_cast<int64_t>(points[which[first + j]]) * dim];
+      for (int j = 0; j < nb; ++j) qs[j] = key_row(points[which[first + j]], rows.data() + j * dim);
       if (nu > 0) dot_rows_multi(qs, nb, packed.data(), static_cast<int>(nu), dim, d.data(), static_cast<int>(nu));
       for (int j = 0; j < nb; ++j) {
         const float a_sq = sq_norm_[points[which[first + j]]];
@@ -634,7 +620,8 @@ void Instance::brute_parents(const std::vector<int32_t>& points, const std::vect
 std::pair<int32_t, float> Instance::dci_parent(int32_t point, int upper_level, const SearchConfig& sc, Scratch& s,
                                                bool refresh) {
   const int L = cfg_->num_dirs();
-  const float* a = &keys_[static_cast<int64_t>(point) * cfg_->dim];
+  std::vector<float> buf(cfg_->dim);
+  const float* a = key_row(point, buf.data());
   const Probe probe{a, sq_norm_[point], false};
   const float* qproj = &proj_[static_cast<int64_t>(point) * L];
   const int top = num_levels() - 1;
