@@ -1,15 +1,14 @@
 """Time the parts of one IceCache layer's prompt job (what TT2T waits for, 30 times for Llama-3.1-8B).
 
-After a layer's prefill, IceCache copies the prompt's middle keys and values to the CPU and a worker thread builds the
-layer's DCI index and lays out its pages in the CPU store (``IceCacheLayer.offload_prompt``). This script runs that job
-for one layer of random bf16 keys (Llama-3.1-8B geometry: 8 KV heads of 128 dimensions) and times its parts (the
-build and the layout are the phase timer's spans ``index_build`` and ``index_layout``):
+After a layer's prefill, IceCache copies the prompt's middle keys and values to the CPU and a worker thread copies
+the values into the layer's token store and builds its DCI index over the bf16 keys, which the index then holds
+(``IceCacheLayer.offload_prompt``). This script runs that job for one layer of random bf16 keys (Llama-3.1-8B
+geometry: 8 KV heads of 128 dimensions) and times its parts (the phase timer's spans ``index_build`` and
+``token_store``):
 
-* ``to_float32``: the keys as float32 for the index;
 * ``build``: the DCI build (all KV heads, ``--threads`` OpenMP threads);
-* ``rewrite``: every page laid out in the store from the token store (its first call includes growing the store);
-* ``rewrite_again``: the same on a store already large enough (what an insert's rewrite costs per page);
-* ``job_total``: the whole job (the copy to the CPU, the build, the rewrite and the bookkeeping around them).
+* ``token_store``: the values copied into the token store, sized from the announced length;
+* ``job_total``: the whole job (the copy to the CPU, the store, the build and the bookkeeping around them).
 
 Writes ``prompt_index_<host>_<date>.json`` with provenance to ``--out``.
 Usage: python scripts/bench_prompt_index.py --lengths 32768 131072 --threads 16
@@ -40,14 +39,12 @@ def llama8b_layer_method(threads: int):
 
 
 def time_layer(length: int, threads: int, repeats: int) -> dict[str, list[float]]:
-    import numpy as np
     import torch
 
     from icecache.core.method import SequenceContext
     from icecache.core.timing import PhaseTimer
 
     method = llama8b_layer_method(threads)
-    info = method.model
     generator = torch.Generator().manual_seed(0)
     keys = torch.randn(1, 8, length, 128, generator=generator).to(torch.bfloat16)
     values = torch.randn(1, 8, length, 128, generator=generator).to(torch.bfloat16)
@@ -59,22 +56,12 @@ def time_layer(length: int, threads: int, repeats: int) -> dict[str, list[float]
         try:
             with torch.inference_mode():
                 start = time.perf_counter()
-                keys.float()
-                rows.setdefault("to_float32", []).append(time.perf_counter() - start)
-                start = time.perf_counter()
                 layer.append(keys, values)
                 layer.offload_prompt()
                 layer.wait_until_indexed()
                 rows.setdefault("job_total", []).append(time.perf_counter() - start)
                 rows.setdefault("build", []).extend(timer.spans["index_build"])
-                rows.setdefault("rewrite", []).extend(timer.spans["index_layout"])
-                index = layer.group.index
-                everything = np.zeros_like(layer.stale)
-                for head in range(info.n_kv_heads):
-                    everything[head, : index.page_tokens(head).shape[0]] = True
-                start = time.perf_counter()
-                layer.rewrite_pages(everything)
-                rows.setdefault("rewrite_again", []).append(time.perf_counter() - start)
+                rows.setdefault("token_store", []).extend(timer.spans["token_store"])
         finally:
             seq.close()
     return rows

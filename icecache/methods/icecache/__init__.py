@@ -2,20 +2,21 @@
 
 Per sparsified layer and KV head the prompt is split into sink pages (the first tokens), a recent window and the
 middle. Prefill attends densely; then the middle tokens are indexed into one DCI tree per KV head (MIPS
-transform, pages = B+-tree leaves of 8-16 tokens) on a CPU worker thread, while the GPU goes on with the next
-layer, and the middle pages live in CPU (pinned) memory. Only the sink and window pages stay on the GPU, in a
+transform, pages = B+-tree leaves of 8-16 tokens) by CPU worker threads, while the GPU goes on with the next
+layers, and the middle tokens live in CPU memory once: the keys in the index (in the cache's dtype, scored in
+place), the values in the layer's token store, both by token id. Only the sink and window pages stay on the GPU, in a
 page pool sized by the budget. At each decode step:
 
 1. the layer's query goes to the CPU and each query head searches its KV head's tree for the K best pages;
 2. the query heads of a KV group are merged rank by rank into K distinct pages;
 3. the selection is diffed against the pages already in the GPU slots (kept pages stay unless their content
    changed since they were loaded);
-4. the missing pages are gathered into one pinned buffer, copied to the GPU in one transfer and scattered into
-   the freed slots (``icecache.core.paged.StepTransit``);
+4. the missing pages' rows are gathered by token id into one pinned buffer, copied to the GPU in one transfer
+   and scattered into the freed slots (``icecache.core.paged.StepTransit``);
 5. attention runs over sinks + selected pages + window with per-page valid-token counts.
 
 When the window is full, its oldest page is offloaded (from the window's host copy): inserted into the tree as a
-batch (pages split and change; changed pages are rewritten in the CPU store and reloaded if resident).
+batch (pages split and change; changed pages are reloaded if resident).
 
 With ``cuda_graph`` (on by default; it only acts on CUDA) the decode step, host work included, is captured
 in one CUDA graph: each layer's host work runs as a host function of the graph, so the transformer's kernels are
@@ -24,8 +25,8 @@ rather than one by one from Python. The dense layers then keep their cache in st
 (``core.static_kv.StaticDenseKV``) so that they can be captured too.
 
 IceCache-reuse (``n_reuse_layers = R``) lets the first layer of each group of R consecutive sparsified layers
-own the index and the selection; the other layers lay out their own keys and values with the owner's pages and
-load the owner's selection.
+own the index and the selection; the other layers keep their own keys and values and load the owner's selection,
+gathered from their own tensors through the owner's pages.
 
 Choices where the two public code versions differ (docs/algorithms.md, IceCache): we follow v4434: all middle pages are
 offloaded at prefill, batch insertion of a full window page, anchors (60, 60, 1.02), CPU KV in the model's dtype

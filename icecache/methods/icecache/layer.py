@@ -1,5 +1,9 @@
 """One IceCache layer: dense while the prompt fits in the budget, then sinks + DCI-selected pages + a window on the
-GPU, every other page in CPU memory (the package's docstring walks through a decode step)."""
+GPU, every other token in CPU memory (the package's docstring walks through a decode step).
+
+Host memory holds one copy of the offloaded tokens: an index owner's keys in its index (bfloat16 when the cache is,
+scored in place), the values (and a reusing layer's own keys) in its ``TokenStore``, both by token id and sized from
+the announced length. A page is a list of token ids in the index; loading it gathers those rows."""
 
 from __future__ import annotations
 
@@ -10,16 +14,19 @@ import torch
 
 from icecache.core.attention import paged_decode_attention
 from icecache.core.layer import DenseKV, ModelInfo, SequenceContext
-from icecache.core.paged import CpuPageStore, GpuPagePool, StepTransit, gather_blocks, scatter_pages
+from icecache.core.paged import GpuPagePool, StepTransit, scatter_pages
 
 from .config import CPU_KV_DTYPES, IceCacheConfig
 from .selection import diff_selection, merge_group_pages
 from .state import GroupState, IceCacheSequence
 from .stores import TokenStore
 
-# Pages the CPU store keeps free between steps: a captured step inserts from a host function, where pinned memory
-# cannot be allocated, and one window offload adds at most page_size pages per head, one every page_size steps.
+# Tokens' room the token store keeps between steps, in pages: a captured step inserts from a host function, where
+# the store must not grow, and one window offload adds a page per head every page_size steps.
 STORE_HEADROOM_PAGES = 64
+# Index key dtypes by host KV dtype: the index holds the keys in the store's dtype where it can, and the store then
+# holds no keys. A float16 store keeps its own keys beside the index's float32 ones.
+INDEX_KEY_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
 class IceCacheLayer(DenseKV):
@@ -33,6 +40,7 @@ class IceCacheLayer(DenseKV):
         self._ready: Future | None = None
         self.sequence = seq.state(IceCacheSequence)
         self.sequence.n_indexed_layers = model.n_layers - self.cfg.n_dense_layers
+        self.sequence.n_workers = cfg.prompt_workers
         # The index and selection this layer uses: its own, or its reuse group's owner's.
         self.group: GroupState = self.sequence.group(cfg.owner_of(layer_idx))
 
@@ -79,12 +87,14 @@ class IceCacheLayer(DenseKV):
         self.resident = np.full((n_kv_heads, k_sel), -1, dtype=np.int64)  # page id held by each selected slot
         self.stale = np.zeros((n_kv_heads, 0), dtype=bool)  # page content changed since it was loaded
         cpu_dtype = dtype if cfg.cpu_kv_dtype == "auto" else CPU_KV_DTYPES[cfg.cpu_kv_dtype]
+        self.cpu_dtype = cpu_dtype
         pin = device.type == "cuda"
-        self.store = CpuPageStore(n_kv_heads, ps, head_dim, cpu_dtype, pin_memory=pin)
         self._transit = None  # decode buffers, made at the first decode step: prefill does no pinned allocation
-        # Token store by offloaded-token id (the DCI's ids); pages are rewritten from it when they change.
+        # The owner's index holds the keys (in the store's dtype) unless that dtype has no index form.
+        self.keys_in_index = self.is_owner and cpu_dtype in INDEX_KEY_DTYPES
+        # Token store by offloaded-token id (the DCI's ids), filled by the prompt job.
         empty = torch.empty(n_kv_heads, 0, head_dim, dtype=cpu_dtype)
-        self.tokens = TokenStore(empty, empty)
+        self.tokens = TokenStore(None if self.keys_in_index else empty, empty)
         self.token_positions = np.arange(sink_len, middle_end)
         # The middle goes to the index; the window's host copy is what its pages are offloaded from later.
         offloaded_k = keys[:, sink_len:].to("cpu", cpu_dtype, non_blocking=pin)
@@ -116,8 +126,10 @@ class IceCacheLayer(DenseKV):
         n_window = offloaded_k.shape[1] - n_middle
         self.window_keys[:, :n_window] = offloaded_k[:, n_middle:]
         self.window_values[:, :n_window] = offloaded_v[:, n_middle:]
-        self.tokens = TokenStore(middle_k, middle_v)
-        group = self.group
+        # Every token the sequence will offload: the announced length less the sinks (no growth, no slack).
+        capacity = max(n_middle, (self.seq.max_total_tokens or 0) - self.sink_len)
+        with self.seq.timer.span("token_store"):
+            self.tokens = TokenStore(None if self.keys_in_index else middle_k, middle_v, capacity=capacity)
         if self.is_owner:
             cfg = self.cfg
             from icecache.dci import DCIIndex
@@ -126,50 +138,40 @@ class IceCacheLayer(DenseKV):
                 self.model.head_dim, self.model.n_kv_heads, promotion_prob=cfg.promotion_prob,
                 promotion_prob_subseq=cfg.promotion_prob_subseq, transform=True, deterministic_levels=True,
                 seed=cfg.seed, num_threads=self.cfg.index_threads, score_precision=cfg.dci_score_precision,
+                key_dtype=INDEX_KEY_DTYPES.get(self.cpu_dtype, "float32"),
             )
-            index.num_threads = cfg.build_threads or self.cfg.index_threads
+            index.reserve(capacity)
+            index.num_threads = cfg.prompt_build_threads
             if middle_k.shape[1]:
                 with self.seq.timer.span("index_build"):
                     index.build(
-                        middle_k.float().numpy(), field_of_view=cfg.build_field_of_view,
+                        self._index_keys(index, middle_k), field_of_view=cfg.build_field_of_view,
                         prop_to_retrieve=cfg.build_prop_to_retrieve, anchor_interval=cfg.anchor_interval,
                         anchor_neighbours=cfg.anchor_neighbours, anchor_threshold=cfg.anchor_threshold,
                     )
+                index.pop_changed_pages()  # every page is new: none is resident yet
             index.num_threads = self.cfg.index_threads
-            group.index = index
-            group.changed = index.pop_changed_pages() if middle_k.shape[1] else None
-            group.page_counts = None
-            group.prompt_changed = group.changed
-            group.prompt_layout = (None if group.changed is None else
-                                   [index.page_tokens(head).copy() for head in range(self.model.n_kv_heads)])
-        with self.seq.timer.span("index_layout"):
-            self.rewrite_pages(group.prompt_changed, group.prompt_layout)
+            self.group.index = index
+            self.group.changed = None
+            self.group.page_counts = None
         self.sequence.layer_indexed()
 
-    def rewrite_pages(self, changed: np.ndarray | None, layout: list[np.ndarray] | None = None) -> None:
-        """Lay out the pages flagged in ``changed [Hkv, pages]`` from the token store, by the owner's page map
-        (``layout``: per head, the token ids of each page, -1 padded; default the index as it is now)."""
-        if changed is None or not changed.any():
+    @staticmethod
+    def _index_keys(index, keys: torch.Tensor):
+        """``keys`` in the form ``index`` takes them: bfloat16 tensors as they are, else float32 arrays."""
+        return keys if index.key_dtype == "bfloat16" else keys.float().numpy()
+
+    def _mark_stale(self, changed: np.ndarray | None) -> None:
+        """Pages flagged in ``changed [Hkv, pages]`` hold other tokens now: a resident copy must be loaded again."""
+        if changed is None:
             return
-        index = self.group.index
-        page_ids, heads, rows = [], [], []
-        for head in range(self.model.n_kv_heads):
-            pages = np.flatnonzero(changed[head])
-            if pages.size == 0:
-                continue
-            tokens = (index.page_tokens(head) if layout is None else layout[head])[pages]  # [n, 16], -1 padded
-            page_ids.append(pages)
-            heads.append(np.full(pages.size, head))
-            rows.append(tokens)
-        page_ids_np, heads_np = np.concatenate(page_ids), np.concatenate(heads)
-        tokens = np.concatenate(rows).astype(np.int64, copy=False)
-        key_rows, value_rows, head_stride = self.tokens.rows()
-        source = np.where(tokens >= 0, heads_np[:, None] * head_stride + tokens, -1)
-        self.store.write_pages_from_rows(page_ids_np, heads_np, key_rows, value_rows, source)
-        n_pages = changed.shape[1]
+        self._cover_pages(changed.shape[1])
+        self.stale[:, : changed.shape[1]] |= changed
+
+    def _cover_pages(self, n_pages: int) -> None:
+        """``stale`` has a flag for each of ``n_pages`` pages (new pages are not stale)."""
         if self.stale.shape[1] < n_pages:
             self.stale = np.pad(self.stale, ((0, 0), (0, n_pages - self.stale.shape[1])))
-        self.stale[:, :n_pages] |= changed
 
     # ------------------------------------------------------------------ the window
     def _evict_oldest_window_page(self) -> None:
@@ -187,18 +189,18 @@ class IceCacheLayer(DenseKV):
         self.window_start += ps
         with self.seq.timer.host_phase("insert"):
             self.sequence.wait_for_prompt_jobs()
-            self.tokens.append(page_k, page_v)
+            self.tokens.append(None if self.keys_in_index else page_k, page_v)
             self.token_positions = np.concatenate([self.token_positions, positions])
             group = self.group
             if self.is_owner:
                 cfg = self.cfg
                 group.index.insert(
-                    page_k.float().numpy(), field_of_view=cfg.insert_field_of_view,
+                    self._index_keys(group.index, page_k), field_of_view=cfg.insert_field_of_view,
                     prop_to_retrieve=cfg.insert_prop_to_retrieve, as_batch=True,
                 )
                 group.changed = group.index.pop_changed_pages()
                 group.page_counts = None
-            self.rewrite_pages(group.changed)
+            self._mark_stale(group.changed)
 
     # ------------------------------------------------------------------ decode
     #
@@ -216,9 +218,11 @@ class IceCacheLayer(DenseKV):
         # Inserts add pages inside the step, where a captured step cannot pin new memory: keep room for a few
         # window offloads ahead (one adds at most page_size pages per head, one every page_size steps).
         if self.offloaded:
-            self.store.reserve(self.store.n_pages + STORE_HEADROOM_PAGES)
             self._ready.result()  # the token store is the prompt job's until it is done
-            self.tokens.reserve(self.tokens.n_tokens + STORE_HEADROOM_PAGES * self.cfg.page_size)
+            ahead = self.tokens.n_tokens + STORE_HEADROOM_PAGES * self.cfg.page_size
+            final = (self.seq.max_total_tokens or 0) - self.sink_len  # what the announced length offloads at most
+            # Room up to the announced length covers every insert the sequence makes; past it, room for several.
+            self.tokens.reserve(min(ahead, final) if final >= self.tokens.n_tokens + self.cfg.page_size else ahead)
 
     def _make_decode_buffers(self, device: torch.device) -> None:
         """The attention's page table and the step's fixed-size transit buffers (``StepTransit``).
@@ -231,7 +235,7 @@ class IceCacheLayer(DenseKV):
         self._slot_table = torch.arange(n_slots, device=device).expand(n_kv_heads, n_slots)
         self._transit = StepTransit(
             self.model.n_heads, n_kv_heads, n_slots, n_kv_heads * self.cfg.n_selected_pages, ps,
-            self.model.head_dim, self.store.dtype, device,
+            self.model.head_dim, self.cpu_dtype, device,
         )
         counts = self._transit.host["counts"]
         sink_starts = np.arange(self.cfg.n_sink_pages) * ps
@@ -328,6 +332,7 @@ class IceCacheLayer(DenseKV):
     def _stage_pages(self, selection: np.ndarray) -> None:
         """Diff ``selection`` against the slots and gather the pages to load into the transit buffer, with their
         slot and head; the entries after them are marked unused."""
+        self._cover_pages(self._page_counts().shape[1])
         slots, pages, heads = diff_selection(self.resident, self.stale, selection)
         staged, n = self._transit.host, pages.size
         staged["slots"][:n] = slots + self.cfg.n_sink_pages
@@ -336,7 +341,11 @@ class IceCacheLayer(DenseKV):
             return
         staged["heads"][:n] = heads
         self.stale[heads, pages] = False
-        gather_blocks(self.store, pages * self.model.n_kv_heads + heads, staged["keys"][:n], staged["values"][:n])
+        index = self.group.index
+        token_ids = index.pages_items(heads, pages)
+        self.tokens.gather(heads, token_ids, None if self.keys_in_index else staged["keys"][:n], staged["values"][:n])
+        if self.keys_in_index:
+            index.gather_keys(heads, token_ids, staged["keys"][:n])
         self.seq.counters.pages_loaded += n
         self.seq.counters.bytes_to_gpu += staged["keys"][:n].nbytes + staged["values"][:n].nbytes
 
@@ -381,7 +390,16 @@ class IceCacheLayer(DenseKV):
             return super().gpu_kv_bytes()
         return self.pool.nbytes() if self.pool.key_pages.is_cuda else 0
 
-    def cpu_kv_bytes(self) -> int:
+    def offloaded_kv_bytes(self) -> int:
         if not self.offloaded:
             return 0
-        return self.store.nbytes() + self.tokens.nbytes()
+        per_token = 2 * self.model.n_kv_heads * self.model.head_dim * self.pool.key_pages.element_size()
+        return self.tokens.n_tokens * per_token
+
+    def cpu_kv_bytes(self) -> int:
+        """Host bytes of the offloaded tokens and, on an owner, of its whole index (keys and structure)."""
+        if not self.offloaded:
+            return 0
+        index = self.group.index if self.is_owner else None
+        index_bytes = 0 if index is None else sum(index.memory_bytes().values())
+        return self.tokens.nbytes() + index_bytes

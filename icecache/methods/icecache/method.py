@@ -53,6 +53,8 @@ class IceCache(Method):
         cfg.check_pages()
         if cfg.n_reuse_layers < 1:
             raise ConfigError("n_reuse_layers must be >= 1 (1 = no reuse)")
+        if cfg.prompt_workers < 1 or (cfg.build_threads is not None and cfg.build_threads < 1):
+            raise ConfigError("icecache needs prompt_workers >= 1 and build_threads >= 1 (or null)")
         if cfg.dci_score_precision not in ("float32", "half"):
             raise ConfigError(f"dci_score_precision={cfg.dci_score_precision}: use float32 or half")
         if cfg.cpu_kv_dtype != "auto" and cfg.cpu_kv_dtype not in CPU_KV_DTYPES:

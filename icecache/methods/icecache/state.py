@@ -4,6 +4,7 @@ ends."""
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -17,28 +18,27 @@ class GroupState:
     without reuse). The other layers of the group read them; only the owner writes."""
 
     index: Any = None  # icecache.dci.DCIIndex, built by the owner's prompt job
-    # Pages whose content changed at the last build or insert, bool [Hkv, pages], to be rewritten in the CPU store.
+    # Pages whose content changed at the last insert, bool [Hkv, pages]: resident copies of them are stale.
     changed: np.ndarray | None = None
     # Valid tokens of every page [Hkv, pages], read from the index again only after it changes.
     page_counts: np.ndarray | None = None
-    # The index as built from the prompt: what every layer's prompt job lays out. A prompt that fitted in the budget
-    # is offloaded at a decode step, layer by layer, and the owner's first window insert (the same step) can come
-    # before its reusers' prompt jobs run, so those must not read the live index.
-    prompt_changed: np.ndarray | None = None
-    prompt_layout: list[np.ndarray] | None = None
     selection: np.ndarray | None = None  # this step's pages per KV head [Hkv, K], -1 padded
 
 
 @dataclass
 class IceCacheSequence:
-    """One sequence's IceCache state (``SequenceContext.state(IceCacheSequence)``): the groups, and one worker for
-    the prompt jobs, so that they run in layer order and an owner's index is built before its reusers read it."""
+    """One sequence's IceCache state (``SequenceContext.state(IceCacheSequence)``): the groups, and the workers of
+    the prompt jobs (``n_workers`` at once, submitted in layer order). The jobs are independent: an owner's job
+    builds its index, a reusing layer's only stores its tokens; a layer's decode waits for its own job, and a
+    reuser's decode comes after its owner's."""
 
     groups: dict[int, GroupState] = field(default_factory=dict)
     prompt_jobs: list[Future] = field(default_factory=list)
     n_indexed_layers: int = 0  # the progress bar's total
     n_layers_done: int = 0
+    n_workers: int = 1
     _worker: ThreadPoolExecutor | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # the progress bar, updated by every worker
     _progress: Any = None
 
     def group(self, owner: int) -> GroupState:
@@ -46,7 +46,7 @@ class IceCacheSequence:
 
     def submit_prompt_job(self, job: Callable[..., None], *args) -> Future:
         if self._worker is None:
-            self._worker = ThreadPoolExecutor(1, thread_name_prefix="icecache-index")
+            self._worker = ThreadPoolExecutor(max(1, self.n_workers), thread_name_prefix="icecache-index")
         future = self._worker.submit(job, *args)
         self.prompt_jobs.append(future)
         return future
@@ -59,6 +59,10 @@ class IceCacheSequence:
 
     def layer_indexed(self) -> None:
         """One more layer's prompt indexed: one bar per sequence over its sparsified layers, on a terminal only."""
+        with self._lock:
+            self._layer_indexed()
+
+    def _layer_indexed(self) -> None:
         self.n_layers_done += 1
         if self._progress is None:
             from tqdm.auto import tqdm

@@ -1,0 +1,88 @@
+"""A digest of every page IceCache selects over a decode run, to prove that a change to its stores or its search
+leaves the selections exactly as they were.
+
+At every decode step each sparsified layer's selection (``group.selection``, the pages per KV head its owner's
+search returned) and the token positions of those pages are fed to one SHA-256; the digest covers a run of
+``--steps`` steps on a tiny random model. Equal digests mean equal pages at every step of every layer.
+
+    python scripts/selection_hash.py                      # every architecture, IceCache and IceCache(r), two dtypes
+    python scripts/selection_hash.py --arch llama --dtype bfloat16 --steps 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from icecache.core.cache import HarnessCache  # noqa: E402
+from icecache.core.generation import GenerationRequest, greedy_generate  # noqa: E402
+from icecache.methods import build_method  # noqa: E402
+
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+METHODS = ("icecache", "icecache_reuse")
+DTYPES = ("float32", "bfloat16")
+
+
+def selection_digest(model, info, method_name: str, *, prompt_tokens: int = 1200, steps: int = 64,
+                     budget: int = 96, seed: int = 0) -> str:
+    """SHA-256 (hex) of every decode step's selected pages, and their token positions, of every sparsified layer."""
+    ids = torch.randint(0, 500, (prompt_tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
+    method = build_method({"name": method_name, "budget": budget, "n_reuse_layers": 2 if "reuse" in method_name
+                           else 1}, info)
+    digest = hashlib.sha256()
+    with HarnessCache(method) as cache:
+        layers = cache.layer_kvs[method.config.n_dense_layers:]
+        for layer in layers:
+            _record_selections(layer, digest)
+        greedy_generate(model, cache, GenerationRequest(ids, steps, min_new_tokens=steps), cuda_graph=False)
+    return digest.hexdigest()
+
+
+def _record_selections(layer, digest) -> None:
+    """Wrap the layer's selection so that each step's pages (and the positions they hold) enter ``digest``."""
+    select = layer._select
+
+    def recorded(query):
+        pages = select(query)
+        digest.update(np.ascontiguousarray(pages, dtype=np.int64).tobytes())
+        index = layer.group.index
+        for head in range(pages.shape[0]):
+            chosen = pages[head][pages[head] >= 0]
+            tokens = index.page_tokens(head)[chosen].reshape(-1)
+            positions = np.asarray(layer.token_positions)[tokens[tokens >= 0]]
+            digest.update(np.ascontiguousarray(positions, dtype=np.int64).tobytes())
+        return pages
+
+    layer._select = recorded
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", choices=ARCHITECTURES, nargs="*", default=list(ARCHITECTURES))
+    parser.add_argument("--method", choices=METHODS, nargs="*", default=list(METHODS))
+    parser.add_argument("--dtype", choices=DTYPES, nargs="*", default=list(DTYPES))
+    parser.add_argument("--steps", type=int, default=64)
+    args = parser.parse_args()
+    from tests.conftest import tiny_model_on
+
+    digests = {}
+    for arch in args.arch:
+        for dtype in args.dtype:
+            model, info = tiny_model_on(arch, "cpu", getattr(torch, dtype))
+            for name in args.method:
+                digests[f"{arch}/{dtype}/{name}"] = selection_digest(model, info, name, steps=args.steps)
+                print(f"{arch:8s} {dtype:9s} {name:15s} {digests[f'{arch}/{dtype}/{name}']}", flush=True)
+    print(json.dumps(digests, indent=1))
+
+
+if __name__ == "__main__":
+    main()
