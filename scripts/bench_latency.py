@@ -143,12 +143,16 @@ def summarise(measurements: list[dict[str, Any]]) -> list[dict[str, Any]]:
         prefill = sorted({p for g in group for p in g.get("prefill_phases_s", {})})
         row["prefill_phases_s"] = {p: statistics.median(g.get("prefill_phases_s", {}).get(p, 0.0) for g in group)
                                    for p in prefill}
-        for key in ("gpu_kv_bytes", "cpu_kv_bytes", "peak_gpu_bytes"):  # the most any repeat held
+        for key in ("gpu_kv_bytes", "cpu_kv_bytes", "offloaded_kv_bytes", "peak_gpu_bytes", "host_rss_bytes",
+                    "host_rss_added_bytes"):  # the most any repeat held
             values = [g[key] for g in group if g.get(key) is not None]
             row[key] = max(values) if values else None
         for key in ("mean_attended_tokens", "pages_loaded_per_step", "bytes_to_gpu_per_step"):  # mean over repeats
             values = [g[key] for g in group if g.get(key) is not None]
             row[key] = statistics.fmean(values) if values else None
+        offloaded = row["offloaded_kv_bytes"]
+        # Host memory per byte of offloaded KV (at the model's dtype): 1.0 is one copy and nothing else.
+        row["host_kv_ratio"] = row["cpu_kv_bytes"] / offloaded if offloaded and row["cpu_kv_bytes"] else None
         rows.append(row)
     for row in rows:
         for reference in REFERENCES:
@@ -160,9 +164,21 @@ def summarise(measurements: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def resident_bytes() -> int | None:
+    """The process's resident memory now (Linux ``/proc/self/statm``; None elsewhere)."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     header = f"{'context':>8} {'method':<16} {'TTFT s':>8} {'TT2T s':>8} {'TPOT ms':>9} {'(min-max)':>15} " \
-             f"{'x full':>7} {'x static':>8} {'GPU KV MiB':>10} {'CPU KV MiB':>10} {'peak GiB':>8}  phases ms"
+             f"{'x full':>7} {'x static':>8} {'GPU KV MiB':>10} {'CPU KV MiB':>10} {'x KV':>5} {'+RSS GiB':>8} " \
+             f"{'peak GiB':>8}  phases ms"
     print(header)
     print("-" * len(header))
     for r in sorted(rows, key=lambda r: (r["context"], r["method"] not in REFERENCES, r["method"])):
@@ -176,7 +192,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
               f"{fmt(r['tpot_s_min'], 1000, 1) + '-' + fmt(r['tpot_s_max'], 1000, 1):>15} "
               f"{fmt(r['tpot_ratio_to_full'], 1, 2):>7} {fmt(r['tpot_ratio_to_full_static'], 1, 2):>8} "
               f"{fmt(r['gpu_kv_bytes'], 2 ** -20, 0):>10} "
-              f"{fmt(r['cpu_kv_bytes'], 2 ** -20, 0):>10} {fmt(r['peak_gpu_bytes'], 2 ** -30, 1):>8}  {phases}")
+              f"{fmt(r['cpu_kv_bytes'], 2 ** -20, 0):>10} {fmt(r.get('host_kv_ratio'), 1, 2):>5} "
+              f"{fmt(r.get('host_rss_added_bytes'), 2 ** -30, 1):>8} "
+              f"{fmt(r['peak_gpu_bytes'], 2 ** -30, 1):>8}  {phases}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -266,9 +284,11 @@ def main(argv: list[str] | None = None) -> Path:
             request = measured_request if measured or warmup_request is None else warmup_request
             for name, method in methods.items():  # interleaved: A B A B ...
                 cache = HarnessCache(method, PhaseTimer(device, enabled=True))
+                rss_before = resident_bytes()
                 result = greedy_generate(model, cache, request, prefill_chunk_size=args.prefill_chunk_size,
                                          layer_by_layer=args.layer_by_layer,
                                          residual_on_host=args.residual_on_host)
+                rss_after = resident_bytes()  # the cache still holds everything it kept
                 n_steps = max(1, len(result.step_times_s))
                 if measured:
                     measurements.append({
@@ -278,6 +298,8 @@ def main(argv: list[str] | None = None) -> Path:
                         "prefill_phases_s": result.prefill_phases,
                         "decode_steps": len(result.step_times_s), "gpu_kv_bytes": result.gpu_kv_bytes,
                         "cpu_kv_bytes": result.cpu_kv_bytes, "peak_gpu_bytes": result.peak_gpu_bytes,
+                        "offloaded_kv_bytes": result.offloaded_kv_bytes, "host_rss_bytes": rss_after,
+                        "host_rss_added_bytes": None if rss_after is None else rss_after - rss_before,
                         "mean_attended_tokens": result.counters.get("mean_attended_tokens"),
                         "pages_loaded_per_step": result.counters.get("pages_loaded", 0) / n_steps,
                         "bytes_to_gpu_per_step": result.counters.get("bytes_to_gpu", 0) / n_steps,

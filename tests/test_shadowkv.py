@@ -278,8 +278,10 @@ def test_gpu_path_chooses_and_computes_what_the_cpu_path_does():
             outputs.append((layers[device].forward(q.to(device), k.to(device), v.to(device), None, SCALING).cpu(),
                             layers[device].last_attended.cpu(), layers[device].slot_chunk.cpu()))
         layers[device] = outputs
-    for (out_cpu, att_cpu, held_cpu), (out_gpu, att_gpu, held_gpu) in zip(layers["cpu"], layers["cuda"]):
-        assert torch.equal(att_cpu, att_gpu)
+    for step, ((out_cpu, att_cpu, held_cpu), (out_gpu, att_gpu, held_gpu)) in enumerate(
+            zip(layers["cpu"], layers["cuda"])):
+        where = f"step {step}: resident cpu {held_cpu.tolist()} gpu {held_gpu.tolist()}"
+        assert torch.equal(att_cpu, att_gpu), f"{where}; attended differ at {(att_cpu != att_gpu).nonzero().tolist()}"
         # The same chunks resident; which slot holds which follows the top-k's order, which CUDA leaves unsorted.
-        assert torch.equal(held_cpu.sort(dim=-1).values, held_gpu.sort(dim=-1).values)
+        assert torch.equal(held_cpu.sort(dim=-1).values, held_gpu.sort(dim=-1).values), where
         torch.testing.assert_close(out_gpu, out_cpu, atol=1e-4, rtol=1e-4)

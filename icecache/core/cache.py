@@ -87,6 +87,9 @@ class HarnessCache(Cache):
     def cpu_kv_bytes(self) -> int:
         return sum(kv.cpu_kv_bytes() for kv in self.layer_kvs)
 
+    def offloaded_kv_bytes(self) -> int:
+        return sum(kv.offloaded_kv_bytes() for kv in self.layer_kvs)
+
     def close(self) -> None:
         self.seq.close()
 

@@ -56,6 +56,7 @@ class GenerationResult:
     counters: dict[str, Any] = field(default_factory=dict)
     gpu_kv_bytes: int = 0
     cpu_kv_bytes: int = 0
+    offloaded_kv_bytes: int = 0  # the offloaded keys and values at the model's dtype (LayerKV.offloaded_kv_bytes)
     peak_gpu_bytes: int | None = None
     logits: list[torch.Tensor] | None = None
     selection: dict[str, Any] | None = None  # with measure_selection: SelectionMeter.summary()
@@ -85,6 +86,7 @@ class GenerationResult:
             "prefill_phases_s": self.prefill_phases,
             "gpu_kv_bytes": self.gpu_kv_bytes,
             "cpu_kv_bytes": self.cpu_kv_bytes,
+            "offloaded_kv_bytes": self.offloaded_kv_bytes,
             "peak_gpu_bytes": self.peak_gpu_bytes,
             **self.counters,
         }
@@ -248,6 +250,7 @@ def greedy_generate(
         counters={**cache.seq.counters.as_dict(), **(graphed.counters() if graphed else {})},
         gpu_kv_bytes=cache.gpu_kv_bytes(),
         cpu_kv_bytes=cache.cpu_kv_bytes(),
+        offloaded_kv_bytes=cache.offloaded_kv_bytes(),
         peak_gpu_bytes=torch.cuda.max_memory_allocated(device) if is_cuda else None,
         logits=logits_kept if keep_logits else None,
         selection=cache.seq.selection_meter.summary() if cache.seq.selection_meter is not None else None,

@@ -160,6 +160,11 @@ class LayerKV(ABC):
     def cpu_kv_bytes(self) -> int:
         return 0
 
+    def offloaded_kv_bytes(self) -> int:
+        """Bytes of the keys and values this layer keeps off the GPU, counted at the model's dtype: what
+        ``cpu_kv_bytes`` (all the host memory the layer holds for them) is measured against."""
+        return 0
+
 
 class DenseKV(LayerKV):
     """The full cache: every token kept on the model's device, dense attention. Storage follows
