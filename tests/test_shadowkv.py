@@ -266,7 +266,8 @@ def test_generation_on_a_tiny_model_keeps_the_budget_with_a_low_rank():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_path_chooses_and_computes_what_the_cpu_path_does():
     """float32 on both: the same chunks chosen and resident, the same attended positions, outputs within float
-    tolerance (the SVD and the kernels differ in rounding only), over steps that turn the window and reload."""
+    tolerance (the SVD and the kernels differ in rounding only), over steps that turn the window and reload. (The
+    slot table is updated in place, so each step's is cloned: ``.cpu()`` of a CPU tensor is the tensor itself.)"""
     layers = {}
     for device in ("cpu", "cuda"):
         gen = torch.Generator().manual_seed(7)
@@ -276,7 +277,7 @@ def test_gpu_path_chooses_and_computes_what_the_cpu_path_does():
             q, k, v = (torch.randn(1, 4, 1, 16, generator=gen), torch.randn(1, 2, 1, 16, generator=gen),
                        torch.randn(1, 2, 1, 16, generator=gen))
             outputs.append((layers[device].forward(q.to(device), k.to(device), v.to(device), None, SCALING).cpu(),
-                            layers[device].last_attended.cpu(), layers[device].slot_chunk.cpu()))
+                            layers[device].last_attended.cpu(), layers[device].slot_chunk.cpu().clone()))
         layers[device] = outputs
     for step, ((out_cpu, att_cpu, held_cpu), (out_gpu, att_gpu, held_gpu)) in enumerate(
             zip(layers["cpu"], layers["cuda"])):

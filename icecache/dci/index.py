@@ -5,7 +5,8 @@ Prioritized DCI over random directions, its multi-level form, M-DCI's page-leaf 
 leaf, 8-16 once a parent has more than one leaf) and the maximum-inner-product transform. Every operation is one
 call over all instances, threaded in C++ with the GIL released. Arrays are float32 and C-contiguous; NumPy arrays
 and CPU torch tensors are taken without a copy. An index made with ``key_dtype="bfloat16"`` takes its keys as
-bfloat16 CPU tensors and holds them so: it is then the only host copy of them a KV cache needs (``key_rows``).
+bfloat16 CPU tensors and holds them so: it is then the only host copy of them a KV cache needs (``gather_keys``
+reads a page's rows from it).
 """
 
 from __future__ import annotations
@@ -274,15 +275,20 @@ class DCIIndex:
         (a KV cache announces its final length: no growth slack, no copy while it grows)."""
         self._forest.reserve(int(num_tokens))
 
-    def key_rows(self, instance: int):
-        """The stored keys of one instance, [num_tokens, dim], without a copy: a bfloat16 torch tensor (key_dtype
-        bfloat16) or a float32 NumPy array. Valid until the next build or insert."""
-        rows = self._forest.key_rows(self._instance(instance))
+    def keys(self, instance: int):
+        """The stored keys of one instance by token id, [num_tokens, dim], copied out: a bfloat16 torch tensor
+        (key_dtype bfloat16) or a float32 NumPy array. (The index stores them in leaf order after a build, so that a
+        parent's children are one block: ``key_storage_rows``.)"""
+        rows = self._forest.keys(self._instance(instance))
         if self.key_dtype == "bfloat16":
             import torch
 
             return torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16)
         return rows
+
+    def key_storage_rows(self, instance: int) -> np.ndarray:
+        """int64 [num_tokens]: the storage row of each token id's key (diagnostics and tests)."""
+        return self._forest.key_storage_rows(self._instance(instance))
 
     def pages_items(self, instances: np.ndarray, pages: np.ndarray) -> np.ndarray:
         """int32 [n, 16]: the token ids of page ``pages[r]`` of instance ``instances[r]`` in slot order, -1 padded."""

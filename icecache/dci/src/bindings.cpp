@@ -87,14 +87,23 @@ class Forest {
     for (auto& x : inst_) x->reserve(n);
   }
 
-  // Instance i's key rows [n, dim] without a copy (uint16 bfloat16 bits, or float32); the array keeps the Forest
-  // alive, and is valid until the next build or insert.
-  py::array key_rows(py::object self, int i) const {
+  // Instance i's stored keys [n, dim] by token id, copied (uint16 bfloat16 bits, or float32).
+  py::array keys(int i) const {
     const Instance& x = at(i);
     const py::ssize_t n = x.num_tokens(), dim = cfg_.dim;
-    if (cfg_.bf16_keys)
-      return py::array_t<uint16_t>({n, dim}, static_cast<const uint16_t*>(x.key_data()), self);
-    return py::array_t<float>({n, dim}, static_cast<const float*>(x.key_data()), self);
+    py::array out = cfg_.bf16_keys ? py::array(py::array_t<uint16_t>({n, dim})) : py::array(py::array_t<float>({n, dim}));
+    char* o = static_cast<char*>(out.mutable_data());
+    const size_t rb = row_bytes();
+    for (py::ssize_t t = 0; t < n; ++t) std::memcpy(o + t * rb, x.key_bytes_of(t), rb);
+    return out;
+  }
+
+  // Instance i's storage row of every token id [n] (tests: a build lays the rows out in leaf order).
+  py::array_t<int64_t> key_storage_rows(int i) const {
+    const Instance& x = at(i);
+    py::array_t<int64_t> out(x.num_tokens());
+    for (int64_t t = 0; t < x.num_tokens(); ++t) out.mutable_data()[t] = x.row(t);
+    return out;
   }
 
   // Token ids [n, 16] (-1 padded) of page pages[r] of instance heads[r]: the rows a load of those pages reads.
@@ -132,13 +141,12 @@ class Forest {
     const int32_t* id = ids.data();
     for (int64_t r = 0; r < n; ++r) {
       const Instance& x = at(static_cast<int>(h[r]));
-      const char* base = static_cast<const char*>(x.key_data());
       for (int t = 0; t < dci::kPageSlots; ++t) {
         const int32_t tok = id[r * dci::kPageSlots + t];
         char* dst = o + (static_cast<size_t>(r) * dci::kPageSlots + t) * rb;
         if (tok < 0) std::memset(dst, 0, rb);
         else if (tok >= x.num_tokens()) throw py::index_error("token id out of range");
-        else std::memcpy(dst, base + static_cast<size_t>(tok) * rb, rb);
+        else std::memcpy(dst, x.key_bytes_of(tok), rb);
       }
     }
   }
@@ -448,7 +456,8 @@ PYBIND11_MODULE(_dci, m) {
       .def_property_readonly("half_scores", [](const Forest& f) { return f.cfg_.half_scores; })
       .def_property_readonly("bf16_keys", [](const Forest& f) { return f.cfg_.bf16_keys; })
       .def("reserve", &Forest::reserve)
-      .def("key_rows", [](py::object self, int i) { return self.cast<const Forest&>().key_rows(self, i); })
+      .def("keys", &Forest::keys)
+      .def("key_storage_rows", &Forest::key_storage_rows)
       .def("pages_items", &Forest::pages_items)
       .def("memory_bytes", &Forest::memory_bytes)
       .def("gather_keys", &Forest::gather_keys)

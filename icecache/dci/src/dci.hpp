@@ -194,9 +194,16 @@ class Instance {
   // Bytes the instance holds (capacity, not size), its keys and its structure apart.
   int64_t key_bytes() const;
   int64_t structure_bytes() const;
-  // The stored key rows, [n][dim]: bfloat16 bit patterns (bf16_keys) or float32. Valid until the next insert.
+  // The stored key rows, [n][dim] in row order (row(id)): bfloat16 bit patterns (bf16_keys) or float32. Valid
+  // until the next insert.
   const void* key_data() const { return cfg_->bf16_keys ? static_cast<const void*>(keys_bf16_.data())
                                                         : static_cast<const void*>(keys_.data()); }
+  // The storage row of token `id`: after a build the rows follow the leaves (see row_of_), later tokens are
+  // appended in id order.
+  int64_t row(int64_t id) const { return row_of_.empty() ? id : row_of_[id]; }
+  const char* key_bytes_of(int64_t id) const {
+    return static_cast<const char*>(key_data()) + row(id) * cfg_->dim * (cfg_->bf16_keys ? 2 : 4);
+  }
   // page query (docs/dci.md)
   void query(const float* q, int K, const SearchConfig& sc, Scratch& s, int32_t* pages, int32_t* tokens,
              float* page_scores, float* token_scores) const;
@@ -240,6 +247,9 @@ class Instance {
   int next_level();
   void reset();
   void append_points(const void* keys, int64_t m, bool widen);
+  // At the end of a build: the key rows rewritten in leaf order (every parent's leaves in order, each leaf's slots
+  // in order), so that a scan over a parent's children reads one contiguous block.
+  void lay_out_rows_by_leaf();
   // Key row `id` as float32: a pointer into the float32 rows when they are held (always without bf16_keys; during
   // a build with them), else the bfloat16 row widened into `buf` (dim floats), which is returned.
   const float* key_row(int64_t id, float* buf) const;
@@ -250,7 +260,7 @@ class Instance {
   // A key row's cache lines requested ahead of its scoring (a page's rows lie anywhere in the key array).
   void prefetch_row(int32_t id) const {
     const int row_bytes = cfg_->dim * (cfg_->bf16_keys ? 2 : 4);
-    const char* row = static_cast<const char*>(key_data()) + static_cast<int64_t>(id) * row_bytes;
+    const char* row = key_bytes_of(id);
     for (int off = 0; off < row_bytes; off += 64) __builtin_prefetch(row + off);
   }
   void prefetch_rows(const Leaf& lf) const {
@@ -319,6 +329,9 @@ class Instance {
   // float32 copy only while a build runs (it reads every row many times) and is released at its end.
   std::vector<float> keys_;
   std::vector<uint16_t> keys_bf16_;
+  // row_of_[id]: the storage row of token id (empty during a build: row = id). Only the layout changes with it:
+  // ids, and so every tie-break and result, are those of id-ordered storage.
+  std::vector<int32_t> row_of_;
   std::vector<float> sq_norm_;    // [n]
   std::vector<float> proj_;       // [n][L]
   std::vector<Node> nodes_;

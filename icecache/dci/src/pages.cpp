@@ -12,6 +12,7 @@ namespace dci {
 void Instance::reset() {
   keys_.clear();
   keys_bf16_.clear();
+  row_of_.clear();
   sq_norm_.clear();
   proj_.clear();
   nodes_.clear();
@@ -74,6 +75,8 @@ void Instance::append_points(const void* keys, int64_t m, bool widen) {
     const float* k = static_cast<const float*>(keys);
     keys_.insert(keys_.end(), k, k + m * dim);
   }
+  if (!row_of_.empty())  // appended rows follow the laid-out ones
+    for (int64_t i = n0; i < n0 + m; ++i) row_of_.push_back(static_cast<int32_t>(i));
   sq_norm_.resize(n0 + m);
   nodes_.resize(n0 + m);
   std::vector<float> buf(dim);
@@ -87,20 +90,59 @@ void Instance::append_points(const void* keys, int64_t m, bool widen) {
 
 const float* Instance::key_row(int64_t id, float* buf) const {
   const int dim = cfg_->dim;
-  if (!keys_.empty()) return &keys_[id * dim];
-  bf16_to_float(&keys_bf16_[id * dim], dim, buf);
+  if (!keys_.empty()) return &keys_[row(id) * dim];
+  bf16_to_float(&keys_bf16_[row(id) * dim], dim, buf);
   return buf;
 }
 
+namespace {
+// The storage rows of `ids` (ids themselves while there is no row map).
+const int32_t* rows_of(const std::vector<int32_t>& row_of, const int32_t* ids, int m) {
+  if (row_of.empty()) return ids;
+  thread_local std::vector<int32_t> rows;
+  rows.resize(m);
+  for (int r = 0; r < m; ++r) rows[r] = row_of[ids[r]];
+  return rows.data();
+}
+}  // namespace
+
 void Instance::dot_keys(const float* q, const int32_t* ids, int m, float* out) const {
-  if (!keys_.empty()) dot_rows(q, keys_.data(), ids, m, cfg_->dim, out);
-  else dot_rows_bf16(q, keys_bf16_.data(), ids, m, cfg_->dim, out);
+  const int32_t* rows = rows_of(row_of_, ids, m);
+  if (!keys_.empty()) dot_rows(q, keys_.data(), rows, m, cfg_->dim, out);
+  else dot_rows_bf16(q, keys_bf16_.data(), rows, m, cfg_->dim, out);
 }
 
 void Instance::dot_keys_multi(const float* const* qs, int nq, const int32_t* ids, int m, float* out,
                               int stride) const {
-  if (!keys_.empty()) dot_rows_multi_ids(qs, nq, keys_.data(), ids, m, cfg_->dim, out, stride);
-  else dot_rows_multi_ids_bf16(qs, nq, keys_bf16_.data(), ids, m, cfg_->dim, out, stride);
+  const int32_t* rows = rows_of(row_of_, ids, m);
+  if (!keys_.empty()) dot_rows_multi_ids(qs, nq, keys_.data(), rows, m, cfg_->dim, out, stride);
+  else dot_rows_multi_ids_bf16(qs, nq, keys_bf16_.data(), rows, m, cfg_->dim, out, stride);
+}
+
+template <typename T>
+static void permute_rows(std::vector<T>& rows, const std::vector<int32_t>& order, int dim) {
+  std::vector<T> out;
+  out.reserve(rows.capacity());  // the room reserved for the announced length stays
+  out.resize(rows.size());
+  for (size_t r = 0; r < order.size(); ++r)
+    std::copy_n(&rows[static_cast<size_t>(order[r]) * dim], dim, &out[r * dim]);
+  rows.swap(out);
+}
+
+void Instance::lay_out_rows_by_leaf() {
+  const int64_t n = num_tokens();
+  std::vector<int32_t> order;  // order[row] = id
+  order.reserve(n);
+  for (const ChildIndex& ci : kids_)
+    for (int32_t page : ci.leaves) {
+      const Leaf& lf = leaves_[page];
+      order.insert(order.end(), lf.item, lf.item + lf.count);
+    }
+  row_of_.reserve(std::max<size_t>(nodes_.capacity(), n));
+  row_of_.assign(n, -1);
+  for (int64_t r = 0; r < n; ++r) row_of_[order[r]] = static_cast<int32_t>(r);
+  if (cfg_->bf16_keys) permute_rows(keys_bf16_, order, cfg_->dim);
+  else permute_rows(keys_, order, cfg_->dim);
 }
 
 void Instance::reserve(int64_t n) {
@@ -108,6 +150,7 @@ void Instance::reserve(int64_t n) {
   if (cfg_->bf16_keys) keys_bf16_.reserve(n * dim);
   else keys_.reserve(n * dim);
   sq_norm_.reserve(n);
+  row_of_.reserve(n);
   proj_.reserve(n * cfg_->num_dirs());
   nodes_.reserve(n);
 }
@@ -121,6 +164,7 @@ int64_t Instance::structure_bytes() const {
                                    nodes_.capacity() * sizeof(Node) + leaves_.capacity() * sizeof(Leaf) +
                                    page_half_.capacity() * sizeof(uint16_t) + page_slack_.capacity() * sizeof(float) +
                                    free_pages_.capacity() * sizeof(int32_t) + changed_.capacity() +
+                                   row_of_.capacity() * sizeof(int32_t) +
                                    kids_.capacity() * sizeof(ChildIndex));
   for (const ChildIndex& ci : kids_) {
     b += static_cast<int64_t>(ci.leaves.capacity() * sizeof(int32_t));
@@ -450,6 +494,15 @@ std::string Instance::check() const {
   const int64_t n = num_tokens();
   const int L = cfg_->num_dirs();
   std::vector<int32_t> seen(n, 0);
+  if (!row_of_.empty()) {
+    if (static_cast<int64_t>(row_of_.size()) != n) { err << "row map size " << row_of_.size(); return err.str(); }
+    std::vector<uint8_t> used(n, 0);
+    for (int64_t t = 0; t < n; ++t) {
+      const int32_t r = row_of_[t];
+      if (r < 0 || r >= n || used[r]) { err << "row map is not a permutation at token " << t; return err.str(); }
+      used[r] = 1;
+    }
+  }
   std::vector<uint8_t> is_free(leaves_.size(), 0);
   for (int32_t p : free_pages_) {
     if (p < 0 || p >= num_pages() || is_free[p]) { err << "bad free page " << p; return err.str(); }
