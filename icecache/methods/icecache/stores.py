@@ -13,8 +13,8 @@ class TokenStore:
     each, in CPU memory.
 
     This is the layer's only host copy of its offloaded tokens: an index owner's keys live in its index
-    (``DCIIndex.gather_keys`` reads them), so ``keys`` is None there; a reusing layer keeps its own keys here. A load gathers a
-    page's rows by token id from here (``gather``), so no page-ordered copy exists.
+    (``DCIIndex.gather_keys`` reads them), so ``keys`` is None there; a reusing layer keeps its own keys here. A
+    load gathers a page's rows by token id from here (``gather``), so no page-ordered copy exists.
 
     ``capacity`` (tokens) sizes the storage from the sequence's announced length; without one it grows by an eighth
     at a time (appending a window page must not copy the whole store every 16 steps). ``nbytes`` counts what is
