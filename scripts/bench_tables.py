@@ -10,6 +10,8 @@ Each table shows the newest numbers, row by row, and names the file and commit e
 * latency (``latency_*.json``): for every (context, method) the newest file that measured it. A method variant
   (``icecache:key=value``) is shown only from the file that gives its base method's row at that context, since it
   was measured to be compared with it. Ratios are to ``full`` and ``full_static`` of the same file.
+  Files of the scaling experiment (``settings.experiment == "scaling"``) are left to the scaling table.
+* scaling: the same choice over the scaling experiment's files, beside the paper's scaling figure.
 * breakdown: the IceCache and IceCache-reuse rows of the latency table, with their phases and memory.
 * host-step (``host_step_*.json``), prompt-index (``prompt_index_*.json``), dci (``dci_*.json``): the newest file per
   (host, threads, context) (and, for the index, per first-pass precision).
@@ -135,9 +137,14 @@ def spread(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
 # Latency
 
 
-def latency_rows(results: Path) -> list[tuple[dict[str, Any], Result]]:
-    """The newest summary row per (context, method), variants only beside their base method's row."""
-    files = load(results, "latency_*.json")
+def is_scaling(f: Result) -> bool:
+    return (f.data.get("settings") or {}).get("experiment") == "scaling"
+
+
+def latency_rows(results: Path, scaling: bool = False) -> list[tuple[dict[str, Any], Result]]:
+    """The newest summary row per (context, method), variants only beside their base method's row, from the
+    scaling experiment's files (``scaling``) or from the others."""
+    files = [f for f in load(results, "latency_*.json") if is_scaling(f) == scaling]
     candidates = [((row["context"], row["method"]), f.order, (row, f)) for f in files for row in f.data["summary"]]
     newest = newest_by(candidates)
     chosen = []
@@ -209,6 +216,32 @@ def render_latency(results: Path, paper: dict[str, Any]) -> str:
             f"({figures.get('model')}, {figures.get('task')}, {figures.get('hardware')}) is filled at the context "
             f"nearest its {figures.get('context_tokens')} tokens.")
     return "\n\n".join([table(header, rows), note, sources, render_paper_scaling(paper)])
+
+
+def render_scaling(results: Path, paper: dict[str, Any]) -> str:
+    figure = paper.get("scaling") or {}
+    paper_ms = figure.get("tpot_ms", {})
+    rows = []
+    chosen = latency_rows(results, scaling=True)
+    for row, f in chosen:
+        method = row["method"]
+        ours = row.get("tpot_s_median")
+        theirs = paper_ms.get(str(row["context"]), {}).get(method)
+        rows.append([
+            str(row["context"]), f"`{method}`", fmt(ours, 1000), ratio_to(row, f, "full"),
+            ratio_to(row, f, "full_static"), fmt(row.get("tt2t_s_median"), digits=1),
+            fmt(row.get("peak_gpu_bytes"), 2**-30), fmt(row.get("cpu_kv_bytes"), 2**-30),
+            fmt(row.get("host_kv_ratio"), digits=2), fmt(theirs, digits=0),
+            fmt(None if ours is None or theirs is None else ours * 1000 / theirs, digits=2), f"`{f.name}`", f.commit,
+        ])
+    header = ["context", "method", "TPOT ms", "x full", "x full_static", "TT2T s", "peak GiB", "host KV GiB",
+              "host / KV", "paper TPOT ms", "ours / paper", "file", "commit"]
+    used = sorted({f.name: f for _, f in chosen}.values(), key=lambda f: f.order)
+    sources = "\n".join(f"* {file_settings(f)}" for f in used)
+    note = (f"The paper's column is its scaling figure ({figure.get('model')}, {figure.get('task')}, "
+            f"{figure.get('hardware')}); its full cache is not said to be a static one. Ratios are to `full` and "
+            f"`full_static` measured in the same file (one process per context).")
+    return "\n\n".join([table(header, rows), note, sources])
 
 
 def render_paper_scaling(paper: dict[str, Any]) -> str:
@@ -510,6 +543,7 @@ def render_page_quality(results: Path, paper: dict[str, Any]) -> str:
 
 RENDERERS: dict[str, Callable[[Path, dict[str, Any]], str]] = {
     "latency": render_latency,
+    "scaling": render_scaling,
     "breakdown": render_breakdown,
     "host-step": render_host_step,
     "prompt-index": render_prompt_index,

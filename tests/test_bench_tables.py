@@ -30,9 +30,10 @@ def summary_row(method: str, context: int, tpot_s: float, **extra) -> dict:
             "phases_s": {"model": tpot_s}, "gpu_kv_bytes": 2**20, "cpu_kv_bytes": 0, **extra}
 
 
-def write_latency(folder: Path, name: str, date: str, commit: str, rows: list[dict]) -> None:
+def write_latency(folder: Path, name: str, date: str, commit: str, rows: list[dict], experiment=None) -> None:
     settings = {"model": "no_such_model", "source": "random", "budget": 256, "threads": 4, "repeats": 2, "warmup": 1,
-                "decode_steps": 64, "prefill_chunk_size": None, "dtype_resolved": "torch.bfloat16"}
+                "decode_steps": 64, "prefill_chunk_size": None, "dtype_resolved": "torch.bfloat16",
+                "experiment": experiment}
     payload = {"kind": "latency", "settings": settings, "provenance": provenance(date, commit), "summary": rows}
     (folder / name).write_text(json.dumps(payload))
 
@@ -91,6 +92,23 @@ def test_the_paper_column_is_filled_at_the_context_nearest_the_papers(bench_tabl
     assert rows[("4096", "icecache")][9] == "100 ms / 7.50 s"
     assert rows[("1024", "icecache")][9] == "-"
     assert rows[("4096", "full")][9] == "-"
+
+
+def test_scaling_files_fill_the_scaling_table_beside_the_paper_and_only_it(bench_tables, latency_folder):
+    write_latency(latency_folder, "latency_gpu_20990102-000000.json", "2026-03-01T00:00:00+00:00", "c", [
+        summary_row("full", 150000, 0.030), summary_row("full_static", 150000, 0.015),
+        summary_row("icecache", 150000, 0.300, cpu_kv_bytes=2 * 2**30, host_kv_ratio=1.15),
+    ], experiment="scaling")
+    paper = {"scaling": {"model": "M", "task": "T", "hardware": "H",
+                         "tpot_ms": {"150000": {"full": 190, "icecache": 228}}}}
+    scaling = table_rows(bench_tables.render_scaling(latency_folder, paper))
+    assert [(row[0], row[1]) for row in scaling] == [("150000", "`full`"), ("150000", "`full_static`"),
+                                                     ("150000", "`icecache`")]
+    icecache = scaling[2]
+    assert icecache[2:5] == ["300.0", "10.00", "20.00"]  # TPOT ms, x full, x full_static
+    assert icecache[7:11] == ["2.0", "1.15", "228", "1.32"]  # host KV GiB, host / KV, paper, ours / paper
+    latency = table_rows(bench_tables.render_latency(latency_folder, {}))
+    assert all(row[0] != "150000" for row in latency)
 
 
 def test_breakdown_lists_icecache_rows_with_their_phases(bench_tables, tmp_path):
