@@ -147,9 +147,13 @@ def summarise(measurements: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "host_rss_added_bytes"):  # the most any repeat held
             values = [g[key] for g in group if g.get(key) is not None]
             row[key] = max(values) if values else None
-        for key in ("mean_attended_tokens", "pages_loaded_per_step", "bytes_to_gpu_per_step"):  # mean over repeats
+        for key in ("mean_attended_tokens", "pages_loaded_per_step", "bytes_to_gpu_per_step",
+                    *(f"search_{name}_per_step" for name in SEARCH_STATS)):  # mean over repeats
             values = [g[key] for g in group if g.get(key) is not None]
             row[key] = statistics.fmean(values) if values else None
+        # The index search's rate: the bytes it read per step over its median time per step (``query``).
+        query_s, search_bytes = row["phases_s"].get("query"), row.get("search_bytes_read_per_step")
+        row["search_gbps"] = search_bytes / query_s / 1e9 if query_s and search_bytes else None
         offloaded = row["offloaded_kv_bytes"]
         # Host memory per byte of offloaded KV (at the model's dtype): 1.0 is one copy and nothing else.
         row["host_kv_ratio"] = row["cpu_kv_bytes"] / offloaded if offloaded and row["cpu_kv_bytes"] else None
@@ -162,6 +166,27 @@ def summarise(measurements: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 ratio = ours / base if ours is not None and base else None
                 row[f"{key.removesuffix('_s')}_ratio_to_{reference}"] = ratio
     return rows
+
+
+SEARCH_STATS = ("rows_read", "bytes_read", "scores", "lists")  # DCIIndex.last_query_stats, per decode step
+
+
+def host_read_bandwidth(gib: float) -> float | None:
+    """The host's achievable DRAM read rate in GB/s on this process's torch threads: the best of five sums over a
+    ``gib`` GiB float32 array (first touched before timing), a STREAM-like read that no cache holds. None for 0."""
+    import time
+
+    import torch
+
+    if gib <= 0:
+        return None
+    data = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - start)
+    return data.nbytes / best / 1e9
 
 
 def resident_bytes() -> int | None:
@@ -187,6 +212,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
         phases = " ".join(f"{k}={v * 1000:.1f}" for k, v in r["phases_s"].items())
         phases += "".join(f" prefill:{k}={v * 1000:.0f}" for k, v in r.get("prefill_phases_s", {}).items())
+        if r.get("search_gbps"):
+            phases += f" search={r['search_bytes_read_per_step'] / 1e6:.0f}MB@{r['search_gbps']:.1f}GB/s"
         print(f"{r['context']:>8} {r['method']:<16} {fmt(r['ttft_s_median']):>8} {fmt(r['tt2t_s_median']):>8} "
               f"{fmt(r['tpot_s_median'], 1000, 2):>9} "
               f"{fmt(r['tpot_s_min'], 1000, 1) + '-' + fmt(r['tpot_s_max'], 1000, 1):>15} "
@@ -223,6 +250,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
+    parser.add_argument("--bandwidth-probe-gib", type=float, default=2.0,
+                        help="GiB read by the host-memory bandwidth probe run first (0: none)")
     parser.add_argument("--out", default=str(REPO / "results" / "bench"), help="output folder")
     args = parser.parse_args(argv)
     defaults = {"model": "llama31_8b", "source": "random", "lengths": [16384], "methods": ["full", "icecache"],
@@ -266,6 +295,9 @@ def main(argv: list[str] | None = None) -> Path:
           flush=True)
     model, _ = load_model(spec, ATTENTION_NAME)
     device = spec.resolved_device()
+    read_gbps = host_read_bandwidth(args.bandwidth_probe_gib)
+    if read_gbps is not None:
+        print(f"host memory read: {read_gbps:.1f} GB/s on {torch.get_num_threads()} threads", flush=True)
     vocab = model.config.vocab_size
 
     measurements: list[dict[str, Any]] = []
@@ -303,6 +335,8 @@ def main(argv: list[str] | None = None) -> Path:
                         "mean_attended_tokens": result.counters.get("mean_attended_tokens"),
                         "pages_loaded_per_step": result.counters.get("pages_loaded", 0) / n_steps,
                         "bytes_to_gpu_per_step": result.counters.get("bytes_to_gpu", 0) / n_steps,
+                        **{f"search_{name}_per_step": result.counters[f"search_{name}"] / n_steps
+                           for name in SEARCH_STATS if f"search_{name}" in result.counters},
                     })
                 cache.close()
                 del cache, result
@@ -315,7 +349,10 @@ def main(argv: list[str] | None = None) -> Path:
     print_table(summary)
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     settings.update({"model_name": spec.name, "device_resolved": str(device),
-                     "dtype_resolved": str(spec.resolved_dtype())})
+                     "dtype_resolved": str(spec.resolved_dtype()), "host_read_gbps": read_gbps})
+    for row in summary:  # the search's rate as a share of what the host's memory delivers
+        row["search_share_of_host_read"] = (row["search_gbps"] / read_gbps
+                                            if row.get("search_gbps") and read_gbps else None)
     payload = {"kind": "latency", "settings": settings, "provenance": provenance.collect(),
                "measurements": measurements, "summary": summary}
     out = Path(args.out)

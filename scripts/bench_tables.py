@@ -299,6 +299,8 @@ def render_breakdown(results: Path, paper: dict[str, Any]) -> str:
             fmt(row.get("pages_loaded_per_step"), digits=0), fmt(row.get("bytes_to_gpu_per_step"), 1e-6),
             fmt(row.get("gpu_kv_bytes"), 2**-20, 0), fmt(row.get("cpu_kv_bytes"), 2**-30),
             fmt(row.get("host_kv_ratio"), digits=2), fmt(row.get("host_rss_added_bytes"), 2**-30),
+            fmt(row.get("search_bytes_read_per_step"), 1e-6, 0), fmt(row.get("search_gbps"), digits=1),
+            fmt(row.get("search_share_of_host_read"), digits=2),
             fmt(peak, 2**-30), fmt(None if peak is None or weights is None else peak - weights, 1e-9, 2),
             f"`{f.name}`", f.commit,
         ])
@@ -309,12 +311,12 @@ def render_breakdown(results: Path, paper: dict[str, Any]) -> str:
             f"paper, ~{figure['context_tokens'] // 1000}k", f"`{figure['method']}`", fmt(ms.get("total"), digits=0),
             fmt(ms.get("query"), digits=0), fmt(ms.get("load"), digits=0),
             f"{fmt(ms.get('decoding'), digits=0)} (decoding)",
-            f"other {fmt(ms.get('other'), digits=0)}", "-", "-", "-", "-", "-", "-", "-", "-", "-", figure["hardware"],
-            "-",
+            f"other {fmt(ms.get('other'), digits=0)}", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
+            figure["hardware"], "-",
         ])
     header = ["context", "method", "TPOT ms", "query ms", "load ms", "model ms", "other phases ms", "parts / TPOT",
               "blocks loaded / step", "MB to GPU / step", "GPU KV MiB", "host KV GiB", "host / KV", "RSS added GiB",
-              "peak GiB",
+              "search MB / step", "search GB/s", "search / host read", "peak GiB",
               "peak - weights GB", "file", "commit"]
     return table(header, rows)
 

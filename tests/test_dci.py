@@ -583,3 +583,21 @@ def test_a_bfloat16_index_refuses_float32_keys_with_one_clear_line():
         index.build(np.zeros((2, 10, 8), dtype=np.float32))
     with pytest.raises(ValueError, match="key_dtype must be one of"):
         DCIIndex(8, 2, key_dtype="int8")
+
+
+@pytest.mark.parametrize("key_dtype,row_bytes", [("float32", 64), ("bfloat16", 32)])
+def test_a_query_reports_the_rows_it_read(key_dtype, row_bytes):
+    """With one level and budgets that cover everything, a grouped query scans every row once for the whole GQA
+    group: rows read = tokens x instances, scores = that x group size, one list per instance, bytes in the stored
+    dtype. The counts are the last query's own."""
+    rng = np.random.default_rng(9)
+    keys = rng.standard_normal((2, 40, 16)).astype(np.float32)
+    index = DCIIndex(16, 2, key_dtype=key_dtype)
+    index.build(torch.from_numpy(keys).to(torch.bfloat16) if key_dtype == "bfloat16" else keys)
+    assert index.num_levels(0) == index.num_levels(1) == 1
+    q = rng.standard_normal((8, 16)).astype(np.float32)
+    index.query(q, 3, ratio=4, field_of_view=40, prop_to_retrieve=1.0)
+    stats = index.last_query_stats()
+    assert stats == {"rows_read": 80, "bytes_read": 80 * row_bytes, "scores": 80 * 4, "lists": 2}
+    index.query(q[:2], 3, ratio=1, field_of_view=40, prop_to_retrieve=1.0)
+    assert index.last_query_stats() == {"rows_read": 80, "bytes_read": 80 * row_bytes, "scores": 80, "lists": 2}

@@ -236,7 +236,7 @@ def test_bench_latency_driver_writes_its_file(tmp_path):
     method = _second_method()
     command = [PY, str(REPO / "scripts" / "bench_latency.py"), "--model", "tiny_llama", "--lengths", "48",
                "--methods", method, "--budget", "32", "--repeats", "1", "--warmup", "0", "--decode-steps", "64",
-               "--out", str(tmp_path)]
+               "--bandwidth-probe-gib", "0.01", "--out", str(tmp_path)]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     assert result.returncode == 0, result.stderr[-2000:]

@@ -102,6 +102,11 @@ class DecodeCounters:
     bytes_to_gpu: int = 0
     # float64 [decode_layer_steps, attended_tokens, pages_loaded, bytes_to_gpu], one per device, made at first use
     _on_device: dict = field(default_factory=dict, repr=False)
+    # A method's own host-side totals by name (``add``), reported beside the others.
+    extra: dict = field(default_factory=dict)
+
+    def add(self, name: str, value: float) -> None:
+        self.extra[name] = self.extra.get(name, 0) + value
 
     def record_attention(self, mean_tokens_per_head: float) -> None:
         self.decode_layer_steps += 1
@@ -146,4 +151,5 @@ class DecodeCounters:
             "mean_attended_tokens": attended / steps if steps else None,
             "pages_loaded": pages,
             "bytes_to_gpu": n_bytes,
+            **self.extra,
         }

@@ -301,6 +301,12 @@ class DCIIndex:
         self._forest.gather_keys(np.ascontiguousarray(instances, dtype=np.int64),
                                  np.ascontiguousarray(token_ids, dtype=np.int32), out)
 
+    def last_query_stats(self) -> dict[str, int]:
+        """What the last ``query`` read: ``rows_read`` key rows loaded (a row scored for several query heads of a
+        GQA group counts once), ``bytes_read`` (their bytes, in the stored dtype), ``scores`` ((row, head) dot
+        products) and ``lists`` (children lists searched or scanned)."""
+        return dict(self._forest.last_query_stats())
+
     def memory_bytes(self) -> dict[str, int]:
         """Host bytes the index holds (reserved capacity included): ``keys`` (its key rows) and ``structure``
         (levels, trees, pages, projections)."""

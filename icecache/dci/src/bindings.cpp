@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -176,8 +177,9 @@ class Forest {
     dci::SearchConfig sc{fov, pr, pv};
     {
     py::gil_scoped_release nogil;
+    std::atomic<int64_t> rows{0}, scores{0}, lists{0};
     if (cfg_.num_dirs() == 1) {
-      query_grouped(q, nq, K, sc, ratio, P, T, PS, TS);
+      query_grouped(q, nq, K, sc, ratio, P, T, PS, TS, rows, scores, lists);
     } else {
       const int nthreads = std::max(1, static_cast<int>(std::min<int64_t>(nq, threads_)));
       if (static_cast<int>(scratch_.size()) < nthreads) scratch_.resize(nthreads);
@@ -185,11 +187,14 @@ class Forest {
       {
         // per-thread buffers kept across calls: a query allocates nothing once they have grown
         dci::Scratch& s = scratch_[omp_get_thread_num()];
+        dci::search_counters() = dci::SearchCounters{};
 #pragma omp for schedule(dynamic, 1)
         for (int64_t h = 0; h < nq; ++h)
           inst_[h / ratio]->query(q + h * dim, K, sc, s, P + h * K, T + h * K, PS + h * K, TS + h * K);
+        add_counters(rows, scores, lists);
       }
     }
+    last_query_ = {rows.load(), scores.load(), lists.load()};
     }
     return py::make_tuple(pages, tokens, pscores, tscores);
   }
@@ -205,8 +210,27 @@ class Forest {
   // A head is fed exactly the points it is fed alone, with the same scores, and the accumulators keep the best K
   // in (distance, id) order with unique ids, so the result is the one of the per-head query for any thread count
   // and any grouping.
+  // This thread's search counters added to a query's totals (once per thread and query).
+  static void add_counters(std::atomic<int64_t>& rows, std::atomic<int64_t>& scores, std::atomic<int64_t>& lists) {
+    const dci::SearchCounters& mine = dci::search_counters();
+    rows += mine.rows;
+    scores += mine.scores;
+    lists += mine.lists;
+  }
+
+  // What the last query read (SearchCounters summed over its threads), as a dict for Python.
+  py::dict last_query_stats() const {
+    py::dict d;
+    d["rows_read"] = last_query_.rows;
+    d["bytes_read"] = last_query_.rows * static_cast<int64_t>(cfg_.dim) * (cfg_.bf16_keys ? 2 : 4);
+    d["scores"] = last_query_.scores;
+    d["lists"] = last_query_.lists;
+    return d;
+  }
+
   void query_grouped(const float* q, int64_t nq, int K, const dci::SearchConfig& sc, int ratio, int32_t* P,
-                     int32_t* T, float* PS, float* TS) {
+                     int32_t* T, float* PS, float* TS, std::atomic<int64_t>& rows, std::atomic<int64_t>& scores,
+                     std::atomic<int64_t>& lists) {
     const int dim = cfg_.dim;
     const int I = num_instances();
     const int nthreads = std::max(1, threads_);
@@ -222,6 +246,7 @@ class Forest {
     {
       const int tid = omp_get_thread_num();
       dci::Scratch& s = scratch_[tid];
+      dci::search_counters() = dci::SearchCounters{};
       ThreadAcc& acc = acc_[tid];
       // this thread's per-head accumulators, allocated by the thread itself (its own malloc arena)
       if (static_cast<int64_t>(acc.topk.size()) < 2 * nq) acc.topk.resize(2 * nq);
@@ -307,6 +332,7 @@ class Forest {
         }
         inst_[h / ratio]->emit(hs.best_tokens, hs.best_pages, K, P + h * K, T + h * K, PS + h * K, TS + h * K);
       }
+      add_counters(rows, scores, lists);
     }
   }
 
@@ -443,6 +469,7 @@ class Forest {
   std::vector<Item> items_;
   std::unique_ptr<dci::SharedBars[]> bars_;  // [nq], for the half-precision scan
   int64_t bars_capacity_ = 0;
+  dci::SearchCounters last_query_;
   int threads_;
 };
 
@@ -461,6 +488,7 @@ PYBIND11_MODULE(_dci, m) {
       .def("pages_items", &Forest::pages_items)
       .def("memory_bytes", &Forest::memory_bytes)
       .def("gather_keys", &Forest::gather_keys)
+      .def("last_query_stats", &Forest::last_query_stats)
       .def_property("num_threads", &Forest::threads, &Forest::set_threads)
       .def("build", &Forest::build)
       .def("insert", &Forest::insert)

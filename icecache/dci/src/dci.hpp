@@ -172,6 +172,14 @@ struct alignas(64) SharedBars {
   }
 };
 
+// What a search read, counted per thread (search_counters) and summed per query by the binding: key rows loaded
+// (a row a grouped scan scores for several heads counts once), (row, head) dot products, and children lists
+// searched (a parent's children searched or scanned).
+struct SearchCounters {
+  int64_t rows = 0, scores = 0, lists = 0;
+};
+SearchCounters& search_counters();  // this thread's
+
 constexpr int kMaxGroupHeads = 16;  // query heads scored together in one pass over a parent's rows
 
 struct QueryResult {

@@ -107,6 +107,9 @@ const int32_t* rows_of(const std::vector<int32_t>& row_of, const int32_t* ids, i
 }  // namespace
 
 void Instance::dot_keys(const float* q, const int32_t* ids, int m, float* out) const {
+  SearchCounters& counted = search_counters();
+  counted.rows += m;
+  counted.scores += m;
   const int32_t* rows = rows_of(row_of_, ids, m);
   if (!keys_.empty()) dot_rows(q, keys_.data(), rows, m, cfg_->dim, out);
   else dot_rows_bf16(q, keys_bf16_.data(), rows, m, cfg_->dim, out);
@@ -114,6 +117,9 @@ void Instance::dot_keys(const float* q, const int32_t* ids, int m, float* out) c
 
 void Instance::dot_keys_multi(const float* const* qs, int nq, const int32_t* ids, int m, float* out,
                               int stride) const {
+  SearchCounters& counted = search_counters();
+  counted.rows += m;
+  counted.scores += static_cast<int64_t>(m) * nq;
   const int32_t* rows = rows_of(row_of_, ids, m);
   if (!keys_.empty()) dot_rows_multi_ids(qs, nq, keys_.data(), rows, m, cfg_->dim, out, stride);
   else dot_rows_multi_ids_bf16(qs, nq, keys_bf16_.data(), rows, m, cfg_->dim, out, stride);

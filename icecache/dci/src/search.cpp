@@ -9,6 +9,11 @@
 
 namespace dci {
 
+SearchCounters& search_counters() {
+  thread_local SearchCounters counters;
+  return counters;
+}
+
 // transform_compute_dist: M - a.b - sqrt((M - |a|^2)(M - |b|^2)) = |a' - b'|^2 / 2; squared Euclidean otherwise.
 float Instance::key_dist(const float* a, float a_sq, const float* b, float b_sq) const {
   return key_dist_from_dot(dot(a, b, cfg_->dim), a_sq, b_sq);
@@ -36,6 +41,7 @@ void Instance::search_children(const ChildIndex& ci, const float* qproj, const P
   out.clear();
   const int n = ci.size();
   if (n == 0 || k <= 0) return;
+  search_counters().lists += 1;
   auto& cands = s.cands;
   cands.clear();
   if (k >= n) {  // brute force over all children
@@ -188,6 +194,7 @@ void Instance::scan_runs(int32_t kid_slot, int nh, const Probe* probes, const in
     return;
   }
   const ChildIndex& ci = kids_[kid_slot];
+  search_counters().lists += 1;
   int lo = first[0], hi = last[0];
   for (int j = 1; j < nh; ++j) {
     lo = std::min(lo, first[j]);
@@ -294,6 +301,8 @@ void Instance::scan_runs_half(int32_t kid_slot, int nh, const Probe* probes, con
   if (lo >= hi) return;
   const int dim = cfg_->dim;
   const int width = hi - lo;
+  search_counters().lists += 1;
+  search_counters().rows += width;  // the half rows (re-scored rows count again, as dot_keys_multi reads them)
   HalfScanBuffers& buf = half_scan_buffers;
   const float* qs[kMaxGroupHeads];
   for (int j = 0; j < nh; ++j) qs[j] = probes[j].vec;

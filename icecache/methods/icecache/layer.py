@@ -327,6 +327,9 @@ class IceCacheLayer(DenseKV):
                 prop_to_retrieve=self.cfg.query_prop_to_retrieve, ratio=self.model.group_size,
             )
             group.selection = merge_group_pages(pages, self.model.group_size, k_sel)
+        counters = self.seq.counters
+        for name, value in group.index.last_query_stats().items():  # what the search read (a measure of its floor)
+            counters.add(f"search_{name}", value)
         return group.selection
 
     def _stage_pages(self, selection: np.ndarray) -> None:
