@@ -19,7 +19,8 @@ Each table shows the newest numbers, row by row, and names the file and commit e
 * cpu-accuracy (``cpu_accuracy*.json``, lists of run metrics): the newest run per (task, model, method, budget,
   command-line settings).
 * accuracy (``accuracy_*.json``, the runs of the accuracy experiments that ``scripts/run_jobs.py --curate`` lists):
-  the newest file per model, every cell from its runs' metrics.json (icecache_harness.report.accuracy).
+  the newest file per model and device (the GPU its runs ran on, or CPU), every cell from its runs' metrics.json
+  (icecache_harness.report.accuracy).
 * page-quality (``page_quality_*.json``, scripts/page_quality.py): the newest file per (host, model, task, length,
   budget).
 
@@ -495,13 +496,17 @@ def render_cpu_accuracy(results: Path, paper: dict[str, Any]) -> str:
 def render_accuracy(results: Path, paper: dict[str, Any]) -> str:
     from icecache_harness.report import accuracy as A
 
-    newest = newest_by([((str(f.data.get("model")),), f.order, f) for f in load(results, "accuracy_*.json")])
+    def device(f: Result) -> str:  # the GPU the runs ran on, or CPU
+        gpus = {str((r.get("provenance") or {}).get("gpu") or "CPU") for r in f.data.get("runs") or []}
+        return ", ".join(sorted(gpus)) or "CPU"
+
+    newest = newest_by([((str(f.data.get("model")), device(f)), f.order, f) for f in load(results, "accuracy_*.json")])
     if not newest:
         return ("Not measured yet: no `results/bench/accuracy_*.json`. `make reproduce-accuracy` (or the commands "
                 "in docs/reproduce.md, \"Accuracy\") runs the experiments and writes one; every cell of this table "
                 "will come from the metrics.json of those runs.")
     blocks = []
-    for (model,), f in sorted(newest.items()):
+    for (model, _), f in sorted(newest.items()):
         runs = f.data.get("runs") or []
         rows = A.accuracy_rows(runs)
         commits = sorted({short_commit(r.get("provenance") or {}) for r in runs})
@@ -511,8 +516,10 @@ def render_accuracy(results: Path, paper: dict[str, Any]) -> str:
         source = (f"`{f.name}`: {len(runs)} finished runs" + (f", {missing} not finished" if missing else "")
                   + f" of `{'`, `'.join(f.data.get('sweeps') or [])}`; {', '.join(gpus)}; commits "
                   f"{', '.join(commits)}; run {dates[0] if dates else '?'} to {dates[-1] if dates else '?'}.")
-        figures = [name for name in (f"accuracy_vs_budget_{model}.png", f"accuracy_vs_tpot_{model}.png",
-                                     f"mass_by_layer_{model}.png") if (results / name).exists()]
+        figures = [name for name in (f.data.get("figures") or (f"accuracy_vs_budget_{model}.png",
+                                                                f"accuracy_vs_tpot_{model}.png",
+                                                                f"mass_by_layer_{model}.png"))
+                   if (results / name).exists()]
         blocks += [A.render_tables(rows) if rows else "(no finished runs)", source]
         if figures:
             blocks.append("Figures: " + ", ".join(f"`results/bench/{name}`" for name in figures) + ".")

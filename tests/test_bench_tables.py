@@ -208,3 +208,24 @@ def test_an_unknown_region_is_an_error(bench_tables, tmp_path):
 def test_benchmarks_page_matches_its_result_files(bench_tables):
     """BENCHMARKS.md's tables are what results/bench/ renders (rerun scripts/bench_tables.py after adding a file)."""
     assert bench_tables.main(["--check"]) == 0
+
+
+def test_accuracy_keeps_the_newest_file_per_model_and_device(bench_tables, tmp_path):
+    """A CPU run of the accuracy experiments does not hide the GPU host's table for the same model: the newest file
+    per (model, device) is rendered, each with its own source line."""
+    from tests.test_accuracy_report import payload
+
+    def curated(name, date, gpu, score):
+        runs = [payload("passkey", "full", None, 4096, 100.0, mass=1.0, attended=None),
+                payload("passkey", "quest", 256, 4096, score)]
+        for run in runs:
+            run["provenance"]["gpu"] = gpu
+        (tmp_path / name).write_text(json.dumps({"model": "smollm2-135m", "provenance": provenance(date, "a"),
+                                                 "runs": runs, "sweeps": ["experiment=x"]}))
+
+    curated("accuracy_smollm2-135m_1.json", "2026-01-01T00:00:00+00:00", "NVIDIA H200", 60.0)
+    curated("accuracy_smollm2-135m_2.json", "2026-02-01T00:00:00+00:00", "NVIDIA H200", 70.0)
+    curated("accuracy_cpu_smollm2-135m_3.json", "2026-03-01T00:00:00+00:00", None, 50.0)
+    text = bench_tables.render_accuracy(tmp_path, {})
+    assert "`accuracy_smollm2-135m_2.json`" in text and "`accuracy_cpu_smollm2-135m_3.json`" in text
+    assert "`accuracy_smollm2-135m_1.json`" not in text
