@@ -51,7 +51,7 @@ def time_layer(length: int, threads: int, repeats: int) -> dict[str, list[float]
     rows: dict[str, list[float]] = {}
     for _ in range(repeats):
         timer = PhaseTimer(enabled=True)
-        seq = SequenceContext(timer=timer)
+        seq = SequenceContext(timer=timer, max_total_tokens=length + 64)  # a decode run announces its length
         layer = method.make_layer(0, seq)
         try:
             with torch.inference_mode():

@@ -347,16 +347,20 @@ def render_prompt_index(results: Path, paper: dict[str, Any]) -> str:
     rows = []
     for (host, threads, length), (entry, f) in sorted(newest.items()):
         seconds = entry["seconds"]
+
+        def part(name: str) -> str:  # files from before the single host copy time a page rewrite and a float copy
+            return spread(seconds[name]) if seconds.get(name) else "-"
+
         rows.append([host, str(threads), str(length), spread(seconds["job_total"]), spread(seconds["build"]),
-                     spread(seconds["rewrite"]), spread(seconds["to_float32"]), str(len(seconds["job_total"])),
+                     part("token_store"), part("rewrite"), part("to_float32"), str(len(seconds["job_total"])),
                      f"`{f.name}`", f.commit])
     latency = paper.get("latency", {})
     tt2t = latency.get("tt2t_s", {}).get("icecache")
     if tt2t is not None:
         rows.append([f"paper ({latency.get('hardware')})", "64", f"~{latency.get('context_tokens')}",
-                     f"< {tt2t / 30:.2f} (TT2T {tt2t} s over 30 layers)", "-", "-", "-", "-", "-", "-"])
-    header = ["host", "threads", "context", "job s", "build s", "page rewrite s", "float32 copy s", "rounds", "file",
-              "commit"]
+                     f"< {tt2t / 30:.2f} (TT2T {tt2t} s over 30 layers)", "-", "-", "-", "-", "-", "-", "-"])
+    header = ["host", "threads", "context", "job s", "build s", "token store s", "page rewrite s", "float32 copy s",
+              "rounds", "file", "commit"]
     return table(header, rows)
 
 
