@@ -348,8 +348,8 @@ def render_prompt_index(results: Path, paper: dict[str, Any]) -> str:
     for (host, threads, length), (entry, f) in sorted(newest.items()):
         seconds = entry["seconds"]
 
-        def part(name: str) -> str:  # files from before the single host copy time a page rewrite and a float copy
-            return spread(seconds[name]) if seconds.get(name) else "-"
+        def part(name: str, seconds: dict = seconds) -> str:  # files from before the single host copy time a page
+            return spread(seconds[name]) if seconds.get(name) else "-"  # rewrite and a float32 copy
 
         rows.append([host, str(threads), str(length), spread(seconds["job_total"]), spread(seconds["build"]),
                      part("token_store"), part("rewrite"), part("to_float32"), str(len(seconds["job_total"])),
