@@ -7,6 +7,7 @@ search returned) and the token positions of those pages are fed to one SHA-256; 
 
     python scripts/selection_hash.py                      # every architecture, IceCache and IceCache(r), two dtypes
     python scripts/selection_hash.py --arch llama --dtype bfloat16 --steps 64
+    python scripts/selection_hash.py --model smollm2_135m --prompt-tokens 4000 --budget 256   # a real model
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]
 
 from icecache.core.cache import HarnessCache  # noqa: E402
 from icecache.core.generation import GenerationRequest, greedy_generate  # noqa: E402
@@ -71,15 +72,36 @@ def main() -> None:
     parser.add_argument("--method", choices=METHODS, nargs="*", default=list(METHODS))
     parser.add_argument("--dtype", choices=DTYPES, nargs="*", default=list(DTYPES))
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--model", help="a model config (configs/model/<name>.yaml) instead of the tiny models; "
+                                        "one --dtype picks its dtype (default: the device's)")
+    parser.add_argument("--prompt-tokens", type=int, default=1200)
+    parser.add_argument("--budget", type=int, default=96)
     args = parser.parse_args()
+    digests = {}
+    if args.model:
+        from bench_latency import model_spec
+
+        from icecache.core.cache import ATTENTION_NAME
+        from icecache.core.models import load_model, model_info
+
+        spec = model_spec(args.model, None, "auto", args.dtype[0] if len(args.dtype) == 1 else "auto")
+        model, _ = load_model(spec, ATTENTION_NAME)
+        info = model_info(spec)
+        for name in args.method:
+            digests[f"{args.model}/{name}"] = selection_digest(model, info, name, prompt_tokens=args.prompt_tokens,
+                                                               steps=args.steps, budget=args.budget)
+            print(f"{args.model} {name:15s} {digests[f'{args.model}/{name}']}", flush=True)
+        print(json.dumps(digests, indent=1))
+        return
     from tests.conftest import tiny_model_on
 
-    digests = {}
     for arch in args.arch:
         for dtype in args.dtype:
             model, info = tiny_model_on(arch, "cpu", getattr(torch, dtype))
             for name in args.method:
-                digests[f"{arch}/{dtype}/{name}"] = selection_digest(model, info, name, steps=args.steps)
+                digests[f"{arch}/{dtype}/{name}"] = selection_digest(model, info, name, steps=args.steps,
+                                                                     prompt_tokens=args.prompt_tokens,
+                                                                     budget=args.budget)
                 print(f"{arch:8s} {dtype:9s} {name:15s} {digests[f'{arch}/{dtype}/{name}']}", flush=True)
     print(json.dumps(digests, indent=1))
 
