@@ -44,10 +44,10 @@ class IceCacheConfig(MethodConfig):
     # Threads of each prompt build (None: cpu_threads / prompt_workers). Searches and inserts, which the decode step
     # waits for, always use cpu_threads.
     build_threads: int | None = None
-    # Key rows a search scores first: "half" keeps a half copy and re-scores in float32 only what error bounds cannot
-    # rule out; the same pages and scores bit for bit as "float32", from about half the bytes (docs/dci.md). It
-    # searches 14-23% faster on the H200 host but builds slower (TT2T +1.9 s at 32k) and holds 25% more index
-    # memory, so it pays off only for outputs of several hundred tokens: off by default.
+    # Key rows a search scores first: "half" keeps an IEEE half copy of every key and re-scores exactly only what
+    # error bounds cannot rule out; the same pages and scores bit for bit as "float32" (docs/dci.md). It was 14-23%
+    # faster when the index scored float32 copies; now that it scores the bf16 keys in place the half copy reads as
+    # many bytes and doubles the keys' host memory: off by default.
     dci_score_precision: str = "float32"
     cpu_kv_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16
     offload_short_prompts: bool = False  # index even prompts that fit in the budget (tests, analysis)
