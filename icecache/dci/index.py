@@ -303,8 +303,9 @@ class DCIIndex:
 
     def last_query_stats(self) -> dict[str, int]:
         """What the last ``query`` read: ``rows_read`` key rows loaded (a row scored for several query heads of a
-        GQA group counts once), ``bytes_read`` (their bytes, in the stored dtype), ``scores`` ((row, head) dot
-        products) and ``lists`` (children lists searched or scanned)."""
+        GQA group counts once; a half first pass's rows too), ``bytes_read`` (their bytes, in the stored dtype),
+        ``scores`` (exact (row, head) dot products; a half pass's approximate ones are not counted) and ``lists``
+        (children lists searched or scanned)."""
         return dict(self._forest.last_query_stats())
 
     def memory_bytes(self) -> dict[str, int]:
