@@ -45,6 +45,21 @@ def machine_label() -> str:
     return "".join(ch if ch.isalnum() else "-" for ch in name.strip()).strip("-") or "unknown"
 
 
+def write_result(folder: str | Path, kind: str, payload: dict[str, Any]) -> Path:
+    """Write ``payload`` as ``<folder>/<kind>_<machine>_<date-time>.json`` (through a temporary file, so that a
+    killed run leaves no half-written result), print where, and return the path."""
+    import json
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{kind}_{machine_label()}_{_dt.datetime.now():%Y%m%d-%H%M%S}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str), encoding="utf-8")
+    tmp.replace(path)
+    print(f"wrote {path}")
+    return path
+
+
 def collect() -> dict[str, Any]:
     import torch
     import transformers

@@ -20,10 +20,8 @@ Usage: python scripts/bench_host_step.py --length 32768 --steps 64 --threads 16
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -90,15 +88,10 @@ def main(argv: list[str] | None = None) -> Path:
     print(f"{args.length} tokens, {args.threads} threads, median of steps 2..{args.steps} (ms per layer step): "
           + "  ".join(f"{name} {value:.3f}" for name, value in summary.items())
           + f"  pages loaded per step {times['pages_loaded_per_step'][0]:.1f}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"host_step_{provenance.machine_label()}_{time.strftime('%Y%m%d-%H%M%S')}.json"
     payload = {"what": "one IceCache layer's host work per decode step, Llama-3.1-8B geometry, random bf16 keys "
                        "and queries; seconds per step", "length": args.length, "steps": args.steps,
                "threads": args.threads, "median_ms": summary, "seconds": times, "provenance": provenance.collect()}
-    path.write_text(json.dumps(payload, indent=2))
-    print(f"wrote {path}")
-    return path
+    return provenance.write_result(args.out, "host_step", payload)
 
 
 if __name__ == "__main__":

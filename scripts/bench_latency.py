@@ -18,8 +18,6 @@ prints a table. Needs only argparse and PyYAML (a transformers dependency): no H
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import re
 import statistics
 import sys
@@ -355,15 +353,7 @@ def main(argv: list[str] | None = None) -> Path:
                                             if row.get("search_gbps") and read_gbps else None)
     payload = {"kind": "latency", "settings": settings, "provenance": provenance.collect(),
                "measurements": measurements, "summary": summary}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = out / f"latency_{provenance.machine_label()}_{stamp}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=str), encoding="utf-8")
-    tmp.replace(path)
-    print(f"wrote {path}")
-    return path
+    return provenance.write_result(args.out, "latency", payload)
 
 
 if __name__ == "__main__":

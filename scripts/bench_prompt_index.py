@@ -17,7 +17,6 @@ Usage: python scripts/bench_prompt_index.py --lengths 32768 131072 --threads 16
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -90,16 +89,10 @@ def main(argv: list[str] | None = None) -> Path:
         # of new allocations included); later rounds show the same work on warm memory.
         print(f"{length:>7} tokens, first / best round: " + "  ".join(
             f"{name} {times[0]:.3f} / {min(times):.3f} s" for name, times in seconds.items()))
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = out / f"prompt_index_{provenance.machine_label()}_{stamp}.json"
     payload = {"what": "one IceCache layer's prompt job, Llama-3.1-8B geometry, bf16 keys; seconds per round",
                "threads": args.threads, "repeats": args.repeats, "results": results,
                "provenance": provenance.collect()}
-    path.write_text(json.dumps(payload, indent=2))
-    print(f"wrote {path}")
-    return path
+    return provenance.write_result(args.out, "prompt_index", payload)
 
 
 if __name__ == "__main__":

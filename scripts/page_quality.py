@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as dt
-import json
 import math
 import sys
 from pathlib import Path
@@ -350,14 +348,7 @@ def main(argv: list[str] | None = None) -> Path:
     print_table(result)
     payload = {"kind": "page_quality", "settings": {k: v for k, v in vars(args).items() if k != "out"},
                "result": result, "provenance": provenance.collect()}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"page_quality_{provenance.machine_label()}_{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(payload, indent=2, default=str), encoding="utf-8")
-    tmp.replace(path)
-    print(f"wrote {path}")
-    return path
+    return provenance.write_result(args.out, "page_quality", payload)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,6 @@ writes results/bench/prefill_probe_<host>_<date>.json with provenance.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -72,12 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'variant':<48} {'TTFT s':>8} {'TT2T s':>8}")
     for row in summary:
         print(f"{row['variant']:<48} {row['ttft_s']:>8.3f} {row['tt2t_s']:>8.3f}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"prefill_probe_{provenance.machine_label()}_{dt.datetime.now():%Y%m%d-%H%M%S}.json"
-    path.write_text(json.dumps({"kind": "prefill_probe", "settings": vars(args), "provenance": provenance.collect(),
-                                "summary": summary}, indent=2, default=str), encoding="utf-8")
-    print(f"wrote {path}")
+    provenance.write_result(args.out, "prefill_probe", {"kind": "prefill_probe", "settings": vars(args),
+                                                          "provenance": provenance.collect(), "summary": summary})
 
 
 if __name__ == "__main__":
