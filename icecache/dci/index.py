@@ -35,7 +35,7 @@ def _as_bfloat16_bits(name: str, tensor: Any, ndim: int) -> np.ndarray:
         raise ValueError(f"{name} must be a CPU tensor, got one on {tensor.device}")
     if tensor.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(tensor.shape)}")
-    if not bool(torch.isfinite(tensor.detach().float().sum(dtype=torch.float64))):
+    if not bool(torch.isfinite(tensor.detach().sum(dtype=torch.float64))):  # no float copy: NaN and inf propagate
         raise ValueError(f"{name} contains NaN or infinite values")
     return tensor.detach().contiguous().view(torch.int16).numpy().view(np.uint16)
 
