@@ -76,6 +76,8 @@ def main() -> None:
                                         "one --dtype picks its dtype (default: the device's)")
     parser.add_argument("--prompt-tokens", type=int, default=1200)
     parser.add_argument("--budget", type=int, default=96)
+    parser.add_argument("--out", help="also write the digests with their provenance to this folder "
+                                      "(selection_digests_<machine>_<date>.json)")
     args = parser.parse_args()
     digests = {}
     if args.model:
@@ -91,7 +93,7 @@ def main() -> None:
             digests[f"{args.model}/{name}"] = selection_digest(model, info, name, prompt_tokens=args.prompt_tokens,
                                                                steps=args.steps, budget=args.budget)
             print(f"{args.model} {name:15s} {digests[f'{args.model}/{name}']}", flush=True)
-        print(json.dumps(digests, indent=1))
+        finish(args, digests)
         return
     from tests.conftest import tiny_model_on
 
@@ -103,7 +105,18 @@ def main() -> None:
                                                                      prompt_tokens=args.prompt_tokens,
                                                                      budget=args.budget)
                 print(f"{arch:8s} {dtype:9s} {name:15s} {digests[f'{arch}/{dtype}/{name}']}", flush=True)
+    finish(args, digests)
+
+
+def finish(args, digests: dict[str, str]) -> None:
     print(json.dumps(digests, indent=1))
+    if args.out:
+        from icecache_harness import provenance
+
+        settings = {k: v for k, v in vars(args).items() if k != "out"}
+        provenance.write_result(args.out, "selection_digests", {"kind": "selection_digests", "settings": settings,
+                                                                "digests": digests,
+                                                                "provenance": provenance.collect()})
 
 
 if __name__ == "__main__":
