@@ -75,6 +75,17 @@ def scontrol_records(job_id: str) -> list[dict[str, str]]:
             for line in result.stdout.splitlines() if line.strip()]
 
 
+ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+def ended_records(job_id: str, timeout: float = 120) -> list[dict[str, str]]:
+    """The records once every task has ended. A task's result file is written before its process exits, so the
+    sweep can report it finished while the controller still shows it RUNNING or COMPLETING for a moment."""
+    return wait_for(lambda: (records := scontrol_records(job_id)) and
+                    all(r["JobState"] in ENDED for r in records) and records, timeout,
+                    f"every task of job {job_id} to end")
+
+
 def next_job_id() -> int:
     """The id the controller gives the next job submitted: unchanged when nothing was submitted."""
     result = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True, timeout=60)
@@ -110,7 +121,7 @@ def test_a_sweep_is_one_job_array_whose_tasks_all_finish(finished_sweep):
     root, _, result = finished_sweep
     assert result.returncode == 0, result.stdout + result.stderr
     assert "sweep: 2 tasks: 2 finished, 0 failed, 0 crashed" in result.stdout
-    tasks = scontrol_records(array_id(result.stdout))
+    tasks = ended_records(array_id(result.stdout))
     # one array of two tasks, with the settings the command line gave the launcher
     assert sorted(t["ArrayTaskId"] for t in tasks) == ["0", "1"]
     assert {t["ArrayJobId"] for t in tasks} == {array_id(result.stdout)}
@@ -217,7 +228,7 @@ def test_failed_and_killed_tasks_are_reported_with_their_logs_and_the_other_fini
     [finished] = (tmp_path / "runs").rglob("metrics.json")
     assert json.loads(finished.read_text())["settings"]["task"]["path"] == str(good)
     # Slurm itself saw task 0 end normally: only the sweep's report tells that its run failed
-    states = {t["ArrayTaskId"]: t["JobState"] for t in scontrol_records(array)}
+    states = {t["ArrayTaskId"]: t["JobState"] for t in ended_records(array)}
     assert states == {"0": "COMPLETED", "1": "COMPLETED", "2": "CANCELLED"}
 
 
@@ -271,11 +282,11 @@ def test_preempted_array_tasks_come_back_and_resume_their_runs(slurm_cluster, tm
         ids = sample_ids(path)
         assert len(ids) == len(set(ids)) == 80, path  # none lost, none twice
         assert json.loads((path.parent / "metrics.json").read_text())["n_samples"] == 80
-    for task in scontrol_records(array):
+    for task in ended_records(array):
         assert (task["JobState"], task["Restarts"]) == ("COMPLETED", "1")
         task_log = Path(task["StdOut"]).read_text()
         assert "DUE TO PREEMPTION" in task_log and task_log.count("Starting with JobEnvironment") == 2
-    assert scontrol_records(urgent.stdout.strip())[0]["JobState"] == "COMPLETED"
+    assert ended_records(urgent.stdout.strip())[0]["JobState"] == "COMPLETED"
 
 
 # ---------------------------------------------------------------------------------------------------------------
