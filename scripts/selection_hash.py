@@ -52,8 +52,8 @@ def _record_selections(layer, digest) -> None:
     """Wrap the layer's selection so that each step's pages (and the positions they hold) enter ``digest``."""
     select = layer._select
 
-    def recorded(query):
-        pages = select(query)
+    def recorded(query, *ahead):
+        pages = select(query, *ahead)
         digest.update(np.ascontiguousarray(pages, dtype=np.int64).tobytes())
         index = layer.group.index
         for head in range(pages.shape[0]):

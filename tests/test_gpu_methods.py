@@ -20,19 +20,23 @@ SETTINGS = {"icecache": {"budget": 96}, "icecache_reuse": {"budget": 96, "n_reus
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("lookahead", [False, True])
 @pytest.mark.parametrize("name", ["icecache", "icecache_reuse"])
-def test_gpu_path_gives_the_cpu_tokens(name):
+def test_gpu_path_gives_the_cpu_tokens(name, lookahead):
     from tests.conftest import tiny_model, tiny_model_on
 
     model, _, info = tiny_model("llama")
     gpu_model, gpu_info = tiny_model_on("llama", "cuda", torch.float32)
     ids = torch.randint(0, 500, (400,), generator=torch.Generator().manual_seed(0)).tolist()
-    values = {"name": name, **SETTINGS[name]}
+    values = {"name": name, **SETTINGS[name], "lookahead": lookahead}
     on_cpu = greedy_generate(model, HarnessCache(build_method(values, info)), GenerationRequest(ids, 48))
     on_gpu = greedy_generate(gpu_model, HarnessCache(build_method(values, gpu_info)), GenerationRequest(ids, 48))
     assert name in METHODS
     assert on_gpu.token_ids == on_cpu.token_ids
     assert on_gpu.counters["pages_loaded"] == on_cpu.counters["pages_loaded"] > 0
+    for key in ("lookahead_searches", "lookahead_misses"):
+        assert on_gpu.counters.get(key) == on_cpu.counters.get(key), key
+    assert ("lookahead_searches" in on_gpu.counters) == lookahead
 
 
 # Every budgeted method whose step is captured (IceCache has its own settings and test below).
@@ -112,16 +116,18 @@ def test_cuda_graph_decode_replays_the_eager_step(architecture, dtype):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("architecture", ["llama", "mistral", "qwen2", "qwen3"])
 @pytest.mark.parametrize("name", ["icecache", "icecache_reuse"])
-def test_icecache_graph_replays_the_eager_step(architecture, name):
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_icecache_graph_replays_the_eager_step(architecture, name, lookahead):
     """IceCache's captured decode step (each layer's host work a host function of the graph) gives bitwise the
     logits of its eager step, over enough steps for the window ring to turn several times and pages to be
-    reloaded after inserts."""
+    reloaded after inserts; with the look-ahead, whose speculative query and job launch are captured too, as
+    well."""
     from tests.conftest import tiny_model_on
 
     gpu_model, gpu_info = tiny_model_on(architecture, "cuda", torch.bfloat16)
     ids = torch.randint(0, 500, (300,), generator=torch.Generator().manual_seed(5)).tolist()
     request = GenerationRequest(ids, 64)
-    values = {"name": name, **SETTINGS[name], "cuda_graph": True}
+    values = {"name": name, **SETTINGS[name], "cuda_graph": True, "lookahead": lookahead}
     graphed = greedy_generate(gpu_model, HarnessCache(build_method(values, gpu_info)), request, keep_logits=True)
     eager = greedy_generate(gpu_model, HarnessCache(build_method(values, gpu_info)), request, keep_logits=True,
                             cuda_graph=False)
@@ -129,6 +135,8 @@ def test_icecache_graph_replays_the_eager_step(architecture, name):
     assert graphed.token_ids == eager.token_ids
     assert graphed.counters["pages_loaded"] == eager.counters["pages_loaded"] > 0
     assert graphed.counters["mean_attended_tokens"] == eager.counters["mean_attended_tokens"]
+    for key in ("lookahead_searches", "lookahead_misses"):
+        assert graphed.counters.get(key) == eager.counters.get(key), key
     for mine, theirs in zip(graphed.logits, eager.logits):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
 

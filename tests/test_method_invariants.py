@@ -32,15 +32,21 @@ from tests.conftest import tiny_model, tiny_model_on
 
 # Methods that ignore the budget are full caches; tests/test_core_full.py holds them to the full cache's tokens.
 SPARSE_METHODS = [name for name in METHODS.names() if method_class(name).uses_budget]
+# The sparse methods and their opt-in variants (``Method.test_variants``), as "name" or "name+variant".
+SPARSE_CASES = SPARSE_METHODS + [f"{name}+{variant}" for name in SPARSE_METHODS
+                                 for variant in method_class(name).test_variants]
 ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3"]
 
 SMALL_BUDGET = 64
 PROMPT_TOKENS = 300
 NEW_TOKENS = 8
 
-def method_config(name: str, budget: int) -> dict:
-    """The method's own test settings (``Method.test_settings``) at ``budget``."""
-    return {"name": name, "budget": budget, **method_class(name).test_settings}
+def method_config(case: str, budget: int) -> dict:
+    """The method's own test settings (``Method.test_settings``) at ``budget``; for a case "name+variant", with the
+    variant's settings over them."""
+    name, _, variant = case.partition("+")
+    cls = method_class(name)
+    return {"name": name, "budget": budget, **cls.test_settings, **(cls.test_variants[variant] if variant else {})}
 
 
 def always_attended(name: str, config: dict, n_tokens: int) -> list[int]:
@@ -63,7 +69,7 @@ def full_run(arch: str, n_prompt: int, n_new: int, chunk: int | None):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("name", SPARSE_METHODS)
+@pytest.mark.parametrize("name", SPARSE_CASES)
 def test_large_budget_matches_full_cache(name, arch):
     model, _, info = tiny_model(arch)
     n_prompt, n_new, chunk = 120, 6, 48  # chunked prefill exercises the methods' multi-chunk paths
@@ -78,7 +84,7 @@ def test_large_budget_matches_full_cache(name, arch):
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-@pytest.mark.parametrize("name", SPARSE_METHODS)
+@pytest.mark.parametrize("name", SPARSE_CASES)
 def test_small_budget_prefill_is_dense_and_budget_holds(name, arch):
     model, _, info = tiny_model(arch)
     config = method_config(name, SMALL_BUDGET)
@@ -162,14 +168,14 @@ def test_output_equals_dense_attention_masked_to_the_selection(name, device):
 
 
 @pytest.mark.parametrize("device", ["cpu", ON_CUDA])
-@pytest.mark.parametrize("name", METHODS.names())
+@pytest.mark.parametrize("name", [name for name in METHODS.names() if name not in SPARSE_METHODS] + SPARSE_CASES)
 def test_a_finished_cache_is_freed_without_the_garbage_collector(name, device):
     """A sequence's KV (tens of GB of host memory for IceCache at 128k) must go when the caller drops the cache,
     not at some later garbage collection: a reference cycle through it once kept a benchmark's previous method
     alive until the next one ran out of host memory. On CUDA this covers the captured decode step (its graph and
     host functions)."""
     model, info = tiny_model_on("llama", device)
-    values = method_config(name, SMALL_BUDGET) if name in SPARSE_METHODS else {"name": name}
+    values = method_config(name, SMALL_BUDGET) if name in SPARSE_CASES else {"name": name}
     ids = torch.randint(0, 500, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(9)).tolist()
     gc.collect()
     gc.disable()

@@ -16,6 +16,7 @@ import torch
 
 from .cache import HarnessCache
 from .graphs import GraphedDecodeStep
+from .layer_inputs import previous_layer_inputs
 from .timing import synchronize
 
 
@@ -169,6 +170,15 @@ def greedy_generate(
     is_cuda = device.type == "cuda"
     if is_cuda:
         torch.cuda.reset_peak_memory_stats(device)
+    with previous_layer_inputs(model, cache.layer_kvs):
+        return _generate(model, cache, request, device, prefill_chunk_size, tokenizer, keep_logits, cuda_graph,
+                         layer_by_layer, residual_on_host)
+
+
+def _generate(model, cache: HarnessCache, request: GenerationRequest, device: torch.device,
+              prefill_chunk_size: int | None, tokenizer, keep_logits: bool, cuda_graph: bool, layer_by_layer: bool,
+              residual_on_host: bool) -> GenerationResult:
+    is_cuda = device.type == "cuda"
     eos = torch.tensor(list(request.eos_token_ids), dtype=torch.long, device=device)
     timer = cache.seq.timer
 

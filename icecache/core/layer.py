@@ -150,6 +150,17 @@ class LayerKV(ABC):
         prompt is offloaded) says no, and the step runs eagerly."""
         return True
 
+    @property
+    def wants_previous_layer_input(self) -> bool:
+        """Whether the generation loop should hand this layer the previous decoder layer's input at every forward
+        (``core.layer_inputs``): a layer that starts its own step's work one layer early says yes."""
+        return False
+
+    def previous_layer_input(self, hidden: torch.Tensor, project_query) -> None:  # noqa: B027  optional hook
+        """The previous decoder layer's input ``hidden [B, S, hidden]``, before that layer runs, and
+        ``project_query(hidden) -> [B, Hq, S, D]``: this layer's own post-RoPE query projection at the forward's
+        positions. Called only where ``wants_previous_layer_input``."""
+
     def between_steps(self) -> None:  # noqa: B027  an optional hook: most layers need no upkeep
         """Host-side upkeep the generation loop runs after every replayed decode step, outside the graph (where
         CUDA may be called: allocating pinned memory, say)."""

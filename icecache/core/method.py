@@ -57,6 +57,8 @@ class Method(ABC):
     #: Settings for the shared invariant tests on tiny models at a 64-token budget (pages of 8 tokens, say, so that
     #: the budget holds several); the method's defaults otherwise.
     test_settings: ClassVar[dict[str, Any]] = {}
+    #: Opt-in variants of the method the invariant tests run too: variant name -> settings over ``test_settings``.
+    test_variants: ClassVar[dict[str, dict[str, Any]]] = {}
 
     @property
     def captures_decode_step(self) -> bool:

@@ -471,12 +471,12 @@ class StepTransit:
         staged[self.n_heads : self.n_heads + self.n_kv_heads].copy_(key)
         staged[self.n_heads + self.n_kv_heads :].copy_(value)
         if self.on_cuda:
-            _copy_async(self.inputs_host, staged)
+            copy_async(self.inputs_host, staged)
 
     def outputs_to_device(self) -> None:
         """Send what the host wrote to the device views (asynchronous on CUDA; nothing to do on CPU)."""
         if self.on_cuda:
-            _copy_async(self.outputs_device, self.outputs_host)
+            copy_async(self.outputs_device, self.outputs_host)
 
     def nbytes(self) -> tuple[int, int]:
         """(pinned host bytes, device bytes) held."""
@@ -484,7 +484,7 @@ class StepTransit:
         return host, (host if self.on_cuda else 0)
 
 
-def _copy_async(destination: torch.Tensor, source: torch.Tensor) -> None:
+def copy_async(destination: torch.Tensor, source: torch.Tensor) -> None:
     """A non-blocking copy between pinned host and device memory on the current stream: PyTorch's when running
     eagerly, the driver's raw copy inside a CUDA-graph capture (``cuda_driver``)."""
     if torch.cuda.is_current_stream_capturing():

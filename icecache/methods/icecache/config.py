@@ -49,6 +49,11 @@ class IceCacheConfig(MethodConfig):
     # faster when the index scored float32 copies; now that it scores the bf16 keys in place the half copy reads as
     # many bytes and doubles the keys' host memory: off by default.
     dci_score_precision: str = "float32"
+    # Opt-in, not the paper's method: an owner layer's search starts one layer early from a speculative query (the
+    # previous layer's input through this layer's projection); a step whose exact query has a cosine below
+    # lookahead_min_cosine with it, for any query head, searches again with the exact query (lookahead.py).
+    lookahead: bool = False
+    lookahead_min_cosine: float = 0.9
     cpu_kv_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16
     offload_short_prompts: bool = False  # index even prompts that fit in the budget (tests, analysis)
     seed: int = 0

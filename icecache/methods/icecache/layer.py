@@ -17,6 +17,7 @@ from icecache.core.layer import DenseKV, ModelInfo, SequenceContext
 from icecache.core.paged import GpuPagePool, StepTransit, scatter_pages
 
 from .config import CPU_KV_DTYPES, IceCacheConfig
+from .lookahead import LookaheadResult, SpeculativeQuery, is_hit
 from .selection import diff_selection, merge_group_pages
 from .state import GroupState, IceCacheSequence
 from .stores import TokenStore
@@ -38,6 +39,8 @@ class IceCacheLayer(DenseKV):
         self.is_owner = cfg.owner_of(layer_idx) == layer_idx
         self.offloaded = False
         self._ready: Future | None = None
+        self._lookahead: Future | None = None  # this step's look-ahead job (lookahead.py), taken by the host step
+        self._speculative: SpeculativeQuery | None = None
         self.sequence = seq.state(IceCacheSequence)
         self.sequence.n_indexed_layers = model.n_layers - self.cfg.n_dense_layers
         self.sequence.n_workers = cfg.prompt_workers
@@ -174,7 +177,14 @@ class IceCacheLayer(DenseKV):
             self.stale = np.pad(self.stale, ((0, 0), (0, n_pages - self.stale.shape[1])))
 
     # ------------------------------------------------------------------ the window
+    def _window_is_full(self) -> bool:
+        return self.window_count == self.cfg.n_window_pages * self.cfg.page_size
+
     def _evict_oldest_window_page(self) -> None:
+        with self.seq.timer.host_phase("insert"):
+            self._offload_window_page()
+
+    def _offload_window_page(self) -> None:
         """Offload the window's oldest page from its host copy: into the token store and the owner's index. On the
         GPU its slot becomes the window's newest page (the ring turns); counts hide what the new tokens have not yet
         overwritten."""
@@ -187,20 +197,19 @@ class IceCacheLayer(DenseKV):
         self.window_head = (self.window_head + 1) % self.cfg.n_window_pages
         positions = np.arange(self.window_start, self.window_start + ps)
         self.window_start += ps
-        with self.seq.timer.host_phase("insert"):
-            self.sequence.wait_for_prompt_jobs()
-            self.tokens.append(None if self.keys_in_index else page_k, page_v)
-            self.token_positions = np.concatenate([self.token_positions, positions])
-            group = self.group
-            if self.is_owner:
-                cfg = self.cfg
-                group.index.insert(
-                    self._index_keys(group.index, page_k), field_of_view=cfg.insert_field_of_view,
-                    prop_to_retrieve=cfg.insert_prop_to_retrieve, as_batch=True,
-                )
-                group.changed = group.index.pop_changed_pages()
-                group.page_counts = None
-            self._mark_stale(group.changed)
+        self.sequence.wait_for_prompt_jobs()
+        self.tokens.append(None if self.keys_in_index else page_k, page_v)
+        self.token_positions = np.concatenate([self.token_positions, positions])
+        group = self.group
+        if self.is_owner:
+            cfg = self.cfg
+            group.index.insert(
+                self._index_keys(group.index, page_k), field_of_view=cfg.insert_field_of_view,
+                prop_to_retrieve=cfg.insert_prop_to_retrieve, as_batch=True,
+            )
+            group.changed = group.index.pop_changed_pages()
+            group.page_counts = None
+        self._mark_stale(group.changed)
 
     # ------------------------------------------------------------------ decode
     #
@@ -244,7 +253,49 @@ class IceCacheLayer(DenseKV):
         self._window_slots = np.arange(self.cfg.n_window_pages)
         self._head_rows = np.arange(n_kv_heads) * ps
         self._inputs_arrived = torch.cuda.Event() if device.type == "cuda" else None
+        if self.wants_previous_layer_input:
+            self._speculative = SpeculativeQuery(self.model.n_heads, self.model.head_dim, device)
 
+    # ------------------------------------------------------------------ look-ahead (lookahead.py; opt-in)
+    @property
+    def wants_previous_layer_input(self) -> bool:
+        return self.cfg.lookahead and self.is_owner and self.layer_idx > 0
+
+    def previous_layer_input(self, hidden: torch.Tensor, project_query) -> None:
+        """Start this layer's search from the previous layer's input: its speculative query goes to the host and a
+        worker offloads the due window page and searches, while the previous layer runs."""
+        if not self.offloaded or hidden.shape[-2] != 1:
+            return  # the prompt, or a step before the prompt is offloaded: nothing to search yet
+        if self._transit is None:
+            self._make_decode_buffers(self.pool.key_pages.device)
+        self._speculative.to_host(project_query(hidden)[0, :, 0, :])
+        self._run_on_host(self._start_lookahead)
+
+    def _start_lookahead(self) -> None:
+        self._lookahead = self.sequence.submit_search(self._search_ahead, self._speculative.read())
+
+    @torch.inference_mode()  # a worker thread: the host copies were made under it
+    def _search_ahead(self, query: np.ndarray) -> LookaheadResult:
+        with self.seq.timer.span("lookahead_search"):
+            self._ready.result()
+            if self._window_is_full():
+                self._offload_window_page()
+            index = self.group.index
+            if index.num_tokens == 0:
+                return LookaheadResult(query, None)
+            pages, _ = index.query(query, self.cfg.n_selected_pages, field_of_view=self.cfg.query_field_of_view,
+                                   prop_to_retrieve=self.cfg.query_prop_to_retrieve, ratio=self.model.group_size)
+            return LookaheadResult(query, pages, index.last_query_stats())
+
+    def _take_lookahead(self) -> LookaheadResult | None:
+        """This step's look-ahead result, once its job is done (None: no job was started for this step)."""
+        if self._lookahead is None:
+            return None
+        job, self._lookahead = self._lookahead, None
+        with self.seq.timer.host_phase("query"):  # what the step still waits for of the search
+            return job.result()
+
+    # ------------------------------------------------------------------ decode step
     def decode(self, query, key, value, scaling):
         if not self.offloaded:
             if self.length + 1 <= self.cfg.gpu_tokens:
@@ -295,9 +346,10 @@ class IceCacheLayer(DenseKV):
 
     def _host_step_parts(self) -> None:
         self._ready.result()
+        ahead = self._take_lookahead()  # before anything else: its job offloads the window page that was due
         cfg, ps, n_heads, n_kv_heads = self.cfg, self.cfg.page_size, self.model.n_heads, self.model.n_kv_heads
         transit = self._transit
-        if self.window_count == cfg.n_window_pages * ps:
+        if self._window_is_full():
             self._evict_oldest_window_page()
         inputs = transit.inputs_host
         self.window_keys[:, self.window_count] = inputs[n_heads : n_heads + n_kv_heads]
@@ -306,14 +358,14 @@ class IceCacheLayer(DenseKV):
         slot = self.window_slot0 + (self.window_head + page) % cfg.n_window_pages
         transit.host["window_rows"][:] = (slot * n_kv_heads) * ps + self._head_rows + offset
         self.window_count += 1
-        selection = self._select(transit.inputs[:n_heads])
+        selection = self._select(transit.inputs[:n_heads], ahead)
         with self.seq.timer.host_phase("load"):
             self._stage_pages(selection)
         self.seq.counters.record_attention(self._write_valid_counts())
 
-    def _select(self, query: np.ndarray) -> np.ndarray:
+    def _select(self, query: np.ndarray, ahead: LookaheadResult | None = None) -> np.ndarray:
         """K distinct pages per KV head ``[Hkv, K]`` (-1 padded) for ``query [Hq, D]`` (float32, host): the owner
-        searches, reusers read its choice."""
+        searches (or takes its look-ahead's pages when the speculation holds), reusers read its choice."""
         group = self.group
         if not self.is_owner:
             return group.selection
@@ -321,14 +373,23 @@ class IceCacheLayer(DenseKV):
         if group.index.num_tokens == 0:
             group.selection = np.full((self.model.n_kv_heads, k_sel), -1, dtype=np.int64)
             return group.selection
-        with self.seq.timer.host_phase("query"):
-            pages, _ = group.index.query(
-                query, k_sel, field_of_view=self.cfg.query_field_of_view,
-                prop_to_retrieve=self.cfg.query_prop_to_retrieve, ratio=self.model.group_size,
-            )
-            group.selection = merge_group_pages(pages, self.model.group_size, k_sel)
         counters = self.seq.counters
-        for name, value in group.index.last_query_stats().items():  # what the search read (a measure of its floor)
+        if ahead is not None and ahead.pages is not None:
+            counters.add("lookahead_searches", 1)
+            if is_hit(ahead.query, query, self.cfg.lookahead_min_cosine):
+                pages, stats = ahead.pages, ahead.stats
+            else:
+                counters.add("lookahead_misses", 1)
+                ahead = None
+        if ahead is None or ahead.pages is None:
+            with self.seq.timer.host_phase("query"):
+                pages, _ = group.index.query(
+                    query, k_sel, field_of_view=self.cfg.query_field_of_view,
+                    prop_to_retrieve=self.cfg.query_prop_to_retrieve, ratio=self.model.group_size,
+                )
+            stats = group.index.last_query_stats()
+        group.selection = merge_group_pages(pages, self.model.group_size, k_sel)
+        for name, value in stats.items():  # what the search read (a measure of its floor)
             counters.add(f"search_{name}", value)
         return group.selection
 

@@ -16,6 +16,7 @@ class IceCache(Method):
     config_class = IceCacheConfig
     # 64 tokens are 4 pages: 1 sink + 2 selected + 1 window.
     test_settings = {"n_sink_pages": 1, "n_window_pages": 1}
+    test_variants = {"lookahead": {"lookahead": True}}
 
     def min_budget(self) -> int:
         """Three pages with one sink and one window page (the fixed pages shrink to those where they would leave
@@ -57,6 +58,8 @@ class IceCache(Method):
             raise ConfigError("icecache needs prompt_workers >= 1 and build_threads >= 1 (or null)")
         if cfg.dci_score_precision not in ("float32", "half"):
             raise ConfigError(f"dci_score_precision={cfg.dci_score_precision}: use float32 or half")
+        if not -1.0 <= cfg.lookahead_min_cosine <= 1.0:
+            raise ConfigError(f"lookahead_min_cosine={cfg.lookahead_min_cosine} is a cosine: use a value in [-1, 1]")
         if cfg.cpu_kv_dtype != "auto" and cfg.cpu_kv_dtype not in CPU_KV_DTYPES:
             raise ConfigError(f"cpu_kv_dtype={cfg.cpu_kv_dtype}: use auto, {', '.join(CPU_KV_DTYPES)}")
 

@@ -1,6 +1,6 @@
 """What IceCache's layers of one sequence share, typed: per reuse group the index and its selection, and per
-sequence the worker thread that builds the prompt's indexes (with their progress bar), closed when the sequence
-ends."""
+sequence the worker threads that build the prompt's indexes (with their progress bar) and run the look-ahead
+searches, closed when the sequence ends."""
 
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ class IceCacheSequence:
     n_layers_done: int = 0
     n_workers: int = 1
     _worker: ThreadPoolExecutor | None = None
+    # One thread for the look-ahead jobs (lookahead.py): they search one at a time, each with the index's threads.
+    _search_worker: ThreadPoolExecutor | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)  # the progress bar, updated by every worker
     _progress: Any = None
 
@@ -50,6 +52,11 @@ class IceCacheSequence:
         future = self._worker.submit(job, *args)
         self.prompt_jobs.append(future)
         return future
+
+    def submit_search(self, job: Callable[..., Any], *args) -> Future:
+        if self._search_worker is None:
+            self._search_worker = ThreadPoolExecutor(1, thread_name_prefix="icecache-lookahead")
+        return self._search_worker.submit(job, *args)
 
     def wait_for_prompt_jobs(self) -> None:
         """Every layer's prompt job done (and its error raised): an owner's index must not change under the feet
@@ -72,10 +79,11 @@ class IceCacheSequence:
         self._progress.update()
 
     def close(self) -> None:
-        """End the worker (after the jobs it has) and the progress bar; called when the sequence ends."""
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._worker = None
+        """End the workers (after the jobs they have) and the progress bar; called when the sequence ends."""
+        for worker in (self._worker, self._search_worker):
+            if worker is not None:
+                worker.shutdown(wait=True)
+        self._worker = self._search_worker = None
         if self._progress is not None:
             self._progress.close()
             self._progress = None

@@ -1,0 +1,71 @@
+"""The opt-in look-ahead search (``lookahead=true``; off by default): a layer's index search starts one layer early.
+
+The exact step searches layer l's index with layer l's query, which exists only once layer l runs; the search then
+sits on the step's critical path, layer after layer. Consecutive layers' inputs differ little (the residual stream
+changes by one layer's update), which InfiniGen uses to speculate attention, and the IceCache code's prefetch
+option uses to start layer l's selection from layer l-1's input. Here an owner layer l takes layer l-1's input,
+projects it with its own norm, ``q_proj`` and RoPE (``core.layer_inputs``) into a speculative query, and a worker
+thread offloads the window page that is due and searches layer l's index with that query while layer l-1's
+attention, loads and MLP run. When layer l's own query arrives the step checks the speculation:
+
+* a hit (every query head's speculative query has cosine at least ``lookahead_min_cosine`` with its exact one):
+  the speculative pages are used;
+* a miss: the correction is the exact search, run then with the exact query, so that a poor speculation costs
+  time, never a selection the exact search would not make from a query that far from the speculative one.
+
+The counters ``lookahead_searches`` and ``lookahead_misses`` say how often each happened. Only owners look ahead
+(a reusing layer reads its owner's selection), and never layer 0 (there is no layer before it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from icecache.core.paged import copy_async
+
+
+@dataclass
+class LookaheadResult:
+    """What a look-ahead job found: its speculative query, the index's ranked pages per query head (None: the index
+    had no tokens), and the search's counters (``DCIIndex.last_query_stats``, read on the worker's thread)."""
+
+    query: np.ndarray
+    pages: np.ndarray | None
+    stats: dict = field(default_factory=dict)
+
+
+def head_cosines(speculative: np.ndarray, exact: np.ndarray) -> np.ndarray:
+    """Cosine of every query head's speculative and exact query (rows of ``[Hq, D]``), in float64; a zero row
+    against a zero row counts as 1, a zero row against another as 0."""
+    speculative, exact = speculative.astype(np.float64), exact.astype(np.float64)
+    norms = np.linalg.norm(speculative, axis=1) * np.linalg.norm(exact, axis=1)
+    dots = np.einsum("hd,hd->h", speculative, exact)
+    both_zero = (np.linalg.norm(speculative, axis=1) == 0) & (np.linalg.norm(exact, axis=1) == 0)
+    return np.where(norms > 0, dots / np.where(norms > 0, norms, 1.0), np.where(both_zero, 1.0, 0.0))
+
+
+def is_hit(speculative: np.ndarray, exact: np.ndarray, min_cosine: float) -> bool:
+    return bool(head_cosines(speculative, exact).min() >= min_cosine)
+
+
+class SpeculativeQuery:
+    """The fixed-size copy of a speculative query ``[Hq, D]`` to the host (float32), capturable in a CUDA graph;
+    on CPU the host array is the tensor itself."""
+
+    def __init__(self, n_heads: int, head_dim: int, device: torch.device):
+        self.on_cuda = torch.device(device).type == "cuda"
+        self.host = torch.zeros(n_heads, head_dim, dtype=torch.float32, pin_memory=self.on_cuda)
+        self.staged = torch.zeros_like(self.host, device=device) if self.on_cuda else self.host
+
+    def to_host(self, query: torch.Tensor) -> None:
+        """Stage ``query [Hq, D]`` (asynchronous on CUDA: read it on the host once the stream has reached here)."""
+        self.staged.copy_(query)
+        if self.on_cuda:
+            copy_async(self.host, self.staged)
+
+    def read(self) -> np.ndarray:
+        """A copy of the staged query, which the next step overwrites."""
+        return self.host.numpy().copy()
