@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from icecache.core.errors import ConfigError, check_types
+from icecache.core.method import method_label
 from icecache.core.models import ModelSpec, check_model, model_info
 from icecache.methods import method_class
 from icecache_harness.report.bootstrap import bootstrap_intervals
@@ -448,6 +449,7 @@ def run(config: RunConfig) -> dict[str, Any]:
             "task": config.task["name"],
             "model": config.model.name,
             "method": config.method["name"],
+            "method_label": method_label(config.method),  # the name tables give it (a variant's own)
             "budget": config.method.get("budget"),
             "config_hash": config.config_hash(),
             "n_samples": len(records),

@@ -111,6 +111,26 @@ def test_rows_take_every_number_from_the_payloads_and_the_share_of_full():
     assert "| - | 200 | 0.900" in line
 
 
+def test_a_variant_s_runs_are_rows_of_their_own_after_their_method():
+    from icecache.core.method import method_label
+    from icecache_harness.report.collect import display_name, method_sort_key
+
+    exact = payload("ruler", "icecache", 256, 4096, 25.0)
+    ahead = {**payload("ruler", "icecache", 256, 4096, 24.0), "method_label": "icecache+lookahead"}
+    later = payload("ruler", "icecache_reuse", 256, 4096, 2.0)
+    rows = A.accuracy_rows([later, ahead, exact])
+    assert [(r.method, r.score) for r in rows] == [("icecache", 25.0), ("icecache+lookahead", 24.0),
+                                                   ("icecache_reuse", 2.0)]
+    assert sorted(["icecache_reuse", "icecache+lookahead", "icecache"], key=method_sort_key) == \
+        ["icecache", "icecache+lookahead", "icecache_reuse"]
+    assert display_name("icecache+lookahead") == "IceCache (lookahead)"
+    # the runner's label: a declared variant's settings, all of them, else the method's name
+    assert method_label({"name": "icecache", "budget": 256, "lookahead": True}) == "icecache+lookahead"
+    assert method_label({"name": "icecache", "budget": 256, "lookahead": False}) == "icecache"
+    assert method_label({"name": "icecache_reuse", "lookahead": True}) == "icecache_reuse+lookahead"
+    assert method_label({"name": "quest", "budget": 256}) == "quest"
+
+
 def test_tpot_is_matched_by_method_and_budget_then_model_then_context():
     row = A.rows_of_run(payload("passkey", "quest", 256, 4096, 60.0))[0]
     bench = [

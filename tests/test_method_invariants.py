@@ -32,9 +32,9 @@ from tests.conftest import tiny_model, tiny_model_on
 
 # Methods that ignore the budget are full caches; tests/test_core_full.py holds them to the full cache's tokens.
 SPARSE_METHODS = [name for name in METHODS.names() if method_class(name).uses_budget]
-# The sparse methods and their opt-in variants (``Method.test_variants``), as "name" or "name+variant".
+# The sparse methods and their opt-in variants (``Method.variants``), as "name" or "name+variant".
 SPARSE_CASES = SPARSE_METHODS + [f"{name}+{variant}" for name in SPARSE_METHODS
-                                 for variant in method_class(name).test_variants]
+                                 for variant in method_class(name).variants]
 ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3"]
 
 SMALL_BUDGET = 64
@@ -46,7 +46,7 @@ def method_config(case: str, budget: int) -> dict:
     variant's settings over them."""
     name, _, variant = case.partition("+")
     cls = method_class(name)
-    return {"name": name, "budget": budget, **cls.test_settings, **(cls.test_variants[variant] if variant else {})}
+    return {"name": name, "budget": budget, **cls.test_settings, **(cls.variants[variant] if variant else {})}
 
 
 def always_attended(name: str, config: dict, n_tokens: int) -> list[int]:

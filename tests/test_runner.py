@@ -177,3 +177,17 @@ def test_embedded_default_model_run_dir_does_not_change_when_it_is_checked():
     before = config.output_dir()
     check_model(config.model)
     assert config.output_dir() == before and "site-packages" not in json.dumps(config.identity(), default=str)
+
+
+def test_a_variant_run_is_labelled_with_its_variant_and_its_own_directory(tmp_path):
+    """A run of a declared variant (``Method.variants``: IceCache's look-ahead) records ``<name>+<variant>`` as its
+    label, which the tables show; its directory differs from the plain run's, whose label is the method's name."""
+    method = {"name": "icecache", "budget": 64, "n_dense_layers": 1, "n_sink_pages": 1, "n_window_pages": 1}
+    task = {**TINY_RUN["task"], "num_depths": 1}
+    labels, dirs = [], []
+    for lookahead in (False, True):
+        config = make_config(tmp_path, method={**method, "lookahead": lookahead}, task=task)
+        labels.append(runner.run(config)["method_label"])
+        dirs.append(config.output_dir())
+    assert labels == ["icecache", "icecache+lookahead"]
+    assert dirs[0] != dirs[1] and dirs[0].parent == dirs[1].parent  # same method and budget, another hash

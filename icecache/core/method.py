@@ -57,8 +57,9 @@ class Method(ABC):
     #: Settings for the shared invariant tests on tiny models at a 64-token budget (pages of 8 tokens, say, so that
     #: the budget holds several); the method's defaults otherwise.
     test_settings: ClassVar[dict[str, Any]] = {}
-    #: Opt-in variants of the method the invariant tests run too: variant name -> settings over ``test_settings``.
-    test_variants: ClassVar[dict[str, dict[str, Any]]] = {}
+    #: Opt-in variants of the method: variant name -> the settings that make it. The invariant tests run each (over
+    #: ``test_settings``), and a run with a variant's settings is labelled ``<name>+<variant>`` (``method_label``).
+    variants: ClassVar[dict[str, dict[str, Any]]] = {}
 
     @property
     def captures_decode_step(self) -> bool:
@@ -114,6 +115,16 @@ def method_class(name: str | None) -> type[Method]:
     """The registered class of a method name. The method modules fill the registry when they are imported
     (``icecache.methods`` imports them all)."""
     return METHODS.get(name)
+
+
+def method_label(settings: dict[str, Any]) -> str:
+    """The name results and tables give a run of these method settings: the method's name, or
+    ``<name>+<variant>`` for the first declared variant (``Method.variants``) whose settings they all have."""
+    name = settings["name"]
+    for variant, values in method_class(name).variants.items():
+        if all(settings.get(key) == value for key, value in values.items()):
+            return f"{name}+{variant}"
+    return name
 
 
 def build_method(values: dict[str, Any], model: ModelInfo) -> Method:

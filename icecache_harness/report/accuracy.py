@@ -22,7 +22,9 @@ ORDER = ["full", "full_static", "oracle_topk", "snapkv", "streaming_llm", "h2o",
 
 
 def method_rank(method: str) -> tuple[int, str]:
-    return (ORDER.index(method) if method in ORDER else len(ORDER), method)
+    """Table order: by ``ORDER``, a method's variants (``<name>+<variant>``) right after it."""
+    base = method.partition("+")[0]
+    return (ORDER.index(base) if base in ORDER else len(ORDER), method)
 
 
 @dataclass
@@ -77,7 +79,7 @@ def rows_of_run(payload: dict[str, Any]) -> list[AccuracyRow]:
     ``lengths``), else one for its headline score."""
     metrics = payload.get("metrics") or {}
     confidence = payload.get("confidence")
-    method = str(payload["method"])
+    method = str(payload.get("method_label") or payload["method"])  # a variant's rows are its own
     budget = payload.get("budget")
     latency = payload.get("latency") or {}
     selection = payload.get("selection") or {}

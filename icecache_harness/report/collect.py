@@ -46,6 +46,9 @@ METHOD_ORDER = [
 DISPLAY_NAME = {
     "omnikv": "OmniKV", "magicpig": "MagicPIG", "pqcache": "PQCache",
     **{name: method_class(name).display_name or name for name in METHODS.names()},
+    # a declared variant (``Method.variants``, the label ``<name>+<variant>``): "IceCache (lookahead)"
+    **{f"{name}+{variant}": f"{method_class(name).display_name or name} ({variant})" for name in METHODS.names()
+       for variant in method_class(name).variants},
 }
 # The paper's baselines without a registered method, shown with the paper's numbers only.
 NOT_IMPLEMENTED = tuple(name for name in ("omnikv", "magicpig", "pqcache") if name not in METHODS.names())
@@ -101,7 +104,9 @@ def _isnan(value: Any) -> bool:
 
 
 def method_sort_key(method: str) -> tuple[int, str]:
-    return (METHOD_ORDER.index(method) if method in METHOD_ORDER else len(METHOD_ORDER), method)
+    """By ``METHOD_ORDER``, a method's variants (``<name>+<variant>``) right after it."""
+    base = method.partition("+")[0]
+    return (METHOD_ORDER.index(base) if base in METHOD_ORDER else len(METHOD_ORDER), method)
 
 
 def row_sort_key(method: str, budget: Any) -> tuple:

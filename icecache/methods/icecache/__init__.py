@@ -41,6 +41,7 @@ The package:
     config.py     the settings and how the budget divides into pages
     method.py     the registered methods (icecache, icecache_reuse): checks, page counts, the owner of a layer
     layer.py      one sparsified layer: prefill and offload, the prompt job, the window, the decode step
+    lookahead.py  the opt-in look-ahead search (lookahead=true): a speculative query, its check, its correction
     selection.py  merging a GQA group's ranked pages, and diffing a selection against the resident pages
     state.py      what a sequence's layers share (the index and selection of a reuse group, the prompt worker)
     stores.py     the host-memory token store

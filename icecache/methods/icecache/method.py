@@ -16,7 +16,7 @@ class IceCache(Method):
     config_class = IceCacheConfig
     # 64 tokens are 4 pages: 1 sink + 2 selected + 1 window.
     test_settings = {"n_sink_pages": 1, "n_window_pages": 1}
-    test_variants = {"lookahead": {"lookahead": True}}
+    variants = {"lookahead": {"lookahead": True}}
 
     def min_budget(self) -> int:
         """Three pages with one sink and one window page (the fixed pages shrink to those where they would leave
