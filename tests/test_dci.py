@@ -601,3 +601,18 @@ def test_a_query_reports_the_rows_it_read(key_dtype, row_bytes):
     assert stats == {"rows_read": 80, "bytes_read": 80 * row_bytes, "scores": 80 * 4, "lists": 2}
     index.query(q[:2], 3, ratio=1, field_of_view=40, prop_to_retrieve=1.0)
     assert index.last_query_stats() == {"rows_read": 80, "bytes_read": 80 * row_bytes, "scores": 80, "lists": 2}
+
+
+def test_a_half_precision_pass_counts_its_rows_at_two_bytes_a_value():
+    """The half first pass reads every row of the scan at 2 bytes a value; the rows it cannot rule out are read
+    again at the keys' 4 bytes to be re-scored: bytes = 32 x first-pass rows + 64 x re-scored rows (head_dim 16)."""
+    rng = np.random.default_rng(9)
+    keys = rng.standard_normal((2, 40, 16)).astype(np.float32)
+    index = DCIIndex(16, 2, score_precision="half")
+    index.build(keys)
+    assert index.num_levels(0) == index.num_levels(1) == 1
+    index.query(rng.standard_normal((8, 16)).astype(np.float32), 3, ratio=4, field_of_view=40, prop_to_retrieve=1.0)
+    stats = index.last_query_stats()
+    rescored = stats["rows_read"] - 80
+    assert 0 < rescored < 80
+    assert stats["bytes_read"] == 80 * 32 + rescored * 64

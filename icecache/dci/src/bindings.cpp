@@ -177,9 +177,9 @@ class Forest {
     dci::SearchConfig sc{fov, pr, pv};
     {
     py::gil_scoped_release nogil;
-    std::atomic<int64_t> rows{0}, scores{0}, lists{0};
+    std::atomic<int64_t> rows{0}, bytes{0}, scores{0}, lists{0};
     if (cfg_.num_dirs() == 1) {
-      query_grouped(q, nq, K, sc, ratio, P, T, PS, TS, rows, scores, lists);
+      query_grouped(q, nq, K, sc, ratio, P, T, PS, TS, rows, bytes, scores, lists);
     } else {
       const int nthreads = std::max(1, static_cast<int>(std::min<int64_t>(nq, threads_)));
       if (static_cast<int>(scratch_.size()) < nthreads) scratch_.resize(nthreads);
@@ -191,10 +191,10 @@ class Forest {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t h = 0; h < nq; ++h)
           inst_[h / ratio]->query(q + h * dim, K, sc, s, P + h * K, T + h * K, PS + h * K, TS + h * K);
-        add_counters(rows, scores, lists);
+        add_counters(rows, bytes, scores, lists);
       }
     }
-    last_query_ = {rows.load(), scores.load(), lists.load()};
+    last_query_ = {rows.load(), bytes.load(), scores.load(), lists.load()};
     }
     return py::make_tuple(pages, tokens, pscores, tscores);
   }
@@ -211,9 +211,11 @@ class Forest {
   // in (distance, id) order with unique ids, so the result is the one of the per-head query for any thread count
   // and any grouping.
   // This thread's search counters added to a query's totals (once per thread and query).
-  static void add_counters(std::atomic<int64_t>& rows, std::atomic<int64_t>& scores, std::atomic<int64_t>& lists) {
+  static void add_counters(std::atomic<int64_t>& rows, std::atomic<int64_t>& bytes, std::atomic<int64_t>& scores,
+                           std::atomic<int64_t>& lists) {
     const dci::SearchCounters& mine = dci::search_counters();
     rows += mine.rows;
+    bytes += mine.bytes;
     scores += mine.scores;
     lists += mine.lists;
   }
@@ -222,15 +224,15 @@ class Forest {
   py::dict last_query_stats() const {
     py::dict d;
     d["rows_read"] = last_query_.rows;
-    d["bytes_read"] = last_query_.rows * static_cast<int64_t>(cfg_.dim) * (cfg_.bf16_keys ? 2 : 4);
+    d["bytes_read"] = last_query_.bytes;
     d["scores"] = last_query_.scores;
     d["lists"] = last_query_.lists;
     return d;
   }
 
   void query_grouped(const float* q, int64_t nq, int K, const dci::SearchConfig& sc, int ratio, int32_t* P,
-                     int32_t* T, float* PS, float* TS, std::atomic<int64_t>& rows, std::atomic<int64_t>& scores,
-                     std::atomic<int64_t>& lists) {
+                     int32_t* T, float* PS, float* TS, std::atomic<int64_t>& rows, std::atomic<int64_t>& bytes,
+                     std::atomic<int64_t>& scores, std::atomic<int64_t>& lists) {
     const int dim = cfg_.dim;
     const int I = num_instances();
     const int nthreads = std::max(1, threads_);
@@ -332,7 +334,7 @@ class Forest {
         }
         inst_[h / ratio]->emit(hs.best_tokens, hs.best_pages, K, P + h * K, T + h * K, PS + h * K, TS + h * K);
       }
-      add_counters(rows, scores, lists);
+      add_counters(rows, bytes, scores, lists);
     }
   }
 

@@ -173,10 +173,11 @@ struct alignas(64) SharedBars {
 };
 
 // What a search read, counted per thread (search_counters) and summed per query by the binding: key rows loaded
-// (a row a grouped scan scores for several heads counts once), (row, head) dot products, and children lists
+// (a row a grouped scan scores for several heads counts once) and their bytes (a half-precision first pass's rows
+// at 2 bytes a value, re-scored rows again at the keys' own width), (row, head) dot products, and children lists
 // searched (a parent's children searched or scanned).
 struct SearchCounters {
-  int64_t rows = 0, scores = 0, lists = 0;
+  int64_t rows = 0, bytes = 0, scores = 0, lists = 0;  // bytes: of the rows read, at the width each was read in
 };
 SearchCounters& search_counters();  // this thread's
 

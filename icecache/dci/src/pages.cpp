@@ -109,6 +109,7 @@ const int32_t* rows_of(const std::vector<int32_t>& row_of, const int32_t* ids, i
 void Instance::dot_keys(const float* q, const int32_t* ids, int m, float* out) const {
   SearchCounters& counted = search_counters();
   counted.rows += m;
+  counted.bytes += static_cast<int64_t>(m) * cfg_->dim * (keys_.empty() ? 2 : 4);
   counted.scores += m;
   const int32_t* rows = rows_of(row_of_, ids, m);
   if (!keys_.empty()) dot_rows(q, keys_.data(), rows, m, cfg_->dim, out);
@@ -119,6 +120,7 @@ void Instance::dot_keys_multi(const float* const* qs, int nq, const int32_t* ids
                               int stride) const {
   SearchCounters& counted = search_counters();
   counted.rows += m;
+  counted.bytes += static_cast<int64_t>(m) * cfg_->dim * (keys_.empty() ? 2 : 4);
   counted.scores += static_cast<int64_t>(m) * nq;
   const int32_t* rows = rows_of(row_of_, ids, m);
   if (!keys_.empty()) dot_rows_multi_ids(qs, nq, keys_.data(), rows, m, cfg_->dim, out, stride);

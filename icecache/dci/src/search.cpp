@@ -303,6 +303,7 @@ void Instance::scan_runs_half(int32_t kid_slot, int nh, const Probe* probes, con
   const int width = hi - lo;
   search_counters().lists += 1;
   search_counters().rows += width;  // the half rows (re-scored rows count again, as dot_keys_multi reads them)
+  search_counters().bytes += static_cast<int64_t>(width) * dim * static_cast<int64_t>(sizeof(uint16_t));
   HalfScanBuffers& buf = half_scan_buffers;
   const float* qs[kMaxGroupHeads];
   for (int j = 0; j < nh; ++j) qs[j] = probes[j].vec;
