@@ -556,6 +556,12 @@ def test_pages_items_and_gather_keys_read_the_stored_rows():
             assert torch.equal(rows[r, t], expected)
     with pytest.raises(IndexError):
         index.pages_items(np.array([0]), np.array([10_000]))
+    bad = items[:1].copy()
+    bad[0, 0] = 500  # one past the last token: refused, with the copy done without the GIL
+    with pytest.raises(IndexError, match="token id out of range"):
+        index.gather_keys(heads[:1], bad, out)
+    with pytest.raises(IndexError, match="instance out of range"):
+        index.gather_keys(np.array([2]), items[:1], out)
 
 
 def test_reserved_room_is_held_once_and_inserts_stay_inside_it():

@@ -303,7 +303,8 @@ class DCIIndex:
 
     def last_query_stats(self) -> dict[str, int]:
         """What the last ``query`` read: ``rows_read`` key rows loaded (a row scored for several query heads of a
-        GQA group counts once; a half first pass's rows too), ``bytes_read`` (their bytes, in the stored dtype),
+        GQA group counts once; a half first pass's rows too), ``bytes_read`` (their bytes as read: a half pass's at 2
+        bytes a value, the others in the stored dtype),
         ``scores`` (exact (row, head) dot products; a half pass's approximate ones are not counted) and ``lists``
         (children lists searched or scanned)."""
         return dict(self._forest.last_query_stats())

@@ -140,6 +140,7 @@ class Forest {
     char* o = static_cast<char*>(out.mutable_data());
     const int64_t* h = heads.data();
     const int32_t* id = ids.data();
+    py::gil_scoped_release nogil;  // a look-ahead search may run on another thread meanwhile
     for (int64_t r = 0; r < n; ++r) {
       const Instance& x = at(static_cast<int>(h[r]));
       for (int t = 0; t < dci::kPageSlots; ++t) {
