@@ -18,6 +18,7 @@ prints a table. Needs only argparse and PyYAML (a transformers dependency): no H
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import statistics
 import sys
@@ -131,8 +132,9 @@ def summarise(measurements: list[dict[str, Any]]) -> list[dict[str, Any]]:
         groups.setdefault((m["method"], m["context"]), []).append(m)
     rows = []
     for (method, context), group in groups.items():
-        row: dict[str, Any] = {"method": method, "budget": group[0]["budget"], "context": context,
-                               "model": group[0]["model"], "repeats": len(group)}
+        row: dict[str, Any] = {"method": method, "method_label": group[0].get("method_label", method),
+                               "budget": group[0]["budget"], "context": context, "model": group[0]["model"],
+                               "repeats": len(group)}
         for key in ("ttft_s", "tt2t_s", "tpot_s"):
             stats = spread([g[key] for g in group if g[key] is not None])
             row.update({f"{key}_median": stats["median"], f"{key}_min": stats["min"], f"{key}_max": stats["max"]})
@@ -146,12 +148,16 @@ def summarise(measurements: list[dict[str, Any]]) -> list[dict[str, Any]]:
             values = [g[key] for g in group if g.get(key) is not None]
             row[key] = max(values) if values else None
         for key in ("mean_attended_tokens", "pages_loaded_per_step", "bytes_to_gpu_per_step",
-                    *(f"search_{name}_per_step" for name in SEARCH_STATS)):  # mean over repeats
+                    *(f"search_{name}_per_step" for name in SEARCH_STATS), *LOOKAHEAD_STATS):  # mean over repeats
             values = [g[key] for g in group if g.get(key) is not None]
             row[key] = statistics.fmean(values) if values else None
         # The index search's rate: the bytes it read per step over its median time per step (``query``).
+        # With the look-ahead, ``query`` is what the step still waits for of a search running beside it: no rate.
         query_s, search_bytes = row["phases_s"].get("query"), row.get("search_bytes_read_per_step")
-        row["search_gbps"] = search_bytes / query_s / 1e9 if query_s and search_bytes else None
+        looked_ahead = row.get("lookahead_searches_per_step")
+        row["search_gbps"] = search_bytes / query_s / 1e9 if query_s and search_bytes and not looked_ahead else None
+        row["lookahead_miss_rate"] = (row["lookahead_misses_per_step"] or 0.0) / looked_ahead if looked_ahead \
+            else None
         offloaded = row["offloaded_kv_bytes"]
         # Host memory per byte of offloaded KV (at the model's dtype): 1.0 is one copy and nothing else.
         row["host_kv_ratio"] = row["cpu_kv_bytes"] / offloaded if offloaded and row["cpu_kv_bytes"] else None
@@ -167,6 +173,7 @@ def summarise(measurements: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 SEARCH_STATS = ("rows_read", "bytes_read", "scores", "lists")  # DCIIndex.last_query_stats, per decode step
+LOOKAHEAD_STATS = ("lookahead_searches_per_step", "lookahead_misses_per_step")  # IceCache's look-ahead counters
 
 
 def host_read_bandwidth(gib: float) -> float | None:
@@ -276,6 +283,7 @@ def main(argv: list[str] | None = None) -> Path:
     from icecache.core.cache import ATTENTION_NAME, HarnessCache
     from icecache.core.errors import ConfigError
     from icecache.core.generation import GenerationRequest, greedy_generate
+    from icecache.core.method import method_label
     from icecache.core.models import load_model, model_info
     from icecache.core.timing import PhaseTimer
     from icecache.methods import build_method
@@ -323,6 +331,7 @@ def main(argv: list[str] | None = None) -> Path:
                 if measured:
                     measurements.append({
                         "model": spec.name, "method": name, "budget": method.config.budget, "context": context,
+                        "method_label": method_label(dataclasses.asdict(method.config)),
                         "round": round_index - warmups, "ttft_s": result.ttft_s, "tt2t_s": result.tt2t_s,
                         "tpot_s": result.tpot_s, "phases_s": result.phase_breakdown(),
                         "prefill_phases_s": result.prefill_phases,
@@ -335,6 +344,8 @@ def main(argv: list[str] | None = None) -> Path:
                         "bytes_to_gpu_per_step": result.counters.get("bytes_to_gpu", 0) / n_steps,
                         **{f"search_{name}_per_step": result.counters[f"search_{name}"] / n_steps
                            for name in SEARCH_STATS if f"search_{name}" in result.counters},
+                        **({f"lookahead_{name}_per_step": result.counters.get(f"lookahead_{name}", 0) / n_steps
+                            for name in ("searches", "misses")} if "lookahead_searches" in result.counters else {}),
                     })
                 cache.close()
                 del cache, result

@@ -129,6 +129,15 @@ def test_a_variant_s_runs_are_rows_of_their_own_after_their_method():
     assert method_label({"name": "icecache", "budget": 256, "lookahead": False}) == "icecache"
     assert method_label({"name": "icecache_reuse", "lookahead": True}) == "icecache_reuse+lookahead"
     assert method_label({"name": "quest", "budget": 256}) == "quest"
+    # TPOT: the variant's row by the latency rows of its label, the method's own by its plain name only
+    bench = [{"method": "icecache:lookahead=true", "method_label": "icecache+lookahead", "budget": 256,
+              "context": 32768, "model": "smollm2-135m", "tpot_s_median": 0.05, "date": "2026-12-02"},
+             {"method": "icecache:prompt_workers=1", "method_label": "icecache", "budget": 256, "context": 32768,
+              "model": "smollm2-135m", "tpot_s_median": 0.09, "date": "2026-12-03"},
+             {"method": "icecache", "method_label": "icecache", "budget": 256, "context": 32768,
+              "model": "smollm2-135m", "tpot_s_median": 0.08, "date": "2026-12-01"}]
+    assert A.tpot_for(rows[1], bench)["tpot_s_median"] == 0.05
+    assert A.tpot_for(rows[0], bench)["tpot_s_median"] == 0.08
 
 
 def test_tpot_is_matched_by_method_and_budget_then_model_then_context():

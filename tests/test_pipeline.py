@@ -263,6 +263,24 @@ def test_bench_latency_driver_writes_its_file(tmp_path):
     assert short.returncode != 0 and "at least 64" in short.stderr
 
 
+def test_a_look_ahead_latency_row_carries_its_label_and_its_miss_rate(tmp_path):
+    command = [PY, str(REPO / "scripts" / "bench_latency.py"), "--model", "tiny_llama", "--lengths", "300",
+               "--methods", "icecache:lookahead=true", "--budget", "64", "--repeats", "1", "--warmup", "0",
+               "--decode-steps", "64", "--bandwidth-probe-gib", "0.01", "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    [path] = tmp_path.glob("latency_*.json")
+    summary = {row["method"]: row for row in json.loads(path.read_text())["summary"]}
+    row = summary["icecache:lookahead=true"]
+    assert row["method_label"] == "icecache+lookahead" and summary["full"]["method_label"] == "full"
+    # every decode step after the prompt's offload looks ahead in each owner layer below layer 0 (layers 2, 3)
+    assert row["lookahead_searches_per_step"] == pytest.approx(2.0, abs=0.05)
+    assert 0.0 <= row["lookahead_miss_rate"] <= 1.0
+    assert row["search_gbps"] is None  # its query phase is a wait, not the search: no rate from it
+    assert summary["full"]["lookahead_miss_rate"] is None
+
+
 def test_bench_method_values_take_set_overrides_then_a_variants_own():
     import bench_latency
 

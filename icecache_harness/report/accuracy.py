@@ -141,7 +141,10 @@ def tpot_for(row: AccuracyRow, bench: list[dict[str, Any]]) -> dict[str, Any] | 
     """The latency file row that times ``row``'s method: the same method and (for a method that uses it) the same
     budget, preferring the same model, then the context nearest the row's length, then the newest file. None when
     no file timed that method at that budget."""
-    candidates = [b for b in bench if b.get("method") == row.method
+    # a declared variant's row (``<name>+<variant>``) is timed by the latency rows of that label, whatever inline
+    # settings named them there (``icecache:lookahead=true``)
+    candidates = [b for b in bench if (b.get("method") == row.method
+                                       or ("+" in row.method and b.get("method_label") == row.method))
                   and (row.budget is None or _length(b.get("budget")) == row.budget)
                   and b.get("tpot_s_median") is not None]
     if not candidates:
