@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import functools
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
 from .rope import rotate_half
-
-QueryProjector = Callable[[torch.Tensor], torch.Tensor]
 
 
 def project_query(decoder_layer: torch.nn.Module, position_embeddings: tuple[torch.Tensor, torch.Tensor],

@@ -280,12 +280,17 @@ class IceCacheLayer(DenseKV):
             self._ready.result()
             if self._window_is_full():
                 self._offload_window_page()
-            index = self.group.index
-            if index.num_tokens == 0:
+            if self.group.index.num_tokens == 0:
                 return LookaheadResult(query, None)
-            pages, _ = index.query(query, self.cfg.n_selected_pages, field_of_view=self.cfg.query_field_of_view,
-                                   prop_to_retrieve=self.cfg.query_prop_to_retrieve, ratio=self.model.group_size)
-            return LookaheadResult(query, pages, index.last_query_stats())
+            return LookaheadResult(query, *self._search(query))
+
+    def _search(self, query: np.ndarray) -> tuple[np.ndarray, dict]:
+        """The owner's index searched for ``query [Hq, D]``: each query head's ranked pages, and what the search read
+        (``last_query_stats``, which is per thread: read here, on the thread that searched)."""
+        index = self.group.index
+        pages, _ = index.query(query, self.cfg.n_selected_pages, field_of_view=self.cfg.query_field_of_view,
+                               prop_to_retrieve=self.cfg.query_prop_to_retrieve, ratio=self.model.group_size)
+        return pages, index.last_query_stats()
 
     def _take_lookahead(self) -> LookaheadResult | None:
         """This step's look-ahead result, once its job is done (None: no job was started for this step)."""
@@ -374,20 +379,17 @@ class IceCacheLayer(DenseKV):
             group.selection = np.full((self.model.n_kv_heads, k_sel), -1, dtype=np.int64)
             return group.selection
         counters = self.seq.counters
+        held = False
         if ahead is not None and ahead.pages is not None:
             counters.add("lookahead_searches", 1)
-            if is_hit(ahead.query, query, self.cfg.lookahead_min_cosine):
-                pages, stats = ahead.pages, ahead.stats
-            else:
+            held = is_hit(ahead.query, query, self.cfg.lookahead_min_cosine)
+            if not held:
                 counters.add("lookahead_misses", 1)
-                ahead = None
-        if ahead is None or ahead.pages is None:
+        if held:
+            pages, stats = ahead.pages, ahead.stats
+        else:
             with self.seq.timer.host_phase("query"):
-                pages, _ = group.index.query(
-                    query, k_sel, field_of_view=self.cfg.query_field_of_view,
-                    prop_to_retrieve=self.cfg.query_prop_to_retrieve, ratio=self.model.group_size,
-                )
-            stats = group.index.last_query_stats()
+                pages, stats = self._search(query)
         group.selection = merge_group_pages(pages, self.model.group_size, k_sel)
         for name, value in stats.items():  # what the search read (a measure of its floor)
             counters.add(f"search_{name}", value)

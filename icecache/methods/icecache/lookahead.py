@@ -41,9 +41,10 @@ def head_cosines(speculative: np.ndarray, exact: np.ndarray) -> np.ndarray:
     """Cosine of every query head's speculative and exact query (rows of ``[Hq, D]``), in float64; a zero row
     against a zero row counts as 1, a zero row against another as 0."""
     speculative, exact = speculative.astype(np.float64), exact.astype(np.float64)
-    norms = np.linalg.norm(speculative, axis=1) * np.linalg.norm(exact, axis=1)
+    speculative_norms, exact_norms = np.linalg.norm(speculative, axis=1), np.linalg.norm(exact, axis=1)
+    norms = speculative_norms * exact_norms
     dots = np.einsum("hd,hd->h", speculative, exact)
-    both_zero = (np.linalg.norm(speculative, axis=1) == 0) & (np.linalg.norm(exact, axis=1) == 0)
+    both_zero = (speculative_norms == 0) & (exact_norms == 0)
     return np.where(norms > 0, dots / np.where(norms > 0, norms, 1.0), np.where(both_zero, 1.0, 0.0))
 
 
