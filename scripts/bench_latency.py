@@ -148,7 +148,8 @@ def summarise(measurements: list[dict[str, Any]]) -> list[dict[str, Any]]:
             values = [g[key] for g in group if g.get(key) is not None]
             row[key] = max(values) if values else None
         for key in ("mean_attended_tokens", "pages_loaded_per_step", "bytes_to_gpu_per_step",
-                    *(f"search_{name}_per_step" for name in SEARCH_STATS), *LOOKAHEAD_STATS):  # mean over repeats
+                    *(f"search_{name}_per_step" for name in SEARCH_STATS),
+                    *(f"{name}_per_step" for name in LOOKAHEAD_COUNTERS)):  # mean over repeats
             values = [g[key] for g in group if g.get(key) is not None]
             row[key] = statistics.fmean(values) if values else None
         # The index search's rate: the bytes it read per step over its median time per step (``query``).
@@ -173,7 +174,7 @@ def summarise(measurements: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 SEARCH_STATS = ("rows_read", "bytes_read", "scores", "lists")  # DCIIndex.last_query_stats, per decode step
-LOOKAHEAD_STATS = ("lookahead_searches_per_step", "lookahead_misses_per_step")  # IceCache's look-ahead counters
+LOOKAHEAD_COUNTERS = ("lookahead_searches", "lookahead_misses")  # IceCache's look-ahead, per decode step
 
 
 def host_read_bandwidth(gib: float) -> float | None:
@@ -344,8 +345,8 @@ def main(argv: list[str] | None = None) -> Path:
                         "bytes_to_gpu_per_step": result.counters.get("bytes_to_gpu", 0) / n_steps,
                         **{f"search_{name}_per_step": result.counters[f"search_{name}"] / n_steps
                            for name in SEARCH_STATS if f"search_{name}" in result.counters},
-                        **({f"lookahead_{name}_per_step": result.counters.get(f"lookahead_{name}", 0) / n_steps
-                            for name in ("searches", "misses")} if "lookahead_searches" in result.counters else {}),
+                        **({f"{name}_per_step": result.counters.get(name, 0) / n_steps for name in LOOKAHEAD_COUNTERS}
+                           if "lookahead_searches" in result.counters else {}),
                     })
                 cache.close()
                 del cache, result
