@@ -45,18 +45,25 @@ def machine_label() -> str:
     return "".join(ch if ch.isalnum() else "-" for ch in name.strip()).strip("-") or "unknown"
 
 
-def write_result(folder: str | Path, kind: str, payload: dict[str, Any]) -> Path:
-    """Write ``payload`` as ``<folder>/<kind>_<machine>_<date-time>.json`` (through a temporary file, so that a
-    killed run leaves no half-written result), print where, and return the path."""
+def result_path(folder: str | Path, kind: str) -> Path:
+    """``<folder>/<kind>_<machine>_<date-time>.json``, the name every result file of ``kind`` takes."""
+    return Path(folder) / f"{kind}_{machine_label()}_{_dt.datetime.now():%Y%m%d-%H%M%S}.json"
+
+
+def write_result(folder: str | Path, kind: str, payload: dict[str, Any], path: Path | None = None,
+                 quiet: bool = False) -> Path:
+    """Write ``payload`` to ``path`` (default: a new ``result_path``) through a temporary file, so that a killed run
+    leaves no half-written result, print where unless ``quiet``, and return the path. A long run passes the same
+    ``path`` after each part it finishes, so that what it measured survives a kill."""
     import json
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{kind}_{machine_label()}_{_dt.datetime.now():%Y%m%d-%H%M%S}.json"
+    path = Path(path) if path is not None else result_path(folder, kind)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(payload, indent=2, default=str), encoding="utf-8")
     tmp.replace(path)
-    print(f"wrote {path}")
+    if not quiet:
+        print(f"wrote {path}")
     return path
 
 

@@ -308,6 +308,20 @@ def main(argv: list[str] | None = None) -> Path:
     vocab = model.config.vocab_size
 
     measurements: list[dict[str, Any]] = []
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    settings.update({"model_name": spec.name, "device_resolved": str(device),
+                     "dtype_resolved": str(spec.resolved_dtype()), "host_read_gbps": read_gbps})
+    out_path = provenance.result_path(args.out, "latency")
+    run_provenance = provenance.collect()
+
+    def payload(complete: bool) -> dict[str, Any]:
+        summary = summarise(measurements)
+        for row in summary:  # the search's rate as a share of what the host's memory delivers
+            row["search_share_of_host_read"] = (row["search_gbps"] / read_gbps
+                                                if row.get("search_gbps") and read_gbps else None)
+        return {"kind": "latency", "settings": settings, "provenance": run_provenance, "complete": complete,
+                "measurements": measurements, "summary": summary}
+
     def make_request(context: int) -> GenerationRequest:
         generator = torch.Generator().manual_seed(args.seed + context)
         prompt = torch.randint(0, vocab, (context,), generator=generator).tolist()
@@ -348,6 +362,8 @@ def main(argv: list[str] | None = None) -> Path:
                         **({f"{name}_per_step": result.counters.get(name, 0) / n_steps for name in LOOKAHEAD_COUNTERS}
                            if "lookahead_searches" in result.counters else {}),
                     })
+                    # Each finished measurement is on disk at once: a run killed at its time limit keeps the rest.
+                    provenance.write_result(args.out, "latency", payload(complete=False), path=out_path, quiet=True)
                 cache.close()
                 del cache, result
                 if device.type == "cuda":
@@ -355,17 +371,9 @@ def main(argv: list[str] | None = None) -> Path:
             print(f"context {context}: round {round_index + 1}/{warmups + args.repeats}"
                   f"{'' if measured else ' (warm-up)'} done", flush=True)
 
-    summary = summarise(measurements)
-    print_table(summary)
-    settings = {k: v for k, v in vars(args).items() if k != "out"}
-    settings.update({"model_name": spec.name, "device_resolved": str(device),
-                     "dtype_resolved": str(spec.resolved_dtype()), "host_read_gbps": read_gbps})
-    for row in summary:  # the search's rate as a share of what the host's memory delivers
-        row["search_share_of_host_read"] = (row["search_gbps"] / read_gbps
-                                            if row.get("search_gbps") and read_gbps else None)
-    payload = {"kind": "latency", "settings": settings, "provenance": provenance.collect(),
-               "measurements": measurements, "summary": summary}
-    return provenance.write_result(args.out, "latency", payload)
+    final = payload(complete=True)
+    print_table(final["summary"])
+    return provenance.write_result(args.out, "latency", final, path=out_path)
 
 
 if __name__ == "__main__":

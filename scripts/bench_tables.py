@@ -187,7 +187,8 @@ def file_settings(f: Result) -> str:
     return (f"`{f.name}`: commit {f.commit}, {p.get('date')}, {p.get('gpu') or 'CPU'}, torch {p.get('torch')}, "
             f"{s.get('model_name') or s.get('model')} ({s.get('source')} weights, {s.get('dtype_resolved')}), "
             f"budget {s.get('budget')}, {s.get('threads')} threads, {s.get('repeats')} rounds + {warmup}, "
-            f"{s.get('decode_steps')} decode steps, {prefill}")
+            f"{s.get('decode_steps')} decode steps, {prefill}"
+            + (", stopped at its time limit after the methods shown" if f.data.get("complete") is False else ""))
 
 
 def render_latency(results: Path, paper: dict[str, Any]) -> str:

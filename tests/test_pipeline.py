@@ -248,6 +248,7 @@ def test_bench_latency_driver_writes_its_file(tmp_path):
     assert set(summary) == {"full", "full_static", method}  # both full caches are always measured alongside
     assert summary["full"]["tpot_ratio_to_full"] == 1.0
     assert summary["full_static"]["tpot_ratio_to_full_static"] == 1.0
+    assert payload["complete"] is True
     for row in summary.values():
         assert row["tpot_s_median"] > 0 and row["tt2t_s_median"] > row["ttft_s_median"]
         assert row["phases_s"]  # measure_phases on: at least the model remainder
@@ -261,6 +262,35 @@ def test_bench_latency_driver_writes_its_file(tmp_path):
     short = subprocess.run(command[:-4] + ["--decode-steps", "8", "--out", str(tmp_path)], cwd=REPO,
                            capture_output=True, text=True, timeout=120)
     assert short.returncode != 0 and "at least 64" in short.stderr
+
+
+def test_a_latency_run_killed_midway_keeps_the_methods_it_finished(tmp_path, monkeypatch):
+    import importlib.util
+
+    import icecache.core.generation as generation
+
+    spec = importlib.util.spec_from_file_location("bench_latency", REPO / "scripts" / "bench_latency.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    real, calls = generation.greedy_generate, []
+
+    def killed_on_the_third(*args, **kwargs):  # full, full_static, then the method: killed as a time limit would
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "greedy_generate", killed_on_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--model", "tiny_llama", "--lengths", "48", "--methods", _second_method(), "--budget", "32",
+                    "--repeats", "1", "--warmup", "0", "--decode-steps", "64", "--bandwidth-probe-gib", "0.01",
+                    "--out", str(tmp_path)])
+    [path] = tmp_path.glob("latency_*.json")
+    payload = json.loads(path.read_text())
+    assert payload["complete"] is False
+    assert [m["method"] for m in payload["measurements"]] == ["full", "full_static"]
+    assert {row["method"] for row in payload["summary"]} == {"full", "full_static"}
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_a_look_ahead_latency_row_carries_its_label_and_its_miss_rate(tmp_path):
