@@ -259,6 +259,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--bandwidth-probe-gib", type=float, default=2.0,
                         help="GiB read by the host-memory bandwidth probe run first (0: none)")
     parser.add_argument("--out", default=str(REPO / "results" / "bench"), help="output folder")
+    parser.add_argument("--resume", type=Path, metavar="FILE",
+                        help="a latency file this command left unfinished (complete: false): measure only what it "
+                             "lacks, with its settings, and write the whole to <out>/<its name>")
     args = parser.parse_args(argv)
     defaults = {"model": "llama31_8b", "source": "random", "lengths": [16384], "methods": ["full", "icecache"],
                 "budget": 256, "threads": None, "repeats": 3, "warmup": 1, "decode_steps": MIN_DECODE_STEPS,
@@ -274,7 +277,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.repeats < 1 or args.warmup < 0:
         parser.error("--repeats must be >= 1 and --warmup >= 0")
     args.methods = [*REFERENCES, *(m for m in args.methods if m not in REFERENCES)]
+    args.resumed = read_unfinished(args.resume, args) if args.resume else None
     return args
+
+
+# The settings a resumed command must share with the file it completes: everything that changes a measurement.
+RESUME_SETTINGS = ("model", "source", "lengths", "methods", "budget", "threads", "repeats", "warmup", "warmup_length",
+                   "decode_steps", "prefill_chunk_size", "layer_by_layer", "residual_on_host", "set", "device",
+                   "dtype", "seed")
+
+
+def read_unfinished(path: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """The payload of the unfinished latency file ``path``, refused in one line (before anything is built) when it
+    is finished, unreadable or measured with other settings than ``args``."""
+    import json
+
+    try:
+        prior = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"error: --resume {path}: cannot read it as a latency file ({error})") from None
+    if prior.get("kind") != "latency" or prior.get("complete") is not False:
+        raise SystemExit(f"error: --resume {path}: not an unfinished latency file (it needs complete: false)")
+    for key in RESUME_SETTINGS:
+        theirs, ours = prior["settings"].get(key), getattr(args, key)
+        if theirs != ours:
+            raise SystemExit(f"error: --resume {path}: it was measured with {key}={theirs!r}, this command has "
+                             f"{ours!r}; give the command the file's settings")
+    return prior
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -307,19 +336,35 @@ def main(argv: list[str] | None = None) -> Path:
         print(f"host memory read: {read_gbps:.1f} GB/s on {torch.get_num_threads()} threads", flush=True)
     vocab = model.config.vocab_size
 
-    measurements: list[dict[str, Any]] = []
-    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    prior = args.resumed
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "resume", "resumed")}
     settings.update({"model_name": spec.name, "device_resolved": str(device),
                      "dtype_resolved": str(spec.resolved_dtype()), "host_read_gbps": read_gbps})
-    out_path = provenance.result_path(args.out, "latency")
     run_provenance = provenance.collect()
+    if prior is None:
+        measurements: list[dict[str, Any]] = []
+        out_path, first_provenance, processes = provenance.result_path(args.out, "latency"), run_provenance, []
+    else:  # the file's measurements stand; this process adds the rest and is listed after the first
+        measurements = prior["measurements"]
+        out_path, first_provenance = Path(args.out) / args.resume.name, prior["provenance"]
+        processes = [*prior.get("resumed_by", []), {"provenance": run_provenance, "host_read_gbps": read_gbps}]
+        settings = {**prior["settings"], "resumed": True}
+    process = len(processes)  # 0: the first process; n: the n-th resumption
+    done = {(m["context"], m["method"], m["round"]) for m in measurements}
+
+    # Each process probes its host's read rate; a row is set against the rate of the process that measured it.
+    read_rates = [settings["host_read_gbps"] if prior is None else prior["settings"].get("host_read_gbps"),
+                  *(p.get("host_read_gbps") for p in processes)]
 
     def payload(complete: bool) -> dict[str, Any]:
         summary = summarise(measurements)
         for row in summary:  # the search's rate as a share of what the host's memory delivers
-            row["search_share_of_host_read"] = (row["search_gbps"] / read_gbps
-                                                if row.get("search_gbps") and read_gbps else None)
-        return {"kind": "latency", "settings": settings, "provenance": run_provenance, "complete": complete,
+            by = next(m.get("process", 0) for m in measurements
+                      if (m["context"], m["method"]) == (row["context"], row["method"]))
+            rate = read_rates[by]
+            row["search_share_of_host_read"] = row["search_gbps"] / rate if row.get("search_gbps") and rate else None
+        return {"kind": "latency", "settings": settings, "provenance": first_provenance, "complete": complete,
+                **({"resumed_by": processes} if processes else {}),
                 "measurements": measurements, "summary": summary}
 
     def make_request(context: int) -> GenerationRequest:
@@ -336,6 +381,10 @@ def main(argv: list[str] | None = None) -> Path:
             measured = round_index >= warmups
             request = measured_request if measured or warmup_request is None else warmup_request
             for name, method in methods.items():  # interleaved: A B A B ...
+                # A resumed run skips what its file holds, and the warm-ups of a method whose rounds are all there.
+                if (context, name, round_index - warmups) in done or (not measured and all(
+                        (context, name, r) in done for r in range(args.repeats))):
+                    continue
                 cache = HarnessCache(method, PhaseTimer(device, enabled=True))
                 rss_before = resident_bytes()
                 result = greedy_generate(model, cache, request, prefill_chunk_size=args.prefill_chunk_size,
@@ -346,6 +395,7 @@ def main(argv: list[str] | None = None) -> Path:
                 if measured:
                     measurements.append({
                         "model": spec.name, "method": name, "budget": method.config.budget, "context": context,
+                        "process": process,
                         "method_label": method_label(dataclasses.asdict(method.config)),
                         "round": round_index - warmups, "ttft_s": result.ttft_s, "tt2t_s": result.tt2t_s,
                         "tpot_s": result.tpot_s, "phases_s": result.phase_breakdown(),

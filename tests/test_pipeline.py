@@ -281,16 +281,38 @@ def test_a_latency_run_killed_midway_keeps_the_methods_it_finished(tmp_path, mon
         return real(*args, **kwargs)
 
     monkeypatch.setattr(generation, "greedy_generate", killed_on_the_third)
+    method = _second_method()
+    arguments = ["--model", "tiny_llama", "--lengths", "48", "--methods", method, "--budget", "32",
+                 "--repeats", "1", "--warmup", "0", "--decode-steps", "64", "--bandwidth-probe-gib", "0.01"]
     with pytest.raises(KeyboardInterrupt):
-        bench.main(["--model", "tiny_llama", "--lengths", "48", "--methods", _second_method(), "--budget", "32",
-                    "--repeats", "1", "--warmup", "0", "--decode-steps", "64", "--bandwidth-probe-gib", "0.01",
-                    "--out", str(tmp_path)])
+        bench.main([*arguments, "--out", str(tmp_path)])
     [path] = tmp_path.glob("latency_*.json")
     payload = json.loads(path.read_text())
     assert payload["complete"] is False
     assert [m["method"] for m in payload["measurements"]] == ["full", "full_static"]
     assert {row["method"] for row in payload["summary"]} == {"full", "full_static"}
     assert not list(tmp_path.glob("*.tmp"))
+
+    # --resume measures only the method that is missing, into a file of the same name, and says so
+    resumed_out = tmp_path / "resumed"
+    counted = []
+    monkeypatch.setattr(generation, "greedy_generate", lambda *a, **k: counted.append(1) or real(*a, **k))
+    bench.main([*arguments, "--out", str(resumed_out), "--resume", str(path)])
+    assert len(counted) == 1
+    whole = json.loads((resumed_out / path.name).read_text())
+    assert whole["complete"] is True and len(whole["resumed_by"]) == 1
+    assert [(m["method"], m["process"]) for m in whole["measurements"]] == [
+        ("full", 0), ("full_static", 0), (method, 1)]
+    assert whole["measurements"][:2] == payload["measurements"]
+    assert {row["method"] for row in whole["summary"]} == {"full", "full_static", method}
+
+    # a finished file, or other settings, are refused in one line before anything is built
+    with pytest.raises(SystemExit, match="not an unfinished latency file"):
+        bench.main([*arguments, "--out", str(tmp_path), "--resume", str(resumed_out / path.name)])
+    with pytest.raises(SystemExit, match="budget=32"):
+        at = arguments.index("--budget")
+        bench.main([*arguments[:at], "--budget", "64", *arguments[at + 2:], "--out", str(tmp_path),
+                    "--resume", str(path)])
 
 
 def test_a_look_ahead_latency_row_carries_its_label_and_its_miss_rate(tmp_path):
