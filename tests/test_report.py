@@ -388,3 +388,13 @@ def test_latency_table_orders_contexts_as_numbers_and_prints_budgets_as_integers
     header = markdown.splitlines()[0]
     assert header.index("@16k") < header.index("@36k") < header.index("@128k")
     assert "| icecache | 256 |" in markdown and "256.0" not in markdown
+
+
+def test_a_declared_variant_is_drawn_under_its_label_and_a_one_off_setting_is_not_drawn():
+    from icecache_harness.report.collect import DISPLAY_NAME, curve_method
+
+    assert curve_method("icecache", "icecache") == "icecache"
+    assert curve_method("icecache:lookahead=true", "icecache+lookahead") == "icecache+lookahead"
+    assert curve_method("icecache:prompt_workers=1", "icecache") is None  # a diagnostic row, not a method's curve
+    assert curve_method("quest:cuda_graph=false", None) is None  # files from before rows carried a label
+    assert DISPLAY_NAME["icecache+lookahead"] == "IceCache (lookahead)"

@@ -473,6 +473,15 @@ def load_bench(roots: str | Path | Iterable[str | Path]) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def curve_method(method: str, label: str | None) -> str | None:
+    """The name a latency row is drawn under in a figure: its method, or a declared variant's label
+    (``icecache:lookahead=true`` -> ``icecache+lookahead``); None for a one-off setting
+    (``icecache:prompt_workers=1``), a diagnostic row the tables show but no curve draws."""
+    if ":" not in method:
+        return method
+    return label if isinstance(label, str) and "+" in label else None
+
+
 def latest_bench(bench: pd.DataFrame) -> pd.DataFrame:
     """Of several benchmark files, keep the newest measurement of each (model, method, budget, context)."""
     if bench.empty:

@@ -62,7 +62,7 @@ def save(fig: Figure, stem: str | Path) -> list[Path]:
 
 
 def _source_legend(ax, methods: list[str], loc: str = "best", sources: set[str] | None = None,
-                   lines: list[Line2D] | None = None) -> None:
+                   lines: list[Line2D] | None = None, outside: bool = False) -> None:
     """One entry per method drawn (ours or the paper's), the ours / paper convention only for the sources that
     have points in the figure, and ``lines`` (entries for variants or horizontal lines) as given."""
     sources = {"ours", "paper"} if sources is None else sources
@@ -74,6 +74,9 @@ def _source_legend(ax, methods: list[str], loc: str = "best", sources: set[str] 
     if "paper" in sources:
         handles.append(Line2D([], [], marker="o", markerfacecolor="none", color="k", linestyle="none",
                               label="paper (hollow)"))
+    if outside:  # beside the axes: many lines over a wide range leave no empty corner inside
+        ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), framealpha=0.9)
+        return
     ax.legend(handles=handles, fontsize=7, loc=loc, framealpha=0.9, ncol=2 if len(handles) > 8 else 1)
 
 
@@ -285,7 +288,8 @@ def latency_vs_context(ours: pd.DataFrame, paper: pd.DataFrame | None, stem: str
         group = group.dropna(subset=["tpot_ms"]).sort_values("context")
         if group.empty:
             continue
-        ax.plot(group["context"], group["tpot_ms"], marker="o", color=color(method))
+        ax.plot(group["context"], group["tpot_ms"], marker="o", color=color(method),
+                linestyle="--" if "+" in method else "-")  # a variant dashed, in its method's colour darkened
         if "tpot_ms_min" in group and group["tpot_ms_min"].notna().all():
             ax.fill_between(group["context"], group["tpot_ms_min"], group["tpot_ms_max"], color=color(method),
                             alpha=0.15, linewidth=0)
@@ -307,7 +311,7 @@ def latency_vs_context(ours: pd.DataFrame, paper: pd.DataFrame | None, stem: str
     ax.set_yscale("log")  # the methods span 8 to 200 ms: on a linear axis the fast ones merge into one line
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    _source_legend(ax, drawn, sources=sources)
+    _source_legend(ax, drawn, sources=sources, outside=True)
     return save(fig, stem)
 
 

@@ -31,6 +31,7 @@ from .collect import (
     canonical_model,
     collect_latency,
     collect_scores,
+    curve_method,
     find_partial_runs,
     latest_bench,
     length_label,
@@ -226,12 +227,15 @@ def _latency_plots(bench: pd.DataFrame, references: References, plot_dir: Path) 
         paper_parts = P.paper_breakdown(references.latency) if canonical_model(model).startswith("llama") else {}
         files += P.tpot_breakdown(breakdowns, paper_parts, plot_dir / f"tpot_breakdown_{name}",
                                   title=f"TPOT breakdown at {length_label(context)} tokens, {model}")
+        labels = frame["method_label"] if "method_label" in frame else pd.Series(None, index=frame.index)
         curve = pd.DataFrame({
-            "method": frame["method"], "context": frame["context"].astype(float),
+            "method": [curve_method(m, label) for m, label in zip(frame["method"], labels)],
+            "context": frame["context"].astype(float),
             "tpot_ms": 1000 * frame["tpot_s_median"],
             "tpot_ms_min": 1000 * frame["tpot_s_min"] if "tpot_s_min" in frame else None,
             "tpot_ms_max": 1000 * frame["tpot_s_max"] if "tpot_s_max" in frame else None,
         })
+        curve = curve.dropna(subset=["method"])
         paper_curve = None
         if references.scaling is not None:
             paper_curve = references.scaling[references.scaling["model"].map(canonical_model) == canonical_model(model)]
