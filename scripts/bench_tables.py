@@ -12,6 +12,8 @@ Each table shows the newest numbers, row by row, and names the file and commit e
   was measured to be compared with it. Ratios are to ``full`` and ``full_static`` of the same file.
   Files of the scaling experiment (``settings.experiment == "scaling"``) are left to the scaling table.
 * scaling: the same choice over the scaling experiment's files, beside the paper's scaling figure.
+* capacity: per (model, method), the largest context the GPU host's memory allows, projected by a line through
+  the method's measured peak GPU and host memory (``render_capacity``).
 * breakdown: the IceCache and IceCache-reuse rows of the latency table, with their phases and memory.
 * host-step (``host_step_*.json``), prompt-index (``prompt_index_*.json``), dci (``dci_*.json``): the newest file per
   (host, threads, context) (and, for the index, per first-pass precision).
@@ -258,6 +260,115 @@ def render_paper_scaling(paper: dict[str, Any]) -> str:
     )
     return (f"The paper's scaling figure ({scaling['model']}, {scaling['task']}, {scaling['hardware']}), decode "
             f"latency per token of full / `icecache` / `icecache_reuse`: {cells}.")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The largest context each method reaches: projected from the measured memory
+
+
+# What one host offers (GiB): the GPU's memory, and the host memory left to one process (3 GiB kept for the OS).
+CAPACITY_GIB = {"h200": {"gpu": 139.0, "host": 125.0}}
+
+
+def prefill_settings(f: Result) -> tuple:
+    """What shapes a run's peak GPU memory besides the context: the prefill's chunking and the budget."""
+    s = f.data.get("settings") or {}
+    return (s.get("prefill_chunk_size"), bool(s.get("layer_by_layer")), bool(s.get("residual_on_host")),
+            s.get("budget"))
+
+
+def model_of(f: Result) -> str:
+    s = f.data.get("settings") or {}
+    return str(s.get("model_name") or s.get("model") or "?")
+
+
+def host_bytes(row: dict[str, Any], f: Result) -> float:
+    """The host memory a run needs: its cache's host bytes over the process's resident memory with the full cache
+    (``full_static``) in the same file, where the file has it (the process-wide resident memory of a later run
+    also holds what earlier runs of the process left)."""
+    base = reference_row(f, row["context"], "full_static") or {}
+    return float(row.get("cpu_kv_bytes") or 0) + float(base.get("host_rss_bytes") or 0)
+
+
+def capacity_points(files: list[Result]) -> dict[tuple[str, str], tuple[list[tuple[dict[str, Any], Result]], int]]:
+    """Per (model, method) the rows a memory fit uses, and how many commits they span: among the files with the
+    prefill settings of its newest measurement, the newest commit that measured it at two or more contexts, else
+    the newest row of each context; a method measured at one context only is left out."""
+    by_method: dict[tuple[str, str], list[tuple[dict[str, Any], Result]]] = {}
+    for f in files:
+        model = model_of(f)
+        for row in f.data["summary"]:
+            if ":" not in row["method"] and row.get("peak_gpu_bytes"):
+                by_method.setdefault((model, row["method"]), []).append((row, f))
+    chosen = {}
+    for key, rows in by_method.items():
+        newest_settings = prefill_settings(max(rows, key=lambda item: item[1].order)[1])
+        rows = [(r, f) for r, f in rows if prefill_settings(f) == newest_settings]
+        by_commit: dict[str, dict[int, tuple[dict[str, Any], Result]]] = {}
+        for r, f in rows:
+            points = by_commit.setdefault(f.commit, {})
+            if r["context"] not in points or f.order > points[r["context"]][1].order:
+                points[r["context"]] = (r, f)
+        fits = [points for points in by_commit.values() if len(points) >= 2]
+        if fits:
+            points = max(fits, key=lambda p: max(f.order for _, f in p.values()))
+            chosen[key] = (sorted(points.values(), key=lambda item: item[0]["context"]), 1)
+            continue
+        newest = newest_by([(r["context"], f.order, (r, f)) for r, f in rows])
+        if len(newest) >= 2:
+            points = sorted(newest.values(), key=lambda item: item[0]["context"])
+            chosen[key] = (points, len({f.commit for _, f in points}))
+    return chosen
+
+
+def line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares intercept and slope."""
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    return mean_y - slope * mean_x, slope
+
+
+def render_capacity(results: Path, paper: dict[str, Any]) -> str:
+    files = [f for f in load(results, "latency_*.json") if f.host in CAPACITY_GIB]
+    fitted = capacity_points(files)
+    rows = []
+    for (model, method), (points, n_commits) in sorted(fitted.items(),
+                                                       key=lambda item: (item[0][0], method_sort_key(item[0][1]))):
+        capacity = CAPACITY_GIB[points[-1][1].host]
+        contexts = [float(r["context"]) for r, _ in points]
+        bounds, slopes = {}, {}
+        for part, needed in (("gpu", lambda r, f: float(r["peak_gpu_bytes"])), ("host", host_bytes)):
+            intercept, slope = line_fit(contexts, [needed(r, f) for r, f in points])
+            # A part that does not grow with the context (the full caches' host memory) bounds nothing.
+            slopes[part] = slope if slope >= 1024 else 0.0  # bytes per token
+            bounds[part] = (capacity[part] * 2**30 - intercept) / slope if slopes[part] else None
+        reached = [(value, part) for part, value in bounds.items() if value is not None]
+        largest, bound = min(reached) if reached else (None, "-")
+
+        def tokens(value: float | None) -> str:
+            return "-" if value is None else f"{value / 1000:,.0f}k"
+
+        rows.append([
+            model, f"`{method}`", ", ".join(f"{int(c) // 1000}k" for c in contexts),
+            fmt(slopes["gpu"] * 1e5, 2**-30, 2), fmt(slopes["host"] * 1e5, 2**-30, 2),
+            tokens(bounds["gpu"]), tokens(bounds["host"]), tokens(largest), bound,
+            ", ".join(sorted({f"`{f.name}`" for _, f in points}))
+            + (f" ({n_commits} commits)" if n_commits > 1 else ""),
+        ])
+    header = ["model", "method", "contexts fitted", "GPU GiB / 100k tokens", "host GiB / 100k tokens",
+              "GPU-bound context", "host-bound context", "largest context", "bound", "files"]
+    caps = "; ".join(f"{host}: GPU {c['gpu']:.0f} GiB, host {c['host']:.0f} GiB" for host, c in CAPACITY_GIB.items())
+    measured = {(model_of(f), r["method"]) for f in files for r in f.data["summary"] if ":" not in r["method"]}
+    single = sorted(f"`{method}` ({model})" for model, method in measured - set(fitted))
+    note = (f"Projected, not measured: a straight line through each method's peak GPU memory and host memory at the "
+            f"contexts it was measured at with one prefill setting (the newest commit with two or more contexts; "
+            f"else the newest row per context), solved for the capacity ({caps}). Host memory is the cache's host "
+            f"bytes plus the process's resident memory with `full_static` in the same file. Past the fitted "
+            f"range the line ignores what a longer prompt adds besides KV (larger pinned staging, allocator "
+            f"rounding).")
+    if single:
+        note += " Measured at one context only, so not projected: " + ", ".join(single) + "."
+    return "\n\n".join([table(header, rows), note])
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -560,6 +671,7 @@ def render_page_quality(results: Path, paper: dict[str, Any]) -> str:
 RENDERERS: dict[str, Callable[[Path, dict[str, Any]], str]] = {
     "latency": render_latency,
     "scaling": render_scaling,
+    "capacity": render_capacity,
     "breakdown": render_breakdown,
     "host-step": render_host_step,
     "prompt-index": render_prompt_index,

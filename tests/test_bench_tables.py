@@ -229,3 +229,44 @@ def test_accuracy_keeps_the_newest_file_per_model_and_device(bench_tables, tmp_p
     text = bench_tables.render_accuracy(tmp_path, {})
     assert "`accuracy_smollm2-135m_2.json`" in text and "`accuracy_cpu_smollm2-135m_3.json`" in text
     assert "`accuracy_smollm2-135m_1.json`" not in text
+
+
+def test_the_largest_context_is_where_a_line_through_the_measured_memory_meets_the_capacity(bench_tables, tmp_path,
+                                                                                          monkeypatch):
+    gib = 2**30
+    monkeypatch.setattr(bench_tables, "CAPACITY_GIB", {"gpu": {"gpu": 60.0, "host": 41.0}})
+
+    def rows(context: int) -> list[dict]:
+        scale = context / 100_000
+        return [summary_row("full", context, 0.02, peak_gpu_bytes=10 * gib * scale, host_rss_bytes=gib),
+                summary_row("full_static", context, 0.01, peak_gpu_bytes=10 * gib * scale, host_rss_bytes=gib),
+                summary_row("icecache", context, 0.1, peak_gpu_bytes=5 * gib + gib * scale,
+                            cpu_kv_bytes=10 * gib * scale)]
+
+    write_latency(tmp_path, "latency_gpu_20260101-000000.json", "2026-01-01T00:00:00+00:00", "a", rows(100_000))
+    write_latency(tmp_path, "latency_gpu_20260101-000001.json", "2026-01-01T00:00:01+00:00", "a", rows(200_000))
+    write_latency(tmp_path, "latency_gpu_20260101-000002.json", "2026-01-01T00:00:02+00:00", "a",
+                  [summary_row("quest", 100_000, 0.02)])
+    table = {row[1]: row for row in table_rows(bench_tables.render_capacity(tmp_path, {}))}
+    # the full caches: 10 GiB per 100k tokens on the GPU, so 60 GiB at 600k; their host memory does not grow
+    assert table["`full_static`"][2] == "100k, 200k"
+    assert table["`full_static`"][5:9] == ["600k", "-", "600k", "gpu"]
+    # IceCache: 10 GiB of host KV per 100k tokens over the full cache's 1 GiB resident: 41 GiB at 400k
+    assert table["`icecache`"][6:9] == ["400k", "400k", "host"]
+    assert table["`icecache`"][4] == "10.00"
+    assert "`quest`" not in table  # one context: nothing to draw a line through, and the note says so
+    assert "`quest` (no_such_model)" in bench_tables.render_capacity(tmp_path, {})
+
+
+def test_a_capacity_fit_keeps_to_the_prefill_settings_of_the_newest_measurement(bench_tables, tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_tables, "CAPACITY_GIB", {"gpu": {"gpu": 60.0, "host": 41.0}})
+    write_latency(tmp_path, "latency_gpu_20260101-000000.json", "2026-01-01T00:00:00+00:00", "a",
+                  [summary_row("full", 1000, 0.02, peak_gpu_bytes=5 * 2**30)])
+    path = tmp_path / "latency_gpu_20260101-000000.json"
+    payload = json.loads(path.read_text())
+    payload["settings"]["prefill_chunk_size"] = 8192  # another prefill: its peak is not on the same line
+    path.write_text(json.dumps(payload))
+    write_latency(tmp_path, "latency_gpu_20260102-000000.json", "2026-01-02T00:00:00+00:00", "b",
+                  [summary_row("full", 2000, 0.02, peak_gpu_bytes=1 * 2**30)])
+    rendered = bench_tables.render_capacity(tmp_path, {})
+    assert table_rows(rendered) == [] and "`full` (no_such_model)" in rendered
