@@ -177,22 +177,26 @@ SEARCH_STATS = ("rows_read", "bytes_read", "scores", "lists")  # DCIIndex.last_q
 LOOKAHEAD_COUNTERS = ("lookahead_searches", "lookahead_misses")  # IceCache's look-ahead, per decode step
 
 
-def host_read_bandwidth(gib: float) -> float | None:
-    """The host's achievable DRAM read rate in GB/s on this process's torch threads: the best of five sums over a
-    ``gib`` GiB float32 array (first touched before timing), a STREAM-like read that no cache holds. None for 0."""
+def host_memory_rates(gib: float) -> tuple[float | None, float | None]:
+    """The host's first-touch and read rates in GB/s on this process's torch threads: the time to fill a fresh
+    ``gib`` GiB float32 array (a virtual machine may map its memory in only as it is first touched, which is what
+    a cache's host store and a pinned staging buffer pay), then the best of five sums over it, a STREAM-like read
+    that no cache holds. (None, None) for 0."""
     import time
 
     import torch
 
     if gib <= 0:
-        return None
+        return None, None
+    start = time.perf_counter()
     data = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    touch = data.nbytes / (time.perf_counter() - start) / 1e9
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
         data.sum()
         best = min(best, time.perf_counter() - start)
-    return data.nbytes / best / 1e9
+    return touch, data.nbytes / best / 1e9
 
 
 def resident_bytes() -> int | None:
@@ -331,15 +335,17 @@ def main(argv: list[str] | None = None) -> Path:
           flush=True)
     model, _ = load_model(spec, ATTENTION_NAME)
     device = spec.resolved_device()
-    read_gbps = host_read_bandwidth(args.bandwidth_probe_gib)
+    touch_gbps, read_gbps = host_memory_rates(args.bandwidth_probe_gib)
     if read_gbps is not None:
-        print(f"host memory read: {read_gbps:.1f} GB/s on {torch.get_num_threads()} threads", flush=True)
+        print(f"host memory: first touch {touch_gbps:.1f} GB/s, read {read_gbps:.1f} GB/s on "
+              f"{torch.get_num_threads()} threads", flush=True)
     vocab = model.config.vocab_size
 
     prior = args.resumed
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "resume", "resumed")}
     settings.update({"model_name": spec.name, "device_resolved": str(device),
-                     "dtype_resolved": str(spec.resolved_dtype()), "host_read_gbps": read_gbps})
+                     "dtype_resolved": str(spec.resolved_dtype()), "host_read_gbps": read_gbps,
+                     "host_first_touch_gbps": touch_gbps})
     run_provenance = provenance.collect()
     if prior is None:
         measurements: list[dict[str, Any]] = []
