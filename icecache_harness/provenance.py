@@ -67,6 +67,13 @@ def write_result(folder: str | Path, kind: str, payload: dict[str, Any], path: P
     return path
 
 
+def numa_nodes() -> int | None:
+    """The host's NUMA nodes (Linux ``/sys/devices/system/node``; None where it cannot be read)."""
+    nodes = Path("/sys/devices/system/node")
+    found = [p for p in nodes.glob("node[0-9]*")] if nodes.is_dir() else []
+    return len(found) or None
+
+
 def collect() -> dict[str, Any]:
     import torch
     import transformers
@@ -88,6 +95,11 @@ def collect() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        # Where host-memory-bound work may run: the NUMA nodes and the threads' binding (a search's bandwidth
+        # depends on both).
+        "numa_nodes": numa_nodes(),
+        "omp_proc_bind": os.environ.get("OMP_PROC_BIND"),
+        "omp_places": os.environ.get("OMP_PLACES"),
         "command": " ".join(sys.argv),
     }
     try:

@@ -482,22 +482,31 @@ def render_prompt_index(results: Path, paper: dict[str, Any]) -> str:
 # DCI index, kernels
 
 
+def binding(f: Result) -> str:
+    """How a file's OpenMP threads were bound (``OMP_PROC_BIND``, with ``OMP_PLACES``); files from before the
+    provenance recorded it ran with the documented ``OMP_PROC_BIND=false``."""
+    bind = f.provenance.get("omp_proc_bind", "false") or "unset"
+    places = f.provenance.get("omp_places")
+    return f"{bind} ({places})" if places else bind
+
+
 def render_dci(results: Path, paper: dict[str, Any]) -> str:
     files = load(results, "dci_*.json")
-    newest = newest_by([((f.host, row["n"], row["threads"], row.get("score_precision") or "float32"), f.order, (row, f))
-                        for f in files for row in f.data["rows"]])
+    newest = newest_by([((f.host, row["n"], row["threads"], row.get("score_precision") or "float32", binding(f)),
+                         f.order, (row, f)) for f in files for row in f.data["rows"]])
     rows = []
-    for (host, n, threads, precision), (row, f) in sorted(newest.items()):
-        rows.append([host, str(n), str(threads), precision, fmt(row["build_s"], digits=3),
+    for (host, n, threads, precision, bound), (row, f) in sorted(newest.items()):
+        rows.append([host, str(n), str(threads), bound, precision, fmt(row["build_s"], digits=3),
                      fmt(row["query_ms"], digits=3), fmt(row["exact_ms"], digits=2), fmt(row["page_recall"], digits=3),
                      fmt(row["token_recall"], digits=3), fmt(row["mass_recall"], digits=3), f"`{f.name}`", f.commit])
     figure = paper.get("breakdown")
     if figure:
         per_layer = figure["ms"]["query"] / 30
-        rows.append([f"paper ({figure['hardware']})", f"~{figure['context_tokens']}", "64", "-", "-",
+        rows.append([f"paper ({figure['hardware']})", f"~{figure['context_tokens']}", "64", "-", "-", "-",
                      f"~{per_layer:.1f} ({figure['ms']['query']} ms per token over 30 layers)", "-", "-", "-", "-",
                      "-", "-"])
-    header = ["host", "keys", "threads", "first pass", "build s / layer", "query ms / layer", "exact top-k ms (torch)",
+    header = ["host", "keys", "threads", "threads bound", "first pass", "build s / layer", "query ms / layer",
+              "exact top-k ms (torch)",
               "page recall", "token recall", "mass recall", "file", "commit"]
     return table(header, rows)
 

@@ -145,8 +145,18 @@ def test_dci_keeps_the_newest_row_per_host_size_threads_and_precision(bench_tabl
     dci_file("dci_box_20260102-000000.json", "2026-01-02T00:00:00+00:00",
              [dci_row(100, 2, 2.0, "float32"), dci_row(100, 2, 1.5, "half")])
     rows = table_rows(bench_tables.render_dci(tmp_path, {}))
-    assert [(r[0], r[2], r[3], r[5]) for r in rows] == [
-        ("box", "1", "float32", "5.000"), ("box", "2", "float32", "2.000"), ("box", "2", "half", "1.500")]
+    assert [(r[0], r[2], r[3], r[4], r[6]) for r in rows] == [
+        ("box", "1", "false", "float32", "5.000"), ("box", "2", "false", "float32", "2.000"),
+        ("box", "2", "false", "half", "1.500")]
+
+    # threads bound to cores are their own rows, beside the unbound ones they are measured against
+    payload = {"benchmark": "dci", "provenance": {**provenance("2026-01-03T00:00:00+00:00", "d"),
+                                                  "omp_proc_bind": "close", "omp_places": "cores"},
+               "rows": [dci_row(100, 2, 1.8, "float32")]}
+    (tmp_path / "dci_box_20260103-000000.json").write_text(json.dumps(payload))
+    rows = table_rows(bench_tables.render_dci(tmp_path, {}))
+    assert [(r[3], r[6]) for r in rows if r[2] == "2" and r[4] == "float32"] == [
+        ("close (cores)", "1.800"), ("false", "2.000")]
 
 
 def run_record(method: str, date: str, command: str, score: float, budget=256) -> dict:

@@ -191,3 +191,13 @@ def test_a_variant_run_is_labelled_with_its_variant_and_its_own_directory(tmp_pa
         dirs.append(config.output_dir())
     assert labels == ["icecache", "icecache+lookahead"]
     assert dirs[0] != dirs[1] and dirs[0].parent == dirs[1].parent  # same method and budget, another hash
+
+
+def test_provenance_records_the_numa_nodes_and_the_thread_binding(monkeypatch):
+    from icecache_harness import provenance
+
+    monkeypatch.setenv("OMP_PROC_BIND", "close")
+    info = provenance.collect()
+    assert info["omp_proc_bind"] == "close"
+    expected = len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or None
+    assert info["numa_nodes"] == expected
