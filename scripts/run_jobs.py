@@ -31,6 +31,7 @@ import multiprocessing as mp
 import os
 import queue
 import shlex
+import signal
 import sys
 import time
 import traceback
@@ -119,6 +120,11 @@ def run_all(jobs: list[dict[str, Any]], workers: int, deadline_s: float | None) 
                  for _ in range(min(workers, len(jobs)))]
     for process in processes:
         process.start()
+
+    def stop(signum, frame):  # a kill of the driver (SIGTERM) stops its workers too, through the finally below
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
     start, finished, errors = time.monotonic(), 0, []
     try:
         while finished + len(errors) < len(jobs):
@@ -140,6 +146,7 @@ def run_all(jobs: list[dict[str, Any]], workers: int, deadline_s: float | None) 
                 finished += 1
                 print(f"done {finished}/{len(jobs)}: {run_dir}", flush=True)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         for process in processes:
             if process.is_alive():
                 process.terminate()  # samples are fsynced as they finish; a torn last line is dropped on resume

@@ -225,6 +225,41 @@ def test_run_jobs_runs_in_parallel_resumes_curates_and_the_table_renders(tmp_pat
     assert len(summary.tables["accuracy"]) == 2
 
 
+def test_killing_run_jobs_stops_its_workers_and_the_next_call_resumes(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    sweep = (f"experiment=accuracy_passkey model=tiny_llama output_root={tmp_path / 'runs'} method=full "
+             "budget=128 task.lengths=[400] task.num_depths=60")
+    command = [sys.executable, str(REPO / "scripts" / "run_jobs.py"), "--sweep", sweep]
+    driver = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    predictions = tmp_path / "runs"
+    deadline = time.monotonic() + 300
+    while not any(p.stat().st_size for p in predictions.rglob("predictions.jsonl")):  # a worker is mid-run
+        assert driver.poll() is None and time.monotonic() < deadline, "the job ended before it could be killed"
+        time.sleep(0.2)
+    children = [int(pid) for pid in Path(f"/proc/{driver.pid}/task/{driver.pid}/children").read_text().split()]
+    assert children
+    driver.send_signal(signal.SIGTERM)
+    assert driver.wait(timeout=60) != 0
+    def ended(pid: int) -> bool:  # gone, or a zombie waiting for init: it writes nothing more
+        status = Path(f"/proc/{pid}/status")
+        return not status.exists() or "State:\tZ" in status.read_text()
+
+    deadline = time.monotonic() + 60
+    while not all(ended(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(ended(pid) for pid in children), "a worker outlived its driver"
+    assert not list(predictions.rglob("metrics.json"))
+    assert load_script("run_jobs").main(["--sweep", sweep, "--no-plots"]) == 0  # the lock was released: it resumes
+    [metrics] = predictions.rglob("metrics.json")
+    [run_dir] = [metrics.parent]
+    lines = (run_dir / "predictions.jsonl").read_text().splitlines()
+    assert len(lines) == len({json.loads(line)["sample_id"] for line in lines}) == 60  # none lost, none twice
+
+
 def test_without_accuracy_files_the_page_says_not_measured(tmp_path):
     bench_tables = load_script("bench_tables")
     assert bench_tables.render_accuracy(tmp_path, {}).startswith("Not measured yet")
