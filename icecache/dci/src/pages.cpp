@@ -104,13 +104,18 @@ const int32_t* rows_of(const std::vector<int32_t>& row_of, const int32_t* ids, i
   for (int r = 0; r < m; ++r) rows[r] = row_of[ids[r]];
   return rows.data();
 }
+
+// m key rows read and scored against nq query heads, counted at the width the rows are stored in.
+void count_key_rows(int m, int nq, int dim, bool bf16) {
+  SearchCounters& counted = search_counters();
+  counted.rows += m;
+  counted.bytes += static_cast<int64_t>(m) * dim * (bf16 ? 2 : 4);
+  counted.scores += static_cast<int64_t>(m) * nq;
+}
 }  // namespace
 
 void Instance::dot_keys(const float* q, const int32_t* ids, int m, float* out) const {
-  SearchCounters& counted = search_counters();
-  counted.rows += m;
-  counted.bytes += static_cast<int64_t>(m) * cfg_->dim * (keys_.empty() ? 2 : 4);
-  counted.scores += m;
+  count_key_rows(m, 1, cfg_->dim, keys_.empty());
   const int32_t* rows = rows_of(row_of_, ids, m);
   if (!keys_.empty()) dot_rows(q, keys_.data(), rows, m, cfg_->dim, out);
   else dot_rows_bf16(q, keys_bf16_.data(), rows, m, cfg_->dim, out);
@@ -118,10 +123,7 @@ void Instance::dot_keys(const float* q, const int32_t* ids, int m, float* out) c
 
 void Instance::dot_keys_multi(const float* const* qs, int nq, const int32_t* ids, int m, float* out,
                               int stride) const {
-  SearchCounters& counted = search_counters();
-  counted.rows += m;
-  counted.bytes += static_cast<int64_t>(m) * cfg_->dim * (keys_.empty() ? 2 : 4);
-  counted.scores += static_cast<int64_t>(m) * nq;
+  count_key_rows(m, nq, cfg_->dim, keys_.empty());
   const int32_t* rows = rows_of(row_of_, ids, m);
   if (!keys_.empty()) dot_rows_multi_ids(qs, nq, keys_.data(), rows, m, cfg_->dim, out, stride);
   else dot_rows_multi_ids_bf16(qs, nq, keys_bf16_.data(), rows, m, cfg_->dim, out, stride);
