@@ -70,7 +70,7 @@ def write_result(folder: str | Path, kind: str, payload: dict[str, Any], path: P
 def numa_nodes() -> int | None:
     """The host's NUMA nodes (Linux ``/sys/devices/system/node``; None where it cannot be read)."""
     nodes = Path("/sys/devices/system/node")
-    found = [p for p in nodes.glob("node[0-9]*")] if nodes.is_dir() else []
+    found = list(nodes.glob("node[0-9]*")) if nodes.is_dir() else []
     return len(found) or None
 
 

@@ -353,14 +353,14 @@ def main(argv: list[str] | None = None) -> Path:
     else:  # the file's measurements stand; this process adds the rest and is listed after the first
         measurements = prior["measurements"]
         out_path, first_provenance = Path(args.out) / args.resume.name, prior["provenance"]
-        processes = [*prior.get("resumed_by", []), {"provenance": run_provenance, "host_read_gbps": read_gbps}]
+        processes = [*prior.get("resumed_by", []), {"provenance": run_provenance, "host_read_gbps": read_gbps,
+                                                    "host_first_touch_gbps": touch_gbps}]
         settings = {**prior["settings"], "resumed": True}
     process = len(processes)  # 0: the first process; n: the n-th resumption
     done = {(m["context"], m["method"], m["round"]) for m in measurements}
 
     # Each process probes its host's read rate; a row is set against the rate of the process that measured it.
-    read_rates = [settings["host_read_gbps"] if prior is None else prior["settings"].get("host_read_gbps"),
-                  *(p.get("host_read_gbps") for p in processes)]
+    read_rates = [settings.get("host_read_gbps"), *(p.get("host_read_gbps") for p in processes)]
 
     def payload(complete: bool) -> dict[str, Any]:
         summary = summarise(measurements)

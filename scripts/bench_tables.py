@@ -304,11 +304,8 @@ def capacity_points(files: list[Result]) -> dict[tuple[str, str], tuple[list[tup
     for key, rows in by_method.items():
         newest_settings = prefill_settings(max(rows, key=lambda item: item[1].order)[1])
         rows = [(r, f) for r, f in rows if prefill_settings(f) == newest_settings]
-        by_commit: dict[str, dict[int, tuple[dict[str, Any], Result]]] = {}
-        for r, f in rows:
-            points = by_commit.setdefault(f.commit, {})
-            if r["context"] not in points or f.order > points[r["context"]][1].order:
-                points[r["context"]] = (r, f)
+        by_commit = {commit: newest_by([(r["context"], f.order, (r, f)) for r, f in rows if f.commit == commit])
+                     for commit in {f.commit for _, f in rows}}
         fits = [points for points in by_commit.values() if len(points) >= 2]
         if fits:
             points = max(fits, key=lambda p: max(f.order for _, f in p.values()))
