@@ -82,11 +82,23 @@ def order(job: dict[str, Any]) -> tuple:
     return (str(task.get("name")), json.dumps(task.get("lengths"), default=str))
 
 
-def worker(jobs: "mp.Queue", results: "mp.Queue", threads: int | None) -> None:
-    """One process: runs jobs from ``jobs`` until it is empty, reporting each as (run_dir, error or None)."""
+def is_device_fault(error: BaseException) -> bool:
+    """A CUDA error (an illegal address, a failed launch) is sticky: every later CUDA call of the process fails with
+    it, and it may have been raised by a kernel of the job before, surfacing at this one's first synchronisation."""
+    return type(error).__name__ == "AcceleratorError" or "CUDA error" in str(error)
+
+
+def run_job(values: dict[str, Any]) -> None:
+    from icecache_harness.runner import RunConfig, run
+
+    run(RunConfig.from_dict(values))
+
+
+def worker(jobs: "mp.Queue", results: "mp.Queue", threads: int | None, run=run_job) -> None:
+    """One process: runs jobs from ``jobs`` until it is empty, reporting each as (run_dir, error or None, whether
+    the error is a device fault). After a device fault it reports and exits: the driver starts a fresh process."""
     os.chdir(REPO)  # run directories are relative to the repository, as for run.py
     from icecache.core.errors import ConfigError
-    from icecache_harness.runner import RunConfig, run
 
     while True:
         try:
@@ -97,17 +109,22 @@ def worker(jobs: "mp.Queue", results: "mp.Queue", threads: int | None) -> None:
         if threads is not None and values.get("threads") is None:
             values["threads"] = threads  # not part of a run's identity: the directory stays the same
         try:
-            run(RunConfig.from_dict(values))
-            results.put((job["run_dir"], None))
+            run(values)
+            results.put((job["run_dir"], None, False))
         except ConfigError as error:
-            results.put((job["run_dir"], str(error)))
+            results.put((job["run_dir"], str(error), False))
         except Exception as error:  # noqa: BLE001  one job's failure (out of memory, a bug) must not stop the others
             traceback.print_exc()
-            results.put((job["run_dir"], f"{type(error).__name__}: {error}"))
+            fault = is_device_fault(error)
+            results.put((job["run_dir"], f"{type(error).__name__}: {error}", fault))
+            if fault:
+                return
 
 
-def run_all(jobs: list[dict[str, Any]], workers: int, deadline_s: float | None) -> tuple[int, list[str]]:
-    """(jobs finished in this call, their errors); stops the workers at the deadline."""
+def run_all(jobs: list[dict[str, Any]], workers: int, deadline_s: float | None,
+            run=run_job) -> tuple[int, list[str]]:
+    """(jobs finished in this call, their errors); stops the workers at the deadline. A job that ends in a device
+    fault is run once more in a fresh process (the fault may be the job before's); a second fault is its error."""
     if deadline_s is not None and deadline_s <= 0:
         return 0, []
     context = mp.get_context("spawn")  # CUDA does not survive a fork
@@ -116,10 +133,17 @@ def run_all(jobs: list[dict[str, Any]], workers: int, deadline_s: float | None) 
         pending.put(job)
     results: mp.Queue = context.Queue()
     threads = max(1, (os.cpu_count() or 1) // workers) if workers > 1 else None
-    processes = [context.Process(target=worker, args=(pending, results, threads), daemon=True)
-                 for _ in range(min(workers, len(jobs)))]
-    for process in processes:
+    by_run_dir = {job["run_dir"]: job for job in jobs}
+    retried: set[str] = set()
+    processes: list = []
+
+    def start_worker() -> None:
+        process = context.Process(target=worker, args=(pending, results, threads, run), daemon=True)
         process.start()
+        processes.append(process)
+
+    for _ in range(min(workers, len(jobs))):
+        start_worker()
 
     def stop(signum, frame):  # a kill of the driver (SIGTERM) stops its workers too, through the finally below
         raise SystemExit(128 + signum)
@@ -134,11 +158,18 @@ def run_all(jobs: list[dict[str, Any]], workers: int, deadline_s: float | None) 
                       flush=True)
                 break
             try:
-                run_dir, error = results.get(timeout=min(5.0, left) if left is not None else 5.0)
+                run_dir, error, fault = results.get(timeout=min(5.0, left) if left is not None else 5.0)
             except queue.Empty:
                 if not any(p.is_alive() for p in processes):
                     break  # a worker died (out of memory, say) and nothing more will come
                 continue
+            if fault:
+                start_worker()  # the faulted worker has exited; its CUDA context is gone with it
+                if run_dir not in retried:
+                    retried.add(run_dir)
+                    pending.put(by_run_dir[run_dir])
+                    print(f"device fault in {run_dir}: running it again in a fresh process", flush=True)
+                    continue
             if error:
                 errors.append(f"{run_dir}: {error}")
                 print(f"error: {run_dir}: {error}", file=sys.stderr, flush=True)

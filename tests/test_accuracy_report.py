@@ -260,6 +260,30 @@ def test_killing_run_jobs_stops_its_workers_and_the_next_call_resumes(tmp_path):
     assert len(lines) == len({json.loads(line)["sample_id"] for line in lines}) == 60  # none lost, none twice
 
 
+def test_a_device_fault_ends_its_worker_and_the_job_runs_again_in_a_fresh_process(tmp_path):
+    from tests import device_fault_jobs
+
+    run_jobs = load_script("run_jobs")
+    sweep = (f"experiment=accuracy_passkey model=tiny_llama output_root={tmp_path / 'runs'} method=full,quest "
+             "budget=128 task.lengths=[400] task.num_depths=2").split()
+    jobs, errors = run_jobs.expand([sweep], None)
+    assert len(jobs) == 2 and not errors
+    # Each of the two workers faults on its first job; the replacements run both jobs through.
+    finished, failed = run_jobs.run_all(jobs, 2, None, run=device_fault_jobs.fault_once_per_process)
+    assert (finished, failed) == (2, [])
+    assert len(list((tmp_path / "faults").iterdir())) == 2
+    assert all(run_jobs.is_done(job) for job in jobs)
+
+    # A job that faults in a fresh process too is reported, once, and the call ends.
+    (tmp_path / "faults").rename(tmp_path / "faults_before")
+    again = [dict(jobs[0], run_dir=str(tmp_path / "never"))]
+    finished, failed = run_jobs.run_all(again, 1, None, run=device_fault_jobs.always_fault)
+    assert finished == 0 and len(failed) == 1 and device_fault_jobs.FAULT in failed[0]
+    assert len(list((tmp_path / "faults").iterdir())) == 2  # two processes, one attempt each
+    assert run_jobs.is_device_fault(RuntimeError(device_fault_jobs.FAULT))
+    assert not run_jobs.is_device_fault(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+
+
 def test_without_accuracy_files_the_page_says_not_measured(tmp_path):
     bench_tables = load_script("bench_tables")
     assert bench_tables.render_accuracy(tmp_path, {}).startswith("Not measured yet")

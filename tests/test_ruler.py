@@ -417,6 +417,46 @@ def test_qa_repeats_documents_to_reach_a_length_beyond_the_set():
             assert len(counts) == pool_size and max(counts.values()) - min(counts.values()) <= 1
 
 
+def test_a_sample_shrunk_below_its_own_documents_is_redrawn_at_the_last_size_that_held_them():
+    # RULER shrinks 25 -> 15 -> 5 here and then redraws at 5 without end (5 documents cannot hold a question's 10);
+    # the loop goes back to 15 and redraws there, each draw with other documents, until one fits.
+    task = make_task(tasks=["qa_2"])
+    sizes, draws_at_15 = [], []
+
+    def draw(size):
+        sizes.append(size)
+        if size < 10:
+            raise ruler.DoesNotFit
+        if size == 15:
+            draws_at_15.append(size)
+        text = "x" * (size * 10 if size != 15 or len(draws_at_15) >= 4 else 200)  # the 4th draw at 15 fits
+        return ruler.Prompt(text=text, answers=["a"])
+
+    prompt, size, shrinks = task._fitted("qa_2", 4096, draw, len, 25, 10, 150)
+    assert (size, shrinks, len(prompt.text)) == (15, 1, 150)
+    assert sizes == [25, 15, 5, 15, 15, 15]
+
+    # Nothing ever holds the material: refused in one line, as before.
+    def never(size):
+        raise ruler.DoesNotFit
+
+    with pytest.raises(ConfigError, match="too short for task 'qa_2'"):
+        task._fitted("qa_2", 4096, never, len, 25, 10, 150)
+
+
+def test_every_sample_rulers_loop_makes_is_made_as_before():
+    # a draw that fits on the way down never meets the departure
+    task = make_task(tasks=["qa_2"])
+    sizes = []
+
+    def draw(size):
+        sizes.append(size)
+        return ruler.Prompt(text="x" * size * 10, answers=["a"])
+
+    assert task._fitted("qa_2", 4096, draw, len, 45, 10, 160)[1:] == (15, 3)
+    assert sizes == [45, 35, 25, 15]
+
+
 def test_hotpotqa_includes_every_context_document():
     _, samples = generate(tasks=["qa_2"], lengths=[1500])
     text = text_of(samples[0])

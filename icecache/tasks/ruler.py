@@ -787,16 +787,29 @@ class Ruler(Task):
     def _fitted(self, task: str, length: int, generate: Callable[[int], Prompt], count: TokenCounter, size: int,
                 step: int, budget: int) -> tuple[Prompt, int, int]:
         """RULER's per-sample loop: draw at ``size``, and while it does not fit draw again ``step`` smaller (at the
-        smallest size, again at that size)."""
+        smallest size, again at that size).
+
+        One departure: once the shrinking reaches a size too small for the sample's own material (a QA question's
+        context documents), RULER's script redraws at that size without end. This loop goes back to the last size
+        that held the material and redraws there instead (the other documents are drawn anew each time), so a
+        sample RULER cannot make is made at the smallest size it can have; every sample RULER makes is made as
+        RULER makes it."""
         shrinks = retries = 0
+        held = floor = None  # the last size that held the sample's own material; the size the loop stays at
         while True:
             try:
                 prompt = generate(size)
             except DoesNotFit:
+                if held is not None:
+                    floor = size = held
+                    shrinks -= 1
+                    continue
                 prompt = None
+            else:
+                held = size
             if prompt is not None and count(prompt.text) <= budget:
                 return prompt, size, shrinks
-            if size > step:
+            if size > step and size != floor:
                 size, shrinks = size - step, shrinks + 1
             else:
                 retries += 1
