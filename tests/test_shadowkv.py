@@ -286,3 +286,43 @@ def test_gpu_path_chooses_and_computes_what_the_cpu_path_does():
         # The same chunks resident; which slot holds which follows the top-k's order, which CUDA leaves unsorted.
         assert torch.equal(held_cpu.sort(dim=-1).values, held_gpu.sort(dim=-1).values), where
         torch.testing.assert_close(out_gpu, out_cpu, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_slow_value_copy_still_reads_the_chunks_it_was_given():
+    """The value copy runs on a side stream while the main stream rebuilds keys. Each step here first puts a long
+    sleep on the side stream, so the copy starts only after the main stream has allocated and written the rebuild's
+    temporaries: the copy must still move exactly the chunks chosen (the GPU path against the CPU path)."""
+    from icecache.methods.shadowkv import ShadowKVSequence
+
+    results = {}
+    for device in ("cpu", "cuda"):
+        gen = torch.Generator().manual_seed(11)
+        layer = sparse_layer(gen, n_prompt=300, budget=64, rank=8, device=device)[0]
+        steps = []
+        for _ in range(12):
+            q, k, v = (torch.randn(1, 4, 1, 16, generator=gen), torch.randn(1, 2, 1, 16, generator=gen),
+                       torch.randn(1, 2, 1, 16, generator=gen))
+            if device == "cuda":
+                shared = layer.seq.state(ShadowKVSequence)
+                if shared.copy_stream is None:
+                    shared.copy_stream = torch.cuda.Stream()
+                with torch.cuda.stream(shared.copy_stream):
+                    torch.cuda._sleep(50_000_000)  # ~25 ms of one SM's clock before the copy can start
+            out = layer.forward(q.to(device), k.to(device), v.to(device), None, SCALING)
+            steps.append((out.cpu(), layer.pool_values.cpu().clone(), layer.slot_chunk.cpu().clone()))
+        results[device] = steps
+        n_outlier = layer.n_outlier
+    for step, ((out_cpu, pool_cpu, held_cpu), (out_gpu, pool_gpu, held_gpu)) in enumerate(
+            zip(results["cpu"], results["cuda"])):
+        assert torch.equal(held_cpu.sort(dim=-1).values, held_gpu.sort(dim=-1).values), f"step {step}"
+        for head in range(held_cpu.shape[0]):  # each resident chunk's values, wherever its slot is
+            for chunk in held_cpu[head].tolist():
+                if chunk < 0:
+                    continue
+                slot_cpu = held_cpu[head].tolist().index(chunk)
+                slot_gpu = held_gpu[head].tolist().index(chunk)
+                assert torch.equal(pool_cpu[n_outlier + slot_cpu, head], pool_gpu[n_outlier + slot_gpu, head]), \
+                    f"step {step}: chunk {chunk} of KV head {head}"
+        torch.testing.assert_close(out_gpu, out_cpu, atol=1e-4, rtol=1e-4)

@@ -356,24 +356,29 @@ class ShadowKVKV(StaticDenseKV):
         """The missing chunks' values from the host store into their slots: one block-copy kernel, on a side stream
         on CUDA so that it overlaps the key rebuild (the caller joins it). ``copy_blocks`` moves two arrays of
         blocks of one layout; a chunk's values are one, so it is passed as its two halves."""
+        if not self.pool_values.is_cuda:
+            copy_blocks(*self._copy_arguments(top, missing, target_slots))
+            return None
+        shared = self.seq.state(ShadowKVSequence)
+        if shared.copy_stream is None:
+            shared.copy_stream = torch.cuda.Stream(self.pool_values.device)
+        side = shared.copy_stream
+        side.wait_stream(torch.cuda.current_stream(self.pool_values.device))
+        with torch.cuda.stream(side), self.seq.timer.phase("load"):
+            # The copy's block ids are made on the side stream: made on the main one, their memory would go back to
+            # its pool when this returns, and the main stream's next kernels could overwrite them before the copy
+            # has read them (an out-of-range read of the host store).
+            copy_blocks(*self._copy_arguments(top, missing, target_slots))
+        return side
+
+    def _copy_arguments(self, top, missing, target_slots) -> tuple:
         half = self.chunk_size // 2
         pages = top.clamp(min=0).flatten()
         slots = torch.where(missing, self.n_outlier + target_slots, -1).flatten()
         heads = self._heads[:, None].expand_as(top).flatten()
         source, target = self._store_on_device, self.pool_values
-        arguments = (source[:, :, :half], source[:, :, half:], pages, target[:, :, :half], target[:, :, half:], slots,
-                     heads)
-        if not target.is_cuda:
-            copy_blocks(*arguments)
-            return None
-        shared = self.seq.state(ShadowKVSequence)
-        if shared.copy_stream is None:
-            shared.copy_stream = torch.cuda.Stream(target.device)
-        side = shared.copy_stream
-        side.wait_stream(torch.cuda.current_stream(target.device))
-        with torch.cuda.stream(side), self.seq.timer.phase("load"):
-            copy_blocks(*arguments)
-        return side
+        return (source[:, :, :half], source[:, :, half:], pages, target[:, :, :half], target[:, :, half:], slots,
+                heads)
 
     def _rebuild_selected_keys(self) -> None:
         """Every resident selected chunk's keys from its coefficients, rotated at its positions (empty slots get
