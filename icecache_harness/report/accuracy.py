@@ -166,12 +166,19 @@ def _negated(text: str) -> tuple:
 # Markdown
 
 
-def length_label(tokens: int | None) -> str:
+def length_label(tokens: Any) -> str:
+    """150000 -> '150k', 4096 -> '4k', 7500 -> '7.5k'; the paper labels context lengths in thousands. None: 'all'."""
     if tokens is None:
         return "all"
-    if tokens % 1024 == 0 and tokens % 1000:
-        return f"{tokens // 1024}k"
-    return f"{round(tokens / 1000)}k" if tokens >= 1000 else str(tokens)
+    try:
+        value = int(tokens)
+    except (TypeError, ValueError):
+        return str(tokens)
+    if value % 1024 == 0 and value >= 1024 and value % 1000 != 0:
+        return f"{value // 1024}k"
+    return f"{value / 1000:.1f}".removesuffix(".0") + "k" if value >= 1000 else str(value)
+
+
 
 
 def _num(value: float | None, digits: int = 1, suffix: str = "") -> str:

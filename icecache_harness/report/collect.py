@@ -28,6 +28,8 @@ import pandas as pd
 
 from icecache.methods import METHODS, method_class
 
+from .accuracy import length_label  # noqa: F401  (re-exported: the tables and plots take it from here)
+
 METRICS = "metrics.json"
 PREDICTIONS = "predictions.jsonl"
 
@@ -549,15 +551,6 @@ class References:
         )
 
 
-def length_label(tokens: Any) -> str:
-    """150000 -> '150k', 4096 -> '4k'; the paper labels context lengths in thousands."""
-    try:
-        value = int(tokens)
-    except (TypeError, ValueError):
-        return str(tokens)
-    if value % 1024 == 0 and value >= 1024 and value % 1000 != 0:
-        return f"{value // 1024}k"
-    return f"{round(value / 1000)}k" if value >= 1000 else str(value)
 
 
 def safe_name(text: str) -> str:
