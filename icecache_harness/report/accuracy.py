@@ -179,8 +179,6 @@ def length_label(tokens: Any) -> str:
     return f"{value / 1000:.1f}".removesuffix(".0") + "k" if value >= 1000 else str(value)
 
 
-
-
 def _num(value: float | None, digits: int = 1, suffix: str = "") -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}{suffix}"
 

@@ -28,8 +28,6 @@ import pandas as pd
 
 from icecache.methods import METHODS, method_class
 
-from .accuracy import length_label  # noqa: F401  (re-exported: the tables and plots take it from here)
-
 METRICS = "metrics.json"
 PREDICTIONS = "predictions.jsonl"
 
@@ -549,8 +547,6 @@ class References:
             scaling=maybe("paper_scaling.csv", load_paper_scaling),
             ruler=maybe("paper_ruler.csv", load_paper_ruler),
         )
-
-
 
 
 def safe_name(text: str) -> str:

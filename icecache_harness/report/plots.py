@@ -16,7 +16,8 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from .collect import METHOD_ORDER, canonical_model, display_name, length_label, method_sort_key
+from .accuracy import length_label
+from .collect import METHOD_ORDER, canonical_model, display_name, method_sort_key
 from .tables import ComparisonTable, budget_text, row_id
 
 # One colour per method across every figure (one per METHOD_ORDER id).

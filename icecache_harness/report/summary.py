@@ -25,6 +25,7 @@ import pandas as pd
 
 from . import accuracy as A
 from . import plots as P
+from .accuracy import length_label
 from .collect import (
     REFERENCE_DIR,
     References,
@@ -34,7 +35,6 @@ from .collect import (
     curve_method,
     find_partial_runs,
     latest_bench,
-    length_label,
     load_bench,
     load_runs,
     ruler_categories,

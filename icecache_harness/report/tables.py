@@ -18,6 +18,7 @@ from typing import Any
 
 import pandas as pd
 
+from .accuracy import length_label
 from .collect import (
     LONGBENCH_16,
     NOT_IMPLEMENTED,
@@ -25,7 +26,6 @@ from .collect import (
     RULER_CATEGORY_NAMES,
     canonical_model,
     display_name,
-    length_label,
     row_sort_key,
 )
 
