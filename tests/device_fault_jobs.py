@@ -28,6 +28,8 @@ def fault_first_call(values: dict[str, Any]) -> None:
 
 
 def always_fault(values: dict[str, Any]) -> None:
-    (Path(values["output_root"]).parent / "faults").mkdir(exist_ok=True)
-    (Path(values["output_root"]).parent / "faults" / str(os.getpid())).touch()
+    """Every job ends in a device fault, after a marker named by its process."""
+    folder = Path(values["output_root"]).parent / "faults"
+    folder.mkdir(exist_ok=True)
+    (folder / str(os.getpid())).touch()
     raise RuntimeError(FAULT)
