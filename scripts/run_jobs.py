@@ -48,22 +48,18 @@ def expand(sweeps: list[list[str]], device: str | None) -> tuple[list[dict[str, 
     ``RunConfig.from_dict``), and the one-line errors of the jobs that cannot run."""
     import sweep
 
-    from run import JobComposer, hydra_context, run_values
-
     jobs, errors, seen = [], [], set()
+    infos: dict[str, Any] = {}  # each model's geometry, read once for all the sweeps
     for overrides in sweeps:
-        expanded, _ = sweep.expand(overrides, device)
-        with hydra_context():
-            composer = JobComposer()
-            for job in expanded:
-                if job.error:
-                    errors.append(f"{' '.join(job.overrides)}: {job.error}")
-                    continue
-                if job.duplicate_of is not None or str(job.run_dir) in seen:
-                    continue
-                seen.add(str(job.run_dir))
-                values = run_values(composer.compose(sweep.normalise_overrides(job.overrides)))
-                jobs.append({"overrides": job.overrides, "run_dir": str(job.run_dir), "values": values})
+        expanded, _ = sweep.expand(overrides, device, infos=infos)
+        for job in expanded:
+            if job.error:
+                errors.append(f"{' '.join(job.overrides)}: {job.error}")
+                continue
+            if job.duplicate_of is not None or str(job.run_dir) in seen:
+                continue
+            seen.add(str(job.run_dir))
+            jobs.append({"overrides": job.overrides, "run_dir": str(job.run_dir), "values": job.values})
     return jobs, errors
 
 

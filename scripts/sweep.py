@@ -54,6 +54,7 @@ class Job:
     run_dir: Path | None
     error: str | None = None
     duplicate_of: int | None = None
+    values: dict[str, Any] | None = None  # the run's composed settings (RunConfig.from_dict), when resolved
 
     def status(self) -> str:
         if self.error:
@@ -120,13 +121,14 @@ def _as_device(device: str | None):
 
 
 def expand(overrides: list[str], device: str | None = None, resolve_dirs: bool = True,
-           check: bool = True) -> tuple[list[Job], Any]:
+           check: bool = True, infos: dict[str, Any] | None = None) -> tuple[list[Job], Any]:
     """The jobs ``run.py -m <overrides>`` (plus the experiment's reference runs) would launch, and the composed
     config without the swept keys (its ``hydra`` node tells the launcher). ``resolve_dirs=False`` skips composing
     every job (fast; run directories stay unknown). With ``check``, each job also gets the checks its settings
     allow without data or weights: its task's settings against the model's max_length and, where the model's
     config can be read here (random, local or GGUF models), the method's checks against the model's geometry;
-    a job that fails one is listed with its error, as a job that does not compose is."""
+    a job that fails one is listed with its error, as a job that does not compose is. ``infos`` holds the models'
+    geometries read so far; a caller expanding several sweeps passes one dict so that each model is read once."""
     from run import JobComposer, first_line, hydra_context, run_values, sweep_jobs
 
     overrides = normalise_overrides(overrides)
@@ -140,27 +142,29 @@ def expand(overrides: list[str], device: str | None = None, resolve_dirs: bool =
         composer = JobComposer()
         jobs: list[Job] = []
         seen: dict[str, int] = {}
-        infos: dict[str, Any] = {}
+        infos = {} if infos is None else infos
+        known = set(infos)  # read by an earlier sweep, whose notes are printed already
         with _as_device(device):
             from icecache_harness.runner import RunConfig
 
             for job_override in job_overrides:
                 try:
-                    config = RunConfig.from_dict(run_values(composer.compose(job_override)))
+                    values = run_values(composer.compose(job_override))
+                    config = RunConfig.from_dict(values)
                     run_dir = config.output_dir()
                     if check:
                         check_job(config, infos)
                 except Exception as error:  # noqa: BLE001  a job that cannot compose or run is listed, not fatal
                     jobs.append(Job(job_override, None, first_line(error)))
                     continue
-                job = Job(job_override, run_dir)
+                job = Job(job_override, run_dir, values=values)
                 if str(run_dir) in seen:
                     job.duplicate_of = seen[str(run_dir)]
                 else:
                     seen[str(run_dir)] = len(jobs)
                 jobs.append(job)
-    for info in infos.values():
-        if isinstance(info, str):
+    for key, info in infos.items():
+        if key not in known and isinstance(info, str):
             print(f"note: model {info}; the methods' checks against its geometry were skipped", file=sys.stderr)
     return jobs, base
 

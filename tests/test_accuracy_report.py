@@ -286,6 +286,27 @@ def test_a_device_fault_ends_its_worker_and_the_job_runs_again_in_a_fresh_proces
     assert not run_jobs.is_device_fault(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
 
 
+def test_several_sweeps_read_each_model_once_and_keep_the_settings_they_composed(tmp_path, monkeypatch):
+    from icecache.core import models
+    from run import JobComposer, hydra_context, run_values
+
+    run_jobs = load_script("run_jobs")
+    reads = []
+    real_model_info = models.model_info
+    monkeypatch.setattr(models, "model_info", lambda spec: reads.append(spec.name) or real_model_info(spec))
+    common = f"experiment=accuracy_passkey model=tiny_llama output_root={tmp_path} task.num_depths=2"
+    sweeps = [f"{common} method=full,quest budget=128 task.lengths=[400]".split(),
+              f"{common} method=quest budget=128,256 task.lengths=[400]".split()]
+    jobs, errors = run_jobs.expand(sweeps, None)
+    assert not errors and reads == ["tiny-llama"]  # one geometry read for both sweeps
+    assert len(jobs) == 3  # (full), (quest, 128) and (quest, 256): the second sweep's (quest, 128) is the first's
+    sweep_module = sys.modules["sweep"]
+    with hydra_context():
+        composer = JobComposer()
+        for job in jobs:  # the settings a worker gets are those a fresh composition of the job's overrides gives
+            assert job["values"] == run_values(composer.compose(sweep_module.normalise_overrides(job["overrides"])))
+
+
 def test_without_accuracy_files_the_page_says_not_measured(tmp_path):
     bench_tables = load_script("bench_tables")
     assert bench_tables.render_accuracy(tmp_path, {}).startswith("Not measured yet")
