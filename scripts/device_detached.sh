@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# A GPU-host command that outlasts one call's time limit (IceCache's prefill and index builds at 512k tokens): it
+# starts in a process session of its own, which the host does not end when the call returns, and later calls wait
+# for it. The host must stay up between the calls (the next call comes within its idle limit), and what the
+# command writes goes under $DETACHED_OUT, a folder that outlives the calls ($OUT is emptied before each call).
+#
+#   bash scripts/device_detached.sh start NAME COMMAND   run COMMAND (one string, through bash) in the repository,
+#                                                        in a new session; its output goes to <root>/NAME/log
+#   bash scripts/device_detached.sh wait NAME [SECONDS]  wait up to SECONDS (default 540) for it to end and print
+#                                                        the end of its log; when it has ended, copy its
+#                                                        DETACHED_OUT to $OUT (or the current folder)
+#   Exit status of wait: 0 the command ended with status 0; 1 it ended with another (printed); 3 still running;
+#   2 nothing is running and no status was written (the host was restarted or the command was killed).
+#
+# <root> is $ICECACHE_DETACHED_ROOT, /tmp/icecache-detached by default. Example, the 512k scaling row:
+#   bash scripts/device_detached.sh start scaling512k 'python3 scripts/bench_latency.py --experiment scaling
+#       --lengths 524288 --repeats 1 --warmup 0 --threads 16 --out "$DETACHED_OUT"'
+#   bash scripts/device_detached.sh wait scaling512k 560      # again in each following call until it ends
+set -uo pipefail
+root=${ICECACHE_DETACHED_ROOT:-/tmp/icecache-detached}
+usage() { echo "usage: $0 start NAME COMMAND | wait NAME [SECONDS]" >&2; exit 2; }
+[ $# -ge 2 ] || usage
+action=$1 name=$2
+case $name in */* | "" | . | ..) echo "error: NAME must be a plain word, not '$name'" >&2; exit 2 ;; esac
+dir=$root/$name
+
+running() { [ -f "$dir/pid" ] && kill -0 "$(cat "$dir/pid")" 2>/dev/null; }
+
+case $action in
+start)
+    [ $# -eq 3 ] || usage
+    if running; then
+        echo "error: $name is running already (pid $(cat "$dir/pid")): wait for it, or pick another NAME" >&2
+        exit 2
+    fi
+    rm -rf "$dir"
+    mkdir -p "$dir/out"
+    printf '%s\n' "$3" >"$dir/command"
+    # The session writes its own pid (setsid may fork) and, last, its status, renamed into place so that wait never
+    # reads a half-written one.
+    DETACHED_OUT=$dir/out setsid bash -c 'echo $$ >"$2/pid"; bash -c "$1" >"$2/log" 2>&1; echo $? >"$2/rc.partial"
+        mv "$2/rc.partial" "$2/rc"' _ "$3" "$dir" </dev/null >/dev/null 2>&1 &
+    for _ in $(seq 50); do [ -s "$dir/pid" ] && break; sleep 0.1; done
+    [ -s "$dir/pid" ] || { echo "error: $name did not start (no session came up)" >&2; exit 2; }
+    echo "started $name (pid $(cat "$dir/pid")): its log is $dir/log; wait with: bash $0 wait $name"
+    ;;
+wait)
+    [ $# -le 3 ] || usage
+    seconds=${3:-540}
+    [[ $seconds =~ ^[0-9]+$ ]] || { echo "error: SECONDS must be a whole number, not '$seconds'" >&2; exit 2; }
+    [ -d "$dir" ] || { echo "error: nothing was started as $name under $root" >&2; exit 2; }
+    end=$((SECONDS + seconds))
+    while [ ! -f "$dir/rc" ] && running && [ $SECONDS -lt "$end" ]; do sleep 1; done
+    tail -n 20 "$dir/log" 2>/dev/null
+    if [ -f "$dir/rc" ]; then
+        status=$(cat "$dir/rc")
+        target=${OUT:-.}
+        cp -r "$dir/out/." "$target/"
+        echo "$name ended with status $status; its files are copied to $target"
+        [ "$status" = 0 ] && exit 0 || exit 1
+    fi
+    if running; then
+        echo "$name is still running after ${seconds} s: call wait again within the host's idle limit"
+        exit 3
+    fi
+    echo "error: $name is not running and wrote no status: it was killed, or the host was restarted" >&2
+    exit 2
+    ;;
+*)
+    usage
+    ;;
+esac
