@@ -9,8 +9,8 @@
 # their kernels share the GPU instead of time-slicing it; the server is stopped when the call ends, a host where it
 # does not start runs without it. Off by default: a fault in one MPS client ends every client's context. Measured
 # on the H200 (SmolLM2, diagnostic on): 14 jobs with MPS finish 115-128 RULER samples a minute, 12 without ~98.
-# On a host that keeps its disk between calls, give RUNS_TAR on the first call only: unpacking an older tarball
-# over newer runs would roll their samples back.
+# RUNS_TAR never rolls back a run: a file already on the host's disk that is newer than its copy in the tarball (a
+# host that kept its disk between calls) is kept.
 # Usage: [JOBS=6] [DEADLINE=420] [MODEL=smollm2_135m] [RUNS_TAR=runs.tar.gz] [MPS=1] bash scripts/device_accuracy.sh \
 #        [experiment ...]          (default: accuracy_passkey accuracy_ruler; an entry may carry overrides:
 #                                   "accuracy_ruler budget=256 task.lengths=[4096]")
@@ -43,7 +43,7 @@ if [ -n "${MPS:-}" ]; then
     fi
 fi
 if [ -n "${RUNS_TAR:-}" ]; then
-    tar -xzf "$RUNS_TAR" || { echo "cannot unpack $RUNS_TAR"; exit 2; }
+    tar -xzf "$RUNS_TAR" --keep-newer-files --warning=no-ignore-newer || { echo "cannot unpack $RUNS_TAR"; exit 2; }
 fi
 python3 setup.py build_ext --inplace -q 2>&1 | grep -i error
 python3 scripts/run_jobs.py "${sweeps[@]}" --workers "${JOBS:-6}" --deadline "${DEADLINE:-420}"
