@@ -15,20 +15,36 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "device_detached.sh"
 
 
-def detached(tmp_path: Path, *args: str, out: Path | None = None, **popen) -> subprocess.CompletedProcess:
+def small_repository(tmp_path: Path) -> Path:
+    """A repository of the script and one file (the script runs its command in a copy of its repository)."""
+    repo = tmp_path / "repo"
+    if not repo.exists():
+        (repo / "scripts").mkdir(parents=True)
+        (repo / "scripts" / SCRIPT.name).write_text(SCRIPT.read_text())
+        (repo / "inputs.txt").write_text("from the repository\n")
+        (repo / ".venv").mkdir()
+        (repo / ".venv" / "big").write_text("not copied")
+    return repo
+
+
+def detached(tmp_path: Path, *args: str, out: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "ICECACHE_DETACHED_ROOT": str(tmp_path / "root"), "OUT": str(out or tmp_path)}
-    return subprocess.run(["bash", str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=60, **popen)
+    script = small_repository(tmp_path) / "scripts" / SCRIPT.name
+    return subprocess.run(["bash", str(script), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=60)
 
 
 def test_a_detached_command_survives_the_end_of_the_call_and_wait_hands_over_its_files(tmp_path):
     gate = tmp_path / "gate"
-    command = f'while [ ! -e {gate} ]; do sleep 0.1; done; echo measured > "$DETACHED_OUT/result.txt"; echo finished'
+    # It reads a file of the repository from its copy, and changes to the repository after the start do not reach it.
+    command = (f'while [ ! -e {gate} ]; do sleep 0.1; done; cp inputs.txt "$DETACHED_OUT/result.txt"; '
+               'ls -A "$DETACHED_TREE" > "$DETACHED_OUT/tree.txt"; echo finished')
+    script = small_repository(tmp_path) / "scripts" / SCRIPT.name
     # The call that starts it runs in its own process group, which is then killed, as the GPU host does when a
     # call returns.
     env = {**os.environ, "ICECACHE_DETACHED_ROOT": str(tmp_path / "root")}
-    call = subprocess.Popen(["bash", "-c", f'bash {SCRIPT} start row "$0"; sleep 30', command], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    call = subprocess.Popen(["bash", "-c", f'bash {script} start row "$0"; sleep 30', command], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)
     pid_file = tmp_path / "root" / "row" / "pid"
     for _ in range(100):
         if pid_file.exists() and pid_file.read_text().strip():
@@ -39,13 +55,15 @@ def test_a_detached_command_survives_the_end_of_the_call_and_wait_hands_over_its
 
     still = detached(tmp_path, "wait", "row", "0")
     assert still.returncode == 3 and "still running" in still.stdout  # the kill did not reach it
+    (tmp_path / "repo" / "inputs.txt").write_text("a later copy of the working tree\n")
     gate.touch()
     out = tmp_path / "out"
     out.mkdir()
     ended = detached(tmp_path, "wait", "row", "30", out=out)
     assert ended.returncode == 0, ended.stdout + ended.stderr
     assert "finished" in ended.stdout  # the end of its log
-    assert (out / "result.txt").read_text() == "measured\n"
+    assert (out / "result.txt").read_text() == "from the repository\n"
+    assert (out / "tree.txt").read_text().split() == ["inputs.txt", "scripts"]  # no virtual environment
 
 
 def test_wait_reports_a_failed_command_and_refuses_what_was_never_started(tmp_path):
