@@ -326,3 +326,22 @@ def test_page_quality_files_render_their_means(tmp_path):
     rendered = bench_tables.render_page_quality(tmp_path, {})
     body = [line for line in rendered.splitlines() if line.startswith("| gpu")]
     assert len(body) == 1 and "| 0.710 |" in body[0] and "20261202" in body[0] and "| 16 | 12 |" in body[0]
+
+
+def test_the_tpot_figure_names_its_latency_files_on_lines_that_keep_it_narrow(tmp_path, monkeypatch):
+    from icecache_harness.report import plots as P
+    from icecache_harness.report import summary
+    from icecache_harness.report.collect import latest_bench, load_bench
+
+    bench = REPO / "results" / "bench"
+    [curated] = sorted(bench.glob("accuracy_smollm2-135m_*.json"))[-1:]  # the page's H200 file
+    rows = A.accuracy_rows(json.loads(curated.read_text())["runs"])
+    titles = []
+    monkeypatch.setattr(P, "accuracy_vs_tpot_panels", lambda points, stem, title="": titles.append(title) or [])
+    monkeypatch.setattr(P, "accuracy_vs_budget_panels", lambda *a, **k: [])
+    monkeypatch.setattr(P, "mass_by_layer_panels", lambda *a, **k: [])
+    summary.accuracy_figures(rows, latest_bench(load_bench(bench)).to_dict("records"), tmp_path)
+    [title] = titles
+    lines = title.splitlines()
+    assert len(lines) >= 2 and all(len(line) <= 130 for line in lines)
+    assert title.count("latency_") >= 2  # every file is still named

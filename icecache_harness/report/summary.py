@@ -18,6 +18,7 @@ benchmarks and the paper's reference numbers, and writes
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -198,9 +199,10 @@ def accuracy_figures(rows: list[A.AccuracyRow], bench: list[dict], folder: Path,
         points = [(r, b["tpot_s_median"]) for r, b in matched if b is not None]
         sources = sorted({f"{Path(str(b.get('file'))).name} ({b.get('model')}, {length_label(b.get('context'))})"
                           for _, b in matched if b is not None})
-        files += P.accuracy_vs_tpot_panels(
-            points, folder / f"accuracy_vs_tpot_{name}",
-            title=f"Accuracy ({model}) against TPOT from " + "; ".join(sources) if sources else "")
+        # The files go on lines of their own under the title: one line of them would set the figure's width.
+        title = (f"Accuracy ({model}) against TPOT from the latency files\n" + textwrap.fill("; ".join(sources), 130)
+                 if sources else "")
+        files += P.accuracy_vs_tpot_panels(points, folder / f"accuracy_vs_tpot_{name}", title=title)
         files += P.mass_by_layer_panels(mine, folder / f"mass_by_layer_{name}",
                                         title=f"Attention mass captured by layer, {model}")
     return files
