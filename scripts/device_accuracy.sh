@@ -46,8 +46,15 @@ if [ -n "${RUNS_TAR:-}" ]; then
     tar -xzf "$RUNS_TAR" --keep-newer-files --warning=no-ignore-newer || { echo "cannot unpack $RUNS_TAR"; exit 2; }
 fi
 python3 setup.py build_ext --inplace -q 2>&1 | grep -i error
-python3 scripts/run_jobs.py "${sweeps[@]}" --workers "${JOBS:-6}" --deadline "${DEADLINE:-420}"
+# One process runs and then curates, listing the grid's jobs once; should it end before its curated file is
+# written (a job that cannot run, a crash), a second process curates what is on disk.
+started=$(mktemp)
+python3 scripts/run_jobs.py "${sweeps[@]}" --workers "${JOBS:-6}" --deadline "${DEADLINE:-420}" \
+    --curate accuracy --out "$out" --bench results/bench
 status=$?
-python3 scripts/run_jobs.py "${sweeps[@]}" --no-run --curate accuracy --out "$out" --bench results/bench
+if [ -z "$(find "$out" -maxdepth 1 -name 'accuracy_*.json' -newer "$started")" ]; then
+    python3 scripts/run_jobs.py "${sweeps[@]}" --no-run --curate accuracy --out "$out" --bench results/bench
+fi
+rm -f "$started"
 tar -czf "$out/runs.tar.gz" results/runs
 echo "run_jobs: exit status $status (0: every run done; 3: time ran out: call again with RUNS_TAR=<runs.tar.gz>)"
