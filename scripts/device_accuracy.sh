@@ -8,7 +8,7 @@
 # MPS=1 runs the jobs' processes through one CUDA MPS server when the host has nvidia-cuda-mps-control, so that
 # their kernels share the GPU instead of time-slicing it; the server is stopped when the call ends, a host where it
 # does not start runs without it. Off by default: a fault in one MPS client ends every client's context. Measured
-# on the H200 (SmolLM2, diagnostic on): 14 jobs with MPS finish 115-128 RULER samples a minute, 12 without ~98.
+# on the H200 (SmolLM2, diagnostic on): 14 jobs with MPS finish 107-128 RULER samples a minute, 12 without ~98.
 # RUNS_TAR never rolls back a run: a file already on the host's disk that is newer than its copy in the tarball (a
 # host that kept its disk between calls) is kept.
 # Usage: [JOBS=6] [DEADLINE=420] [MODEL=smollm2_135m] [RUNS_TAR=runs.tar.gz] [MPS=1] bash scripts/device_accuracy.sh \
