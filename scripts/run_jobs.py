@@ -9,9 +9,10 @@ finished runs into one result file.
         --no-run --curate accuracy --out results/bench                                # the result file alone
 
 A sweep is what ``python scripts/sweep.py <overrides>`` expands (the experiment's grid and its reference runs;
-duplicates once). Jobs already done are skipped; the others go, grouped by task and length, to ``--workers``
-processes, each of which runs them one after another with the runner (which keeps the model, its tokenizer and the
-built samples between the jobs of a process). Every sample is on disk when it is finished, so a deadline or a kill
+duplicates once). Jobs already done are skipped; the others go to ``--workers`` processes, the most work left
+first (samples left times a sample's time, both read from the runs on disk: ``longest_first``; ties grouped by task
+and length), each of which runs them one after another with the runner (which keeps the model, its tokenizer and
+the built samples between the jobs of a process). Every sample is on disk when it is finished, so a deadline or a kill
 loses at most the samples in flight: at ``--deadline`` seconds the workers are stopped and the next call resumes
 (exit status 3: time ran out with jobs left; 0: every job done; 2: a job cannot run).
 
@@ -78,6 +79,78 @@ def order(job: dict[str, Any]) -> tuple:
     return (str(task.get("name")), json.dumps(task.get("lengths"), default=str))
 
 
+def _sample_seconds(record: dict[str, Any]) -> float | None:
+    gen = record.get("gen") or {}
+    if gen.get("ttft_s") is None:
+        return None
+    return gen["ttft_s"] + (gen.get("tpot_s") or 0.0) * gen.get("new_tokens", 0)
+
+
+def longest_first(jobs: list[dict[str, Any]], evidence: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """``jobs`` in the order a queue should hand them out: the most work left first, so that the runs that take
+    longest do not start last and leave the other workers idle at the end (longest-processing-time scheduling).
+    A job's work left is its samples left times the seconds a sample of its method at its lengths took, both read
+    from the predictions on disk of ``evidence`` (default ``jobs``; pass the sweeps' finished runs too): a sample's
+    time pooled over the method's runs (budgets pooled; any lengths of the method when none at these; every
+    method's when the method has none), a run's sample count from a finished run of the same task settings (else
+    the most any run of them holds, else the largest run of the task). Jobs with nothing to go on keep ``order``'s
+    grouping, which every tie falls back to."""
+    evidence = jobs if evidence is None else [*evidence, *jobs]
+    read: dict[str, tuple[int, list[float], bool]] = {}  # run_dir -> (samples on disk, their seconds, finished)
+    for job in evidence:
+        if job["run_dir"] in read:
+            continue
+        path = resolve(job["run_dir"]) / "predictions.jsonl"
+        seconds: list[float] = []
+        count = 0
+        if path.exists():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue  # a torn last line: the runner drops it on resume
+                count += 1
+                value = _sample_seconds(record)
+                if value is not None:
+                    seconds.append(value)
+        read[job["run_dir"]] = (count, seconds, is_done(job))
+
+    def task_key(job):
+        return json.dumps(job["values"].get("task"), sort_keys=True, default=str)
+
+    def method_name(job):
+        return (job["values"].get("method") or {}).get("name")
+
+    rates: dict[tuple, list[float]] = {}
+    totals: dict[str, tuple[int, int]] = {}  # task settings -> (samples of a finished run, most samples seen)
+    for run_dir, job in {job["run_dir"]: job for job in evidence}.items():
+        count, seconds, finished = read[run_dir]
+        lengths = json.dumps((job["values"].get("task") or {}).get("lengths"), default=str)
+        rates.setdefault((method_name(job), lengths), []).extend(seconds)
+        rates.setdefault((method_name(job),), []).extend(seconds)
+        full, most = totals.get(task_key(job), (0, 0))
+        totals[task_key(job)] = (max(full, count if finished else 0), max(most, count))
+    everything = [s for key, values in rates.items() if len(key) == 1 for s in values]
+    known_total: dict[str, int] = {}  # task name -> the largest run of it on disk, for settings with none yet
+    for job in evidence:
+        full, most = totals[task_key(job)]
+        name = (job["values"].get("task") or {}).get("name")
+        known_total[name] = max(known_total.get(name, 0), full or most)
+
+    def work_left(job) -> float:
+        count, _, _ = read[job["run_dir"]]
+        lengths = json.dumps((job["values"].get("task") or {}).get("lengths"), default=str)
+        samples = (rates.get((method_name(job), lengths)) or rates.get((method_name(job),)) or everything)
+        if not samples:
+            return 0.0
+        full, most = totals[task_key(job)]
+        total = full or most or known_total.get((job["values"].get("task") or {}).get("name")) or 1
+        return max(total - count, 1) * sum(samples) / len(samples)
+
+    ordered = sorted(jobs, key=order)  # the grouping first; a stable sort keeps it among equals
+    return sorted(ordered, key=work_left, reverse=True)
+
+
 def is_device_fault(error: BaseException) -> bool:
     """A CUDA error (an illegal address, a failed launch) is sticky: every later CUDA call of the process fails with
     it, and it may have been raised by a kernel of the job before, surfacing at this one's first synchronisation."""
@@ -124,13 +197,14 @@ def worker(jobs: "mp.Queue", results: "mp.Queue", threads: int | None, run=run_j
 
 def run_all(jobs: list[dict[str, Any]], workers: int, deadline_s: float | None,
             run=run_job) -> tuple[int, list[str]]:
-    """(jobs finished in this call, their errors); stops the workers at the deadline. A job that ends in a device
+    """(jobs finished in this call, their errors); hands ``jobs`` out in their order and stops the workers at the
+    deadline. A job that ends in a device
     fault is run once more in a fresh process (the fault may be the job before's); a second fault is its error."""
     if deadline_s is not None and deadline_s <= 0:
         return 0, []
     context = mp.get_context("spawn")  # CUDA does not survive a fork
     pending: mp.Queue = context.Queue()
-    for job in sorted(jobs, key=order):
+    for job in jobs:  # in the order given (main: longest_first)
         pending.put(job)
     results: mp.Queue = context.Queue()
     threads = max(1, (os.cpu_count() or 1) // workers) if workers > 1 else None
@@ -261,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs, errors = expand(sweeps, args.device)
     for error in errors:
         print(f"error: {error}", file=sys.stderr)
-    todo = [job for job in jobs if not is_done(job)]
+    todo = longest_first([job for job in jobs if not is_done(job)], evidence=jobs)
     print(f"{len(jobs)} distinct runs: {len(jobs) - len(todo)} done, {len(todo)} to run"
           + (f", {len(errors)} that cannot run" if errors else ""), flush=True)
     if args.dry_run:

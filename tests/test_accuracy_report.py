@@ -345,3 +345,32 @@ def test_the_tpot_figure_names_its_latency_files_on_lines_that_keep_it_narrow(tm
     lines = title.splitlines()
     assert len(lines) >= 2 and all(len(line) <= 130 for line in lines)
     assert title.count("latency_") >= 2  # every file is still named
+
+
+def test_the_queue_hands_out_the_runs_with_the_most_work_left_first(tmp_path):
+    run_jobs = load_script("run_jobs")
+
+    def job(method: str, budget: int, length: int, samples: int = 0, seconds: float = 1.0, done: bool = False):
+        run_dir = tmp_path / f"{method}-{budget}-{length}"
+        run_dir.mkdir()
+        record = {"gen": {"ttft_s": seconds / 2, "tpot_s": seconds / 20, "new_tokens": 10}}  # a sample: `seconds`
+        (run_dir / "predictions.jsonl").write_text("".join(json.dumps(record) + "\n" for _ in range(samples)))
+        if done:
+            (run_dir / "metrics.json").write_text("{}")
+        values = {"method": {"name": method}, "budget": budget, "task": {"name": "ruler", "lengths": [length]}}
+        return {"overrides": [], "run_dir": str(run_dir), "values": values}
+
+    finished = [job("fast", 128, 4096, samples=100, seconds=1.0, done=True),
+                job("slow", 128, 4096, samples=100, seconds=10.0, done=True)]
+    fresh_fast, fresh_slow = job("fast", 256, 4096), job("slow", 256, 4096)
+    nearly_done_slow = job("slow", 512, 4096, samples=95, seconds=10.0)  # 5 samples left: 50 s
+    other_length = job("slow", 256, 8000)  # no sample of the method at 8k: its 4k time, the task's run size
+    todo = [fresh_fast, nearly_done_slow, other_length, fresh_slow]
+    ordered = run_jobs.longest_first(todo, evidence=[*finished, *todo])
+    # 100 samples x 10 s (slow, both lengths), then 100 x 1 s (fast), then 5 x 10 s (the slow run nearly done)
+    assert [j["run_dir"] for j in ordered[:2]] == [fresh_slow["run_dir"], other_length["run_dir"]]
+    assert [j["run_dir"] for j in ordered[2:]] == [fresh_fast["run_dir"], nearly_done_slow["run_dir"]]
+
+    # With nothing on disk to go on, the grouping by task and length stands (a stable order).
+    blank = [job("a", 128, 8000), job("b", 128, 4096), job("c", 128, 8000)]
+    assert [j["values"]["method"]["name"] for j in run_jobs.longest_first(blank)] == ["b", "a", "c"]
