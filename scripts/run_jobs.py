@@ -79,11 +79,20 @@ def order(job: dict[str, Any]) -> tuple:
     return (str(task.get("name")), json.dumps(task.get("lengths"), default=str))
 
 
-def _sample_seconds(record: dict[str, Any]) -> float | None:
-    gen = record.get("gen") or {}
-    if gen.get("ttft_s") is None:
-        return None
-    return gen["ttft_s"] + (gen.get("tpot_s") or 0.0) * gen.get("new_tokens", 0)
+def _samples_on_disk(job: dict[str, Any]) -> tuple[int, list[float]]:
+    """(samples in the run's predictions, the seconds each took: its prefill plus its decode steps)."""
+    path = resolve(job["run_dir"]) / "predictions.jsonl"
+    count, seconds = 0, []
+    if path.exists():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                gen = json.loads(line).get("gen") or {}
+            except ValueError:
+                continue  # a torn last line: the runner drops it on resume
+            count += 1
+            if gen.get("ttft_s") is not None:
+                seconds.append(gen["ttft_s"] + (gen.get("tpot_s") or 0.0) * gen.get("new_tokens", 0))
+    return count, seconds
 
 
 def longest_first(jobs: list[dict[str, Any]], evidence: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
@@ -95,57 +104,40 @@ def longest_first(jobs: list[dict[str, Any]], evidence: list[dict[str, Any]] | N
     method's when the method has none), a run's sample count from a finished run of the same task settings (else
     the most any run of them holds, else the largest run of the task). Jobs with nothing to go on keep ``order``'s
     grouping, which every tie falls back to."""
-    evidence = jobs if evidence is None else [*evidence, *jobs]
-    read: dict[str, tuple[int, list[float], bool]] = {}  # run_dir -> (samples on disk, their seconds, finished)
-    for job in evidence:
-        if job["run_dir"] in read:
-            continue
-        path = resolve(job["run_dir"]) / "predictions.jsonl"
-        seconds: list[float] = []
-        count = 0
-        if path.exists():
-            for line in path.read_text(encoding="utf-8").splitlines():
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue  # a torn last line: the runner drops it on resume
-                count += 1
-                value = _sample_seconds(record)
-                if value is not None:
-                    seconds.append(value)
-        read[job["run_dir"]] = (count, seconds, is_done(job))
+    runs = {job["run_dir"]: job for job in [*(evidence or []), *jobs]}  # each run once
+    on_disk = {run_dir: _samples_on_disk(job) for run_dir, job in runs.items()}
 
-    def task_key(job):
-        return json.dumps(job["values"].get("task"), sort_keys=True, default=str)
-
-    def method_name(job):
+    def method(job) -> str | None:
         return (job["values"].get("method") or {}).get("name")
 
-    rates: dict[tuple, list[float]] = {}
-    totals: dict[str, tuple[int, int]] = {}  # task settings -> (samples of a finished run, most samples seen)
-    for run_dir, job in {job["run_dir"]: job for job in evidence}.items():
-        count, seconds, finished = read[run_dir]
-        lengths = json.dumps((job["values"].get("task") or {}).get("lengths"), default=str)
-        rates.setdefault((method_name(job), lengths), []).extend(seconds)
-        rates.setdefault((method_name(job),), []).extend(seconds)
-        full, most = totals.get(task_key(job), (0, 0))
-        totals[task_key(job)] = (max(full, count if finished else 0), max(most, count))
-    everything = [s for key, values in rates.items() if len(key) == 1 for s in values]
-    known_total: dict[str, int] = {}  # task name -> the largest run of it on disk, for settings with none yet
-    for job in evidence:
-        full, most = totals[task_key(job)]
-        name = (job["values"].get("task") or {}).get("name")
-        known_total[name] = max(known_total.get(name, 0), full or most)
+    def settings(job) -> str:
+        return json.dumps(job["values"].get("task"), sort_keys=True, default=str)
+
+    by_method_length: dict[tuple, list[float]] = {}
+    by_method: dict[Any, list[float]] = {}
+    every: list[float] = []
+    finished_size: dict[str, int] = {}  # task settings -> samples of a finished run
+    largest_size: dict[str, int] = {}  # task settings -> the most samples any run of them holds
+    for run_dir, job in runs.items():
+        count, seconds = on_disk[run_dir]
+        by_method_length.setdefault((method(job), order(job)[1]), []).extend(seconds)
+        by_method.setdefault(method(job), []).extend(seconds)
+        every.extend(seconds)
+        if is_done(job):
+            finished_size[settings(job)] = max(finished_size.get(settings(job), 0), count)
+        largest_size[settings(job)] = max(largest_size.get(settings(job), 0), count)
+    task_size: dict[str, int] = {}  # task name -> its largest run size, for task settings with no samples yet
+    for job in runs.values():
+        size = finished_size.get(settings(job)) or largest_size[settings(job)]
+        task_size[order(job)[0]] = max(task_size.get(order(job)[0], 0), size)
 
     def work_left(job) -> float:
-        count, _, _ = read[job["run_dir"]]
-        lengths = json.dumps((job["values"].get("task") or {}).get("lengths"), default=str)
-        samples = (rates.get((method_name(job), lengths)) or rates.get((method_name(job),)) or everything)
+        samples = by_method_length[method(job), order(job)[1]] or by_method[method(job)] or every
         if not samples:
             return 0.0
-        full, most = totals[task_key(job)]
-        total = full or most or known_total.get((job["values"].get("task") or {}).get("name")) or 1
-        return max(total - count, 1) * sum(samples) / len(samples)
+        total = (finished_size.get(settings(job)) or largest_size[settings(job)] or task_size[order(job)[0]]
+                 or 1)
+        return max(total - on_disk[job["run_dir"]][0], 1) * sum(samples) / len(samples)
 
     ordered = sorted(jobs, key=order)  # the grouping first; a stable sort keeps it among equals
     return sorted(ordered, key=work_left, reverse=True)
@@ -198,8 +190,8 @@ def worker(jobs: "mp.Queue", results: "mp.Queue", threads: int | None, run=run_j
 def run_all(jobs: list[dict[str, Any]], workers: int, deadline_s: float | None,
             run=run_job) -> tuple[int, list[str]]:
     """(jobs finished in this call, their errors); hands ``jobs`` out in their order and stops the workers at the
-    deadline. A job that ends in a device
-    fault is run once more in a fresh process (the fault may be the job before's); a second fault is its error."""
+    deadline. A job that ends in a device fault is run once more in a fresh process (the fault may be the job
+    before's); a second fault is its error."""
     if deadline_s is not None and deadline_s <= 0:
         return 0, []
     context = mp.get_context("spawn")  # CUDA does not survive a fork
