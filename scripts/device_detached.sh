@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # A GPU-host command that outlasts one call's time limit (IceCache's prefill and index builds at 512k tokens): it
-# starts in a process session of its own, which the host does not end when the call returns, and later calls wait
-# for it. The host must stay up between the calls (the next call comes within its idle limit), and what the
+# starts with setsid, apart from the call's process group, so the host does not end it when the call returns;
+# later calls wait for it. The host must stay up between the calls (the next call comes within its idle limit), and what the
 # command writes goes under $DETACHED_OUT, a folder that outlives the calls ($OUT is emptied before each call).
 # The command runs in a copy of the repository, <root>/NAME/tree ($DETACHED_TREE), so that the next call's fresh
 # copy of the working tree cannot change the files under a running process.
 #
 #   bash scripts/device_detached.sh start NAME COMMAND   run COMMAND (one string, through bash) in a copy of the
-#                                                        repository, in a new session; its output: <root>/NAME/log
+#                                                        repository, under setsid; its output: <root>/NAME/log
 #   bash scripts/device_detached.sh wait NAME [SECONDS]  wait up to SECONDS (default 540) for it to end and print
 #                                                        the end of its log; when it has ended, copy its
 #                                                        DETACHED_OUT to $OUT (or the current folder)
@@ -42,13 +42,13 @@ start)
     # Everything but a virtual environment and the git folder (a GPU host's copy has neither).
     tar -C "$repo" --exclude=./.venv --exclude=./.git -cf - . | tar -C "$dir/tree" -xf - ||
         { echo "error: could not copy $repo to $dir/tree" >&2; exit 2; }
-    # The session writes its own pid (setsid may fork) and, last, its status, renamed into place so that wait never
+    # The detached shell writes its own pid (setsid may fork) and, last, its status, renamed into place so that wait never
     # reads a half-written one.
     DETACHED_OUT=$dir/out DETACHED_TREE=$dir/tree setsid bash -c 'echo $$ >"$2/pid"; cd "$2/tree" || exit
         bash -c "$1" >"$2/log" 2>&1; echo $? >"$2/rc.partial"; mv "$2/rc.partial" "$2/rc"' _ "$3" "$dir" \
         </dev/null >/dev/null 2>&1 &
     for _ in $(seq 50); do [ -s "$dir/pid" ] && break; sleep 0.1; done
-    [ -s "$dir/pid" ] || { echo "error: $name did not start (no session came up)" >&2; exit 2; }
+    [ -s "$dir/pid" ] || { echo "error: $name did not start (its shell wrote no pid)" >&2; exit 2; }
     echo "started $name (pid $(cat "$dir/pid")): its log is $dir/log; wait with: bash $0 wait $name"
     ;;
 wait)
