@@ -8,9 +8,10 @@
 #
 #   bash scripts/device_detached.sh start NAME COMMAND   run COMMAND (one string, through bash) in a copy of the
 #                                                        repository, under setsid; its output: <root>/NAME/log
-#   bash scripts/device_detached.sh wait NAME [SECONDS]  wait up to SECONDS (default 540) for it to end and print
-#                                                        the end of its log; when it has ended, copy its
-#                                                        DETACHED_OUT to $OUT (or the current folder)
+#   bash scripts/device_detached.sh wait NAME [SECONDS]  wait up to SECONDS (default 540) for it to end, print
+#                                                        the end of its log and copy what its DETACHED_OUT holds
+#                                                        so far to $OUT (or the current folder): finished or not,
+#                                                        so that a host lost before the end loses no finished file
 #   Exit status of wait: 0 the command ended with status 0; 1 it ended with another (printed); 3 still running;
 #   2 nothing is running and no status was written (the host was restarted or the command was killed).
 #
@@ -59,15 +60,16 @@ wait)
     end=$((SECONDS + seconds))
     while [ ! -f "$dir/rc" ] && running && [ $SECONDS -lt "$end" ]; do sleep 1; done
     tail -n 20 "$dir/log" 2>/dev/null
+    target=${OUT:-.}
+    cp -r "$dir/out/." "$target/"
     if [ -f "$dir/rc" ]; then
         status=$(cat "$dir/rc")
-        target=${OUT:-.}
-        cp -r "$dir/out/." "$target/"
         echo "$name ended with status $status; its files are copied to $target"
         [ "$status" = 0 ] && exit 0 || exit 1
     fi
     if running; then
-        echo "$name is still running after ${seconds} s: call wait again within the host's idle limit"
+        echo "$name is still running after ${seconds} s (its files so far are copied to $target): call wait again" \
+            "within the host's idle limit"
         exit 3
     fi
     echo "error: $name is not running and wrote no status: it was killed, or the host was restarted" >&2

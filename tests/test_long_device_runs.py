@@ -37,7 +37,8 @@ def detached(tmp_path: Path, *args: str, out: Path | None = None) -> subprocess.
 def test_a_detached_command_survives_the_end_of_the_call_and_wait_hands_over_its_files(tmp_path):
     gate = tmp_path / "gate"
     # It reads a file of the repository from its copy, and changes to the repository after the start do not reach it.
-    command = (f'while [ ! -e {gate} ]; do sleep 0.1; done; cp inputs.txt "$DETACHED_OUT/result.txt"; '
+    command = ('echo "before the gate" > "$DETACHED_OUT/started.txt"; '
+               f'while [ ! -e {gate} ]; do sleep 0.1; done; cp inputs.txt "$DETACHED_OUT/result.txt"; '
                'ls -A "$DETACHED_TREE" > "$DETACHED_OUT/tree.txt"; echo finished')
     script = small_repository(tmp_path) / "scripts" / SCRIPT.name
     # The call that starts it runs in its own process group, which is then killed, as the GPU host does when a
@@ -53,8 +54,11 @@ def test_a_detached_command_survives_the_end_of_the_call_and_wait_hands_over_its
     os.killpg(call.pid, signal.SIGKILL)
     call.wait()
 
-    still = detached(tmp_path, "wait", "row", "0")
+    early = tmp_path / "early"
+    early.mkdir()
+    still = detached(tmp_path, "wait", "row", "0", out=early)
     assert still.returncode == 3 and "still running" in still.stdout  # the kill did not reach it
+    assert (early / "started.txt").read_text() == "before the gate\n"  # what it wrote so far came back already
     (tmp_path / "repo" / "inputs.txt").write_text("a later copy of the working tree\n")
     gate.touch()
     out = tmp_path / "out"
