@@ -190,7 +190,8 @@ def file_settings(f: Result) -> str:
             f"{s.get('model_name') or s.get('model')} ({s.get('source')} weights, {s.get('dtype_resolved')}), "
             f"budget {s.get('budget')}, {s.get('threads')} threads, {s.get('repeats')} rounds + {warmup}, "
             f"{s.get('decode_steps')} decode steps, {prefill}"
-            + (", stopped at its time limit after the methods shown" if f.data.get("complete") is False else "")
+            + (", unfinished (its process ended after the methods shown; --resume completes it)"
+               if f.data.get("complete") is False else "")
             + "".join(f"; continued by another process at commit {str(r['provenance'].get('git_commit'))[:7]}, "
                       f"{r['provenance'].get('date')} (--resume)" for r in f.data.get("resumed_by", [])))
 

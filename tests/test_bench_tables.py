@@ -280,3 +280,21 @@ def test_a_capacity_fit_keeps_to_the_prefill_settings_of_the_newest_measurement(
                   [summary_row("full", 2000, 0.02, peak_gpu_bytes=1 * 2**30)])
     rendered = bench_tables.render_capacity(tmp_path, {})
     assert table_rows(rendered) == [] and "`full` (no_such_model)" in rendered
+
+
+def test_an_unfinished_or_resumed_file_says_so_under_the_table(bench_tables, tmp_path):
+    write_latency(tmp_path, "latency_gpu_20990101-000000.json", "2026-01-01T00:00:00+00:00", "a", [
+        summary_row("full", 1024, 0.020), summary_row("full_static", 1024, 0.010)])
+    path = tmp_path / "latency_gpu_20990101-000000.json"
+    payload = json.loads(path.read_text())
+    note = bench_tables.render_latency(tmp_path, {})
+    assert "unfinished" not in note and "--resume" not in note
+    payload["complete"] = False
+    path.write_text(json.dumps(payload))
+    assert "unfinished (its process ended after the methods shown" in bench_tables.render_latency(tmp_path, {})
+    payload["complete"] = True
+    payload["resumed_by"] = [{"provenance": provenance("2026-01-02T00:00:00+00:00", "d")}]
+    path.write_text(json.dumps(payload))
+    note = bench_tables.render_latency(tmp_path, {})
+    assert "unfinished" not in note
+    assert "continued by another process at commit ddddddd, 2026-01-02T00:00:00+00:00 (--resume)" in note

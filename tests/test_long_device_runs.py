@@ -128,3 +128,13 @@ def test_bench_latency_resumed_refuses_what_is_its_own_to_set(tmp_path):
     refused = resumed(tmp_path, str(tmp_path), *BENCH, tries=0)
     assert refused.returncode == 2 and "TRIES must be" in refused.stderr
     assert not list(tmp_path.glob("latency_*.json"))  # refused before anything ran
+
+
+def test_attention_probe_refuses_a_host_without_cuda_in_one_line(tmp_path):
+    probe = subprocess.run([sys.executable, str(REPO / "scripts" / "attention_probe.py"), "--kv", "1024",
+                            "--chunk", "256", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert probe.returncode != 0
+    assert probe.stderr.strip().splitlines()[-1] == ("error: attention_probe.py times CUDA kernels: run it on a GPU "
+                                                      "host")
+    assert not list(tmp_path.iterdir())
