@@ -421,7 +421,8 @@ def test_a_disabled_timer_records_no_span():
 def test_selections_equal_the_recorded_digests():
     """Every page IceCache and IceCache(r) select over 64 decode steps, on the four architectures in float32 and
     bfloat16, equals what the harness selected before the index held the bf16 keys itself and the page-ordered
-    copies were dropped (tests/fixtures/selection_digests.json, ``scripts/selection_hash.py``)."""
+    copies were dropped (tests/fixtures/selection_digests.json, ``scripts/selection_hash.py``), on a host of the
+    same CPU capability (the tiny models' arithmetic follows it)."""
     import importlib.util
     import json
     from pathlib import Path
@@ -432,7 +433,12 @@ def test_selections_equal_the_recorded_digests():
     spec = importlib.util.spec_from_file_location("selection_hash", repo / "scripts" / "selection_hash.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    recorded = json.loads((repo / "tests" / "fixtures" / "selection_digests.json").read_text())["digests"]
+    fixture = json.loads((repo / "tests" / "fixtures" / "selection_digests.json").read_text())
+    capability = torch.backends.cpu.get_cpu_capability()
+    recorded = fixture["digests_by_cpu_capability"].get(capability)
+    assert recorded is not None, (
+        f"no digests recorded for CPU capability {capability}: make them with scripts/selection_hash.py on the code "
+        f"of commit c8d6c58 (a git worktree) on such a host, and add them to tests/fixtures/selection_digests.json")
     for key, digest in recorded.items():
         arch, dtype, name = key.split("/")
         model, info = tiny_model_on(arch, "cpu", getattr(torch, dtype))
