@@ -11,7 +11,9 @@
 # on the H200 (SmolLM2, diagnostic on): 14 jobs with MPS finish 107-128 RULER samples a minute, 12 without ~98.
 # RUNS_TAR never rolls back a run: a file already on the host's disk that is newer than its copy in the tarball (a
 # host that kept its disk between calls) is kept.
-# Usage: [JOBS=6] [DEADLINE=420] [MODEL=smollm2_135m] [RUNS_TAR=runs.tar.gz] [MPS=1] bash scripts/device_accuracy.sh \
+# The finished runs of results/bench/accuracy_*.json (the curated files) are put back first and not run again, so a
+# fresh host without RUNS_TAR goes on where the curated files end; RESTORE=0 runs them again.
+# Usage: [JOBS=6] [DEADLINE=420] [MODEL=smollm2_135m] [RUNS_TAR=runs.tar.gz] [MPS=1] [RESTORE=0] bash scripts/device_accuracy.sh \
 #        [experiment ...]          (default: accuracy_passkey accuracy_ruler; an entry may carry overrides:
 #                                   "accuracy_ruler budget=256 task.lengths=[4096]")
 set -uo pipefail
@@ -46,10 +48,15 @@ if [ -n "${RUNS_TAR:-}" ]; then
     tar -xzf "$RUNS_TAR" --keep-newer-files --warning=no-ignore-newer || { echo "cannot unpack $RUNS_TAR"; exit 2; }
 fi
 python3 setup.py build_ext --inplace -q 2>&1 | grep -i error
+# The finished runs of the repository's curated accuracy files are put back, not run again (RESTORE=0: run them).
+restore=()
+if [ "${RESTORE:-1}" != 0 ]; then
+    for curated in results/bench/accuracy_*.json; do [ -e "$curated" ] && restore+=(--restore "$curated"); done
+fi
 # One process runs and then curates, listing the grid's jobs once; should it end before its curated file is
 # written (a job that cannot run, a crash), a second process curates what is on disk.
 started=$(mktemp)
-python3 scripts/run_jobs.py "${sweeps[@]}" --workers "${JOBS:-6}" --deadline "${DEADLINE:-420}" \
+python3 scripts/run_jobs.py "${sweeps[@]}" "${restore[@]}" --workers "${JOBS:-6}" --deadline "${DEADLINE:-420}" \
     --curate accuracy --out "$out" --bench results/bench
 status=$?
 if [ -z "$(find "$out" -maxdepth 1 -name 'accuracy_*.json' -newer "$started")" ]; then

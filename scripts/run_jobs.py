@@ -16,6 +16,9 @@ the built samples between the jobs of a process). Every sample is on disk when i
 loses at most the samples in flight: at ``--deadline`` seconds the workers are stopped and the next call resumes
 (exit status 3: time ran out with jobs left; 0: every job done; 2: a job cannot run).
 
+``--restore CURATED`` first puts back the finished runs of an earlier curated file (their metrics.json), so that
+a host without the runs' directories skips them, and curating carries them into the next file.
+
 ``--curate NAME`` then writes ``<out>/<NAME>_<model>_<date>.json``: every finished run of the sweeps (its
 metrics.json and directory), the runs not finished, the sweeps and this machine's provenance, with the accuracy
 table's figures beside it (``accuracy_vs_budget_<model>.png``, ``accuracy_vs_tpot_<model>.png`` with TPOT from the
@@ -66,6 +69,32 @@ def expand(sweeps: list[list[str]], device: str | None) -> tuple[list[dict[str, 
 
 def is_done(job: dict[str, Any]) -> bool:
     return (resolve(job["run_dir"]) / "metrics.json").exists()
+
+
+def restore(jobs: list[dict[str, Any]], curated: Path) -> int:
+    """Put back the finished runs a curated file holds (``--curate``'s output) that are jobs of these sweeps and
+    not finished on this disk: each gets its metrics.json, which marks it done and is all that curating and the
+    tables read, so a host that has lost the runs' directories (a fresh one) does not run them again. Returns how
+    many it put back."""
+    try:
+        payload = json.loads(curated.read_text(encoding="utf-8"))
+        runs = payload["runs"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise SystemExit(f"error: --restore {curated}: not a curated result file ({error})") from None
+    wanted = {job["run_dir"]: job for job in jobs if not is_done(job)}
+    restored = 0
+    for run in runs:
+        job = wanted.pop(run.get("run_dir"), None)
+        if job is None:
+            continue
+        target = resolve(job["run_dir"])
+        target.mkdir(parents=True, exist_ok=True)
+        metrics = {k: v for k, v in run.items() if k != "run_dir"}
+        tmp = target / "metrics.json.tmp"
+        tmp.write_text(json.dumps(metrics, indent=1, sort_keys=True, default=str), encoding="utf-8")
+        tmp.replace(target / "metrics.json")
+        restored += 1
+    return restored
 
 
 def resolve(run_dir: str) -> Path:
@@ -320,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bench", type=Path, default=REPO / "results" / "bench",
                         help="latency_*.json folder for the TPOT figure")
     parser.add_argument("--no-plots", action="store_true", help="with --curate: the file alone")
+    parser.add_argument("--restore", type=Path, metavar="CURATED", action="append", default=[],
+                        help="first put back the finished runs of this curated file that the sweeps name and this "
+                             "disk lacks (their metrics.json), so that they are not run again (repeatable)")
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")
@@ -327,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     jobs, errors = expand(sweeps, args.device)
     for error in errors:
         print(f"error: {error}", file=sys.stderr)
+    for curated in args.restore:
+        print(f"{restore(jobs, curated)} finished run(s) put back from {curated}", flush=True)
     todo = longest_first([job for job in jobs if not is_done(job)], evidence=jobs)
     print(f"{len(jobs)} distinct runs: {len(jobs) - len(todo)} done, {len(todo)} to run"
           + (f", {len(errors)} that cannot run" if errors else ""), flush=True)

@@ -225,6 +225,34 @@ def test_run_jobs_runs_in_parallel_resumes_curates_and_the_table_renders(tmp_pat
     assert len(summary.tables["accuracy"]) == 2
 
 
+def test_a_fresh_host_puts_back_the_finished_runs_of_a_curated_file_instead_of_running_them(tmp_path):
+    import shutil
+
+    run_jobs = load_script("run_jobs")
+    sweep = (f"experiment=accuracy_passkey model=tiny_llama output_root={tmp_path / 'runs'} method=full,quest "
+             "budget=128 task.lengths=[400] task.num_depths=2")
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert run_jobs.main(["--sweep", sweep, "--curate", "accuracy", "--out", str(first), "--no-plots"]) == 0
+    curated = next(first.glob("accuracy_*.json"))
+    shutil.rmtree(tmp_path / "runs")  # the next host has none of the runs' directories
+    assert run_jobs.main(["--sweep", sweep, "--restore", str(curated), "--no-run", "--curate", "accuracy",
+                          "--out", str(second), "--no-plots"]) == 0
+    assert not list((tmp_path / "runs").rglob("predictions.jsonl"))  # nothing ran
+    assert run_jobs.main(["--sweep", sweep, "--no-plots"]) == 0  # every job counts as done
+    assert not list((tmp_path / "runs").rglob("predictions.jsonl"))
+    before, after = (json.loads(next(folder.glob("accuracy_*.json")).read_text()) for folder in (first, second))
+    assert after["missing"] == [] and len(after["runs"]) == 2
+    assert sorted(after["runs"], key=lambda r: r["run_dir"]) == sorted(before["runs"], key=lambda r: r["run_dir"])
+    # Only runs of these sweeps come back, and a file that is not a curated one is refused in one line.
+    other = (f"experiment=accuracy_passkey model=tiny_llama output_root={tmp_path / 'other'} method=full "
+             "budget=128 task.lengths=[400] task.num_depths=2")
+    assert run_jobs.main(["--sweep", other, "--restore", str(curated), "--dry-run"]) == 0
+    assert not (tmp_path / "other").exists()
+    (tmp_path / "bad.json").write_text("[]")
+    with pytest.raises(SystemExit, match="not a curated result file"):
+        run_jobs.main(["--sweep", sweep, "--restore", str(tmp_path / "bad.json"), "--dry-run"])
+
+
 def test_killing_run_jobs_stops_its_workers_and_the_next_call_resumes(tmp_path):
     import signal
     import subprocess
