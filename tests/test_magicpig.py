@@ -75,10 +75,10 @@ def test_sampling_probability_matches_the_frequency_over_random_hash_functions()
     assert abs(hits / trials - expected) < 4 * math.sqrt(expected * (1 - expected) / trials)
 
 
-def layer_after_prompt(gen, n_prompt=200, budget=64, device="cpu", announced=None, **settings):
+def layer_after_prompt(gen, n_prompt=200, budget=64, device="cpu", announced=None, trace_width=None, **settings):
     values = {"name": "magicpig", "budget": budget, "n_local_tokens": 16, "n_dense_layers": 0, **settings}
     info = dataclasses.replace(INFO, device=torch.device(device))
-    seq = SequenceContext(trace_selection=True, max_total_tokens=announced)
+    seq = SequenceContext(trace_selection=True, max_total_tokens=announced, trace_width=trace_width)
     layer = build_method(values, info).make_layer(0, seq)
     keys = torch.randn(1, 2, n_prompt, 16, generator=gen)
     values_ = torch.randn(1, 2, n_prompt, 16, generator=gen)
@@ -166,6 +166,26 @@ def test_a_store_grown_past_its_first_capacity_gives_what_a_store_sized_once_giv
     for (out_grown, attended_grown), (out_sized, attended_sized) in zip(*runs):
         assert torch.equal(attended_grown, attended_sized)
         torch.testing.assert_close(out_grown, out_sized, atol=1e-6, rtol=1e-6)
+
+
+def test_the_trace_the_host_step_writes_is_the_one_made_from_the_device_ring_and_the_sample():
+    """With a fixed trace width (a generation's) the host step writes the trace and log-weights into the buffers
+    it sends the device, so that a captured step carries each replay's own; they equal the trace made after the
+    step from the device's ring and the host's sample (a width the sequence does not fix)."""
+    runs = []
+    for width in (None, 300):
+        gen = torch.Generator().manual_seed(11)
+        layer, _, _ = layer_after_prompt(gen, n_prompt=250, announced=300, trace_width=width)
+        assert ("attended" in layer.exchange.device_out) == (width is not None)
+        runs.append([(step(layer, gen)[-1], layer.last_attended.clone(), layer.last_log_weights.clone(),
+                      layer.seq_len) for _ in range(20)])
+    for (out_made, attended_made, weights_made, n), (out_host, attended_host, weights_host, _) in zip(*runs):
+        assert attended_made.shape[1] == n and attended_host.shape[1] == 300
+        assert not attended_host[:, n:].any() and not weights_host[:, n:].any()
+        assert torch.equal(attended_host[:, :n], attended_made)
+        assert torch.equal(weights_host[:, :n], weights_made)
+        assert torch.equal(out_host, out_made)
+    assert any(not attended.all() for _, attended, _, _ in runs[0])  # the sample left tokens out
 
 
 def test_settings_that_cannot_work_are_refused_and_a_small_budget_shrinks_the_window():

@@ -58,6 +58,9 @@ def measured_run(name: str, arch: str, budget: int, n_prompt: int = PROMPT, reco
 
 def direct(query, keys, attended, scaling):
     """Mass, top-count mass and count of each query head, written out head by head."""
+    n_tokens = keys.shape[1]
+    assert not attended[:, n_tokens:].any()  # a trace wider than the tokens seen is False past them
+    attended = attended[:, :n_tokens]
     group = query.shape[0] // keys.shape[0]
     rows = []
     for head in range(query.shape[0]):
@@ -83,6 +86,9 @@ def test_recorded_share_equals_a_direct_computation_from_the_traced_selection(na
         assert selection["attended"][position] == pytest.approx(count, abs=1e-3)
     budget_free = not method_class(name).uses_budget
     assert (min(selection["mass"]) == pytest.approx(1.0)) == budget_free  # 64 of ~300 tokens hold less
+    if method_class(name).traces_in_graph:  # one trace shape for the whole sequence, as a captured step needs
+        assert {step[2].shape for layer in steps.values() for step in layer} == {
+            (tiny_model(arch)[2].n_heads, PROMPT + NEW)}
 
 
 @pytest.mark.parametrize("name", SPARSE_METHODS)
@@ -146,15 +152,24 @@ def test_a_decode_step_that_traces_nothing_is_refused():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ALL_METHODS)
-def test_measured_eager_steps_give_the_tokens_of_the_captured_ones(name):
-    """On CUDA measuring keeps the step eager; the tokens are those of the default (captured) step."""
+def test_a_measured_run_captured_in_a_cuda_graph_measures_what_the_eager_one_does(name):
+    """On CUDA a measured run of a method that traces on the device replays its steps from a CUDA graph (the
+    meter's work inside it); the others stay eager. Either way: the tokens of the unmeasured (default) run, and,
+    captured, the measurement of the same run stepped eagerly."""
     model, info = tiny_model_on("llama", "cuda", torch.bfloat16)
     request = GenerationRequest(prompt_ids(PROMPT, seed=5), 24)
-    tokens = []
-    for measure in (False, True):
+    results = {}
+    for label, measure, graph in [("plain", False, True), ("captured", True, True), ("eager", True, False)]:
         cache = HarnessCache(build_method(method_config(name, 64), info), measure_selection=measure)
-        tokens.append(greedy_generate(model, cache, request).token_ids)
-    assert tokens[0] == tokens[1]
+        results[label] = greedy_generate(model, cache, request, cuda_graph=graph)
+    assert results["captured"].token_ids == results["plain"].token_ids == results["eager"].token_ids
+    captured, eager = results["captured"], results["eager"]
+    method = build_method(method_config(name, 64), info)
+    replayed = captured.counters.get("graph_replays", 0)
+    assert (replayed > 0) == (method.captures_decode_step and method.traces_in_graph), captured.counters
+    assert captured.selection["steps"] == eager.selection["steps"] == 23
+    for key in ("mass", "oracle_mass", "attended"):
+        assert captured.selection[key] == pytest.approx(eager.selection[key], abs=1e-5), key
 
 
 def test_a_measured_run_records_each_sample_and_summarises_them(tmp_path):

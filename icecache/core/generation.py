@@ -195,11 +195,13 @@ def _generate(model, cache: HarnessCache, request: GenerationRequest, device: to
     n_prompt = prompt.shape[0]
     chunk = prefill_chunk_size or n_prompt
     cache.seq.max_total_tokens = n_prompt + len(request.suffix_ids) + request.max_new_tokens
-    # Traced runs (measure_selection among them) stay eager: tracing builds per-step tensors in Python, which a
-    # replay would skip.
-    graphed = (GraphedDecodeStep(model, cache)
-               if is_cuda and cuda_graph and cache.method.captures_decode_step and not cache.seq.trace_selection
-               else None)
+    if cache.seq.trace_selection:  # one trace shape for the whole sequence (LayerKV.trace_width)
+        cache.seq.trace_width = cache.seq.max_total_tokens
+    # A traced run (measure_selection among them) is captured only where the method declares traces_in_graph: a
+    # trace that Python builds from the host's state at the step would be frozen at the captured one.
+    capturable = cache.method.captures_decode_step and (
+        not cache.seq.trace_selection or cache.method.traces_in_graph)
+    graphed = GraphedDecodeStep(model, cache) if is_cuda and cuda_graph and capturable else None
     if layer_by_layer:
         logits = _prefill_layer_by_layer(model, prompt, cache, chunk, residual_on_host)
     else:

@@ -65,6 +65,10 @@ class SequenceContext:
     selection_meter: Any = None
     more_prefill_chunks: bool = False  # set by the generation loop for every prefill chunk but the last
     trace_selection: bool = False  # layers record the token positions they attend to (tests, analysis)
+    # With trace_selection, set by the generation loop to the announced length: the columns of every decode step's
+    # ``last_attended`` (``LayerKV.trace_width``), one shape for the whole sequence, so that a traced step can be
+    # captured in a CUDA graph. None: each step's trace has as many columns as tokens seen.
+    trace_width: int | None = None
     # Set by the generation loop: the device tensor [S] of the current forward's positions (a CUDA-graphed step
     # reads it on every replay, so layers that support graphs take positions from it, never from Python ints),
     # and the most tokens the sequence will reach (prompt + suffix + new tokens), for static buffers.
@@ -107,7 +111,8 @@ class LayerKV(ABC):
         self.model = model
         self.seq = seq
         self.seq_len = 0
-        # With seq.trace_selection: bool [Hq, seq_len] of the positions each query head attended at the last decode.
+        # With seq.trace_selection: bool [Hq, trace_width()] of the positions each query head attended at the last
+        # decode step (False past the tokens seen).
         self.last_attended: torch.Tensor | None = None
 
     def forward(
@@ -134,6 +139,15 @@ class LayerKV(ABC):
         if self.seq.position is None:
             return torch.full((1,), self.seq_len, dtype=torch.long, device=device)
         return self.seq.position[:1]
+
+    def trace_width(self) -> int:
+        """Columns of a decode step's ``last_attended``, called during the step (before ``seq_len`` counts the new
+        token): ``seq.trace_width`` when the sequence fixes one, else the tokens seen with the new one. A method
+        whose layers build their trace at this width in a way a CUDA graph repeats declares
+        ``Method.traces_in_graph``."""
+        n_tokens = self.seq_len + 1
+        fixed = self.seq.trace_width
+        return fixed if fixed is not None and fixed >= n_tokens else n_tokens
 
     @abstractmethod
     def prefill(self, query, key, value, attention_mask, scaling) -> torch.Tensor:
@@ -217,10 +231,26 @@ class DenseKV(LayerKV):
     def decode(self, query, key, value, scaling):
         self.append(key, value)
         if self.seq.trace_selection:
-            self.last_attended = torch.ones(query.shape[1], self.length, dtype=torch.bool, device=query.device)
+            self.last_attended = attended_prefix(query.shape[1], self.length - 1, self.trace_width(), query.device)
         return dense_attention(query, self.keys, self.values, scaling)
 
     def gpu_kv_bytes(self) -> int:
         if self._keys is None or self._keys.device.type != "cuda":
             return 0
         return 2 * self._keys[:, :, : self.length].numel() * self._keys.element_size()
+
+
+def attended_from_positions(positions: torch.Tensor, valid: torch.Tensor, width: int, group: int) -> torch.Tensor:
+    """A trace from a selection: bool ``[H * group, width]``, True at ``positions[h, ...]`` where ``valid`` (same
+    shape, ``[H, ...]``) for each of the ``group`` query heads that read KV head ``h``. Static shapes: invalid
+    entries go to a spare column that is cut off, so this runs on the device inside a captured step."""
+    attended = torch.zeros(positions.shape[0], width + 1, dtype=torch.bool, device=positions.device)
+    attended.scatter_(1, torch.where(valid, positions, width).flatten(1), True)
+    attended = attended[:, :width]
+    return attended.repeat_interleave(group, dim=0) if group > 1 else attended
+
+
+def attended_prefix(n_heads: int, last: int | torch.Tensor, width: int, device: torch.device) -> torch.Tensor:
+    """The trace of a step that attends every token: bool ``[n_heads, width]``, True at positions ``0 .. last``
+    (an int, or a one-element device tensor that a captured step reads)."""
+    return (torch.arange(width, device=device) <= last).expand(n_heads, width)

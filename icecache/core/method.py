@@ -52,6 +52,11 @@ class Method(ABC):
     config_class: ClassVar[type[MethodConfig]] = MethodConfig
     uses_budget: ClassVar[bool] = True
     supports_cuda_graph: ClassVar[bool] = True
+    #: Whether its layers build ``last_attended`` in a way a CUDA graph repeats at every replay: device operations
+    #: of fixed shape at ``LayerKV.trace_width`` columns, or host state written by the step's own host function
+    #: into a fixed buffer that the step copies to the device. Then a traced or measured decode step is captured
+    #: too; else such steps run eagerly.
+    traces_in_graph: ClassVar[bool] = False
     #: The name tables and figures print (the paper's); None: the registry name.
     display_name: ClassVar[str | None] = None
     #: Settings for the shared invariant tests on tiny models at a 64-token budget (pages of 8 tokens, say, so that

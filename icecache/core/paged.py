@@ -424,7 +424,7 @@ class StepTransit:
 
     def __init__(
         self, n_heads: int, n_kv_heads: int, n_slots: int, max_blocks: int, page_size: int, head_dim: int,
-        block_dtype: torch.dtype, device: torch.device,
+        block_dtype: torch.dtype, device: torch.device, trace_width: int = 0,
     ):
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"
@@ -440,6 +440,8 @@ class StepTransit:
         page_bytes = _page_bytes(page_size, head_dim, block_dtype)
         sections = (("window_rows", n_kv_heads * 8), ("counts", n_kv_heads * n_slots * 4), ("slots", max_blocks * 4),
                     ("heads", max_blocks * 4), ("keys", max_blocks * page_bytes), ("values", max_blocks * page_bytes))
+        if trace_width:  # with a fixed trace width: the step's trace, one byte per (KV head, position)
+            sections += (("attended", n_kv_heads * trace_width),)
         offsets, cursor = {}, 0
         for name, size in sections:
             cursor = -(-cursor // _HEADER_ALIGN_BYTES) * _HEADER_ALIGN_BYTES  # each section aligned for vector loads
@@ -457,6 +459,7 @@ class StepTransit:
                 "heads": part["heads"].view(torch.int32),
                 "keys": part["keys"].view(block_dtype).view(max_blocks, page_size, head_dim),
                 "values": part["values"].view(block_dtype).view(max_blocks, page_size, head_dim),
+                **({"attended": part["attended"].view(n_kv_heads, trace_width)} if trace_width else {}),
             }
 
         self.host = {name: view.numpy() if name not in ("keys", "values") else view.view(torch.uint8).view(

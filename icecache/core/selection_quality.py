@@ -14,8 +14,13 @@ them), and, of that distribution,
 
 Each is averaged over query heads and decode steps per layer (``summary``). The measurement only reads: it never
 changes what a layer stores or returns, so a measured run generates the tokens an unmeasured one does. It makes
-the layers trace their selection, which keeps the decode step eager (no CUDA graph: the trace is built in Python);
-its dense pass costs one ``[Hq, T]`` score row, a sort and a few reductions per layer and step.
+the layers trace their selection. Everything it does at a decode step is device work of fixed shapes: the keys go
+in at the step's device-side position, the exact attention is taken over the whole key buffer with the positions
+not yet seen masked out, and the sums (steps included) stay on the device. So a measured step can be captured in
+a CUDA graph like an unmeasured one, when the method's layers build their trace in a way the graph repeats too
+(``Method.traces_in_graph``: the trace has ``SequenceContext.trace_width`` columns at every step); otherwise the
+generation loop keeps the measured steps eager. Its dense pass costs one ``[Hq, width]`` score row, a sort and a
+few reductions per layer and step.
 """
 
 from __future__ import annotations
@@ -38,12 +43,11 @@ class SelectionMeter:
         self.first_layer = first_layer
         self.n_layers = n_layers
         self._keys: dict[int, torch.Tensor] = {}  # layer -> [Hkv, capacity, D], the model's dtype
-        self._length: dict[int, int] = {}
-        # Per layer: sums over (step, head) of mass, oracle mass and attended count, kept on the device so that a
-        # step reads nothing back to the host; float64 so that a sum over thousands of steps stays exact enough for
-        # the oracle >= method comparison.
+        self._length: dict[int, int] = {}  # tokens the prefill wrote (decode steps write at the device position)
+        # Per layer: sums over (step, head) of mass, oracle mass and attended count, and the number of steps, kept
+        # on the device so that a step reads nothing back to the host (and a replayed graph adds to them); float64
+        # so that a sum over thousands of steps stays exact enough for the oracle >= method comparison.
         self._sums: dict[int, torch.Tensor] = {}
-        self._steps: dict[int, int] = {}
         self._heads = 0
 
     def forward(self, layer: LayerKV, query, key, value, attention_mask, scaling) -> torch.Tensor:
@@ -52,46 +56,64 @@ class SelectionMeter:
         if index < self.first_layer:
             return layer.forward(query, key, value, attention_mask, scaling)
         decoding = query.shape[-2] == 1 and layer.seq_len > 0  # LayerKV.forward's own test
-        if decoding:
-            layer.last_attended = None  # a method that does not trace this step must not pass off the last one
+        if not decoding:
+            out = layer.forward(query, key, value, attention_mask, scaling)
+            self._append_prompt(index, key[0])
+            return out
+        position = layer.decode_position(query.device)  # before the layer counts its new token
+        layer.last_attended = None  # a method that does not trace this step must not pass off the last one
         out = layer.forward(query, key, value, attention_mask, scaling)
-        self._append(index, key[0])
-        if decoding:
-            self._measure(layer, query[0, :, 0], scaling)
+        stored = self._room(index, key[0], layer.seq_len)
+        stored.index_copy_(1, position.to(stored.device), key[0])
+        self._measure(layer, query[0, :, 0], position, scaling)
         return out
 
-    def _append(self, index: int, key: torch.Tensor) -> None:
-        """``key [Hkv, S, D]`` after the layer's earlier ones."""
+    def _room(self, index: int, like: torch.Tensor, needed: int) -> torch.Tensor:
+        """Layer ``index``'s key buffer, grown (outside a captured step: the announced length covers every step of
+        a generation) to hold ``needed`` tokens."""
         stored = self._keys.get(index)
-        length = self._length.get(index, 0)
-        needed = length + key.shape[1]
         if stored is None or needed > stored.shape[1]:
             capacity = storage_capacity(self.seq, needed, 0 if stored is None else stored.shape[1])
-            grown = key.new_empty(key.shape[0], capacity, key.shape[2])
+            grown = like.new_zeros(like.shape[0], capacity, like.shape[2])
             if stored is not None:
-                grown[:, :length] = stored[:, :length]
+                grown[:, : stored.shape[1]] = stored
             stored = self._keys[index] = grown
-        stored[:, length:needed] = key
+        return stored
+
+    def _append_prompt(self, index: int, key: torch.Tensor) -> None:
+        """``key [Hkv, S, D]``, a prompt chunk, after the layer's earlier ones."""
+        length = self._length.get(index, 0)
+        needed = length + key.shape[1]
+        self._room(index, key, needed)[:, length:needed] = key
         self._length[index] = needed
 
-    def _measure(self, layer: LayerKV, query: torch.Tensor, scaling: float) -> None:
+    def _measure(self, layer: LayerKV, query: torch.Tensor, position: torch.Tensor, scaling: float) -> None:
         index = layer.layer_idx
-        n_tokens = self._length[index]
+        n_tokens = layer.seq_len  # the new token counted
         attended = layer.last_attended
-        if attended is None or tuple(attended.shape) != (query.shape[0], n_tokens):
+        if attended is None or attended.dim() != 2 or attended.shape[0] != query.shape[0] \
+                or attended.shape[1] < n_tokens:
             got = None if attended is None else tuple(attended.shape)
             raise RuntimeError(
-                f"measure_selection: layer {index} ({type(layer).__name__}) traced {got} at a decode step, not the "
-                f"bool [{query.shape[0]}, {n_tokens}] of the positions each query head attended (last_attended "
+                f"measure_selection: layer {index} ({type(layer).__name__}) traced {got} at a decode step, not a "
+                f"bool [{query.shape[0]}, >= {n_tokens}] of the positions each query head attended (last_attended "
                 f"under seq.trace_selection, docs/design.md)"
             )
-        probs = attention_probabilities(query, self._keys[index][:, :n_tokens], scaling)
-        mass, oracle, count = captured_mass(probs, attended.to(probs.device))
+        keys = self._keys[index]
+        width = keys.shape[1]
+        attended = attended.to(keys.device)
+        if attended.shape[1] > width:  # columns past the key buffer are past the tokens seen: all False
+            attended = attended[:, :width]
+        elif attended.shape[1] < width:
+            attended = torch.nn.functional.pad(attended, (0, width - attended.shape[1]))
+        seen = torch.arange(width, device=keys.device) <= position.to(keys.device)
+        probs = attention_probabilities(query, keys, scaling, seen)
+        mass, oracle, count = captured_mass(probs, attended & seen)
         sums = self._sums.get(index)
         if sums is None:
-            sums = self._sums[index] = torch.zeros(3, dtype=torch.float64, device=probs.device)
-        sums += torch.stack([mass.sum(), oracle.sum(), count.sum()])
-        self._steps[index] = self._steps.get(index, 0) + 1
+            sums = self._sums[index] = torch.zeros(4, dtype=torch.float64, device=probs.device)
+        sums += torch.stack([mass.sum(), oracle.sum(), count.sum(), torch.ones((), dtype=torch.float64,
+                                                                               device=probs.device)])
         self._heads = query.shape[0]
 
     def summary(self) -> dict[str, Any] | None:
@@ -100,12 +122,12 @@ class SelectionMeter:
         if not layers:
             return None
         sums = torch.stack([self._sums[i] for i in layers]).cpu()
-        pairs = torch.tensor([self._steps[i] * self._heads for i in layers], dtype=torch.float64)
-        means = sums / pairs[:, None]
+        steps = sums[:, 3]
+        means = sums[:, :3] / (steps * self._heads)[:, None]
         mass, oracle, attended = (means[:, j].tolist() for j in range(3))
         return {
             "layers": layers,
-            "steps": self._steps[layers[0]],
+            "steps": int(steps[0]),
             "mass": [round(v, 6) for v in mass],
             "oracle_mass": [round(v, 6) for v in oracle],
             "attended": [round(v, 3) for v in attended],
@@ -115,14 +137,17 @@ class SelectionMeter:
         }
 
 
-def attention_probabilities(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+def attention_probabilities(query: torch.Tensor, keys: torch.Tensor, scaling: float,
+                            seen: torch.Tensor | None = None) -> torch.Tensor:
     """Exact softmax attention ``[Hq, T]`` (float64) of ``query [Hq, D]`` over ``keys [Hkv, T, D]``; query head
-    ``h`` reads KV head ``h // (Hq / Hkv)``."""
+    ``h`` reads KV head ``h // (Hq / Hkv)``. With ``seen`` (bool ``[T]``) the positions outside it get 0."""
     n_heads, head_dim = query.shape
     n_kv_heads = keys.shape[0]
     grouped = query.float().view(n_kv_heads, n_heads // n_kv_heads, head_dim)
-    scores = torch.matmul(grouped, keys.float().transpose(1, 2)).reshape(n_heads, -1) * scaling
-    return torch.softmax(scores.double(), dim=-1)
+    scores = (torch.matmul(grouped, keys.float().transpose(1, 2)).reshape(n_heads, -1) * scaling).double()
+    if seen is not None:
+        scores = scores.masked_fill(~seen, float("-inf"))
+    return torch.softmax(scores, dim=-1)
 
 
 def captured_mass(probs: torch.Tensor, attended: torch.Tensor):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .attention import dense_attention, paged_decode_attention
-from .layer import LayerKV, ModelInfo, SequenceContext, storage_capacity
+from .layer import LayerKV, ModelInfo, SequenceContext, attended_prefix, storage_capacity
 
 
 class StaticDenseKV(LayerKV):
@@ -79,7 +79,7 @@ class StaticDenseKV(LayerKV):
         counts = (position + 1 - self._page_starts).clamp_(0, self.page_size).to(torch.int32)
         counts = counts.expand_as(self._page_table)
         if self.seq.trace_selection:
-            self.last_attended = torch.ones(query.shape[1], self.seq_len + 1, dtype=torch.bool, device=query.device)
+            self.last_attended = attended_prefix(query.shape[1], position, self.trace_width(), query.device)
         out = paged_decode_attention(
             query[0, :, 0, :], self._pages(self._keys), self._pages(self._values), self._page_table, counts, scaling
         )

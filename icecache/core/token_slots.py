@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .attention import paged_decode_attention
-from .layer import DenseKV, ModelInfo, SequenceContext
+from .layer import DenseKV, ModelInfo, SequenceContext, attended_from_positions
 
 #: Tokens per page of the paged kernel's view of a ring's slots.
 SLOT_PAGE_SIZE = 16
@@ -100,7 +100,7 @@ class TokenSlotsKV(DenseKV):
         slot = self.next_slot(position)  # [Hkv]
         self.write(slot, key[0], value[0], position)
         if self.seq.trace_selection:  # what the step attends: the slots after its write, before any eviction
-            self.last_attended = self.attended_positions(self.seq_len + 1)
+            self.last_attended = self.attended_positions(self.trace_width())
         out = self.attend(query[0, :, 0], position, scaling)
         return out.view(1, 1, *out.shape).to(query.dtype)
 
@@ -131,12 +131,10 @@ class TokenSlotsKV(DenseKV):
         """``[Hkv, n]`` ascending: the positions of the tokens held."""
         return self.slot_positions.gather(1, self.kept_order())
 
-    def attended_positions(self, n_tokens: int) -> torch.Tensor:
-        """bool ``[Hq, n_tokens]``: the positions held by valid slots, per query head."""
-        n_kv_heads = self.slot_positions.shape[0]
-        attended = torch.zeros(n_kv_heads, n_tokens + 1, dtype=torch.bool, device=self.slot_positions.device)
-        attended.scatter_(1, torch.where(self.slot_positions >= 0, self.slot_positions, n_tokens), True)
-        return attended[:, :n_tokens].repeat_interleave(self.model.n_heads // n_kv_heads, dim=0)
+    def attended_positions(self, width: int) -> torch.Tensor:
+        """bool ``[Hq, width]``: the positions held by valid slots, per query head."""
+        positions = self.slot_positions
+        return attended_from_positions(positions, positions >= 0, width, self.model.n_heads // positions.shape[0])
 
     def gpu_kv_bytes(self) -> int:
         if self.slot_keys is None or self.slot_keys.device.type != "cuda":

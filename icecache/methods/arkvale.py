@@ -26,6 +26,7 @@ import torch
 
 from icecache.core.attention import paged_decode_attention
 from icecache.core.errors import ConfigError
+from icecache.core.layer import attended_from_positions
 from icecache.core.method import METHODS, DenseKV, Method, MethodConfig, storage_capacity
 from icecache.core.paged import copy_blocks, mapped_device_view
 from icecache.core.scores import page_bounds
@@ -288,18 +289,13 @@ class ArkValeKV(DenseKV):
         self.seq.counters.record_on_device(pages_loaded=n_loaded, bytes_to_gpu=n_loaded * block_bytes)
 
     def _attended_positions(self, counts: torch.Tensor) -> torch.Tensor:
-        """bool ``[Hq, seq_len + 1]`` of the positions in resident pages (valid slots only)."""
-        n_tokens = self.seq_len + 1
-        slot_page, counts = self.slot_page[: self.n_slots].cpu(), counts.cpu()
-        per_group = torch.zeros(self.n_groups, n_tokens, dtype=torch.bool)
-        offsets = torch.arange(self.page_size)
-        for group in range(self.n_groups):
-            resident = slot_page[:, group] >= 0
-            pages, valid = slot_page[resident, group], counts[resident]
-            positions = pages[:, None] * self.page_size + offsets[None, :]
-            per_group[group, positions[offsets[None, :] < valid[:, None]]] = True
-        heads_per_group = self.model.n_heads // self.n_groups
-        return per_group.repeat_interleave(heads_per_group, dim=0).to(self.slot_page.device)
+        """bool ``[Hq, trace_width()]`` of the positions in resident pages (valid slots only); ``counts [B]`` the
+        valid tokens of each pool slot."""
+        pages = self.slot_page[: self.n_slots].t()  # [G, B]
+        offsets = torch.arange(self.page_size, device=pages.device)
+        positions = pages[..., None] * self.page_size + offsets  # [G, B, page_size]
+        valid = (pages[..., None] >= 0) & (offsets < counts[:, None])
+        return attended_from_positions(positions, valid, self.trace_width(), self.model.n_heads // self.n_groups)
 
     def gpu_kv_bytes(self) -> int:
         if self.pool_keys is None or self.pool_keys.device.type != "cuda":
@@ -314,6 +310,7 @@ class ArkValeKV(DenseKV):
 class ArkVale(Method):
     display_name = "ArkVale"
     config_class = ArkValeConfig
+    traces_in_graph = True
     test_settings = {"page_size": 8}
 
     def check(self) -> None:

@@ -47,6 +47,7 @@ class FullStaticConfig(MethodConfig):
 class FullStaticCache(Method):
     display_name = "FULL (static, graph)"
     config_class = FullStaticConfig
+    traces_in_graph = True
     uses_budget = False
 
     def check(self) -> None:

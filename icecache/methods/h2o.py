@@ -119,6 +119,7 @@ class H2OKV(TokenSlotsKV):
 class H2O(Method):
     display_name = "H2O"
     config_class = H2OConfig
+    traces_in_graph = True
 
     def split(self) -> tuple[int, int]:
         """(heavy hitters, recent window) slots of the budget; the window includes the new token."""

@@ -270,11 +270,15 @@ class MagicPIGKV(DenseKV):
 
         f32, i32 = torch.float32, torch.int32
         n_heads, n_tables = self.model.n_heads, cfg.L
+        # A traced sequence of fixed trace width gets its trace from the host step with the output, so that a
+        # captured step's trace is that of each replay.
+        width = (self.seq.trace_width or 0) if self.seq.trace_selection else 0
+        trace = {"attended": ((n_heads, width), torch.bool), "log_weights": ((n_heads, width), f32)} if width else {}
         self.exchange = HostExchange(
             to_host={"query": ((n_heads, head_dim), f32), "key": ((n_kv_heads, head_dim), f32),
                      "value": ((n_kv_heads, head_dim), f32), "query_codes": ((n_heads, n_tables), i32),
                      "key_codes": ((n_kv_heads, n_tables), i32), "position": ((1,), torch.int64)},
-            to_device={"out": ((n_heads, head_dim), f32), "lse": ((n_heads,), f32)},
+            to_device={"out": ((n_heads, head_dim), f32), "lse": ((n_heads,), f32), **trace},
             device=device, host_functions=self.seq.host_functions,
         )
         self.scaling = 1.0
@@ -322,7 +326,10 @@ class MagicPIGKV(DenseKV):
         lse = torch.logaddexp(gpu_lse, host["lse"])
         out = torch.exp(gpu_lse - lse)[:, None] * gpu_out + torch.exp(host["lse"] - lse)[:, None] * host["out"]
         if self.seq.trace_selection:
-            self.last_attended, self.last_log_weights = self._traced(self.seq_len + 1)
+            if "attended" in host:  # written by the host step (a fixed width), else made here
+                self.last_attended, self.last_log_weights = host["attended"], host["log_weights"]
+            else:
+                self.last_attended, self.last_log_weights = self._traced(self.trace_width())
         return out.view(1, 1, *q.shape).to(query.dtype)
 
     def _window_attention(self, q: torch.Tensor, scaling: float):
@@ -357,6 +364,21 @@ class MagicPIGKV(DenseKV):
         on_device = min(position + 1, self.n_sink + self.n_local)
         self.seq.counters.record_attention(on_device + valid.sum(-1).double().mean().item())
         self._last_sample = (positions, valid, log_weights) if self.seq.trace_selection else None
+        if "attended" in outputs:
+            self._trace_on_host(outputs["attended"], outputs["log_weights"], position)
+
+    def _trace_on_host(self, attended: torch.Tensor, log_weights: torch.Tensor, position: int) -> None:
+        """The step of ``position``'s trace into the host's output buffers (``[Hq, width]``): the sinks and window
+        the device holds (``[0, n_sink)`` and the ``n_local`` tokens up to ``position``) with weight 0, and this
+        step's sample with its log-weights. Calls no CUDA (it runs in the host step)."""
+        attended.zero_()
+        log_weights.zero_()
+        attended[:, : min(self.n_sink, position + 1)] = True
+        attended[:, max(self.n_sink, position + 1 - self.n_local) : position + 1] = True
+        positions, valid, weights = self._last_sample
+        heads = torch.arange(self.model.n_heads)[:, None].expand_as(positions)
+        attended[heads[valid], positions[valid]] = True
+        log_weights[heads[valid], positions[valid]] = weights[valid]
 
     def sample(self, query: torch.Tensor, query_codes: torch.Tensor, position: int):
         """The middle tokens each query head attends at the step of ``position``, on the host: ``(positions
@@ -412,10 +434,12 @@ class MagicPIGKV(DenseKV):
         # One stream per (seed, layer, position): the same draw on every device and in every replay.
         return torch.Generator().manual_seed((self.cfg.seed * 1_000_003 + self.layer_idx) * 10_000_019 + position)
 
-    def _traced(self, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _traced(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The trace (``[Hq, width]``) from the device's ring and the host's last sample, for a sequence that fixes
+        no trace width (so not in the host step's output)."""
         device = self.gpu_positions.device
-        attended = torch.zeros(self.model.n_heads, n_tokens, dtype=torch.bool)
-        log_weights = torch.zeros(self.model.n_heads, n_tokens)
+        attended = torch.zeros(self.model.n_heads, width, dtype=torch.bool)
+        log_weights = torch.zeros(self.model.n_heads, width)
         on_device = self.gpu_positions.cpu()
         attended[:, on_device[on_device >= 0]] = True
         positions, valid, weights = self._last_sample
@@ -441,6 +465,7 @@ class MagicPIGKV(DenseKV):
 class MagicPIG(Method):
     display_name = "MagicPIG"
     config_class = MagicPIGConfig
+    traces_in_graph = True
     # At the shared tests' budget of 64: 4 sinks, a window of 16 and up to 44 sampled tokens.
     test_settings = {"n_local_tokens": 16}
 

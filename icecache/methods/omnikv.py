@@ -228,7 +228,7 @@ class OmniKVSparseKV(RingSlotsKV):
         self.seq.counters.record_on_device(pages_loaded=n_loaded,
                                            bytes_to_gpu=n_loaded * 2 * self.model.head_dim * key.element_size())
         if self.seq.trace_selection:
-            self.last_attended = self.attended_positions(self.seq_len + 1)
+            self.last_attended = self.attended_positions(self.trace_width())
         out = self.attend(q, position, scaling)
         return out.view(1, 1, *out.shape).to(query.dtype)
 
@@ -240,6 +240,7 @@ class OmniKVSparseKV(RingSlotsKV):
 class OmniKV(Method):
     display_name = "OmniKV"
     config_class = OmniKVConfig
+    traces_in_graph = True
     # Tiny models have 4 layers: layer 0 dense, layer 1 the filter (inside the dense prefix, which the shared tests
     # hold to no budget: a filter layer attends fully), layers 2 and 3 sparsified by its selection.
     test_settings = {"filter_layers": [1], "n_wait_layers": 0, "n_recent": 16}

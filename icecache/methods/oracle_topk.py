@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from icecache.core.layer import attended_from_positions
 from icecache.core.method import METHODS, Method, MethodConfig
 from icecache.core.scores import gqa_scores
 from icecache.core.static_kv import StaticDenseKV
@@ -48,10 +49,8 @@ class OracleTopKKV(StaticDenseKV):
         out = torch.einsum("hk,hkd->hd", probs, values)
         self.seq.counters.record_on_device((top.values > float("-inf")).sum(-1).float().mean())
         if self.seq.trace_selection:
-            n_tokens = self.seq_len + 1
-            attended = torch.zeros(n_heads, n_tokens + 1, dtype=torch.bool, device=q.device)
-            attended.scatter_(1, torch.where(top.values > float("-inf"), top.indices, n_tokens), True)
-            self.last_attended = attended[:, :n_tokens]
+            self.last_attended = attended_from_positions(top.indices, top.values > float("-inf"), self.trace_width(),
+                                                         group=1)
         return out.view(1, 1, n_heads, head_dim).to(query.dtype)
 
 
@@ -59,6 +58,7 @@ class OracleTopKKV(StaticDenseKV):
 class OracleTopK(Method):
     display_name = "TOPK"
     config_class = OracleTopKConfig
+    traces_in_graph = True
 
     def make_sparse_layer(self, layer_idx, seq):
         return OracleTopKKV(layer_idx, self.model, seq, self.config.budget)

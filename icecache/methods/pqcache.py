@@ -255,7 +255,7 @@ class PQCacheKV(RingSlotsKV):
         with self.seq.timer.phase("load"):
             self._fetch(picks, chosen, position)
         if self.seq.trace_selection:
-            self.last_attended = self.attended_positions(self.seq_len + 1)
+            self.last_attended = self.attended_positions(self.trace_width())
         out = self.attend(q, position, scaling)
         return out.view(1, 1, *out.shape).to(query.dtype)
 
@@ -359,6 +359,7 @@ class PQCacheKV(RingSlotsKV):
 class PQCache(Method):
     display_name = "PQCache"
     config_class = PQCacheConfig
+    traces_in_graph = True
     # Small parts for 300-token prompts at budget 64: 4 sinks, 30 local, 30 selected; blocks of 8 in a 4-block cache.
     test_settings = {"n_sink_tokens": 4, "cache_block_size": 8, "cache_tokens": 32, "cache_topk_blocks": 4}
 

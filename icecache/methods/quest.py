@@ -28,6 +28,7 @@ import torch
 
 from icecache.core.attention import paged_decode_attention
 from icecache.core.errors import ConfigError
+from icecache.core.layer import attended_from_positions
 from icecache.core.method import METHODS, Method, MethodConfig
 from icecache.core.scores import page_bounds
 from icecache.core.static_kv import StaticDenseKV
@@ -126,7 +127,7 @@ class QuestKV(StaticDenseKV):
             out, attended = self._simulated_attention(q, self.seq_len + 1, scaling)
             self.seq.counters.record_attention(attended.sum(-1).float().mean())
             if self.seq.trace_selection:
-                self.last_attended = attended
+                self.last_attended = torch.nn.functional.pad(attended, (0, self.trace_width() - attended.shape[1]))
             return out.view(1, 1, *q.shape).to(query.dtype)
         with self.seq.timer.phase("select"):
             bounds = page_bounds(q, self.page_max, self.page_min, page)  # pages before the current one
@@ -141,17 +142,14 @@ class QuestKV(StaticDenseKV):
         self.seq.counters.record_on_device(counts.sum() / q.shape[0])
         if self.seq.trace_selection:
             pages = torch.cat([top.indices, page.expand(q.shape[0], 1)], dim=1)
-            self.last_attended = self._attended(pages, counts, self.seq_len + 1)
+            self.last_attended = self._attended(pages, counts, self.trace_width())
         return out.view(1, 1, *q.shape)
 
-    def _attended(self, table: torch.Tensor, counts: torch.Tensor, n_tokens: int) -> torch.Tensor:
-        """bool ``[Hq, n_tokens]``: the positions of the chosen pages' valid slots."""
+    def _attended(self, table: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
+        """bool ``[Hq, width]``: the positions of the chosen pages' valid slots."""
         slots = torch.arange(self.page_size, device=table.device)
         positions = table[..., None] * self.page_size + slots
-        valid = slots < counts[..., None]
-        attended = torch.zeros(table.shape[0], n_tokens + 1, dtype=torch.bool, device=table.device)
-        attended.scatter_(1, torch.where(valid, positions, n_tokens).flatten(1), True)
-        return attended[:, :n_tokens]
+        return attended_from_positions(positions, slots < counts[..., None], width, group=1)
 
     def _simulated_attention(self, q, n_tokens, scaling):
         n_heads, head_dim = q.shape
@@ -187,6 +185,7 @@ class QuestKV(StaticDenseKV):
 class Quest(Method):
     display_name = "Quest"
     config_class = QuestConfig
+    traces_in_graph = True
     test_settings = {"page_size": 8}
 
     def check(self) -> None:

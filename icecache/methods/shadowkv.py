@@ -55,6 +55,7 @@ import torch
 
 from icecache.core.attention import paged_decode_attention
 from icecache.core.errors import ConfigError
+from icecache.core.layer import attended_from_positions
 from icecache.core.method import METHODS, Method, MethodConfig, StaticDenseKV, storage_capacity
 from icecache.core.paged import copy_blocks, mapped_device_view
 
@@ -315,7 +316,7 @@ class ShadowKVKV(StaticDenseKV):
         self.seq.counters.record_on_device(counts.sum(-1).float().mean(), pages_loaded=n_loaded,
                                            bytes_to_gpu=n_loaded * block_bytes)
         if self.seq.trace_selection:
-            self.last_attended = self._attended_positions(counts)
+            self.last_attended = self._attended_positions(counts, window_base)
         return out.view(1, 1, *q.shape)
 
     def _turn_window(self, chunk: torch.Tensor, starting: torch.Tensor) -> None:
@@ -403,20 +404,17 @@ class ShadowKVKV(StaticDenseKV):
         window = window.expand(self.pool_keys.shape[1], -1)
         return torch.cat([outliers, selected, window], dim=1).to(torch.int32)
 
-    def _attended_positions(self, counts: torch.Tensor) -> torch.Tensor:
-        """bool ``[Hq, seq_len + 1]``: the valid tokens of the attended chunks (host-synchronising, for tests)."""
-        cs, n_tokens = self.chunk_size, self.seq_len + 1
-        window_base = (n_tokens - 1) // cs - self.n_local + 1
-        ring_chunk = window_base + torch.remainder(self._ring_index.cpu() - window_base, self.n_local)
-        chunks = torch.cat([self.outlier_ids.cpu(), self.slot_chunk[:, : self.n_selected].cpu(),
-                            ring_chunk.expand(self.outlier_ids.shape[0], -1)], dim=1)
-        counts = counts.cpu()
-        positions = chunks[..., None] * cs + torch.arange(cs)
-        valid = (torch.arange(cs) < counts[..., None]) & (chunks[..., None] >= 0)
-        attended = torch.zeros(chunks.shape[0], n_tokens + 1, dtype=torch.bool)
-        attended.scatter_(1, torch.where(valid, positions, n_tokens).flatten(1), True)
-        group = self.model.n_heads // chunks.shape[0]
-        return attended[:, :n_tokens].repeat_interleave(group, dim=0).to(self.pool_keys.device)
+    def _attended_positions(self, counts: torch.Tensor, window_base: torch.Tensor) -> torch.Tensor:
+        """bool ``[Hq, trace_width()]``: the valid tokens of the attended chunks (outliers, selected, window), in
+        the order of ``counts``' slots."""
+        cs = self.chunk_size
+        ring_chunk = window_base + torch.remainder(self._ring_index - window_base, self.n_local)  # [n_local]
+        chunks = torch.cat([self.outlier_ids, self.slot_chunk[:, : self.n_selected],
+                            ring_chunk.expand(self.outlier_ids.shape[0], -1)], dim=1)  # [Hkv, slots]
+        offsets = torch.arange(cs, device=chunks.device)
+        positions = chunks[..., None] * cs + offsets
+        valid = (offsets < counts[..., None]) & (chunks[..., None] >= 0)
+        return attended_from_positions(positions, valid, self.trace_width(), self.model.n_heads // chunks.shape[0])
 
     def gpu_kv_bytes(self) -> int:
         if not self.sparse:
@@ -434,6 +432,7 @@ class ShadowKVKV(StaticDenseKV):
 class ShadowKV(Method):
     display_name = "ShadowKV"
     config_class = ShadowKVConfig
+    traces_in_graph = True
     # At the shared tests' budget of 64 with chunks of 8: 2 window, 1 outlier and 5 selected chunks.
     test_settings = {"n_local_chunks": 2}
 

@@ -91,6 +91,7 @@ class SnapKVKV(RingSlotsKV):
 class SnapKV(Method):
     display_name = "SnapKV"
     config_class = SnapKVConfig
+    traces_in_graph = True
     test_settings = {"observation_window": 16}
 
     def check(self) -> None:

@@ -43,6 +43,7 @@ class StreamingKV(RingSlotsKV):
 class StreamingLLM(Method):
     display_name = "StreamingLLM"
     config_class = StreamingLLMConfig
+    traces_in_graph = True
 
     def check(self) -> None:
         super().check()

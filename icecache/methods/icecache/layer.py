@@ -242,9 +242,12 @@ class IceCacheLayer(DenseKV):
         """
         ps, n_kv_heads, n_slots = self.cfg.page_size, self.model.n_kv_heads, self.cfg.page_budget
         self._slot_table = torch.arange(n_slots, device=device).expand(n_kv_heads, n_slots)
+        # A traced sequence of fixed trace width gets its trace in the transit buffer too: the host step writes it
+        # from the host's state, so a captured step's trace is that of each replay.
+        trace_width = (self.seq.trace_width or 0) if self.seq.trace_selection else 0
         self._transit = StepTransit(
             self.model.n_heads, n_kv_heads, n_slots, n_kv_heads * self.cfg.n_selected_pages, ps,
-            self.model.head_dim, self.cpu_dtype, device,
+            self.model.head_dim, self.cpu_dtype, device, trace_width=trace_width,
         )
         counts = self._transit.host["counts"]
         sink_starts = np.arange(self.cfg.n_sink_pages) * ps
@@ -321,7 +324,9 @@ class IceCacheLayer(DenseKV):
         scatter_pages(staged["keys"], staged["values"], self.pool.key_pages, self.pool.value_pages, staged["slots"],
                       staged["heads"])
         if self.seq.trace_selection:
-            self.last_attended = self._attended_positions()
+            traced = staged.get("attended")  # written by the host step (a fixed width), else made here
+            self.last_attended = (traced.view(torch.bool).repeat_interleave(self.model.group_size, dim=0)
+                                  if traced is not None else self._attended_positions())
         out = paged_decode_attention(
             query[0, :, 0, :], self.pool.key_pages, self.pool.value_pages, self._slot_table, staged["counts"],
             scaling,
@@ -367,6 +372,8 @@ class IceCacheLayer(DenseKV):
         with self.seq.timer.host_phase("load"):
             self._stage_pages(selection)
         self.seq.counters.record_attention(self._write_valid_counts())
+        if "attended" in transit.host:
+            self._trace_on_host(transit.host["attended"])
 
     def _select(self, query: np.ndarray, ahead: LookaheadResult | None = None) -> np.ndarray:
         """K distinct pages per KV head ``[Hkv, K]`` (-1 padded) for ``query [Hq, D]`` (float32, host): the owner
@@ -438,18 +445,26 @@ class IceCacheLayer(DenseKV):
         return float(np.float32(counts.sum()) / np.float32(counts.shape[0]))
 
     def _attended_positions(self) -> torch.Tensor:
-        """bool [Hq, seq_len + 1] of the positions each query head attends (trace_selection)."""
-        total = self.seq_len + 1
+        """bool ``[Hq, trace_width()]`` of the positions each query head attends, for a trace whose width the
+        sequence does not fix (so not in the transit buffer)."""
+        attended = np.zeros((self.model.n_kv_heads, self.trace_width()), dtype=np.uint8)
+        self._trace_on_host(attended)
+        traced = torch.from_numpy(attended).view(torch.bool).to(self.pool.key_pages.device)
+        return traced.repeat_interleave(self.model.group_size, dim=0)
+
+    def _trace_on_host(self, attended: np.ndarray) -> None:
+        """This step's trace into ``attended`` (``[Hkv, width]`` bytes, 1: attended) from the host's state after
+        the step's selection: the sinks, the window up to the new token, and the tokens of each KV head's resident
+        pages. Calls no CUDA (it runs in the host step)."""
+        attended.fill(0)
+        attended[:, : self.sink_len] = 1
+        attended[:, self.window_start : self.window_start + self.window_count] = 1
         index = self.group.index
-        mask = torch.zeros(self.model.n_kv_heads, total, dtype=torch.bool, device=self.pool.key_pages.device)
-        mask[:, : self.sink_len] = True
-        mask[:, self.window_start : total] = True
         for head in range(self.model.n_kv_heads):
             pages = self.resident[head][self.resident[head] >= 0]
             if pages.size:
                 tokens = index.page_tokens(head)[pages].reshape(-1)
-                mask[head, self.token_positions[tokens[tokens >= 0]]] = True
-        return mask.repeat_interleave(self.model.group_size, dim=0)
+                attended[head, self.token_positions[tokens[tokens >= 0]]] = 1
 
     def gpu_kv_bytes(self) -> int:
         if not self.offloaded:

@@ -14,6 +14,7 @@ from .layer import IceCacheLayer
 class IceCache(Method):
     display_name = "IceCache"
     config_class = IceCacheConfig
+    traces_in_graph = True
     # 64 tokens are 4 pages: 1 sink + 2 selected + 1 window.
     test_settings = {"n_sink_pages": 1, "n_window_pages": 1}
     variants = {"lookahead": {"lookahead": True}}
