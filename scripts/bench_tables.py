@@ -319,6 +319,16 @@ def capacity_points(files: list[Result]) -> dict[tuple[str, str], tuple[list[tup
     return chosen
 
 
+def longer_measurement(files: list[Result], model: str, method: str,
+                       points: list[tuple[dict[str, Any], Result]]) -> tuple[dict[str, Any], Result] | None:
+    """The newest row of ``method`` at the longest context past the fitted ``points``, measured with their prefill
+    settings; None if there is none."""
+    settings, longest = prefill_settings(points[-1][1]), max(r["context"] for r, _ in points)
+    rows = [(r, f) for f in files if model_of(f) == model and prefill_settings(f) == settings
+            for r in f.data["summary"] if r["method"] == method and r["context"] > longest and r.get("peak_gpu_bytes")]
+    return max(rows, key=lambda item: (item[0]["context"], item[1].order)) if rows else None
+
+
 def line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least-squares intercept and slope."""
     mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
@@ -334,14 +344,23 @@ def render_capacity(results: Path, paper: dict[str, Any]) -> str:
                                                        key=lambda item: (item[0][0], method_sort_key(item[0][1]))):
         capacity = CAPACITY_GIB[points[-1][1].host]
         contexts = [float(r["context"]) for r, _ in points]
-        bounds, slopes = {}, {}
+        bounds, slopes, lines = {}, {}, {}
         for part, needed in (("gpu", lambda r, f: float(r["peak_gpu_bytes"])), ("host", host_bytes)):
-            intercept, slope = line_fit(contexts, [needed(r, f) for r, f in points])
+            intercept, slope = lines[part] = line_fit(contexts, [needed(r, f) for r, f in points])
             # A part that does not grow with the context (the full caches' host memory) bounds nothing.
             slopes[part] = slope if slope >= 1024 else 0.0  # bytes per token
             bounds[part] = (capacity[part] * 2**30 - intercept) / slope if slopes[part] else None
         reached = [(value, part) for part, value in bounds.items() if value is not None]
         largest, bound = min(reached) if reached else (None, "-")
+        check = longer_measurement(files, model, method, points)
+        if check is None:
+            checked = "-"
+        else:
+            row, f = check
+            predicted = [lines[part][0] + lines[part][1] * row["context"] for part in ("gpu", "host")]
+            measured = [float(row["peak_gpu_bytes"]), host_bytes(row, f)]
+            checked = (f"{row['context'] // 1000}k: GPU {fmt(predicted[0], 2**-30)} / {fmt(measured[0], 2**-30)}, "
+                       f"host {fmt(predicted[1], 2**-30)} / {fmt(measured[1], 2**-30)} (`{f.name}`)")
 
         def tokens(value: float | None) -> str:
             return "-" if value is None else f"{value / 1000:,.0f}k"
@@ -351,10 +370,11 @@ def render_capacity(results: Path, paper: dict[str, Any]) -> str:
             fmt(slopes["gpu"] * 1e5, 2**-30, 2), fmt(slopes["host"] * 1e5, 2**-30, 2),
             tokens(bounds["gpu"]), tokens(bounds["host"]), tokens(largest), bound,
             ", ".join(sorted({f"`{f.name}`" for _, f in points}))
-            + (f" ({n_commits} commits)" if n_commits > 1 else ""),
+            + (f" ({n_commits} commits)" if n_commits > 1 else ""), checked,
         ])
     header = ["model", "method", "contexts fitted", "GPU GiB / 100k tokens", "host GiB / 100k tokens",
-              "GPU-bound context", "host-bound context", "largest context", "bound", "files"]
+              "GPU-bound context", "host-bound context", "largest context", "bound", "files",
+              "line / measured past the fit (GiB)"]
     caps = "; ".join(f"{host}: GPU {c['gpu']:.0f} GiB, host {c['host']:.0f} GiB" for host, c in CAPACITY_GIB.items())
     measured = {(model_of(f), r["method"]) for f in files for r in f.data["summary"] if ":" not in r["method"]}
     single = sorted(f"`{method}` ({model})" for model, method in measured - set(fitted))
@@ -363,7 +383,8 @@ def render_capacity(results: Path, paper: dict[str, Any]) -> str:
             f"else the newest row per context), solved for the capacity ({caps}). Host memory is the cache's host "
             f"bytes plus the process's resident memory with `full_static` in the same file. Past the fitted "
             f"range the line ignores what a longer prompt adds besides KV (larger pinned staging, allocator "
-            f"rounding).")
+            f"rounding). The last column checks the line where the method was measured past the fitted contexts "
+            f"(the longest such context, same prefill settings): the line's value beside the measured one.")
     if single:
         note += " Measured at one context only, so not projected: " + ", ".join(single) + "."
     return "\n\n".join([table(header, rows), note])

@@ -266,6 +266,17 @@ def test_the_largest_context_is_where_a_line_through_the_measured_memory_meets_t
     assert table["`icecache`"][4] == "10.00"
     assert "`quest`" not in table  # one context: nothing to draw a line through, and the note says so
     assert "`quest` (no_such_model)" in bench_tables.render_capacity(tmp_path, {})
+    assert table["`icecache`"][10] == "-"  # nothing measured past the fit
+    # A later commit's run past the fitted contexts checks the line there: IceCache's GPU memory was as the line
+    # says (5 + 1 per 100k at 300k: 8 GiB), its host memory less (25 GiB of KV over 1 GiB, where the line says 31).
+    later = [summary_row("full_static", 300_000, 0.01, peak_gpu_bytes=30 * gib, host_rss_bytes=gib),
+             summary_row("icecache", 300_000, 0.1, peak_gpu_bytes=8 * gib, cpu_kv_bytes=25 * gib)]
+    write_latency(tmp_path, "latency_gpu_20260101-000003.json", "2026-01-01T00:00:03+00:00", "b", later)
+    table = {row[1]: row for row in table_rows(bench_tables.render_capacity(tmp_path, {}))}
+    assert table["`icecache`"][2] == "100k, 200k"  # the fit keeps to one commit's contexts
+    assert table["`icecache`"][10] == ("300k: GPU 8.0 / 8.0, host 31.0 / 26.0 "
+                                        "(`latency_gpu_20260101-000003.json`)")
+    assert table["`full`"][10] == "-"
 
 
 def test_a_capacity_fit_keeps_to_the_prefill_settings_of_the_newest_measurement(bench_tables, tmp_path, monkeypatch):
