@@ -78,6 +78,12 @@ class SequenceContext:
     host_functions: HostFunctions = field(default_factory=HostFunctions)
     _states: dict[type, Any] = field(default_factory=dict, repr=False)
 
+    @property
+    def fixed_trace_width(self) -> int:
+        """The trace width of a traced sequence that fixes one, else 0: what a layer sizes a trace buffer of its
+        host step by, made before the first decode step."""
+        return (self.trace_width or 0) if self.trace_selection else 0
+
     def state(self, kind: type[State]) -> State:
         """The sequence's one instance of ``kind`` (made on first use as ``kind()``): what the layers of a method
         share within a sequence (an index one layer builds and the next reads, a worker thread), typed, and gone

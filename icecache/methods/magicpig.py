@@ -272,7 +272,7 @@ class MagicPIGKV(DenseKV):
         n_heads, n_tables = self.model.n_heads, cfg.L
         # A traced sequence of fixed trace width gets its trace from the host step with the output, so that a
         # captured step's trace is that of each replay.
-        width = (self.seq.trace_width or 0) if self.seq.trace_selection else 0
+        width = self.seq.fixed_trace_width
         trace = {"attended": ((n_heads, width), torch.bool), "log_weights": ((n_heads, width), f32)} if width else {}
         self.exchange = HostExchange(
             to_host={"query": ((n_heads, head_dim), f32), "key": ((n_kv_heads, head_dim), f32),
@@ -375,6 +375,10 @@ class MagicPIGKV(DenseKV):
         log_weights.zero_()
         attended[:, : min(self.n_sink, position + 1)] = True
         attended[:, max(self.n_sink, position + 1 - self.n_local) : position + 1] = True
+        self._mark_sample(attended, log_weights)
+
+    def _mark_sample(self, attended: torch.Tensor, log_weights: torch.Tensor) -> None:
+        """The last step's sample into a trace on the host: its positions attended, with their log-weights."""
         positions, valid, weights = self._last_sample
         heads = torch.arange(self.model.n_heads)[:, None].expand_as(positions)
         attended[heads[valid], positions[valid]] = True
@@ -442,10 +446,7 @@ class MagicPIGKV(DenseKV):
         log_weights = torch.zeros(self.model.n_heads, width)
         on_device = self.gpu_positions.cpu()
         attended[:, on_device[on_device >= 0]] = True
-        positions, valid, weights = self._last_sample
-        heads = torch.arange(self.model.n_heads)[:, None].expand_as(positions)
-        attended[heads[valid], positions[valid]] = True
-        log_weights[heads[valid], positions[valid]] = weights[valid]
+        self._mark_sample(attended, log_weights)
         return attended.to(device), log_weights.to(device)
 
     def gpu_kv_bytes(self) -> int:

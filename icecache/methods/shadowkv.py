@@ -399,16 +399,20 @@ class ShadowKVKV(StaticDenseKV):
         cs = self.chunk_size
         outliers = (self.outlier_ids >= 0) * cs
         selected = (self.slot_chunk[:, : self.n_selected] >= 0) * cs
-        ring_chunk = window_base + torch.remainder(self._ring_index - window_base, self.n_local)  # [n_local]
+        ring_chunk = self._ring_chunks(window_base)
         window = torch.where(ring_chunk >= 0, (position + 1 - ring_chunk * cs).clamp(0, cs), 0)
         window = window.expand(self.pool_keys.shape[1], -1)
         return torch.cat([outliers, selected, window], dim=1).to(torch.int32)
+
+    def _ring_chunks(self, window_base: torch.Tensor) -> torch.Tensor:
+        """``[n_local]``: the chunk each window ring slot holds, the window starting at chunk ``window_base``."""
+        return window_base + torch.remainder(self._ring_index - window_base, self.n_local)
 
     def _attended_positions(self, counts: torch.Tensor, window_base: torch.Tensor) -> torch.Tensor:
         """bool ``[Hq, trace_width()]``: the valid tokens of the attended chunks (outliers, selected, window), in
         the order of ``counts``' slots."""
         cs = self.chunk_size
-        ring_chunk = window_base + torch.remainder(self._ring_index - window_base, self.n_local)  # [n_local]
+        ring_chunk = self._ring_chunks(window_base)
         chunks = torch.cat([self.outlier_ids, self.slot_chunk[:, : self.n_selected],
                             ring_chunk.expand(self.outlier_ids.shape[0], -1)], dim=1)  # [Hkv, slots]
         offsets = torch.arange(cs, device=chunks.device)

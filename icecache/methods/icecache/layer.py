@@ -244,10 +244,9 @@ class IceCacheLayer(DenseKV):
         self._slot_table = torch.arange(n_slots, device=device).expand(n_kv_heads, n_slots)
         # A traced sequence of fixed trace width gets its trace in the transit buffer too: the host step writes it
         # from the host's state, so a captured step's trace is that of each replay.
-        trace_width = (self.seq.trace_width or 0) if self.seq.trace_selection else 0
         self._transit = StepTransit(
             self.model.n_heads, n_kv_heads, n_slots, n_kv_heads * self.cfg.n_selected_pages, ps,
-            self.model.head_dim, self.cpu_dtype, device, trace_width=trace_width,
+            self.model.head_dim, self.cpu_dtype, device, trace_width=self.seq.fixed_trace_width,
         )
         counts = self._transit.host["counts"]
         sink_starts = np.arange(self.cfg.n_sink_pages) * ps
