@@ -76,6 +76,8 @@ def restore(jobs: list[dict[str, Any]], curated: Path) -> int:
     not finished on this disk: each gets its metrics.json, which marks it done and is all that curating and the
     tables read, so a host that has lost the runs' directories (a fresh one) does not run them again. Returns how
     many it put back."""
+    from icecache_harness.runner import write_json_atomic
+
     try:
         payload = json.loads(curated.read_text(encoding="utf-8"))
         runs = payload["runs"]
@@ -89,10 +91,7 @@ def restore(jobs: list[dict[str, Any]], curated: Path) -> int:
             continue
         target = resolve(job["run_dir"])
         target.mkdir(parents=True, exist_ok=True)
-        metrics = {k: v for k, v in run.items() if k != "run_dir"}
-        tmp = target / "metrics.json.tmp"
-        tmp.write_text(json.dumps(metrics, indent=1, sort_keys=True, default=str), encoding="utf-8")
-        tmp.replace(target / "metrics.json")
+        write_json_atomic(target / "metrics.json", {k: v for k, v in run.items() if k != "run_dir"})
         restored += 1
     return restored
 
