@@ -86,6 +86,17 @@ class Result:
     def commit(self) -> str:
         return short_commit(self.provenance)
 
+    def commit_of(self, row: dict[str, Any]) -> str:
+        """The commit that measured a summary row: a file completed by ``--resume`` holds rows of several
+        processes, and its measurements say which process (0: the file's own, n: the n-th that resumed it)."""
+        processes = {m.get("process", 0) for m in self.data.get("measurements", [])
+                     if m.get("context") == row.get("context") and m.get("method_label", m.get("method"))
+                     == row.get("method_label", row.get("method"))}
+        resumed = self.data.get("resumed_by", [])
+        if len(processes) != 1 or not 0 < (process := processes.pop()) <= len(resumed):
+            return self.commit
+        return short_commit(resumed[process - 1].get("provenance") or {})
+
 
 def short_commit(provenance: dict[str, Any]) -> str:
     commit = str(provenance.get("git_commit") or "?")[:7]
@@ -213,7 +224,7 @@ def render_latency(results: Path, paper: dict[str, Any]) -> str:
             f"{fmt(row.get('tpot_s_min'), 1000)}-{fmt(row.get('tpot_s_max'), 1000)}",
             ratio_to(row, f, "full"), ratio_to(row, f, "full_static"),
             fmt(row.get("ttft_s_median"), digits=2), fmt(row.get("tt2t_s_median"), digits=2),
-            fmt(row.get("peak_gpu_bytes"), 2**-30), paper_cell, f"`{f.name}`", f.commit,
+            fmt(row.get("peak_gpu_bytes"), 2**-30), paper_cell, f"`{f.name}`", f.commit_of(row),
         ])
     header = ["context", "method", "TPOT ms", "min-max", "x full", "x full_static", "TTFT s", "TT2T s", "peak GiB",
               "paper TPOT / TT2T", "file", "commit"]
@@ -239,7 +250,8 @@ def render_scaling(results: Path, paper: dict[str, Any]) -> str:
             ratio_to(row, f, "full_static"), fmt(row.get("tt2t_s_median"), digits=1),
             fmt(row.get("peak_gpu_bytes"), 2**-30), fmt(row.get("cpu_kv_bytes"), 2**-30),
             fmt(row.get("host_kv_ratio"), digits=2), fmt(theirs, digits=0),
-            fmt(None if ours is None or theirs is None else ours * 1000 / theirs, digits=2), f"`{f.name}`", f.commit,
+            fmt(None if ours is None or theirs is None else ours * 1000 / theirs, digits=2), f"`{f.name}`",
+            f.commit_of(row),
         ])
     header = ["context", "method", "TPOT ms", "x full", "x full_static", "TT2T s", "peak GiB", "host KV GiB",
               "host / KV", "paper TPOT ms", "ours / paper", "file", "commit"]

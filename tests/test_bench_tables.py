@@ -309,3 +309,18 @@ def test_an_unfinished_or_resumed_file_says_so_under_the_table(bench_tables, tmp
     note = bench_tables.render_latency(tmp_path, {})
     assert "unfinished" not in note
     assert "continued by another process at commit ddddddd, 2026-01-02T00:00:00+00:00 (--resume)" in note
+
+
+def test_a_row_measured_by_the_process_that_resumed_a_file_names_that_process_commit(bench_tables, tmp_path):
+    write_latency(tmp_path, "latency_gpu_20990101-000000.json", "2026-01-01T00:00:00+00:00", "a", [
+        summary_row("full", 1024, 0.020), summary_row("full_static", 1024, 0.010),
+        summary_row("icecache", 1024, 0.100)], experiment="scaling")
+    path = tmp_path / "latency_gpu_20990101-000000.json"
+    payload = json.loads(path.read_text())
+    payload["measurements"] = [{"method": "full", "context": 1024, "process": 0},
+                               {"method": "full_static", "context": 1024, "process": 0},
+                               {"method": "icecache", "context": 1024, "process": 1}]
+    payload["resumed_by"] = [{"provenance": provenance("2026-01-02T00:00:00+00:00", "d")}]
+    path.write_text(json.dumps(payload))
+    commits = {row[1]: row[-1] for row in table_rows(bench_tables.render_scaling(tmp_path, {}))}
+    assert commits == {"`full`": "aaaaaaa", "`full_static`": "aaaaaaa", "`icecache`": "ddddddd"}
