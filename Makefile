@@ -72,15 +72,18 @@ collect: $(STAMP)
 
 .PHONY: reproduce-accuracy accuracy-tables
 JOBS ?= 1
+SHARDS ?= 1
 ACCURACY_SWEEPS = --sweep "experiment=accuracy_passkey $(MODEL_ARG)" --sweep "experiment=accuracy_ruler $(MODEL_ARG)"
 
 ## The accuracy table (BENCHMARKS.md, "Accuracy with the selection diagnostic"): passkey and RULER at 4k and 8k,
 ## every method at budgets 128 / 256 / 512 beside the full cache, the selection diagnostic on. JOBS=N runs N jobs
-## at once on this host, DEADLINE=<seconds> stops them then (the next call resumes). RULER sources: make ruler-data.
+## at once on this host, DEADLINE=<seconds> stops them then (the next call resumes), SHARDS=N splits each run into
+## N jobs of every N-th sample (the slow methods' runs then end with the others). RULER sources: make ruler-data.
 ## On a Slurm cluster: python scripts/sweep.py experiment=accuracy_passkey hydra/launcher=slurm (and
 ## experiment=accuracy_ruler), then make accuracy-tables.
 reproduce-accuracy: $(STAMP)
-	-$(PY) scripts/run_jobs.py $(ACCURACY_SWEEPS) --workers $(JOBS) $(if $(DEADLINE),--deadline $(DEADLINE))
+	-$(PY) scripts/run_jobs.py $(ACCURACY_SWEEPS) --workers $(JOBS) --shards $(SHARDS) \
+		$(if $(DEADLINE),--deadline $(DEADLINE))
 	$(MAKE) accuracy-tables
 
 ## The accuracy table from the runs on disk: the curated file (results/bench/accuracy_<model>_<date>.json) and its

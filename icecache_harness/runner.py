@@ -3,11 +3,13 @@
 Output directory = ``<output_root>/<task>/<model>/<method>/budget-<b>/<hash>``: a pure function of the settings
 that can change a number, so a resubmitted sweep lands in the same place. Per sample one JSON line is appended
 and flushed; a restarted run skips the ids already written (a torn last line is dropped); ``metrics.json`` is
-written last, atomically, and marks the run done.
+written last, atomically, and marks the run done. A run may be shared by several processes (``n_shards``), each
+appending its share of the samples to a file of its own; the one that completes the run merges the files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -69,9 +71,14 @@ class RunConfig:
     threads: int | None = None
     measure_phases: bool = False
     # The selection-quality diagnostic (icecache.core.selection_quality): every decode step of the sparsified
-    # layers measured against its exact attention; keeps decoding eager, generates the same tokens.
+    # layers measured against its exact attention; generates the same tokens.
     measure_selection: bool = False
     resume: bool = True
+    # This process's share of the run's samples: the samples at positions shard, shard + n_shards, ... Processes
+    # that share a run this way write a predictions file each, and whichever completes the run's last sample merges
+    # them into one; the run and its directory are the same whatever the sharding (not part of the identity).
+    shard: int = 0
+    n_shards: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
     adjusted: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # method settings fitted to the budget
 
@@ -98,6 +105,17 @@ class RunConfig:
             raise ConfigError("prefill_residual_on_host=true needs layer_by_layer_prefill=true")
         if not str(self.output_root).strip():
             raise ConfigError("output_root is empty: give a folder, e.g. output_root=results/runs")
+        if self.n_shards < 1 or not 0 <= self.shard < self.n_shards:
+            raise ConfigError(f"shard={self.shard} of n_shards={self.n_shards}: n_shards must be at least 1 and "
+                              f"shard one of 0..n_shards-1")
+        if self.n_shards > 1 and not self.resume:
+            raise ConfigError("resume=false restarts the whole run, which other shards may be writing: run it "
+                              "with n_shards=1")
+
+    @property
+    def predictions_name(self) -> str:
+        """The predictions file this process writes: the run's own, or its shard's."""
+        return PREDICTIONS if self.n_shards == 1 else f"predictions.shard-{self.shard}-of-{self.n_shards}.jsonl"
 
     def identity(self) -> dict[str, Any]:
         """The settings that can change a result (device and dtype included, threads and paths not)."""
@@ -143,13 +161,19 @@ def read_records(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def write_json_atomic(path: Path, payload: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
+def write_text_atomic(path: Path, text: str) -> None:
+    """``text`` into ``path`` through a temporary file of this process's own (shards of one run write the same
+    files at once), renamed into place: a reader sees the old file or the new one, never part of one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(payload, handle, indent=2, sort_keys=True, default=str)
+        handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, path)
+
+
+def write_json_atomic(path: Path, payload: Any) -> None:
+    write_text_atomic(path, json.dumps(payload, indent=2, sort_keys=True, default=str))
 
 
 def _truncate_torn_tail(path: Path) -> None:
@@ -164,23 +188,44 @@ def _truncate_torn_tail(path: Path) -> None:
 
 
 class RunLock:
-    """Exclusive lock next to the predictions, so two jobs never write one run (duplicate sweep points)."""
+    """Exclusive lock next to the predictions, so two jobs never write one predictions file (duplicate sweep points,
+    one shard started twice): ``.lock`` for the run's own file, ``.lock.<shard file>`` for a shard's, and
+    ``.finish.lock``, waited for (``blocking``), around merging the files and writing the metrics."""
 
-    def __init__(self, directory: Path):
-        self.path = directory / ".lock"
+    def __init__(self, directory: Path, name: str = ".lock", blocking: bool = False):
+        self.path = directory / name
+        self.blocking = blocking
 
     def __enter__(self):
         import fcntl
 
         self.handle = open(self.path, "w")
         try:
-            fcntl.flock(self.handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self.handle, fcntl.LOCK_EX | (0 if self.blocking else fcntl.LOCK_NB))
         except BlockingIOError:
+            self.handle.close()
             raise ConfigError(f"another process is writing {self.path.parent}; wait for it or kill it") from None
         return self
 
     def __exit__(self, *exc):
         self.handle.close()
+
+
+def predictions_files(directory: Path) -> list[Path]:
+    """A run's predictions files: its own first, then its shards' in name order."""
+    shards = sorted(directory.glob("predictions.shard-*-of-*.jsonl"))
+    own = directory / PREDICTIONS
+    return ([own] if own.exists() else []) + shards
+
+
+def run_records(directory: Path) -> dict[str, dict[str, Any]]:
+    """Every finished sample of a run across its predictions files, once each (the first file that holds it wins:
+    two shardings of one run may have overlapped)."""
+    records: dict[str, dict[str, Any]] = {}
+    for path in predictions_files(directory):
+        for record in read_records(path):
+            records.setdefault(record["sample_id"], record)
+    return records
 
 
 def check_writable(root: Path) -> None:
@@ -370,7 +415,7 @@ def summarise_selection(records: list[dict[str, Any]], by_length: bool = False) 
     return out
 
 
-def run(config: RunConfig) -> dict[str, Any]:
+def run(config: RunConfig) -> dict[str, Any] | None:
     import torch
     from omegaconf import OmegaConf
     from tqdm.auto import tqdm
@@ -395,21 +440,25 @@ def run(config: RunConfig) -> dict[str, Any]:
     if config.threads is not None:
         torch.set_num_threads(config.threads)
 
-    with RunLock(out_dir):
-        predictions_path = out_dir / PREDICTIONS
+    sharded = config.n_shards > 1
+    lock_name = ".lock" if not sharded else f".lock.{config.predictions_name}"
+    with RunLock(out_dir, lock_name):
+        predictions_path = out_dir / config.predictions_name
         if not config.resume and predictions_path.exists():
             predictions_path.unlink()
         _truncate_torn_tail(predictions_path)
-        (out_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(config.identity())))
+        write_text_atomic(out_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(config.identity())))
         write_json_atomic(out_dir / "env.json", provenance.collect())
 
         model, tokenizer = loaded_model(config, tokenizer)
-        done = {r["sample_id"] for r in read_records(predictions_path)}
-        todo = [s for s in samples if s.sample_id not in done]
+        done = set(run_records(out_dir))
+        mine = samples[config.shard :: config.n_shards]
+        todo = [s for s in mine if s.sample_id not in done]
         default_eos = default_eos_token_ids(tokenizer, getattr(model, "generation_config", None))
+        shard_label = f" (shard {config.shard + 1}/{config.n_shards})" if sharded else ""
         with open(predictions_path, "a", encoding="utf-8") as sink:
-            for sample in tqdm(todo, desc=f"{config.task['name']} / {config.method['name']}", initial=len(done),
-                               total=len(samples)):
+            for sample in tqdm(todo, desc=f"{config.task['name']} / {config.method['name']}{shard_label}",
+                               initial=len(mine) - len(todo), total=len(mine)):
                 cache = HarnessCache(method, PhaseTimer(config.model.resolved_device(), config.measure_phases),
                                      measure_selection=config.measure_selection)
                 request = GenerationRequest(
@@ -440,10 +489,36 @@ def run(config: RunConfig) -> dict[str, Any]:
                 sink.flush()
                 os.fsync(sink.fileno())
                 cache.close()  # ends the method's workers now, not when the garbage collector runs
+        if not sharded:
+            return finish(config, task, samples, holds_run_lock=True)
+    return finish(config, task, samples, holds_run_lock=False)
 
-        records = read_records(predictions_path)
-        order = {s.sample_id: i for i, s in enumerate(samples)}
-        records = sorted((r for r in records if r["sample_id"] in order), key=lambda r: order[r["sample_id"]])
+
+def finish(config: RunConfig, task, samples, holds_run_lock: bool) -> dict[str, Any] | None:
+    """The run's metrics.json once every sample is in, else None (a shard whose part is done while others are
+    not). Shards' files are merged into the run's predictions.jsonl, in sample order, first. One process at a time
+    (``.finish.lock``); a shard leaves the run to the unsharded process that is writing it, if there is one."""
+    from icecache_harness import provenance
+
+    out_dir = config.output_dir()
+    metrics_path = out_dir / METRICS
+    with RunLock(out_dir, ".finish.lock", blocking=True), contextlib.ExitStack() as held:
+        if metrics_path.exists():
+            return json.loads(metrics_path.read_text())
+        if not holds_run_lock:
+            try:
+                held.enter_context(RunLock(out_dir, ".lock"))
+            except ConfigError:
+                return None  # an unsharded process is writing the run; it finishes it
+        found = run_records(out_dir)
+        if any(s.sample_id not in found for s in samples):
+            return None
+        records = [found[s.sample_id] for s in samples]
+        shard_files = [path for path in predictions_files(out_dir) if path.name != PREDICTIONS]
+        if shard_files:
+            write_text_atomic(out_dir / PREDICTIONS, "".join(json.dumps(r, default=str) + "\n" for r in records))
+            for path in shard_files:
+                path.unlink()
         by_length = "lengths" in config.task
         metrics = {
             "task": config.task["name"],
@@ -463,7 +538,7 @@ def run(config: RunConfig) -> dict[str, Any]:
         if selection is not None:
             metrics["selection"] = selection
         write_json_atomic(metrics_path, metrics)
-    return metrics
+        return metrics
 
 
 def main_from_dict(values: dict[str, Any], exit_on_error: bool = True) -> dict[str, Any] | None:
@@ -476,6 +551,10 @@ def main_from_dict(values: dict[str, Any], exit_on_error: bool = True) -> dict[s
         print(f"error: {error}", file=sys.stderr)
         if exit_on_error:
             sys.exit(2)
+        return None
+    if metrics is None:
+        print(f"shard {config.shard + 1} of {config.n_shards}: its samples are done; the run's metrics.json comes "
+              f"with the last shard to finish ({config.output_dir()})")
         return None
     print(f"{metrics['task']} / {metrics['method']} / budget {metrics['budget']}: {metrics['metrics']}")
     print(f"results: {config.output_dir()} ({PREDICTIONS}, {METRICS}, config.yaml)")

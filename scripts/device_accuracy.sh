@@ -8,12 +8,18 @@
 # MPS=1 runs the jobs' processes through one CUDA MPS server when the host has nvidia-cuda-mps-control, so that
 # their kernels share the GPU instead of time-slicing it; the server is stopped when the call ends, a host where it
 # does not start runs without it. Off by default: a fault in one MPS client ends every client's context. Measured
-# on the H200 (SmolLM2, diagnostic on): 14 jobs with MPS finish 107-128 RULER samples a minute, 12 without ~98.
+# on the H200 (SmolLM2, diagnostic on, measured steps eager): 14 jobs with MPS finished 107-128 RULER samples a
+# minute, 12 without ~98; with the measured steps captured in a CUDA graph, 14 jobs with MPS finished 286.
 # RUNS_TAR never rolls back a run: a file already on the host's disk that is newer than its copy in the tarball (a
 # host that kept its disk between calls) is kept.
 # The finished runs of results/bench/accuracy_*.json (the curated files) are put back first and not run again, so a
 # fresh host without RUNS_TAR goes on where the curated files end; RESTORE=0 runs them again.
-# Usage: [JOBS=6] [DEADLINE=420] [MODEL=smollm2_135m] [RUNS_TAR=runs.tar.gz] [MPS=1] [RESTORE=0] bash scripts/device_accuracy.sh \
+# SHARDS=N splits each run left into N jobs of every N-th sample (run_jobs.py --shards): with 14 jobs on the H200
+# (one core each) a RULER sample of IceCache, PQCache or MagicPIG takes 3-9 s of wall time at 4k, so one such run
+# of 130 samples needs 7-20 minutes by itself, more at 8k, and ends a call's work last; with SHARDS=4 its quarters
+# run beside each other.
+# Usage: [JOBS=6] [SHARDS=1] [DEADLINE=420] [MODEL=smollm2_135m] [RUNS_TAR=runs.tar.gz] [MPS=1] [RESTORE=0] \
+#        bash scripts/device_accuracy.sh \
 #        [experiment ...]          (default: accuracy_passkey accuracy_ruler; an entry may carry overrides:
 #                                   "accuracy_ruler budget=256 task.lengths=[4096]")
 set -uo pipefail
@@ -56,8 +62,8 @@ fi
 # One process runs and then curates, listing the grid's jobs once; should it end before its curated file is
 # written (a job that cannot run, a crash), a second process curates what is on disk.
 started=$(mktemp)
-python3 scripts/run_jobs.py "${sweeps[@]}" "${restore[@]}" --workers "${JOBS:-6}" --deadline "${DEADLINE:-420}" \
-    --curate accuracy --out "$out" --bench results/bench
+python3 scripts/run_jobs.py "${sweeps[@]}" "${restore[@]}" --workers "${JOBS:-6}" --shards "${SHARDS:-1}" \
+    --deadline "${DEADLINE:-420}" --curate accuracy --out "$out" --bench results/bench
 status=$?
 if [ -z "$(find "$out" -maxdepth 1 -name 'accuracy_*.json' -newer "$started")" ]; then
     python3 scripts/run_jobs.py "${sweeps[@]}" --no-run --curate accuracy --out "$out" --bench results/bench

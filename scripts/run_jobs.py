@@ -14,7 +14,10 @@ first (samples left times a sample's time, both read from the runs on disk: ``lo
 and length), each of which runs them one after another with the runner (which keeps the model, its tokenizer and
 the built samples between the jobs of a process). Every sample is on disk when it is finished, so a deadline or a kill
 loses at most the samples in flight: at ``--deadline`` seconds the workers are stopped and the next call resumes
-(exit status 3: time ran out with jobs left; 0: every job done; 2: a job cannot run).
+(exit status 3: time ran out with jobs left; 0: every job done; 2: a job cannot run). ``--shards N`` splits each
+run left into N jobs of every N-th sample (the runner's ``n_shards``), so that a slow method's run is spread over
+several workers instead of setting the end of the call; a later call may shard differently without losing or
+repeating a sample.
 
 ``--restore CURATED`` first puts back the finished runs of an earlier curated file (their metrics.json), so that
 a host without the runs' directories skips them, and curating carries them into the next file.
@@ -67,6 +70,31 @@ def expand(sweeps: list[list[str]], device: str | None) -> tuple[list[dict[str, 
     return jobs, errors
 
 
+def check_tasks(jobs: list[dict[str, Any]]) -> list[str]:
+    """The one-line errors of the jobs' tasks' own checks, which need this host (their data, the packages they
+    read, such as RULER's word lists), each distinct task once, before any worker loads a model."""
+    from icecache.core.errors import ConfigError
+    from icecache.tasks.base import build_task
+
+    errors, seen = [], set()
+    here = Path.cwd()
+    os.chdir(REPO)  # as a worker sees the task's paths
+    try:
+        for job in jobs:
+            task = job["values"].get("task") or {}
+            name = json.dumps(task, sort_keys=True, default=str)
+            if name in seen:
+                continue
+            seen.add(name)
+            try:
+                build_task(dict(task))
+            except ConfigError as error:
+                errors.append(f"task {task.get('name')}: {error}")
+    finally:
+        os.chdir(here)
+    return errors
+
+
 def is_done(job: dict[str, Any]) -> bool:
     return (resolve(job["run_dir"]) / "metrics.json").exists()
 
@@ -108,19 +136,34 @@ def order(job: dict[str, Any]) -> tuple:
 
 
 def _samples_on_disk(job: dict[str, Any]) -> tuple[int, list[float]]:
-    """(samples in the run's predictions, the seconds each took: its prefill plus its decode steps)."""
-    path = resolve(job["run_dir"]) / "predictions.jsonl"
-    count, seconds = 0, []
-    if path.exists():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                gen = json.loads(line).get("gen") or {}
-            except ValueError:
-                continue  # a torn last line: the runner drops it on resume
-            count += 1
-            if gen.get("ttft_s") is not None:
-                seconds.append(gen["ttft_s"] + (gen.get("tpot_s") or 0.0) * gen.get("new_tokens", 0))
-    return count, seconds
+    """(samples in the run's predictions files, its shards' included, and the seconds each took: its prefill plus
+    its decode steps)."""
+    from icecache_harness.runner import run_records
+
+    directory = resolve(job["run_dir"])
+    records = run_records(directory) if directory.is_dir() else {}
+    seconds = []
+    for record in records.values():
+        gen = record.get("gen") or {}
+        if gen.get("ttft_s") is not None:
+            seconds.append(gen["ttft_s"] + (gen.get("tpot_s") or 0.0) * gen.get("new_tokens", 0))
+    return len(records), seconds
+
+
+def sharded(jobs: list[dict[str, Any]], n_shards: int) -> list[dict[str, Any]]:
+    """Each job as ``n_shards`` jobs of the same run, next to each other in the order given: the run's samples
+    shard, shard + n_shards, ... go to job ``shard``, so that the longest runs end in a fraction of their time
+    (the runner merges the shards' files; a run's directory does not depend on its sharding)."""
+    if n_shards == 1:
+        return jobs
+    return [{**job, "key": f"{job['run_dir']}#{shard + 1}/{n_shards}",
+             "values": {**job["values"], "shard": shard, "n_shards": n_shards}}
+            for job in jobs for shard in range(n_shards)]
+
+
+def key(job: dict[str, Any]) -> str:
+    """A job's name in the queue: its run directory, and its shard when the run is sharded."""
+    return job.get("key", job["run_dir"])
 
 
 def longest_first(jobs: list[dict[str, Any]], evidence: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
@@ -204,13 +247,13 @@ def worker(jobs: "mp.Queue", results: "mp.Queue", threads: int | None, run=run_j
             values["threads"] = threads  # not part of a run's identity: the directory stays the same
         try:
             run(values)
-            results.put((job["run_dir"], None, False))
+            results.put((key(job), None, False))
         except ConfigError as error:
-            results.put((job["run_dir"], str(error), False))
+            results.put((key(job), str(error), False))
         except Exception as error:  # noqa: BLE001  one job's failure (out of memory, a bug) must not stop the others
             traceback.print_exc()
             fault = is_device_fault(error)
-            results.put((job["run_dir"], f"{type(error).__name__}: {error}", fault))
+            results.put((key(job), f"{type(error).__name__}: {error}", fault))
             if fault:
                 return
 
@@ -228,7 +271,7 @@ def run_all(jobs: list[dict[str, Any]], workers: int, deadline_s: float | None,
         pending.put(job)
     results: mp.Queue = context.Queue()
     threads = max(1, (os.cpu_count() or 1) // workers) if workers > 1 else None
-    by_run_dir = {job["run_dir"]: job for job in jobs}
+    by_key = {key(job): job for job in jobs}
     retried: set[str] = set()
     processes: list = []
 
@@ -253,7 +296,7 @@ def run_all(jobs: list[dict[str, Any]], workers: int, deadline_s: float | None,
                       flush=True)
                 break
             try:
-                run_dir, error, fault = results.get(timeout=min(5.0, left) if left is not None else 5.0)
+                name, error, fault = results.get(timeout=min(5.0, left) if left is not None else 5.0)
             except queue.Empty:
                 if not any(p.is_alive() for p in processes):
                     break  # a worker died (out of memory, say) and nothing more will come
@@ -261,18 +304,18 @@ def run_all(jobs: list[dict[str, Any]], workers: int, deadline_s: float | None,
             if fault:
                 # The faulted worker has exited, its CUDA context with it. Its replacement starts with the job
                 # (once), ahead of the queue, so that a retry is not left behind long jobs by a deadline.
-                if run_dir not in retried:
-                    retried.add(run_dir)
-                    start_worker(first=by_run_dir[run_dir])
-                    print(f"device fault in {run_dir}: running it again in a fresh process", flush=True)
+                if name not in retried:
+                    retried.add(name)
+                    start_worker(first=by_key[name])
+                    print(f"device fault in {name}: running it again in a fresh process", flush=True)
                     continue
                 start_worker()
             if error:
-                errors.append(f"{run_dir}: {error}")
-                print(f"error: {run_dir}: {error}", file=sys.stderr, flush=True)
+                errors.append(f"{name}: {error}")
+                print(f"error: {name}: {error}", file=sys.stderr, flush=True)
             else:
                 finished += 1
-                print(f"done {finished}/{len(jobs)}: {run_dir}", flush=True)
+                print(f"done {finished}/{len(jobs)}: {name}", flush=True)
     finally:
         signal.signal(signal.SIGTERM, previous)
         for process in processes:
@@ -348,12 +391,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bench", type=Path, default=REPO / "results" / "bench",
                         help="latency_*.json folder for the TPOT figure")
     parser.add_argument("--no-plots", action="store_true", help="with --curate: the file alone")
+    parser.add_argument("--shards", type=int, default=1, metavar="N",
+                        help="split every run left into N jobs, each with every N-th sample, so that the longest "
+                             "runs do not hold the end of the call (default 1)")
     parser.add_argument("--restore", type=Path, metavar="CURATED", action="append", default=[],
                         help="first put back the finished runs of this curated file that the sweeps name and this "
                              "disk lacks (their metrics.json), so that they are not run again (repeatable)")
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")
+    if args.shards < 1:
+        parser.error("--shards must be at least 1")
     sweeps = [shlex.split(s) for s in args.sweep]
     jobs, errors = expand(sweeps, args.device)
     for error in errors:
@@ -369,9 +417,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2 if errors else 0
     if errors and not args.no_run:
         return 2
+    if todo and not args.no_run:
+        task_errors = check_tasks(todo)
+        for error in task_errors:
+            print(f"error: {error}", file=sys.stderr)
+        if task_errors:
+            return 2
     failed: list[str] = []
     if todo and not args.no_run:
-        _, failed = run_all(todo, args.workers, args.deadline)
+        _, failed = run_all(sharded(todo, args.shards), args.workers, args.deadline)
     if args.curate:
         curate(jobs, sweeps, args.curate, args.out, args.bench, plots=not args.no_plots)
     left = [job for job in jobs if not is_done(job)]

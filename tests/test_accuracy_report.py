@@ -225,6 +225,38 @@ def test_run_jobs_runs_in_parallel_resumes_curates_and_the_table_renders(tmp_pat
     assert len(summary.tables["accuracy"]) == 2
 
 
+def test_runs_split_into_shards_give_the_runs_unsplit(tmp_path):
+    run_jobs = load_script("run_jobs")
+
+    def sweep(root: str) -> str:
+        return (f"experiment=accuracy_passkey model=tiny_llama output_root={tmp_path / root} method=full,quest "
+                "budget=128 task.lengths=[400] task.num_depths=3")
+
+    assert run_jobs.main(["--sweep", sweep("whole"), "--no-plots"]) == 0
+    assert run_jobs.main(["--sweep", sweep("sharded"), "--shards", "2", "--workers", "2", "--no-plots"]) == 0
+    for whole in sorted((tmp_path / "whole").rglob("metrics.json")):
+        sharded = tmp_path / "sharded" / whole.relative_to(tmp_path / "whole")
+        assert json.loads(sharded.read_text())["metrics"] == json.loads(whole.read_text())["metrics"]
+        ids = [json.loads(line)["sample_id"] for line in (sharded.parent / "predictions.jsonl").open()]
+        assert ids == [json.loads(line)["sample_id"] for line in (whole.parent / "predictions.jsonl").open()]
+        assert sorted(p.name for p in sharded.parent.glob("predictions*")) == ["predictions.jsonl"]
+    assert len(list((tmp_path / "sharded").rglob("metrics.json"))) == 2
+    jobs = [{"run_dir": "r", "values": {"task": {}}}]
+    assert [(j["key"], j["values"]["shard"], j["values"]["n_shards"]) for j in run_jobs.sharded(jobs, 2)] == [
+        ("r#1/2", 0, 2), ("r#2/2", 1, 2)]
+    assert run_jobs.sharded(jobs, 1) == jobs
+
+
+def test_a_task_that_cannot_run_on_this_host_stops_run_jobs_before_any_worker(tmp_path, capsys):
+    run_jobs = load_script("run_jobs")
+    sweep = (f"experiment=accuracy_ruler model=tiny_llama output_root={tmp_path / 'runs'} method=full budget=128 "
+             f"task.lengths=[400] task.num_samples=1 task.data_dir={tmp_path / 'no_ruler_data'}")
+    assert run_jobs.main(["--sweep", sweep, "--workers", "2", "--no-plots"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "task ruler:" in errors[0] and "make ruler-data" in errors[0]
+    assert not (tmp_path / "runs").exists()  # nothing started
+
+
 def test_a_fresh_host_puts_back_the_finished_runs_of_a_curated_file_instead_of_running_them(tmp_path):
     import shutil
 
@@ -382,7 +414,8 @@ def test_the_queue_hands_out_the_runs_with_the_most_work_left_first(tmp_path):
         run_dir = tmp_path / f"{method}-{budget}-{length}"
         run_dir.mkdir()
         record = {"gen": {"ttft_s": seconds / 2, "tpot_s": seconds / 20, "new_tokens": 10}}  # a sample: `seconds`
-        (run_dir / "predictions.jsonl").write_text("".join(json.dumps(record) + "\n" for _ in range(samples)))
+        (run_dir / "predictions.jsonl").write_text("".join(json.dumps({"sample_id": f"s{i}", **record}) + "\n"
+                                                           for i in range(samples)))
         if done:
             (run_dir / "metrics.json").write_text("{}")
         values = {"method": {"name": method}, "budget": budget, "task": {"name": "ruler", "lengths": [length]}}

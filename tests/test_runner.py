@@ -201,3 +201,52 @@ def test_provenance_records_the_numa_nodes_and_the_thread_binding(monkeypatch):
     assert info["omp_proc_bind"] == "close"
     expected = len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or None
     assert info["numa_nodes"] == expected
+
+
+def test_a_run_in_shards_gives_the_unsharded_run_and_resumes_a_killed_shard(tmp_path, monkeypatch):
+    from icecache.core import generation
+
+    whole = runner.run(make_config(tmp_path / "whole"))
+    whole_lines = (make_config(tmp_path / "whole").output_dir() / runner.PREDICTIONS).read_text().splitlines()
+
+    real = generation.greedy_generate
+    calls = []
+
+    def dying(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the second shard is killed while generating its second sample
+        return real(*args, **kwargs)
+
+    shards = [make_config(tmp_path / "sharded", shard=i, n_shards=3) for i in range(3)]
+    out = shards[0].output_dir()
+    assert out.relative_to(tmp_path / "sharded") == make_config(tmp_path / "whole").output_dir().relative_to(
+        tmp_path / "whole")  # sharding is not part of the run's identity
+    assert runner.run(shards[0]) is None  # its two samples are done, the run is not
+    monkeypatch.setattr(generation, "greedy_generate", dying)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(shards[1])
+    monkeypatch.setattr(generation, "greedy_generate", real)
+    assert runner.run(shards[2]) is None
+    assert len(runner.read_records(out / "predictions.shard-1-of-3.jsonl")) == 1
+    assert not (out / runner.PREDICTIONS).exists() and not (out / runner.METRICS).exists()
+
+    calls.clear()
+    monkeypatch.setattr(generation, "greedy_generate", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    metrics = runner.run(shards[1])  # resumes: one sample left, and it completes the run
+    assert len(calls) == 1
+    def outputs(lines):  # what a sample computed; its timings differ from run to run
+        return [(r["sample_id"], r["output_ids"], r["score"]) for r in map(json.loads, lines)]
+
+    assert outputs((out / runner.PREDICTIONS).read_text().splitlines()) == outputs(whole_lines)  # merged in
+    # sample order, each sample once
+    assert sorted(p.name for p in out.glob("predictions*")) == [runner.PREDICTIONS]
+    assert metrics["metrics"] == whole["metrics"] and metrics["n_samples"] == 6
+    assert runner.run(shards[0])["n_samples"] == 6  # a finished run is done for every shard
+
+
+def test_a_shard_setting_out_of_range_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="shard=3 of n_shards=3"):
+        make_config(tmp_path, shard=3, n_shards=3)
+    with pytest.raises(ConfigError, match="n_shards=1"):
+        make_config(tmp_path, shard=0, n_shards=2, resume=False)
