@@ -15,8 +15,8 @@
 # The finished runs of results/bench/accuracy_*.json (the curated files) are put back first and not run again, so a
 # fresh host without RUNS_TAR goes on where the curated files end; RESTORE=0 runs them again.
 # SHARDS=N splits each run left into N jobs of every N-th sample (run_jobs.py --shards): with 14 jobs on the H200
-# (one core each) a RULER sample of IceCache, PQCache or MagicPIG takes 3-9 s of wall time at 4k, so one such run
-# of 130 samples needs 7-20 minutes by itself, more at 8k, and ends a call's work last; with SHARDS=4 its quarters
+# (one core each) a RULER sample of IceCache, PQCache or MagicPIG takes 3-10 s of wall time at 4k, so one such run
+# of 130 samples needs 7-22 minutes by itself, more at 8k, and ends a call's work last; with SHARDS=4 its quarters
 # run beside each other.
 # Usage: [JOBS=6] [SHARDS=1] [DEADLINE=420] [MODEL=smollm2_135m] [RUNS_TAR=runs.tar.gz] [MPS=1] [RESTORE=0] \
 #        bash scripts/device_accuracy.sh \

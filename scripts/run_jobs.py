@@ -55,7 +55,9 @@ def expand(sweeps: list[list[str]], device: str | None) -> tuple[list[dict[str, 
     ``RunConfig.from_dict``), and the one-line errors of the jobs that cannot run."""
     import sweep
 
-    jobs, errors, seen = [], [], set()
+    jobs: list[dict[str, Any]] = []
+    errors: list[str] = []
+    seen: dict[str, dict[str, Any]] = {}
     infos: dict[str, Any] = {}  # each model's geometry, read once for all the sweeps
     for overrides in sweeps:
         expanded, _ = sweep.expand(overrides, device, infos=infos)
@@ -63,10 +65,15 @@ def expand(sweeps: list[list[str]], device: str | None) -> tuple[list[dict[str, 
             if job.error:
                 errors.append(f"{' '.join(job.overrides)}: {job.error}")
                 continue
-            if job.duplicate_of is not None or str(job.run_dir) in seen:
+            if job.duplicate_of is not None:
+                continue  # its first listing carries its reference flag too
+            if str(job.run_dir) in seen:  # the same run in another sweep: a reference run if either says so
+                seen[str(job.run_dir)]["reference"] |= job.reference
                 continue
-            seen.add(str(job.run_dir))
-            jobs.append({"overrides": job.overrides, "run_dir": str(job.run_dir), "values": job.values})
+            entry = {"overrides": job.overrides, "run_dir": str(job.run_dir), "values": job.values,
+                     "reference": job.reference}
+            seen[entry["run_dir"]] = entry
+            jobs.append(entry)
     return jobs, errors
 
 
@@ -174,7 +181,9 @@ def longest_first(jobs: list[dict[str, Any]], evidence: list[dict[str, Any]] | N
     time pooled over the method's runs (budgets pooled; any lengths of the method when none at these; every
     method's when the method has none), a run's sample count from a finished run of the same task settings (else
     the most any run of them holds, else the largest run of the task). Jobs with nothing to go on keep ``order``'s
-    grouping, which every tie falls back to."""
+    grouping, which every tie falls back to. The experiments' reference runs (``"reference": True``, the full cache
+    the tables divide by) go before all others whatever their work: a call that ends at its deadline then leaves
+    every finished run its "% of full", and a reference run is among the cheapest of a grid."""
     runs = {job["run_dir"]: job for job in [*(evidence or []), *jobs]}  # each run once
     on_disk = {run_dir: _samples_on_disk(job) for run_dir, job in runs.items()}
 
@@ -211,7 +220,7 @@ def longest_first(jobs: list[dict[str, Any]], evidence: list[dict[str, Any]] | N
         return max(total - on_disk[job["run_dir"]][0], 1) * sum(samples) / len(samples)
 
     ordered = sorted(jobs, key=order)  # the grouping first; a stable sort keeps it among equals
-    return sorted(ordered, key=work_left, reverse=True)
+    return sorted(ordered, key=lambda job: (bool(job.get("reference")), work_left(job)), reverse=True)
 
 
 def is_device_fault(error: BaseException) -> bool:

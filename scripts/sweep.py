@@ -55,6 +55,7 @@ class Job:
     error: str | None = None
     duplicate_of: int | None = None
     values: dict[str, Any] | None = None  # the run's composed settings (RunConfig.from_dict), when resolved
+    reference: bool = False  # one of the experiment's reference runs (what the tables' "% of full" divides by)
 
     def status(self) -> str:
         if self.error:
@@ -134,11 +135,12 @@ def expand(overrides: list[str], device: str | None = None, resolve_dirs: bool =
     overrides = normalise_overrides(overrides)
     with hydra_context():
         job_overrides, base = sweep_jobs(overrides)
+        n_grid = len(job_overrides)  # the jobs after these are the reference runs'
         reference = reference_overrides(base, overrides)
         if reference:
             job_overrides, base = sweep_jobs(overrides, [reference])
         if not resolve_dirs:
-            return [Job(o, None) for o in job_overrides], base
+            return [Job(o, None, reference=i >= n_grid) for i, o in enumerate(job_overrides)], base
         composer = JobComposer()
         jobs: list[Job] = []
         seen: dict[str, int] = {}
@@ -147,7 +149,7 @@ def expand(overrides: list[str], device: str | None = None, resolve_dirs: bool =
         with _as_device(device):
             from icecache_harness.runner import RunConfig
 
-            for job_override in job_overrides:
+            for index, job_override in enumerate(job_overrides):
                 try:
                     values = run_values(composer.compose(job_override))
                     config = RunConfig.from_dict(values)
@@ -157,9 +159,10 @@ def expand(overrides: list[str], device: str | None = None, resolve_dirs: bool =
                 except Exception as error:  # noqa: BLE001  a job that cannot compose or run is listed, not fatal
                     jobs.append(Job(job_override, None, first_line(error)))
                     continue
-                job = Job(job_override, run_dir, values=values)
+                job = Job(job_override, run_dir, values=values, reference=index >= n_grid)
                 if str(run_dir) in seen:
                     job.duplicate_of = seen[str(run_dir)]
+                    jobs[seen[str(run_dir)]].reference |= job.reference
                 else:
                     seen[str(run_dir)] = len(jobs)
                 jobs.append(job)

@@ -432,6 +432,12 @@ def test_the_queue_hands_out_the_runs_with_the_most_work_left_first(tmp_path):
     assert [j["run_dir"] for j in ordered[:2]] == [fresh_slow["run_dir"], other_length["run_dir"]]
     assert [j["run_dir"] for j in ordered[2:]] == [fresh_fast["run_dir"], nearly_done_slow["run_dir"]]
 
+    # A reference run (the full cache the tables divide by) goes first, though it has the least work left.
+    reference = {**job("full", 0, 8000), "reference": True}
+    ordered = run_jobs.longest_first([*todo, reference], evidence=[*finished, *todo, reference])
+    without = run_jobs.longest_first(todo, evidence=[*finished, *todo])
+    assert ordered[0] is reference and [j["run_dir"] for j in ordered[1:]] == [j["run_dir"] for j in without]
+
     # With nothing on disk to go on, the grouping by task and length stands (a stable order).
     blank = [job("a", 128, 8000), job("b", 128, 4096), job("c", 128, 8000)]
     assert [j["values"]["method"]["name"] for j in run_jobs.longest_first(blank)] == ["b", "a", "c"]

@@ -90,10 +90,12 @@ def test_table2_grid_size_and_reference_runs():
     assert len(jobs) == 12 * 3 * 16 + 16
     full = [j for j in jobs if "method=full" in j.overrides]
     assert len(full) == 16 and all("budget=null" in j.overrides for j in full)
+    assert [j for j in jobs if j.reference] == full  # the reference sweep's jobs, and only they, are flagged
     # a command-line override replaces the swept key (Hydra's BasicSweeper rule); naming the method also drops the
     # full-cache reference sweep (method=icecache asks for IceCache only)
     jobs, _ = sweep.expand(["experiment=table2", "method=icecache", "budget=128"], resolve_dirs=False)
     assert len(jobs) == 16 and all("method=icecache" in j.overrides for j in jobs)
+    assert not any(j.reference for j in jobs)
 
 
 def test_dry_run_lists_the_expected_jobs_and_the_slurm_array(tmp_path):
@@ -119,6 +121,9 @@ def test_dry_run_lists_the_expected_jobs_and_the_slurm_array(tmp_path):
     jobs, _ = sweep.expand(["experiment=table2", "model=tiny_llama", "budget=64", "task.datasets=[trec],[lcc]",
                             f"output_root={tmp_path}"], device="cpu", resolve_dirs=False)
     assert sum("method=full" in j.overrides and "budget=null" in j.overrides for j in jobs) == 2
+    resolved, _ = sweep.expand(["experiment=table2", "model=tiny_llama", "budget=64", "task.datasets=[trec]",
+                                f"output_root={tmp_path}"], device="cpu")
+    assert [j.run_dir.parts[-3] for j in resolved if j.reference] == ["full"]
 
 
 def test_dry_run_of_a_driver_experiment_prints_the_driver():
