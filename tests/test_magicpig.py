@@ -37,16 +37,25 @@ def test_simhash_codes_are_the_signs_of_each_tables_projections():
     torch.testing.assert_close(simhash_codes(3.0 * vectors, projections, K=5), codes)  # a direction's bucket
 
 
-@pytest.mark.parametrize("n_positions", [64, 40])
-def test_hash_tables_count_what_a_direct_comparison_counts(n_positions):
+@pytest.mark.parametrize("n_positions", [64, 40, 0, 70])
+@pytest.mark.parametrize("K", [3, 8])  # 8 buckets for 60 keys (none empty), 256 (most empty)
+def test_hash_tables_count_what_a_direct_comparison_counts(n_positions, K):
     gen = torch.Generator().manual_seed(1)
-    key_codes = torch.randint(0, 8, (2, 60, 9), generator=gen, dtype=torch.int32)  # K=3: 8 buckets, L=9
-    query_codes = torch.randint(0, 8, (4, 9), generator=gen, dtype=torch.int32)
-    tables = HashTables(key_codes, first_position=4, K=3)  # positions 4..63
+    key_codes = torch.randint(0, 2**K, (2, 60, 9), generator=gen, dtype=torch.int32)  # L=9 tables
+    query_codes = torch.randint(0, 2**K, (4, 9), generator=gen, dtype=torch.int32)
+    tables = HashTables(key_codes, first_position=4, K=K)  # positions 4..63
     counts = tables.counts(query_codes, group=2, n_positions=n_positions)
-    expected = torch.zeros(4, 64, dtype=torch.int64)
-    expected[:, 4:] = collision_counts_reference(query_codes, key_codes, group=2)
-    assert torch.equal(counts, expected[:, :n_positions])
+    expected = torch.zeros(4, 70, dtype=torch.int64)
+    expected[:, 4:64] = collision_counts_reference(query_codes, key_codes, group=2)
+    assert counts.dtype == torch.int64 and torch.equal(counts, expected[:, :n_positions])
+
+
+def test_hash_tables_count_nothing_for_a_query_in_empty_buckets():
+    key_codes = torch.zeros(1, 10, 4, dtype=torch.int32)  # every key in bucket 0 of every table
+    tables = HashTables(key_codes, first_position=0, K=2)
+    query_codes = torch.tensor([[1, 2, 3, 1], [0, 0, 1, 1]], dtype=torch.int32)
+    counts = tables.counts(query_codes, group=2, n_positions=10)
+    assert torch.equal(counts, torch.stack([torch.zeros(10), torch.full((10,), 2.0)]).long())
 
 
 def test_sampling_probability_is_the_chance_of_two_collisions_in_L_tables():
