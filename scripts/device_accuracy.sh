@@ -71,3 +71,4 @@ fi
 rm -f "$started"
 tar -czf "$out/runs.tar.gz" results/runs
 echo "run_jobs: exit status $status (0: every run done; 3: time ran out: call again with RUNS_TAR=<runs.tar.gz>)"
+exit "$status"

@@ -12,6 +12,7 @@
 #   bash scripts/device_stage.sh keep .parts/w .parts/r     (carry: .parts/w, .parts/r)
 #   bash scripts/device_stage.sh keep .parts/m1             (carry: .parts/m1; then m2, then m3)
 #   bash scripts/device_stage.sh install                    (joins the model, checks its sha256, installs)
+# or, the same command in every call, staging and then running the accuracy grid: scripts/device_accuracy_call.sh.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 parts=${1:-$repo/.parts}

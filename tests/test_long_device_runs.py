@@ -138,3 +138,94 @@ def test_attention_probe_refuses_a_host_without_cuda_in_one_line(tmp_path):
     assert probe.stderr.strip().splitlines()[-1] == ("error: attention_probe.py times CUDA kernels: run it on a GPU "
                                                       "host")
     assert not list(tmp_path.iterdir())
+
+
+FAKE_STAGE = """#!/usr/bin/env bash
+case $1 in
+keep) shift; for d in "$@"; do cp -r "$d"/. "$ICECACHE_STAGE"/; done ;;
+missing) [ -f "$ICECACHE_STAGE/piece" ] || { echo "piece (the one piece)"; exit 3; } ;;
+install) echo installed >> "$ICECACHE_STAGE/installs" ;;
+esac
+"""
+# What the grid's call gets, then samples on the disk of the tree it runs in, a curated file, and the status
+# the gate file holds once the gate is there.
+FAKE_GRID = """#!/usr/bin/env bash
+echo "RUNS_TAR=$RUNS_TAR DEADLINE=$DEADLINE JOBS=$JOBS SHARDS=$SHARDS args=$*" > "$OUT/args.txt"
+mkdir -p results/runs/task/run && echo '{"sample_id": "s0"}' > results/runs/task/run/predictions.jsonl
+while [ ! -s "$GATE" ]; do sleep 0.1; done
+echo curated > "$OUT/accuracy_model_stamp.json"
+exit "$(cat "$GATE")"
+"""
+
+
+def grid_call(tmp_path: Path, *args: str, wait: str = "1", **env_overrides: str) -> subprocess.CompletedProcess:
+    repo = tmp_path / "repo"
+    if not repo.exists():
+        (repo / "scripts").mkdir(parents=True)
+        for name in ("device_accuracy_call.sh", "device_detached.sh"):
+            (repo / "scripts" / name).write_text((REPO / "scripts" / name).read_text())
+        (repo / "scripts" / "device_stage.sh").write_text(FAKE_STAGE)
+        (repo / "scripts" / "device_accuracy.sh").write_text(FAKE_GRID)
+    out = tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    env = {**os.environ, "ICECACHE_DETACHED_ROOT": str(tmp_path / "root"), "ICECACHE_STAGE": str(tmp_path / "stage"),
+           "OUT": str(out), "GATE": str(tmp_path / "gate"), "ICECACHE_GIT_COMMIT": "abc123", "DEADLINE": "900",
+           "WAIT": wait, **env_overrides}
+    (tmp_path / "stage").mkdir(exist_ok=True)
+    return subprocess.run(["bash", str(repo / "scripts" / "device_accuracy_call.sh"), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_grid_call_stages_starts_once_waits_and_hands_back_every_sample(tmp_path):
+    import tarfile
+
+    assert grid_call(tmp_path, ICECACHE_GIT_COMMIT="").returncode == 2  # bad input, in every call
+    bad = grid_call(tmp_path, DEADLINE="soon")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "DEADLINE" in bad.stderr
+    assert grid_call(tmp_path, str(tmp_path / "not-there")).returncode == 2
+
+    first = grid_call(tmp_path)  # nothing kept yet: the missing pieces, nothing started
+    assert first.returncode == 3 and "piece (the one piece)" in first.stdout
+    assert not (tmp_path / "root").exists()
+
+    pieces = tmp_path / "pieces"
+    pieces.mkdir()
+    (pieces / "piece").write_text("x")
+    (pieces / "runs.tar.gz").write_bytes(b"an earlier host's samples")
+    started = grid_call(tmp_path, str(pieces), "--", "accuracy_ruler budget=256")
+    assert started.returncode == 3 and "running" in started.stdout, started.stdout + started.stderr
+    args = (tmp_path / "out" / "args.txt").read_text()
+    assert f"RUNS_TAR={tmp_path / 'stage' / 'runs.tar.gz'} DEADLINE=900 JOBS=14 SHARDS=4" in args
+    assert "args=accuracy_ruler budget=256" in args
+    with tarfile.open(tmp_path / "out" / "runs.tar.gz") as tar:  # the samples so far, while it runs
+        assert "results/runs/task/run/predictions.jsonl" in tar.getnames()
+
+    again = grid_call(tmp_path)  # a later call: neither installs nor starts again
+    assert again.returncode == 3 and (tmp_path / "stage" / "installs").read_text() == "installed\n"
+
+    (tmp_path / "gate").write_text("3")  # the grid stops at its deadline with runs left
+    ended = grid_call(tmp_path, wait="30")
+    assert ended.returncode == 1 and "the deadline came first" in ended.stdout
+    assert (tmp_path / "out" / "accuracy_model_stamp.json").read_text() == "curated\n"
+
+
+def test_the_stage_lists_the_pieces_not_kept(tmp_path):
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    env = {**os.environ, "ICECACHE_STAGE": str(stage)}
+
+    def missing() -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(REPO / "scripts" / "device_stage.sh"), "missing"], env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    everything = missing()
+    assert everything.returncode == 3 and len(everything.stdout.splitlines()) == 3 + 3 + 5
+    for name in ["smollm2.part0", "smollm2.part1", "smollm2.part2", "ruler.PaulGrahamEssays.json.gz",
+                 "ruler.squad.json.gz", "ruler.hotpotqa.json.gz", "hydra_core-1.3.8-py3-none-any.whl",
+                 "omegaconf-2.3.0-py3-none-any.whl", "antlr4_python3_runtime-4.9.3-py3-none-any.whl",
+                 "gguf-0.19.0-py3-none-any.whl"]:
+        (stage / name).write_text("x")
+    one_left = missing()
+    assert one_left.returncode == 3 and one_left.stdout == "wonderwords wheel\n"
+    (stage / "wonderwords-2.2.0-py3-none-any.whl").write_text("x")
+    assert missing().returncode == 0 and missing().stdout == ""
