@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The pieces that scripts/device_stage.sh takes to a GPU host without a package registry, made on this machine
-# (which has one), each folder small enough for one call's 64 MiB beside the working tree:
+# (which has one), in folders that go to the host two at a time within one call's 64 MiB beside the working tree:
 #
 #   PARTS/w          wheels of the runner's packages that the GPU host's image lacks (torch, transformers, Triton,
 #                    numpy, pandas, matplotlib and tqdm it has), at requirements.txt's versions, for CPython 3.12
@@ -9,8 +9,9 @@
 #
 # Usage: bash scripts/device_pack.sh [PARTS]        (default .parts, which git ignores)
 # Then, in calls to one warm host (each within the host's idle limit of the one before):
-#   bash scripts/device_stage.sh keep .parts/w .parts/r     (carry: .parts/w, .parts/r)
-#   bash scripts/device_stage.sh keep .parts/m1             (carry: .parts/m1; then m2, then m3)
+#   bash scripts/device_stage.sh keep .parts/w .parts/m1    (carry: .parts/w, .parts/m1: 54 MB beside the tree)
+#   bash scripts/device_stage.sh keep .parts/r .parts/m2    (carry: .parts/r, .parts/m2)
+#   bash scripts/device_stage.sh keep .parts/m3             (carry: .parts/m3)
 #   bash scripts/device_stage.sh install                    (joins the model, checks its sha256, installs)
 # or, the same command in every call, staging and then running the accuracy grid: scripts/device_accuracy_call.sh.
 set -euo pipefail

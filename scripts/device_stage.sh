@@ -2,7 +2,7 @@
 # Real-model runs on a GPU host that has no package registry and takes at most 64 MiB per call: the SmolLM2 GGUF,
 # the RULER source texts and the wheels the runner needs travel in pieces over several calls to the same warm host.
 #
-#   bash scripts/device_stage.sh keep DIR...   copy each DIR's files to the host's stage folder (one call per piece)
+#   bash scripts/device_stage.sh keep DIR...   copy each DIR's files to the host's stage folder (the pieces over several calls)
 #   bash scripts/device_stage.sh missing       list the pieces not kept yet, one a line (exit status 3 if any)
 #   bash scripts/device_stage.sh install       join the model's parts and check its sha256 (refusing on a mismatch),
 #                                              make it importable as the package the model config names, unpack the
