@@ -4,7 +4,7 @@
 # follows the one before within the host's idle limit. Each call
 #   1. keeps the files of the folders given (scripts/device_stage.sh keep: the pieces scripts/device_pack.sh made,
 #      and a folder holding the runs.tar.gz an earlier host returned, if there is one);
-#   2. once the model's three parts, the wheels and RULER's texts are all kept, installs them (once per host);
+#   2. once the model's three parts, the wheels and RULER's texts are all kept, installs them;
 #   3. then starts scripts/device_accuracy.sh detached (once per host: RUNS_TAR is the runs.tar.gz kept, if any);
 #   4. while it runs, waits for it up to WAIT seconds and leaves in $OUT what it has curated so far and a
 #      runs.tar.gz of every sample on the host's disk: the RUNS_TAR of the next host, should this one be lost.
@@ -20,9 +20,10 @@
 # or still running; 2 bad input.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-repo=$(cd "$here/.." && pwd)
-stage=${ICECACHE_STAGE:-/tmp/icecache-stage}
-root=${ICECACHE_DETACHED_ROOT:-/tmp/icecache-detached}
+# Both scripts it calls read these; exported once, they agree with this one.
+export ICECACHE_STAGE=${ICECACHE_STAGE:-/tmp/icecache-stage}
+export ICECACHE_DETACHED_ROOT=${ICECACHE_DETACHED_ROOT:-/tmp/icecache-detached}
+stage=$ICECACHE_STAGE root=$ICECACHE_DETACHED_ROOT
 name=accuracy
 wait_s=${WAIT:-540}
 folders=() experiments=()
@@ -31,7 +32,8 @@ while [ $# -gt 0 ]; do
     folders+=("$1"); shift
 done
 # Bad input first, in every call: a mistake shows in the first one, not after the staging.
-[ -n "${ICECACHE_GIT_COMMIT:-}" ] || { echo "error: set ICECACHE_GIT_COMMIT=<sha> (the result files carry it)" >&2; exit 2; }
+[ -n "${ICECACHE_GIT_COMMIT:-}" ] ||
+    { echo "error: set ICECACHE_GIT_COMMIT=<sha> (the result files carry it)" >&2; exit 2; }
 [[ ${DEADLINE:-} =~ ^[0-9]+$ ]] || { echo "error: set DEADLINE=<seconds> for the grid, a whole number" >&2; exit 2; }
 [[ $wait_s =~ ^[0-9]+$ ]] || { echo "error: WAIT must be a whole number of seconds, not '$wait_s'" >&2; exit 2; }
 for folder in "${folders[@]}"; do
@@ -39,29 +41,26 @@ for folder in "${folders[@]}"; do
 done
 
 if [ ${#folders[@]} -gt 0 ]; then
-    ICECACHE_STAGE=$stage bash "$here/device_stage.sh" keep "${folders[@]}" >/dev/null || exit 2
+    bash "$here/device_stage.sh" keep "${folders[@]}" >/dev/null || exit 2
 fi
 export PYTHONPATH=$stage/site${PYTHONPATH:+:$PYTHONPATH}
 export ICECACHE_RULER_DATA=${ICECACHE_RULER_DATA:-${ICECACHE_DATA:-$HOME/.cache/icecache-harness}/ruler}
 export OMP_PROC_BIND=false
 if [ ! -d "$root/$name" ]; then  # not started on this host yet
-    if ! gaps=$(ICECACHE_STAGE=$stage bash "$here/device_stage.sh" missing); then
-        echo "staged: still missing"; printf '  %s\n' "$gaps"; exit 3
+    if ! gaps=$(bash "$here/device_stage.sh" missing); then
+        echo "staged: still missing"; sed 's/^/  /' <<<"$gaps"; exit 3
     fi
-    if [ ! -f "$stage/.installed" ]; then
-        ICECACHE_STAGE=$stage bash "$here/device_stage.sh" install >/dev/null || exit 2
-        : >"$stage/.installed"
-    fi
+    bash "$here/device_stage.sh" install >/dev/null || exit 2
     runs_tar=
     [ -f "$stage/runs.tar.gz" ] && runs_tar=$stage/runs.tar.gz
     grid=
     [ ${#experiments[@]} -gt 0 ] && printf -v grid '%q ' "${experiments[@]}"
-    ICECACHE_DETACHED_ROOT=$root bash "$here/device_detached.sh" start "$name" \
+    bash "$here/device_detached.sh" start "$name" \
         "RUNS_TAR=$runs_tar OUT=\$DETACHED_OUT MPS=${MPS:-1} JOBS=${JOBS:-14} SHARDS=${SHARDS:-4} \
 DEADLINE=$DEADLINE${MODEL:+ MODEL=$MODEL} bash scripts/device_accuracy.sh $grid" || exit 2
 fi
 out=${OUT:-.}
-ICECACHE_DETACHED_ROOT=$root OUT=$out bash "$here/device_detached.sh" wait "$name" "$wait_s" | tail -c 3000
+OUT=$out bash "$here/device_detached.sh" wait "$name" "$wait_s" | tail -c 3000
 waited=${PIPESTATUS[0]}
 # Every sample on this host's disk, whatever the state of the grid (a torn last line is cut when a run resumes).
 tree=$root/$name/tree

