@@ -23,7 +23,9 @@ repeating a sample.
 a host without the runs' directories skips them, and curating carries them into the next file.
 
 ``--curate NAME`` then writes ``<out>/<NAME>_<model>_<date>.json``: every finished run of the sweeps (its
-metrics.json and directory), the runs not finished, the sweeps and this machine's provenance, with the accuracy
+metrics.json and directory, and where its predictions and the full cache's over the same samples are on disk, its
+paired difference with the full cache: icecache_harness/report/paired.py), the runs not finished, the sweeps and
+this machine's provenance, with the accuracy
 table's figures beside it (``accuracy_vs_budget_<model>.png``, ``accuracy_vs_tpot_<model>.png`` with TPOT from the
 latency files in ``--bench``, ``mass_by_layer_<model>.png``). scripts/bench_tables.py renders BENCHMARKS.md's
 accuracy table from that file.
@@ -341,6 +343,7 @@ def curate(jobs: list[dict[str, Any]], sweeps: list[list[str]], name: str, out: 
     from icecache_harness import provenance
     from icecache_harness.report import accuracy as A
     from icecache_harness.report.collect import latest_bench, load_bench, safe_name
+    from icecache_harness.report.paired import attach_paired
     from icecache_harness.report.summary import accuracy_figures
 
     by_model: dict[str, dict[str, list]] = {}
@@ -354,6 +357,8 @@ def curate(jobs: list[dict[str, Any]], sweeps: list[list[str]], name: str, out: 
             entry["runs"].append(payload)
         else:
             entry["missing"].append(job["run_dir"])
+    for entry in by_model.values():
+        attach_paired(entry["runs"], lambda payload: resolve(payload["run_dir"]))
     out.mkdir(parents=True, exist_ok=True)
     bench_rows = []
     if bench is not None and bench.exists():

@@ -15,7 +15,7 @@ import pytest
 from icecache.tasks.base import build_task
 from icecache.tasks.ruler import aggregate_ruler
 from icecache_harness.report import accuracy as A
-from icecache_harness.report.bootstrap import bootstrap_intervals
+from icecache_harness.report.bootstrap import bootstrap_intervals, paired_difference
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -60,6 +60,38 @@ def test_a_proportion_s_interval_has_the_binomial_width():
     low, high = bootstrap_intervals(records, task.aggregate, resamples=2000)["intervals"]["by_length.4096"]
     half_width = 1.96 * (0.25 / 100) ** 0.5 * 100  # normal approximation: 9.8 points
     assert (high - low) / 2 == pytest.approx(half_width, abs=1.5) and low < 50 < high
+
+
+def with_ids(records: list[dict]) -> list[dict]:
+    return [{**record, "sample_id": f"s{i}"} for i, record in enumerate(records)]
+
+
+def test_a_paired_difference_cancels_what_two_runs_share_and_pairs_only_the_same_samples():
+    random.seed(1)
+    # Each sample is easy or hard for both runs alike; the method misses one in ten of the easy ones.
+    easy = [random.random() < 0.5 for _ in range(120)]
+    tasks = ["niah_single_1", "qa_1", "vt"]
+    reference = with_ids([{"score": float(e), "meta": {"task": tasks[i % 3], "length": 4096}}
+                          for i, e in enumerate(easy)])
+    method = [{**r, "score": r["score"] * float(i % 10 != 3)} for i, r in enumerate(reference)]
+    paired = paired_difference(method, reference, aggregate_ruler, resamples=500)
+    point = aggregate_ruler(method)["score"] - aggregate_ruler(reference)["score"]
+    assert paired["difference"]["score"] == pytest.approx(point, abs=0.01) and point < 0
+    low, high = paired["intervals"]["score"]
+    assert low <= point <= high < 0  # the loss is real: the interval stays below zero
+    own_width = [b - a for a, b in (bootstrap_intervals(run, aggregate_ruler, resamples=500)["intervals"]["score"]
+                                    for run in (method, reference))]
+    assert high - low < 0.75 * min(own_width)  # the spread of the samples' difficulty cancels
+    # The same samples in another order pair the same way; a run with itself differs by nothing.
+    assert paired_difference(method[::-1], reference, aggregate_ruler, resamples=500)["difference"] == \
+        paired["difference"]
+    itself = paired_difference(reference, reference, aggregate_ruler, resamples=200)
+    assert itself["intervals"] and all(v == [0.0, 0.0] for v in itself["intervals"].values())
+    assert set(itself["difference"].values()) == {0.0}
+    # Other samples, or a sample missing from either side: nothing to pair.
+    assert paired_difference(method[1:], reference, aggregate_ruler) is None
+    assert paired_difference(method, reference[1:], aggregate_ruler) is None
+    assert paired_difference([], [], aggregate_ruler) is None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -214,8 +246,15 @@ def test_run_jobs_runs_in_parallel_resumes_curates_and_the_table_renders(tmp_pat
     assert [line.split("|")[1].strip() for line in rows] == ["`full`", "`quest`"]
     quest = [cell.strip() for cell in rows[1].strip("|").split("|")]
     run = next(r for r in curated["runs"] if r["method"] == "quest")
+    full = next(r for r in curated["runs"] if r["method"] == "full")
     assert quest[2].startswith(f"{run['metrics']['by_length']['400']:.1f} [")
-    assert quest[6] == f"{run['selection']['mean_mass']:.3f} ({run['selection']['mean_oracle_mass']:.3f})"
+    # Both runs' predictions were on disk: the quest run carries its paired difference with the full cache.
+    assert "paired" not in full and run["paired"]["reference"] == "full"
+    difference = run["metrics"]["by_length"]["400"] - full["metrics"]["by_length"]["400"]
+    assert run["paired"]["difference"]["by_length.400"] == pytest.approx(difference)
+    low, high = run["paired"]["intervals"]["by_length.400"]
+    assert low <= difference <= high and quest[5].startswith(f"{difference:+.1f} [")
+    assert quest[7] == f"{run['selection']['mean_mass']:.3f} ({run['selection']['mean_oracle_mass']:.3f})"
     assert "accuracy_vs_budget_tiny-llama.png" in rendered
 
     from icecache_harness.report.summary import write_summary
@@ -223,6 +262,10 @@ def test_run_jobs_runs_in_parallel_resumes_curates_and_the_table_renders(tmp_pat
     summary = write_summary([next(out.glob("accuracy_*.json"))], tmp_path / "summary", plots=False)
     assert (tmp_path / "summary" / "accuracy.md").read_text().count("| `quest` | 128 |") == 1
     assert len(summary.tables["accuracy"]) == 2
+    # From the results tree itself the predictions are there too: the summary pairs the runs as curating does.
+    tree = write_summary(tmp_path / "runs", tmp_path / "tree_summary", plots=False).tables["accuracy"]
+    assert tree.set_index("method").loc["quest", "difference"] == pytest.approx(difference)
+    assert tree.set_index("method")["difference"].isna().tolist() == [True, False]  # full, quest
 
 
 def test_runs_split_into_shards_give_the_runs_unsplit(tmp_path):
@@ -274,7 +317,9 @@ def test_a_fresh_host_puts_back_the_finished_runs_of_a_curated_file_instead_of_r
     assert not list((tmp_path / "runs").rglob("predictions.jsonl"))
     before, after = (json.loads(next(folder.glob("accuracy_*.json")).read_text()) for folder in (first, second))
     assert after["missing"] == [] and len(after["runs"]) == 2
+    # every number comes back, the paired difference included, though the predictions behind it are gone
     assert sorted(after["runs"], key=lambda r: r["run_dir"]) == sorted(before["runs"], key=lambda r: r["run_dir"])
+    assert [r["method"] for r in after["runs"] if "paired" in r] == ["quest"]
     # Only runs of these sweeps come back, and a file that is not a curated one is refused in one line.
     other = (f"experiment=accuracy_passkey model=tiny_llama output_root={tmp_path / 'other'} method=full "
              "budget=128 task.lengths=[400] task.num_depths=2")

@@ -2,7 +2,8 @@
 interval, its share of the full cache's score, the tokens attended and the attention mass they hold.
 
 Every number is read from finished runs' ``metrics.json`` payloads (the runner's ``confidence`` and, with
-``measure_selection``, ``selection``), whether they come from a results tree (``scripts/collect.py``) or from a
+``measure_selection``, ``selection``; curating adds ``paired``, the difference with the full cache on the same
+samples: report/paired.py), whether they come from a results tree (``scripts/collect.py``) or from a
 curated list of them in ``results/bench/accuracy_*.json`` (``scripts/run_jobs.py --curate``, rendered by
 ``scripts/bench_tables.py``). TPOT for the trade-off figure comes from the latency benchmark files
 (``latency_*.json``), matched by method and budget (``tpot_for``), since a measured run decodes eagerly and
@@ -46,6 +47,8 @@ class AccuracyRow:
     mass_by_layer: list[float] = field(default_factory=list)
     oracle_by_layer: list[float] = field(default_factory=list)
     share_of_full: float | None = None  # filled by ``with_share_of_full``
+    difference: float | None = None  # score minus the full cache's on the same samples (report/paired.py)
+    difference_interval: tuple[float, float] | None = None  # ... its paired bootstrap interval
     commit: str | None = None
     date: str | None = None
     gpu: str | None = None
@@ -84,6 +87,7 @@ def rows_of_run(payload: dict[str, Any]) -> list[AccuracyRow]:
     latency = payload.get("latency") or {}
     selection = payload.get("selection") or {}
     provenance = payload.get("provenance") or {}
+    paired = payload.get("paired") or {}
     if isinstance(metrics.get("by_length"), dict):
         per_length, prefix = metrics["by_length"], "by_length"
         counts = metrics.get("n_by_length") or {}
@@ -107,6 +111,7 @@ def rows_of_run(payload: dict[str, Any]) -> list[AccuracyRow]:
             oracle_mass=at_selection.get("mean_oracle_mass"), layers=list(at_selection.get("layers") or []),
             mass_by_layer=list(at_selection.get("mass") or []),
             oracle_by_layer=list(at_selection.get("oracle_mass") or []),
+            difference=(paired.get("difference") or {}).get(key), difference_interval=_interval(paired, key),
             commit=provenance.get("git_commit"), date=provenance.get("date"), gpu=provenance.get("gpu"),
         ))
     return rows
@@ -191,6 +196,15 @@ def score_cell(row: AccuracyRow | None) -> str:
     return f"{row.score:.1f} [{row.interval[0]:.1f}, {row.interval[1]:.1f}]"
 
 
+def difference_cell(row: AccuracyRow | None) -> str:
+    if row is None or row.difference is None:
+        return "-"
+    if row.difference_interval is None:
+        return f"{row.difference:+.1f}"
+    low, high = row.difference_interval
+    return f"{row.difference:+.1f} [{low:+.1f}, {high:+.1f}]"
+
+
 def mass_cell(row: AccuracyRow | None) -> str:
     if row is None or row.mass is None:
         return "-"
@@ -199,7 +213,8 @@ def mass_cell(row: AccuracyRow | None) -> str:
 
 def render_tables(rows: list[AccuracyRow]) -> str:
     """One Markdown table per (model, task): rows (method, budget), per context length the score [95% interval],
-    n, % of full, tokens attended and mass (oracle's)."""
+    n, % of full, the paired difference with the full cache (at the lengths where some row has one), tokens
+    attended and mass (oracle's)."""
     blocks = []
     groups: dict[tuple[str, str], list[AccuracyRow]] = {}
     for row in rows:
@@ -208,19 +223,22 @@ def render_tables(rows: list[AccuracyRow]) -> str:
         lengths = sorted({r.length for r in members}, key=lambda x: (x is None, x or 0))
         cells = {(r.method, r.budget, r.length): r for r in members}
         keys = sorted({(r.method, r.budget) for r in members}, key=lambda k: (method_rank(k[0]), k[1] or 0))
+        paired = {r.length for r in members if r.difference is not None}  # the lengths that get a Δ column
         header = ["method", "budget"]
         for length in lengths:
             label = length_label(length)
-            header += [f"{label} score [95% CI]", f"{label} n", f"{label} % of full", f"{label} attended",
-                       f"{label} mass (oracle)"]
+            header += [f"{label} score [95% CI]", f"{label} n", f"{label} % of full"]
+            header += [f"{label} Δ full [95% CI]"] if length in paired else []
+            header += [f"{label} attended", f"{label} mass (oracle)"]
         lines = [f"**{task}, {model}**", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for method, budget in keys:
             line = [f"`{method}`", "-" if budget is None else str(budget)]
             for length in lengths:
                 row = cells.get((method, budget, length))
                 line += [score_cell(row), "-" if row is None or row.n is None else str(row.n),
-                         _num(None if row is None else row.share_of_full, 0, "%"),
-                         _num(None if row is None else row.attended, 0), mass_cell(row)]
+                         _num(None if row is None else row.share_of_full, 0, "%")]
+                line += [difference_cell(row)] if length in paired else []
+                line += [_num(None if row is None else row.attended, 0), mass_cell(row)]
             lines.append("| " + " | ".join(line) + " |")
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
@@ -229,7 +247,9 @@ def render_tables(rows: list[AccuracyRow]) -> str:
 DEFINITIONS = (
     "score: the task's score in percent (passkey: keys retrieved; RULER: the mean over its tasks of each task's "
     "string-match score), with the 2.5th-97.5th percentile of a bootstrap that resamples the samples within each "
-    "(length, task) cell; % of full: the score over the full cache's at the same length; attended: the mean tokens "
+    "(length, task) cell; % of full: the score over the full cache's at the same length; Δ full: the score minus "
+    "the full cache's on the same samples, with the interval of a paired bootstrap (the same samples drawn for both "
+    "runs; given where both runs' predictions were on disk when the file was curated); attended: the mean tokens "
     "a query head attended in a sparsified layer; mass: the share of each decode step's exact attention (over every "
     "token seen) that the attended tokens hold, averaged over query heads, steps, sparsified layers and samples, "
     "with in brackets the share the best tokens of the same number hold (docs/design.md, Selection quality)."

@@ -4,7 +4,9 @@ Each resample draws, with replacement, as many samples as there are from every c
 length and, where the task has them, its subtask or dataset: RULER's 13 tasks, LongBench's datasets), so every
 resample has the run's design, and recomputes the task's own aggregate from them. The interval of a number the
 aggregate reports (the headline ``score``, a length's score, a subtask's) is the 2.5th and 97.5th percentile of
-that number over the resamples. Deterministic for a given seed. Nothing here imports torch or pandas.
+that number over the resamples. Deterministic for a given seed. ``paired_difference`` does the same for the
+difference between two runs over the same samples (a method and the full cache). Nothing here imports torch or
+pandas.
 """
 
 from __future__ import annotations
@@ -36,6 +38,24 @@ def cell_of(record: dict[str, Any]) -> tuple:
     return (str(meta.get("length")), str(meta.get("task") or meta.get("dataset") or ""))
 
 
+def _resamples(records: list[dict[str, Any]], resamples: int, seed: int):
+    """The index arrays of the stratified resamples: per cell of ``records``, as many draws with replacement as
+    the cell has samples."""
+    cells: dict[tuple, list[int]] = {}
+    for index, record in enumerate(records):
+        cells.setdefault(cell_of(record), []).append(index)
+    members = [np.asarray(indices) for indices in cells.values()]
+    rng = np.random.default_rng(seed)
+    for _ in range(resamples):
+        yield np.concatenate([rng.choice(indices, size=len(indices)) for indices in members])
+
+
+def _percentiles(draws: dict[str, list[float]], level: float) -> dict[str, list[float]]:
+    tail = 100 * (1 - level) / 2
+    return {key: [round(float(np.percentile(series, tail)), 2), round(float(np.percentile(series, 100 - tail)), 2)]
+            for key, series in draws.items() if series}
+
+
 def bootstrap_intervals(records: list[dict[str, Any]], aggregate: Callable[[list[dict[str, Any]]], dict[str, Any]],
                         resamples: int = RESAMPLES, level: float = LEVEL, seed: int = 0) -> dict[str, Any] | None:
     """``{"level", "resamples", "seed", "method", "intervals": {dotted key: [low, high]}}`` for every number of
@@ -43,20 +63,41 @@ def bootstrap_intervals(records: list[dict[str, Any]], aggregate: Callable[[list
     if not records:
         return None
     point = numeric_leaves(aggregate(records))
-    cells: dict[tuple, list[int]] = {}
-    for index, record in enumerate(records):
-        cells.setdefault(cell_of(record), []).append(index)
-    members = [np.asarray(indices) for indices in cells.values()]
-    rng = np.random.default_rng(seed)
     draws: dict[str, list[float]] = {key: [] for key in point}
-    for _ in range(resamples):
-        chosen = np.concatenate([rng.choice(indices, size=len(indices)) for indices in members])
+    for chosen in _resamples(records, resamples, seed):
         values = numeric_leaves(aggregate([records[i] for i in chosen]))
         for key, series in draws.items():
             if key in values:
                 series.append(values[key])
-    tail = 100 * (1 - level) / 2
-    intervals = {key: [round(float(np.percentile(series, tail)), 2), round(float(np.percentile(series, 100 - tail)), 2)]
-                 for key, series in draws.items() if series}
     return {"method": "percentile bootstrap, samples resampled within each (length, subtask) cell", "level": level,
-            "resamples": resamples, "seed": seed, "intervals": intervals}
+            "resamples": resamples, "seed": seed, "intervals": _percentiles(draws, level)}
+
+
+def paired_difference(records: list[dict[str, Any]], reference: list[dict[str, Any]],
+                      aggregate: Callable[[list[dict[str, Any]]], dict[str, Any]], resamples: int = RESAMPLES,
+                      level: float = LEVEL, seed: int = 0) -> dict[str, Any] | None:
+    """Every number of ``aggregate(records)`` minus the same number of ``aggregate(reference)``, with the interval
+    of a paired bootstrap: each resample draws the same samples (by ``sample_id``) from both runs, so what the two
+    runs share, the difficulty of each sample, cancels, and the interval is that of the difference alone.
+    ``{"difference": {key: value}, "intervals": {key: [low, high]}, "level", "resamples", "seed", "method"}``;
+    None when the two runs do not hold the same samples (nothing to pair) or hold none."""
+    by_id = {record["sample_id"]: record for record in reference}
+    if not records or len(by_id) != len(reference) or sorted(by_id) != sorted(r["sample_id"] for r in records):
+        return None
+    partner = [by_id[record["sample_id"]] for record in records]
+
+    def difference(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+        return {key: a[key] - b[key] for key in a if key in b}
+
+    point = difference(numeric_leaves(aggregate(records)), numeric_leaves(aggregate(partner)))
+    draws: dict[str, list[float]] = {key: [] for key in point}
+    for chosen in _resamples(records, resamples, seed):
+        values = difference(numeric_leaves(aggregate([records[i] for i in chosen])),
+                            numeric_leaves(aggregate([partner[i] for i in chosen])))
+        for key, series in draws.items():
+            if key in values:
+                series.append(values[key])
+    return {"method": "paired percentile bootstrap: the same samples of both runs, resampled within each (length, "
+                      "subtask) cell", "level": level, "resamples": resamples, "seed": seed,
+            "difference": {key: round(value, 2) for key, value in point.items()},
+            "intervals": _percentiles(draws, level)}

@@ -42,6 +42,7 @@ from .collect import (
     runs_frame,
     safe_name,
 )
+from .paired import attach_paired
 from .tables import ComparisonTable, frame_to_markdown, latency_table, longbench_table, ruler_table, task_table
 
 
@@ -153,8 +154,11 @@ def write_summary(runs_root: str | Path | list, out: str | Path, *, bench_root: 
             files += [out / f"{task}.md", out / f"{task}.csv"]
 
     # The measured runs' accuracy table and figures
-    measured = [run.payload for run in runs if (run.settings or {}).get("measure_selection")]
+    measured_runs = [run for run in runs if (run.settings or {}).get("measure_selection")]
+    measured = [run.payload for run in measured_runs]
     if measured:
+        run_dirs = {id(run.payload): Path(run.run_dir) for run in measured_runs}
+        attach_paired(measured, lambda payload: run_dirs[id(payload)])  # where the predictions are on disk
         rows = A.accuracy_rows(measured)
         summary.tables["accuracy"] = pd.DataFrame([accuracy_record(r) for r in rows])
         (out / "accuracy.md").write_text(A.render_tables(rows) + "\n\n" + A.DEFINITIONS + "\n", encoding="utf-8")
@@ -179,8 +183,10 @@ def write_summary(runs_root: str | Path | list, out: str | Path, *, bench_root: 
 def accuracy_record(row: A.AccuracyRow) -> dict:
     """One accuracy row as a flat CSV record (the per-layer lists as space-separated numbers)."""
     record = {key: getattr(row, key) for key in ("task", "model", "length", "method", "budget", "score", "n",
-                                                   "share_of_full", "attended", "mass", "oracle_mass", "commit")}
+                                                   "share_of_full", "difference", "attended", "mass", "oracle_mass",
+                                                   "commit")}
     record["ci_low"], record["ci_high"] = row.interval or (None, None)
+    record["difference_ci_low"], record["difference_ci_high"] = row.difference_interval or (None, None)
     for key in ("layers", "mass_by_layer", "oracle_by_layer"):
         record[key] = " ".join(str(v) for v in getattr(row, key))
     return record
