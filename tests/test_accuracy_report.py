@@ -94,6 +94,31 @@ def test_a_paired_difference_cancels_what_two_runs_share_and_pairs_only_the_same
     assert paired_difference([], [], aggregate_ruler) is None
 
 
+def test_curating_pairs_each_run_with_the_full_cache_of_its_own_settings_and_only_over_its_samples(tmp_path):
+    from icecache_harness.report.paired import attach_paired
+
+    def run(name: str, method: str, length: int, scores: list[float], **extra) -> dict:
+        folder = tmp_path / name
+        folder.mkdir()
+        records = with_ids([{"score": s, "first_integer": s, "meta": {"length": length}} for s in scores])
+        (folder / "predictions.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        task = {"name": "passkey", "lengths": [length]}
+        return {"task": "passkey", "model": "m", "method": method, "n_samples": len(scores), "config_hash": name,
+                "settings": {"task": task, "model": {"name": "m"}}, "run_dir": str(folder), **extra}
+
+    payloads = [run("full_a", "full", 400, [1, 1, 0, 0]), run("full_b", "full", 800, [1, 1, 1, 1]),
+                run("quest_a", "quest", 400, [1, 0, 0, 0]), run("quest_b", "quest", 800, [0, 1, 1, 1]),
+                run("other_samples", "quest", 400, [1, 0, 0]),  # 3 samples against the reference's 4
+                run("kept", "h2o", 1600, [1], paired={"reference": "full", "difference": {"score": -5.0}})]
+    assert attach_paired(payloads, lambda p: Path(p["run_dir"])) == 2
+    by_name = {p["config_hash"]: p for p in payloads}
+    assert by_name["quest_a"]["paired"]["difference"]["score"] == -25.0  # against full_a, not full_b
+    assert by_name["quest_b"]["paired"]["difference"]["score"] == -25.0
+    assert by_name["quest_b"]["paired"]["reference_run"] == "full_b"
+    assert "paired" not in by_name["other_samples"] and "paired" not in by_name["full_a"]
+    assert by_name["kept"]["paired"]["difference"] == {"score": -5.0}  # no reference here: what it had stays
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Cells from payloads
 
