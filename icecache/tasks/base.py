@@ -105,10 +105,13 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 TASKS: Registry[type[Task]] = Registry("task")
 
 
-def build_task(values: dict[str, Any]) -> Task:
+def build_task(values: dict[str, Any], check: bool = True) -> Task:
+    """The task ``values`` name, checked (``Task.check``) unless ``check=False``: scoring finished runs' records
+    needs the task's aggregate, not its data."""
     import icecache.tasks as _all_tasks  # noqa: F401  registers every task
 
     task_cls = TASKS.get(values.get("name"))
     task = task_cls(task_cls.config_class.from_dict(dict(values)))
-    task.check()
+    if check:
+        task.check()
     return task

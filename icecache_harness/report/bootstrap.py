@@ -11,7 +11,7 @@ pandas.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -50,7 +50,14 @@ def _resamples(records: list[dict[str, Any]], resamples: int, seed: int):
         yield np.concatenate([rng.choice(indices, size=len(indices)) for indices in members])
 
 
-def _percentiles(draws: dict[str, list[float]], level: float) -> dict[str, list[float]]:
+def _intervals(point: dict[str, float], resampled: Iterable[dict[str, float]], level: float) -> dict[str, list[float]]:
+    """The percentile interval of each number of ``point`` over the resamples' numbers (a number a resample lacks,
+    a cell it happened to leave empty, is not drawn for it)."""
+    draws: dict[str, list[float]] = {key: [] for key in point}
+    for values in resampled:
+        for key, series in draws.items():
+            if key in values:
+                series.append(values[key])
     tail = 100 * (1 - level) / 2
     return {key: [round(float(np.percentile(series, tail)), 2), round(float(np.percentile(series, 100 - tail)), 2)]
             for key, series in draws.items() if series}
@@ -63,14 +70,10 @@ def bootstrap_intervals(records: list[dict[str, Any]], aggregate: Callable[[list
     if not records:
         return None
     point = numeric_leaves(aggregate(records))
-    draws: dict[str, list[float]] = {key: [] for key in point}
-    for chosen in _resamples(records, resamples, seed):
-        values = numeric_leaves(aggregate([records[i] for i in chosen]))
-        for key, series in draws.items():
-            if key in values:
-                series.append(values[key])
+    resampled = (numeric_leaves(aggregate([records[i] for i in chosen]))
+                 for chosen in _resamples(records, resamples, seed))
     return {"method": "percentile bootstrap, samples resampled within each (length, subtask) cell", "level": level,
-            "resamples": resamples, "seed": seed, "intervals": _percentiles(draws, level)}
+            "resamples": resamples, "seed": seed, "intervals": _intervals(point, resampled, level)}
 
 
 def paired_difference(records: list[dict[str, Any]], reference: list[dict[str, Any]],
@@ -86,18 +89,14 @@ def paired_difference(records: list[dict[str, Any]], reference: list[dict[str, A
         return None
     partner = [by_id[record["sample_id"]] for record in records]
 
-    def difference(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    def difference(indices) -> dict[str, float]:
+        a = numeric_leaves(aggregate([records[i] for i in indices]))
+        b = numeric_leaves(aggregate([partner[i] for i in indices]))
         return {key: a[key] - b[key] for key in a if key in b}
 
-    point = difference(numeric_leaves(aggregate(records)), numeric_leaves(aggregate(partner)))
-    draws: dict[str, list[float]] = {key: [] for key in point}
-    for chosen in _resamples(records, resamples, seed):
-        values = difference(numeric_leaves(aggregate([records[i] for i in chosen])),
-                            numeric_leaves(aggregate([partner[i] for i in chosen])))
-        for key, series in draws.items():
-            if key in values:
-                series.append(values[key])
+    point = difference(range(len(records)))
+    resampled = (difference(chosen) for chosen in _resamples(records, resamples, seed))
     return {"method": "paired percentile bootstrap: the same samples of both runs, resampled within each (length, "
                       "subtask) cell", "level": level, "resamples": resamples, "seed": seed,
             "difference": {key: round(value, 2) for key, value in point.items()},
-            "intervals": _percentiles(draws, level)}
+            "intervals": _intervals(point, resampled, level)}

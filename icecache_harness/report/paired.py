@@ -27,8 +27,7 @@ def _pairing_key(payload: dict[str, Any]) -> str:
 def attach_paired(payloads: list[dict[str, Any]], run_dir_of: Callable[[dict[str, Any]], Path]) -> int:
     """Add ``paired`` to every payload that can be paired with its reference run (module docstring); returns how
     many got one now."""
-    import icecache.tasks  # noqa: F401  registers every task
-    from icecache.tasks.base import TASKS
+    from icecache.tasks.base import build_task
     from icecache_harness.runner import run_records
 
     references = {_pairing_key(p): p for p in payloads if p.get("method") == REFERENCE}
@@ -45,10 +44,8 @@ def attach_paired(payloads: list[dict[str, Any]], run_dir_of: Callable[[dict[str
         reference = references.get(_pairing_key(payload))
         if reference is None or reference is payload or not records(payload) or not records(reference):
             continue
-        values = dict((payload.get("settings") or {}).get("task") or {})
-        task_cls = TASKS.get(values.get("name"))
-        aggregate = task_cls(task_cls.config_class.from_dict(values)).aggregate  # no data check: scores only
-        paired = paired_difference(records(payload), records(reference), aggregate)
+        task = build_task((payload.get("settings") or {}).get("task") or {}, check=False)
+        paired = paired_difference(records(payload), records(reference), task.aggregate)
         if paired is not None:
             payload["paired"] = {"reference": REFERENCE, "reference_run": reference.get("config_hash"), **paired}
             attached += 1
