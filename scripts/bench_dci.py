@@ -41,8 +41,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from eval.provenance import machine_label  # noqa: E402
 from icecache.dci import DCIIndex, default_query_field_of_view  # noqa: E402
-from icecache_harness.provenance import machine_label  # noqa: E402
 
 N_KV_HEADS, N_Q_HEADS, HEAD_DIM, K_PAGES = 8, 32, 128, 12
 
@@ -181,7 +181,7 @@ def bench_size(n: int, threads: list[int], repeats: int, seed: int, shared_aim: 
 
 def provenance() -> dict:
     try:
-        from icecache_harness.provenance import collect
+        from eval.provenance import collect
 
         info = collect()
     except Exception as exc:  # noqa: BLE001  provenance must never stop a benchmark

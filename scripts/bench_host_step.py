@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> Path:
         parser.error("--length must be >= 1024 tokens, --steps >= 2 and --threads >= 1")
     import torch
 
-    from icecache_harness import provenance
+    from eval import provenance
 
     torch.set_num_threads(args.threads)
     times = time_host_steps(args.length, args.steps, args.threads)

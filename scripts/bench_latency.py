@@ -314,14 +314,14 @@ def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     import torch
 
+    from eval import provenance
+    from eval.plugins import build_method
     from icecache.core.cache import ATTENTION_NAME, HarnessCache
-    from icecache.core.errors import ConfigError
     from icecache.core.generation import GenerationRequest, greedy_generate
     from icecache.core.method import method_label
     from icecache.core.models import load_model, model_info
     from icecache.core.timing import PhaseTimer
-    from icecache.methods import build_method
-    from icecache_harness import provenance
+    from icecache.errors import ConfigError
 
     if args.threads:
         torch.set_num_threads(args.threads)

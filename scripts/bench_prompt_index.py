@@ -30,8 +30,8 @@ def llama8b_layer_method(threads: int):
     dimensions, bf16), its index on ``threads`` threads."""
     import torch
 
+    from eval.plugins import build_method
     from icecache.core.method import ModelInfo
-    from icecache.methods import build_method
 
     info = ModelInfo(n_layers=1, n_heads=32, n_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
     return build_method({"name": "icecache", "budget": 256, "n_dense_layers": 0, "cpu_threads": threads}, info)
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> Path:
     import torch
     from tqdm.auto import tqdm
 
-    from icecache_harness import provenance
+    from eval import provenance
 
     torch.set_num_threads(args.threads)
     results = []

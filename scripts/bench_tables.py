@@ -22,7 +22,7 @@ Each table shows the newest numbers, row by row, and names the file and commit e
   command-line settings).
 * accuracy (``accuracy_*.json``, the runs of the accuracy experiments that ``scripts/run_jobs.py --curate`` lists):
   the newest file per model and device (the GPU its runs ran on, or CPU), every cell from its runs' metrics.json
-  (icecache_harness.report.accuracy).
+  (eval.report.accuracy).
 * page-quality (``page_quality_*.json``, scripts/page_quality.py): the newest file per (host, model, task, length,
   budget).
 
@@ -652,7 +652,7 @@ def render_cpu_accuracy(results: Path, paper: dict[str, Any]) -> str:
 
 
 def render_accuracy(results: Path, paper: dict[str, Any]) -> str:
-    from icecache_harness.report import accuracy as A
+    from eval.report import accuracy as A
 
     def device(f: Result) -> str:  # the GPU the runs ran on, or CPU
         gpus = {str((r.get("provenance") or {}).get("gpu") or "CPU") for r in f.data.get("runs") or []}

@@ -42,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     import matplotlib
 
     matplotlib.use("Agg")
-    from icecache_harness.report.collect import REFERENCE_DIR
-    from icecache_harness.report.summary import write_summary
+    from eval.report.collect import REFERENCE_DIR
+    from eval.report.summary import write_summary
 
     missing = [r for r in args.runs if not Path(r).exists()]
     if missing:

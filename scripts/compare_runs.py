@@ -32,7 +32,7 @@ def finished_runs(root: Path) -> dict[str, Path]:
 
 
 def compare(before: Path, after: Path) -> dict:
-    from icecache_harness.runner import read_records
+    from eval.runner import read_records
 
     runs_before, runs_after = finished_runs(before), finished_runs(after)
     pairs = []

@@ -35,10 +35,10 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from eval.provenance import cpu_model  # noqa: E402  (stdlib-only at import)
 from icecache.core import triton_kernels  # noqa: E402
 from icecache.core.attention import paged_decode_attention_reference  # noqa: E402
 from icecache.core.paged import BulkLoader, CpuPageStore, GpuPagePool  # noqa: E402
-from icecache_harness.provenance import cpu_model  # noqa: E402  (stdlib-only at import)
 
 N_HEADS, N_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16  # Llama-3.1-8B attention geometry, IceCache pages
 DTYPE = torch.bfloat16

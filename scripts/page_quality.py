@@ -239,9 +239,9 @@ def layer_quality(layouts: LayerLayouts, queries: torch.Tensor, keys: torch.Tens
 def record_full_cache(model, info, prompt_ids: list[int], steps: int, n_dense_layers: int):
     """Greedy decoding of ``steps`` tokens past the prompt with the full cache: per sparsified layer, the decode
     queries ``[steps, Hq, D]``, every key ``[Hkv, T, D]`` and the attention scaling."""
+    from eval.plugins import build_method
     from icecache.core.cache import HarnessCache
     from icecache.core.generation import GenerationRequest, greedy_generate
-    from icecache.methods import build_method
 
     cache = HarnessCache(build_method({"name": "full"}, info))
     queries: dict[int, list[torch.Tensor]] = {}
@@ -259,7 +259,7 @@ def record_full_cache(model, info, prompt_ids: list[int], steps: int, n_dense_la
 
 def prompts(args, spec, tokenizer) -> list[list[int]]:
     """The token ids of ``args.samples`` prompts of the task at ``args.length``."""
-    from icecache.tasks.base import PromptContext, build_task
+    from eval.tasks.base import PromptContext, build_task
 
     if args.task == "passkey":
         values = {"name": "passkey", "lengths": [args.length], "num_depths": args.samples}
@@ -278,7 +278,7 @@ def measure(args) -> dict[str, Any]:
 
     from icecache.core.cache import ATTENTION_NAME
     from icecache.core.models import load_model, load_tokenizer, model_info
-    from icecache.methods.icecache import IceCacheConfig
+    from icecache.method import IceCacheConfig
 
     cfg = IceCacheConfig(budget=args.budget)
     cfg = cfg.fitted_to_budget()
@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--out", default=str(REPO / "results" / "bench"), help="output folder")
     args = parser.parse_args(argv)
 
-    from icecache_harness import provenance
+    from eval import provenance
 
     torch.manual_seed(0)
     with torch.inference_mode():

@@ -18,8 +18,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from icecache_harness.report.collect import load_paper_latency  # noqa: E402
-from icecache_harness.report.plots import group_phases, paper_breakdown, tpot_breakdown  # noqa: E402
+from eval.report.collect import load_paper_latency  # noqa: E402
+from eval.report.plots import group_phases, paper_breakdown, tpot_breakdown  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

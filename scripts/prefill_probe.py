@@ -40,11 +40,11 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
+    from eval import provenance
+    from eval.plugins import build_method
     from icecache.core.cache import ATTENTION_NAME, HarnessCache
     from icecache.core.generation import GenerationRequest, greedy_generate
     from icecache.core.models import load_model, model_info
-    from icecache.methods import build_method
-    from icecache_harness import provenance
 
     if args.threads:
         torch.set_num_threads(args.threads)

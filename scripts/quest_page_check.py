@@ -5,11 +5,11 @@ from pathlib import Path
 
 import yaml
 
+from eval.plugins import build_method
+from eval.tasks.base import PromptContext, build_task
 from icecache.core.cache import ATTENTION_NAME, HarnessCache
 from icecache.core.generation import GenerationRequest, greedy_generate
 from icecache.core.models import ModelSpec, load_model, model_info
-from icecache.methods import build_method
-from icecache.tasks.base import PromptContext, build_task
 
 VARIANTS = [
     {"name": "quest", "budget": 256},

@@ -20,12 +20,12 @@ import numpy as np
 import torch
 import yaml
 
+from eval import provenance
+from eval.plugins import build_method
+from eval.tasks.base import PromptContext, build_task
 from icecache.core.cache import ATTENTION_NAME, HarnessCache
 from icecache.core.generation import GenerationRequest, _forward, greedy_generate
 from icecache.core.models import ModelSpec, load_model, model_info
-from icecache.methods import build_method
-from icecache.tasks.base import PromptContext, build_task
-from icecache_harness import provenance
 
 torch.set_num_threads(1)
 sample_index = int(sys.argv[1]) if len(sys.argv) > 1 else 1

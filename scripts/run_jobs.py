@@ -24,7 +24,7 @@ a host without the runs' directories skips them, and curating carries them into 
 
 ``--curate NAME`` then writes ``<out>/<NAME>_<model>_<date>.json``: every finished run of the sweeps (its
 metrics.json and directory, and where its predictions and the full cache's over the same samples are on disk, its
-paired difference with the full cache: icecache_harness/report/paired.py), the runs not finished, the sweeps and
+paired difference with the full cache: eval/report/paired.py), the runs not finished, the sweeps and
 this machine's provenance, with the accuracy
 table's figures beside it (``accuracy_vs_budget_<model>.png``, ``accuracy_vs_tpot_<model>.png`` with TPOT from the
 latency files in ``--bench``, ``mass_by_layer_<model>.png``). scripts/bench_tables.py renders BENCHMARKS.md's
@@ -82,8 +82,8 @@ def expand(sweeps: list[list[str]], device: str | None) -> tuple[list[dict[str, 
 def check_tasks(jobs: list[dict[str, Any]]) -> list[str]:
     """The one-line errors of the jobs' tasks' own checks, which need this host (their data, the packages they
     read, such as RULER's word lists), each distinct task once, before any worker loads a model."""
-    from icecache.core.errors import ConfigError
-    from icecache.tasks.base import build_task
+    from eval.tasks.base import build_task
+    from icecache.errors import ConfigError
 
     errors, seen = [], set()
     here = Path.cwd()
@@ -113,7 +113,7 @@ def restore(jobs: list[dict[str, Any]], curated: Path) -> int:
     not finished on this disk: each gets its metrics.json, which marks it done and is all that curating and the
     tables read, so a host that has lost the runs' directories (a fresh one) does not run them again. Returns how
     many it put back."""
-    from icecache_harness.runner import write_json_atomic
+    from eval.runner import write_json_atomic
 
     try:
         payload = json.loads(curated.read_text(encoding="utf-8"))
@@ -147,7 +147,7 @@ def order(job: dict[str, Any]) -> tuple:
 def _samples_on_disk(job: dict[str, Any]) -> tuple[int, list[float]]:
     """(samples in the run's predictions files, its shards' included, and the seconds each took: its prefill plus
     its decode steps)."""
-    from icecache_harness.runner import run_records
+    from eval.runner import run_records
 
     directory = resolve(job["run_dir"])
     records = run_records(directory) if directory.is_dir() else {}
@@ -232,7 +232,7 @@ def is_device_fault(error: BaseException) -> bool:
 
 
 def run_job(values: dict[str, Any]) -> None:
-    from icecache_harness.runner import RunConfig, run
+    from eval.runner import RunConfig, run
 
     run(RunConfig.from_dict(values))
 
@@ -243,7 +243,7 @@ def worker(jobs: "mp.Queue", results: "mp.Queue", threads: int | None, run=run_j
     error or None, whether the error is a device fault). After a device fault it reports and exits: the driver
     starts a fresh process."""
     os.chdir(REPO)  # run directories are relative to the repository, as for run.py
-    from icecache.core.errors import ConfigError
+    from icecache.errors import ConfigError
 
     while True:
         if first is not None:
@@ -340,11 +340,11 @@ def run_all(jobs: list[dict[str, Any]], workers: int, deadline_s: float | None,
 def curate(jobs: list[dict[str, Any]], sweeps: list[list[str]], name: str, out: Path, bench: Path | None,
            plots: bool = True) -> list[Path]:
     """One result file per model of the sweeps' finished runs, and its figures."""
-    from icecache_harness import provenance
-    from icecache_harness.report import accuracy as A
-    from icecache_harness.report.collect import latest_bench, load_bench, safe_name
-    from icecache_harness.report.paired import attach_paired
-    from icecache_harness.report.summary import accuracy_figures
+    from eval import provenance
+    from eval.report import accuracy as A
+    from eval.report.collect import latest_bench, load_bench, safe_name
+    from eval.report.paired import attach_paired
+    from eval.report.summary import accuracy_figures
 
     by_model: dict[str, dict[str, list]] = {}
     for job in jobs:

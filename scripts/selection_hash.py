@@ -24,9 +24,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "scripts")]
 
+from eval.plugins import build_method  # noqa: E402
 from icecache.core.cache import HarnessCache  # noqa: E402
 from icecache.core.generation import GenerationRequest, greedy_generate  # noqa: E402
-from icecache.methods import build_method  # noqa: E402
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 METHODS = ("icecache", "icecache_reuse")
@@ -111,7 +111,7 @@ def main() -> None:
 def finish(args, digests: dict[str, str]) -> None:
     print(json.dumps(digests, indent=1))
     if args.out:
-        from icecache_harness import provenance
+        from eval import provenance
 
         settings = {k: v for k, v in vars(args).items() if k != "out"}
         provenance.write_result(args.out, "selection_digests", {"kind": "selection_digests", "settings": settings,

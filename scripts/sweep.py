@@ -68,7 +68,7 @@ class Job:
         if not predictions.is_absolute():
             predictions = REPO / predictions
         if predictions.exists():
-            from icecache_harness.report.collect import count_complete_lines
+            from eval.report.collect import count_complete_lines
 
             return f"partial {count_complete_lines(predictions)}"
         return "todo"
@@ -147,7 +147,7 @@ def expand(overrides: list[str], device: str | None = None, resolve_dirs: bool =
         infos = {} if infos is None else infos
         known = set(infos)  # read by an earlier sweep, whose notes are printed already
         with _as_device(device):
-            from icecache_harness.runner import RunConfig
+            from eval.runner import RunConfig
 
             for index, job_override in enumerate(job_overrides):
                 try:
@@ -174,9 +174,9 @@ def expand(overrides: list[str], device: str | None = None, resolve_dirs: bool =
 
 def check_job(config, infos: dict[str, Any]) -> None:
     """The checks of one job that need neither its data nor its weights (``ConfigError`` if one fails)."""
-    import icecache.tasks  # noqa: F401  importing the package registers every task
-    from icecache.methods import build_method
-    from icecache.tasks.base import TASKS
+    import eval.tasks  # noqa: F401  importing the package registers every task
+    from eval.plugins import build_method
+    from eval.tasks.base import TASKS
 
     task_cls = TASKS.get(config.task.get("name"))
     task_cls(task_cls.config_class.from_dict(dict(config.task))).check_max_length(config.model.max_length)
@@ -188,8 +188,8 @@ def check_job(config, infos: dict[str, Any]) -> None:
 def cheap_model_info(spec, infos: dict[str, Any]):
     """The model's geometry when its config is on this machine (random, local folder, GGUF file or package),
     read once per model; None for a hub id, the reason as a string when it cannot be read."""
-    from icecache.core.errors import ConfigError
     from icecache.core.models import check_model, model_info
+    from icecache.errors import ConfigError
 
     key = json.dumps(dataclasses.asdict(spec), sort_keys=True, default=str)
     if key not in infos:
@@ -373,7 +373,7 @@ def run_task(cfg) -> dict | None:
     """One task of the array (on the node): the run, as ``run.py`` runs it. None when it stopped with an
     ``error:`` line (in the task's log), so that the sweep reports the task as failed instead of completed."""
     sys.path.insert(0, str(REPO))
-    from icecache_harness.runner import main_from_dict
+    from eval.runner import main_from_dict
     from run import run_values
 
     return main_from_dict(run_values(cfg), exit_on_error=False)

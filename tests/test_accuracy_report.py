@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from icecache.tasks.base import build_task
-from icecache.tasks.ruler import aggregate_ruler
-from icecache_harness.report import accuracy as A
-from icecache_harness.report.bootstrap import bootstrap_intervals, paired_difference
+from eval.report import accuracy as A
+from eval.report.bootstrap import bootstrap_intervals, paired_difference
+from eval.tasks.base import build_task
+from eval.tasks.ruler import aggregate_ruler
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -95,7 +95,7 @@ def test_a_paired_difference_cancels_what_two_runs_share_and_pairs_only_the_same
 
 
 def test_curating_pairs_each_run_with_the_full_cache_of_its_own_settings_and_only_over_its_samples(tmp_path):
-    from icecache_harness.report.paired import attach_paired
+    from eval.report.paired import attach_paired
 
     def run(name: str, method: str, length: int, scores: list[float], **extra) -> dict:
         folder = tmp_path / name
@@ -169,8 +169,8 @@ def test_rows_take_every_number_from_the_payloads_and_the_share_of_full():
 
 
 def test_a_variant_s_runs_are_rows_of_their_own_after_their_method():
+    from eval.report.collect import display_name, method_sort_key
     from icecache.core.method import method_label
-    from icecache_harness.report.collect import display_name, method_sort_key
 
     exact = payload("ruler", "icecache", 256, 4096, 25.0)
     ahead = {**payload("ruler", "icecache", 256, 4096, 24.0), "method_label": "icecache+lookahead"}
@@ -225,7 +225,7 @@ def test_tpot_is_matched_by_method_and_budget_then_model_then_context():
 def test_the_accuracy_experiments_run_every_registered_method_at_three_budgets(experiment):
     from omegaconf import OmegaConf
 
-    from icecache.methods import METHODS
+    from eval.plugins import METHODS
     from run import hydra_context, sweep_jobs
 
     with hydra_context():
@@ -282,7 +282,7 @@ def test_run_jobs_runs_in_parallel_resumes_curates_and_the_table_renders(tmp_pat
     assert quest[7] == f"{run['selection']['mean_mass']:.3f} ({run['selection']['mean_oracle_mass']:.3f})"
     assert "accuracy_vs_budget_tiny-llama.png" in rendered
 
-    from icecache_harness.report.summary import write_summary
+    from eval.report.summary import write_summary
 
     summary = write_summary([next(out.glob("accuracy_*.json"))], tmp_path / "summary", plots=False)
     assert (tmp_path / "summary" / "accuracy.md").read_text().count("| `quest` | 128 |") == 1
@@ -459,9 +459,9 @@ def test_page_quality_files_render_their_means(tmp_path):
 
 
 def test_the_tpot_figure_names_its_latency_files_on_lines_that_keep_it_narrow(tmp_path, monkeypatch):
-    from icecache_harness.report import plots as P
-    from icecache_harness.report import summary
-    from icecache_harness.report.collect import latest_bench, load_bench
+    from eval.report import plots as P
+    from eval.report import summary
+    from eval.report.collect import latest_bench, load_bench
 
     bench = REPO / "results" / "bench"
     [curated] = sorted(bench.glob("accuracy_smollm2-135m_*.json"))[-1:]  # the page's H200 file

@@ -84,7 +84,7 @@ CASES = [
 def guarded(monkeypatch):
     """Install the guards for a case's last allowed step; returns the installer."""
     import icecache.core.models as models
-    from icecache_harness import runner
+    from eval import runner
 
     def install(stage: str) -> None:
         def forbid(name):
@@ -136,7 +136,7 @@ def test_bad_input_is_one_line_exit_2_before_any_model_load_and_leaves_nothing(c
 
 
 def test_a_hub_model_without_network_is_one_line(tmp_path, monkeypatch, capfd, guarded):
-    from icecache_harness import runner
+    from eval import runner
 
     def offline(spec):
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them "

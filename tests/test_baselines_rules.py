@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from baselines.arkvale import ArkValeConfig, group_page_scores, page_digests, topk_count
+from baselines.h2o import accumulated_attention
+from baselines.quest import upper_bound_scores
+from baselines.snapkv import pooled_votes
+from eval.plugins import build_method
 from icecache.core.method import ModelInfo, SequenceContext
-from icecache.methods import build_method
-from icecache.methods.arkvale import ArkValeConfig, group_page_scores, page_digests, topk_count
-from icecache.methods.h2o import accumulated_attention
-from icecache.methods.quest import upper_bound_scores
-from icecache.methods.snapkv import pooled_votes
 
 INFO = ModelInfo(n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8)
 GROUP = INFO.n_heads // INFO.n_kv_heads

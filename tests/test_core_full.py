@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from eval.plugins import build_method
 from icecache.core.cache import HarnessCache
 from icecache.core.generation import GenerationRequest, greedy_generate
-from icecache.methods import build_method
 
 
 def reference_generate(model, ids, n_new):
@@ -90,8 +90,8 @@ def test_eos_min_new_tokens_and_stop_strings(tiny):
 
 @pytest.mark.parametrize("architecture", ["mistral"])
 def test_sliding_window_models_are_refused(architecture):
-    from icecache.core.errors import ConfigError
     from icecache.core.models import ModelSpec, model_info
+    from icecache.errors import ConfigError
 
     spec = ModelSpec(name="windowed", source="random", architecture=architecture,
                      config={"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,

@@ -4,8 +4,8 @@
 import json
 from types import SimpleNamespace
 
+from eval import runner
 from icecache.core.generation import default_eos_token_ids
-from icecache_harness import runner
 
 
 def test_union_of_the_tokenizer_eos_and_the_generation_config_eos_list():

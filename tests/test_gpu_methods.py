@@ -9,9 +9,9 @@ import gc
 import pytest
 import torch
 
+from eval.plugins import METHODS, build_method, method_class
 from icecache.core.cache import HarnessCache
 from icecache.core.generation import GenerationRequest, greedy_generate
-from icecache.methods import METHODS, build_method, method_class
 from tests.test_method_invariants import SMALL_BUDGET, method_config
 
 pytestmark = pytest.mark.gpu

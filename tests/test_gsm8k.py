@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from icecache.core.errors import ConfigError
+from eval.tasks import gsm8k
+from eval.tasks.base import PromptContext, build_task
+from eval.tasks.gsm8k import build_prompt, exemplars, extract_answer, is_correct
 from icecache.core.models import byte_tokenizer
-from icecache.tasks import gsm8k
-from icecache.tasks.base import PromptContext, build_task
-from icecache.tasks.gsm8k import build_prompt, exemplars, extract_answer, is_correct
+from icecache.errors import ConfigError
 
 FIXTURE = Path(__file__).parent / "fixtures" / "gsm8k" / "test.jsonl"
 

@@ -6,11 +6,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from eval.plugins import build_method
 from icecache.core.cache import HarnessCache
-from icecache.core.errors import ConfigError
 from icecache.core.generation import GenerationRequest, greedy_generate
-from icecache.methods import build_method
-from icecache.methods.icecache import diff_selection, merge_group_pages
+from icecache.errors import ConfigError
+from icecache.method import diff_selection, merge_group_pages
 
 
 def prompt(n, seed=0):
@@ -230,7 +230,7 @@ def test_valid_counts_cover_exactly_the_attended_positions(tiny, name):
 
 
 def test_token_store_appends_like_concatenation_with_bounded_spare_room():
-    from icecache.methods.icecache import TokenStore
+    from icecache.method import TokenStore
 
     generator = torch.Generator().manual_seed(0)
     keys, values = torch.randn(2, 100, 4, generator=generator), torch.randn(2, 100, 4, generator=generator)
@@ -251,7 +251,7 @@ def test_token_store_grows_between_steps_and_refuses_to_inside_a_host_function()
     """A captured step appends window pages from a host function, where growing the store hung the H200: the
     layer reserves room between steps, and a growth that would still happen inside a host function is an error."""
     from icecache.core import cuda_driver
-    from icecache.methods.icecache import TokenStore
+    from icecache.method import TokenStore
 
     store = TokenStore(torch.zeros(2, 10, 4), torch.zeros(2, 10, 4))
     store.reserve(40)
@@ -345,7 +345,7 @@ def test_window_ring_turns_and_every_step_attends_exactly_its_selection(n_window
 
 
 def test_token_store_rows_address_every_head_of_a_view_and_of_grown_storage():
-    from icecache.methods.icecache import TokenStore
+    from icecache.method import TokenStore
 
     full, other = torch.randn(3, 10, 4), torch.randn(3, 10, 4)
     for store in (TokenStore(full[:, :6], other[:, :6]),  # views: heads 10 rows apart
@@ -371,7 +371,7 @@ def _index_workers() -> list:
 
 @pytest.mark.parametrize("name", ["icecache", "icecache_reuse"])
 def test_closing_the_cache_ends_the_prompt_worker_and_its_progress_bar(tiny, name):
-    from icecache.methods.icecache import IceCacheSequence
+    from icecache.method import IceCacheSequence
 
     model, _, info = tiny
     method = build_method({"name": name, "budget": 96}, info)
@@ -482,7 +482,7 @@ def test_host_memory_is_one_copy_of_the_offloaded_tokens(name):
 
 
 def test_a_keyless_token_store_takes_values_only_and_gathers_rows_by_token_id():
-    from icecache.methods.icecache import TokenStore
+    from icecache.method import TokenStore
 
     gen = torch.Generator().manual_seed(1)
     values = torch.randn(2, 40, 8, generator=gen)

@@ -12,12 +12,10 @@ from pathlib import Path
 import pytest
 from tokenizers.processors import TemplateProcessing
 
-from icecache.core.errors import ConfigError
-from icecache.core.models import byte_tokenizer
-from icecache.tasks import longbench
-from icecache.tasks.base import PromptContext, build_task
-from icecache.tasks.chat import LLAMA3_SYSTEM_PROMPT, encode_prompt, wrap_chat
-from icecache.tasks.longbench import (
+from eval.tasks import longbench
+from eval.tasks.base import PromptContext, build_task
+from eval.tasks.chat import LLAMA3_SYSTEM_PROMPT, encode_prompt, wrap_chat
+from eval.tasks.longbench import (
     LONGBENCH_DATASETS,
     LONGBENCH_E_DATASETS,
     aggregate_longbench,
@@ -26,6 +24,8 @@ from icecache.tasks.longbench import (
     official_prompt,
     truncate_middle,
 )
+from icecache.core.models import byte_tokenizer
+from icecache.errors import ConfigError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "longbench"
 # A tiny chat template that shows every part it was given (system, user, the thinking switch, generation prompt).

@@ -1,4 +1,4 @@
-"""IceCache's opt-in look-ahead search (icecache/methods/icecache/lookahead.py) and the core hook it rests on
+"""IceCache's opt-in look-ahead search (icecache/method/lookahead.py) and the core hook it rests on
 (icecache/core/layer_inputs.py): the projection equals the query the attention receives, a held speculation uses
 exactly the pages its speculative query finds, a missed one selects as the exact search, and the hooks go with
 the generation."""
@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from eval.plugins import build_method
 from icecache.core.cache import HarnessCache
-from icecache.core.errors import ConfigError
 from icecache.core.generation import GenerationRequest, greedy_generate
 from icecache.core.layer_inputs import previous_layer_inputs, project_query
-from icecache.methods import build_method
-from icecache.methods.icecache import lookahead as lookahead_module
-from icecache.methods.icecache import merge_group_pages
+from icecache.errors import ConfigError
+from icecache.method import lookahead as lookahead_module
+from icecache.method import merge_group_pages
 
 NEW_TOKENS = 24
 
@@ -146,7 +146,7 @@ def test_misses_are_the_steps_where_a_head_falls_below_the_bar(tiny, monkeypatch
         decisions.append((lookahead_module.head_cosines(speculative, exact).min(), hit))
         return hit
 
-    monkeypatch.setattr("icecache.methods.icecache.layer.is_hit", recording)
+    monkeypatch.setattr("icecache.method.layer.is_hit", recording)
     with HarnessCache(icecache(info, lookahead_min_cosine=0.9)) as cache:
         result = greedy_generate(model, cache, GenerationRequest(prompt(400), NEW_TOKENS))
     assert len(decisions) == result.counters["lookahead_searches"] == 2 * (NEW_TOKENS - 1)

@@ -10,10 +10,7 @@ import math
 import pytest
 import torch
 
-from icecache.core.errors import ConfigError
-from icecache.core.method import ModelInfo, SequenceContext
-from icecache.methods import build_method
-from icecache.methods.magicpig import (
+from baselines.magicpig import (
     WEIGHT_FLOOR,
     HashTables,
     collision_counts_reference,
@@ -21,6 +18,9 @@ from icecache.methods.magicpig import (
     sampling_probability,
     simhash_codes,
 )
+from eval.plugins import build_method
+from icecache.core.method import ModelInfo, SequenceContext
+from icecache.errors import ConfigError
 
 INFO = ModelInfo(n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16)
 SCALING = 16**-0.5

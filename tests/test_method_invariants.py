@@ -23,11 +23,11 @@ import weakref
 import pytest
 import torch
 
+from eval.plugins import METHODS, build_method, method_class
 from icecache.core.cache import HarnessCache
-from icecache.core.errors import ConfigError
 from icecache.core.generation import GenerationRequest, greedy_generate
 from icecache.core.method import ModelInfo, SequenceContext
-from icecache.methods import METHODS, build_method, method_class
+from icecache.errors import ConfigError
 from tests.conftest import tiny_model, tiny_model_on
 
 # Methods that ignore the budget are full caches; tests/test_core_full.py holds them to the full cache's tokens.

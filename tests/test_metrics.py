@@ -7,8 +7,8 @@ import difflib
 
 import pytest
 
-from icecache.tasks import metrics
-from icecache.tasks.metrics import (
+from eval.tasks import metrics
+from eval.tasks.metrics import (
     DATASET_TO_METRIC,
     classification_score,
     code_sim_score,

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from icecache.core.errors import ConfigError
+from baselines.omnikv import OmniKVFilterKV, OmniKVSparseKV, default_filter_layers
+from eval.plugins import build_method
 from icecache.core.method import ModelInfo, SequenceContext
-from icecache.methods import build_method
-from icecache.methods.omnikv import OmniKVFilterKV, OmniKVSparseKV, default_filter_layers
+from icecache.errors import ConfigError
 
 INFO = ModelInfo(n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8)
 GROUP = INFO.n_heads // INFO.n_kv_heads

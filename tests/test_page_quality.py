@@ -75,7 +75,7 @@ def test_no_layout_holds_more_than_the_best_tokens_and_pages_of_one_are_tokens(p
 
 
 def test_icecache_frame_partitions_the_prompt(pq):
-    from icecache.methods.icecache import IceCacheConfig
+    from icecache.method import IceCacheConfig
 
     cfg = IceCacheConfig(budget=256)
     for n_tokens in (300, 320):  # a partial last page, and none
@@ -95,9 +95,9 @@ def test_the_dci_layout_is_the_one_icecache_selects_its_pages_from(pq):
     """IceCache attends whole leaves of its index: at its first decode steps (before its window inserts a page)
     the middle positions a query head attends are a union of whole leaves of the rebuilt layout, never part of
     one, and there are at most K of them. Positional pages do not pass the same check."""
+    from eval.plugins import build_method
     from icecache.core.cache import HarnessCache
     from icecache.core.generation import GenerationRequest, greedy_generate
-    from icecache.methods import build_method
     from tests.conftest import tiny_model
 
     model, _, info = tiny_model("qwen2")
@@ -137,7 +137,7 @@ def test_the_dci_layout_is_the_one_icecache_selects_its_pages_from(pq):
 
 
 def test_layout_masses_are_ordered_as_their_definitions(pq):
-    from icecache.methods.icecache import IceCacheConfig
+    from icecache.method import IceCacheConfig
 
     cfg = IceCacheConfig(budget=128)
     generator = torch.Generator().manual_seed(6)

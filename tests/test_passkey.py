@@ -3,10 +3,10 @@ question tokenised apart for the decode-question mode; the token calibration opt
 
 import pytest
 
-from icecache.core.errors import ConfigError
+from eval.tasks.base import PromptContext, build_task
+from eval.tasks.passkey import FILLER, KEY_LINE, QUESTION, TASK_LINE, build_prompt
 from icecache.core.models import byte_tokenizer
-from icecache.tasks.base import PromptContext, build_task
-from icecache.tasks.passkey import FILLER, KEY_LINE, QUESTION, TASK_LINE, build_prompt
+from icecache.errors import ConfigError
 
 
 def make_samples(tokenizer=None, max_length=100_000, **changes):

@@ -11,10 +11,10 @@ import dataclasses
 import pytest
 import torch
 
+from baselines.pqcache import budget_split
+from eval.plugins import build_method
 from icecache.core.method import ModelInfo, SequenceContext
 from icecache.core.product_quantization import code_rows, kmeans, pq_build, pq_scores
-from icecache.methods import build_method
-from icecache.methods.pqcache import budget_split
 
 INFO = ModelInfo(n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8)
 GROUP = INFO.n_heads // INFO.n_kv_heads
@@ -256,7 +256,7 @@ def test_a_store_grown_outside_the_generation_loop_changes_no_step():
     ({"local_ratio": 1.0}, "local_ratio=1.0"),
 ])
 def test_settings_that_cannot_work_are_refused(setting, message):
-    from icecache.core.errors import ConfigError
+    from icecache.errors import ConfigError
 
     with pytest.raises(ConfigError, match=message):
         build_method({**SMALL, **setting}, INFO)

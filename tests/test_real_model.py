@@ -6,11 +6,11 @@ Slow (about a minute per IceCache sample at 4k tokens on 2 cores), so it checks 
 
 import pytest
 
+from eval.plugins import build_method
+from eval.tasks.base import PromptContext, build_task
 from icecache.core.cache import ATTENTION_NAME, HarnessCache
 from icecache.core.generation import GenerationRequest, greedy_generate
 from icecache.core.models import ModelSpec, load_model, model_info
-from icecache.methods import build_method
-from icecache.tasks.base import PromptContext, build_task
 
 pytestmark = pytest.mark.slow
 

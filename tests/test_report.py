@@ -1,4 +1,4 @@
-"""Table and plot builders on synthetic result files (icecache/tasks/report), and the notebook that redraws them."""
+"""Table and plot builders on synthetic result files (eval/tasks/report), and the notebook that redraws them."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import pandas as pd
 import pytest
 
-from icecache_harness.report.collect import (
+from eval.report.collect import (
     LONGBENCH_16,
     REFERENCE_DIR,
     References,
@@ -26,8 +26,8 @@ from icecache_harness.report.collect import (
     load_runs,
     ruler_categories,
 )
-from icecache_harness.report.summary import write_summary
-from icecache_harness.report.tables import longbench_table, ruler_table
+from eval.report.summary import write_summary
+from eval.report.tables import longbench_table, ruler_table
 
 REPO = Path(__file__).resolve().parent.parent
 REFERENCE = REPO / "results" / "reference"
@@ -117,8 +117,8 @@ def test_reference_files_are_complete():
 
 def test_paper_breakdown_keeps_the_context_it_was_measured_at():
     """The paper's TPOT breakdown is at ~36k: a figure of another context labels its bar with that, not its own."""
-    from icecache_harness.report.collect import load_paper_latency
-    from icecache_harness.report.plots import PHASE_COLORS, paper_breakdown
+    from eval.report.collect import load_paper_latency
+    from eval.report.plots import PHASE_COLORS, paper_breakdown
 
     parts = paper_breakdown(load_paper_latency(REFERENCE / "paper_latency.csv"))["icecache"]
     assert parts["context_tokens"] == 36000
@@ -354,7 +354,7 @@ def test_collect_draws_latency_figures_only_from_the_benchmark_files_it_is_given
 
 
 def test_variant_lines_differ_in_style_and_every_legend_entry_has_points(mixed, tmp_path):
-    from icecache_harness.report import plots as P
+    from eval.report import plots as P
 
     scores = collect_scores(load_runs(mixed))
     table = longbench_table(scores, None, LLAMA, datasets=["qasper"])  # Avg = qasper: every row has a point
@@ -380,7 +380,7 @@ def test_variant_lines_differ_in_style_and_every_legend_entry_has_points(mixed, 
 
 
 def test_latency_table_orders_contexts_as_numbers_and_prints_budgets_as_integers():
-    from icecache_harness.report.tables import frame_to_markdown, latency_table
+    from eval.report.tables import frame_to_markdown, latency_table
 
     rows = [{"model": "m", "method": method, "budget": budget, "context": context, "tpot_s_median": 0.01}
             for context in (16384, 131072, 36000) for method, budget in (("full", None), ("icecache", 256))]
@@ -391,7 +391,7 @@ def test_latency_table_orders_contexts_as_numbers_and_prints_budgets_as_integers
 
 
 def test_a_declared_variant_is_drawn_under_its_label_and_a_one_off_setting_is_not_drawn():
-    from icecache_harness.report.collect import DISPLAY_NAME, curve_method
+    from eval.report.collect import DISPLAY_NAME, curve_method
 
     assert curve_method("icecache", "icecache") == "icecache"
     assert curve_method("icecache:lookahead=true", "icecache+lookahead") == "icecache+lookahead"

@@ -19,10 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from icecache.core.errors import ConfigError
-from icecache.tasks import ruler
-from icecache.tasks.base import PromptContext, build_task
-from icecache.tasks.ruler import (
+from eval.tasks import ruler
+from eval.tasks.base import PromptContext, build_task
+from eval.tasks.ruler import (
     DEPTHS,
     MAX_NEW_TOKENS,
     NEEDLE,
@@ -35,6 +34,7 @@ from icecache.tasks.ruler import (
     split_sentences,
     wonderwords_list,
 )
+from icecache.errors import ConfigError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "ruler"
 

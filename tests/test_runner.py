@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from icecache.core.errors import ConfigError
-from icecache_harness import runner
+from eval import runner
+from icecache.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -118,7 +118,7 @@ def test_bad_input_gives_one_line_and_exit_code_2(overrides, message, tmp_path):
 
 def test_provenance_names_the_snapshot_commit_over_the_enclosing_checkout(monkeypatch):
     """A git-archive copy inside another checkout (the GPU host) must record the commit it was made from."""
-    from icecache_harness import provenance
+    from eval import provenance
 
     monkeypatch.setenv("ICECACHE_GIT_COMMIT", "0123abcd")
     info = provenance.collect()
@@ -194,7 +194,7 @@ def test_a_variant_run_is_labelled_with_its_variant_and_its_own_directory(tmp_pa
 
 
 def test_provenance_records_the_numa_nodes_and_the_thread_binding(monkeypatch):
-    from icecache_harness import provenance
+    from eval import provenance
 
     monkeypatch.setenv("OMP_PROC_BIND", "close")
     info = provenance.collect()

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eval.plugins import METHODS, build_method, method_class
 from icecache.core.cache import HarnessCache
 from icecache.core.generation import GenerationRequest, greedy_generate
-from icecache.methods import METHODS, build_method, method_class
 from tests.conftest import ARCHITECTURES, tiny_model, tiny_model_on
 
 ALL_METHODS = METHODS.names()
@@ -178,7 +178,7 @@ def test_a_measured_run_records_each_sample_and_summarises_them(tmp_path):
     generated tokens of the unmeasured run."""
     import json
 
-    from icecache_harness.runner import RunConfig, read_records, run
+    from eval.runner import RunConfig, read_records, run
     from tests.conftest import tiny_spec
 
     base = {"model": dict(vars(tiny_spec("llama"))), "method": method_config("quest", 64),

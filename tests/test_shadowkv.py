@@ -12,13 +12,7 @@ import torch
 from transformers import AutoConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from icecache.core.cache import HarnessCache
-from icecache.core.errors import ConfigError
-from icecache.core.generation import GenerationRequest, greedy_generate
-from icecache.core.method import ModelInfo, SequenceContext
-from icecache.core.rope import Rotary
-from icecache.methods import build_method
-from icecache.methods.shadowkv import (
+from baselines.shadowkv import (
     ShadowKVConfig,
     chunk_landmarks,
     chunk_split,
@@ -28,6 +22,12 @@ from icecache.methods.shadowkv import (
     outlier_chunks,
     rebuild_keys,
 )
+from eval.plugins import build_method
+from icecache.core.cache import HarnessCache
+from icecache.core.generation import GenerationRequest, greedy_generate
+from icecache.core.method import ModelInfo, SequenceContext
+from icecache.core.rope import Rotary
+from icecache.errors import ConfigError
 from tests.conftest import ARCHITECTURES, tiny_model
 
 CS = 8  # chunk size
@@ -294,7 +294,7 @@ def test_a_slow_value_copy_still_reads_the_chunks_it_was_given():
     """The value copy runs on a side stream while the main stream rebuilds keys. Each step here first puts a long
     sleep on the side stream, so the copy starts only after the main stream has allocated and written the rebuild's
     temporaries: the copy must still move exactly the chunks chosen (the GPU path against the CPU path)."""
-    from icecache.methods.shadowkv import ShadowKVSequence
+    from baselines.shadowkv import ShadowKVSequence
 
     results = {}
     for device in ("cpu", "cuda"):

@@ -36,7 +36,7 @@ def grid(experiment: str) -> set[tuple[str, int | None]]:
     """(method, budget) of every configured cell: the sweeper's methods x budgets, the full caches budget-free."""
     from omegaconf import OmegaConf
 
-    from icecache.methods import method_class
+    from eval.plugins import method_class
     from run import hydra_context, sweep_jobs
 
     with hydra_context():
@@ -69,7 +69,7 @@ def test_every_configured_cell_composes_and_passes_its_checks(experiment):
 
 @pytest.mark.parametrize("experiment", SWEPT)
 def test_every_configured_cell_runs_on_a_tiny_model(experiment, tmp_path):
-    from icecache_harness.runner import RunConfig, run
+    from eval.runner import RunConfig, run
 
     overrides = [f"experiment={experiment}", "model=tiny_llama", f"output_root={tmp_path}", *TINY_TASKS[experiment]]
     jobs, _ = sweep.expand(overrides, device="cpu")  # with the tiny model's geometry: the methods' own checks too
@@ -117,9 +117,9 @@ def test_the_fast_job_composer_equals_hydra_compose(experiment):
 def test_icecache_reuse_prompt_within_the_budget_and_decode_past_it():
     import torch
 
+    from eval.plugins import build_method
     from icecache.core.cache import HarnessCache
     from icecache.core.generation import GenerationRequest, greedy_generate
-    from icecache.methods import build_method
     from tests.conftest import tiny_model
 
     model, _, info = tiny_model("llama")

@@ -16,9 +16,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from .errors import ConfigError, dataclass_from_dict
+from icecache.errors import ConfigError, dataclass_from_dict
+from icecache.registry import Registry
+
 from .layer import DenseKV, LayerKV, ModelInfo, SequenceContext, storage_capacity
-from .registry import Registry
 from .static_kv import StaticDenseKV
 
 __all__ = ["METHODS", "DenseKV", "LayerKV", "Method", "MethodConfig", "ModelInfo", "SequenceContext",
@@ -118,7 +119,7 @@ METHODS: Registry[type[Method]] = Registry("method")
 
 def method_class(name: str | None) -> type[Method]:
     """The registered class of a method name. The method modules fill the registry when they are imported
-    (``icecache.methods`` imports them all)."""
+    (``eval.plugins`` imports them all)."""
     return METHODS.get(name)
 
 

@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError, dataclass_from_dict
+from icecache.errors import ConfigError, dataclass_from_dict
+from icecache.registry import Registry
+
 from .method import ModelInfo
-from .registry import Registry
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 

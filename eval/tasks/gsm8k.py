@@ -3,7 +3,7 @@
 Prompt: the exemplars + ``"\\nQuestion: " + question + "\\n"``, no chat template, greedy, 256 new tokens, stopping at
 the next ``"\\nQuestion: "`` the model starts. The exemplars are the eight classic ones of the chain-of-thought paper
 (Wei et al. 2022) because IceCache's own prompt file, ``gsm8k_prompt_formal.txt``, was never made public; see
-``icecache/tasks/data/gsm8k/SOURCE.md``.
+``eval/tasks/data/gsm8k/SOURCE.md``.
 
 Answer extraction (docs/algorithms.md, GSM8K): cut the generation at the first ``"\\nQuestion: "``, remove commas, and
 read the last match of ``\\d*\\.?\\d+`` as a float; the gold answer is read the same way (its last number is the one
@@ -20,7 +20,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator
 
-from icecache.core.errors import ConfigError
+from icecache.errors import ConfigError
 
 from .base import TASKS, PromptContext, Sample, Task, TaskConfig, read_jsonl
 from .chat import encode_prompt

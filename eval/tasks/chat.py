@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from icecache.core.errors import ConfigError
+from icecache.errors import ConfigError
 
 CHAT_TEMPLATES = ("llama3", "mistral", "qwen", "plain", "none")
 LLAMA3_SYSTEM_PROMPT = "You are a helpful assistant."

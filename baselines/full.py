@@ -54,7 +54,7 @@ class FullStaticCache(Method):
         super().check()
         size = self.config.page_size
         if size < 1 or size > 64 or size & (size - 1):
-            from icecache.core.errors import ConfigError
+            from icecache.errors import ConfigError
 
             raise ConfigError(f"full_static page_size must be a power of two <= 64, not {size}")
 

@@ -59,9 +59,9 @@ from typing import Any
 
 import torch
 
-from icecache.core.errors import ConfigError
 from icecache.core.host_step import HostExchange
 from icecache.core.method import METHODS, DenseKV, Method, MethodConfig, storage_capacity
+from icecache.errors import ConfigError
 
 # A key is sampled when it shares the query's bucket in at least this many tables (the public code's rule).
 MIN_COLLISIONS = 2

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from icecache.core.errors import ConfigError
 from icecache.core.method import METHODS, Method, MethodConfig
 from icecache.core.token_slots import RingSlotsKV
+from icecache.errors import ConfigError
 
 
 @dataclass

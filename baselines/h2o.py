@@ -27,11 +27,11 @@ from dataclasses import dataclass
 
 import torch
 
-from icecache.core.errors import ConfigError
 from icecache.core.heavy_hitters import h2o_step
 from icecache.core.method import METHODS, Method, MethodConfig
 from icecache.core.scores import causal_column_sums
 from icecache.core.token_slots import TokenSlotsKV
+from icecache.errors import ConfigError
 
 
 @dataclass

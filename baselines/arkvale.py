@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import torch
 
 from icecache.core.attention import paged_decode_attention
-from icecache.core.errors import ConfigError
 from icecache.core.layer import attended_from_positions
 from icecache.core.method import METHODS, DenseKV, Method, MethodConfig, storage_capacity
 from icecache.core.paged import copy_blocks, mapped_device_view
 from icecache.core.scores import page_bounds
+from icecache.errors import ConfigError
 
 # ArkVale's rule for its top-k, k = min(C, c / 2) / p pages, with C = 1280 tokens and c the cache size in tokens.
 TOPK_TOKEN_CAP = 1280

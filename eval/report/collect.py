@@ -26,7 +26,7 @@ from typing import Any, Iterable
 
 import pandas as pd
 
-from icecache.methods import METHODS, method_class
+from eval.plugins import METHODS, method_class
 
 METRICS = "metrics.json"
 PREDICTIONS = "predictions.jsonl"

@@ -27,11 +27,11 @@ from dataclasses import dataclass
 import torch
 
 from icecache.core.attention import paged_decode_attention
-from icecache.core.errors import ConfigError
 from icecache.core.layer import attended_from_positions
 from icecache.core.method import METHODS, Method, MethodConfig
 from icecache.core.scores import page_bounds
 from icecache.core.static_kv import StaticDenseKV
+from icecache.errors import ConfigError
 
 
 @dataclass

@@ -63,7 +63,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from icecache.core.errors import ConfigError
+from icecache.errors import ConfigError
 
 from .base import TASKS, PromptContext, Sample, Task, TaskConfig
 from .chat import encode_prompt, wrap_chat

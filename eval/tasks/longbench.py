@@ -2,7 +2,7 @@
 
 Per sample (docs/algorithms.md, LongBench):
 
-1. ``prompt = dataset2prompt[dataset].format(**sample)`` (templates are data: ``icecache/tasks/data/longbench/``).
+1. ``prompt = dataset2prompt[dataset].format(**sample)`` (templates are data: ``eval/tasks/data/longbench/``).
 2. Middle truncation to the prompt budget ``L``: if the tokenised prompt is longer than ``L``, keep the first
    ``int(L/2)`` and the last ``int(L/2)`` tokens, decode each half with special tokens skipped and concatenate the
    two strings. ``L`` is the IceCache scripts' ``model2maxlen`` value for the models they list
@@ -12,7 +12,7 @@ Per sample (docs/algorithms.md, LongBench):
    sets, where chat models do better on the raw continuation).
 4. Greedy generation of ``dataset2maxlen[dataset]`` tokens; samsum also forces one new token and stops on "\\n".
 
-Scores: the official per-sample metric (``icecache.tasks.metrics``), ``round(100 * mean, 2)`` per dataset, the
+Scores: the official per-sample metric (``eval.tasks.metrics``), ``round(100 * mean, 2)`` per dataset, the
 leaderboard's "Avg" (mean of the six category means), the IceCache table's plain mean over datasets, and for
 LongBench-E the same per length bucket (``length`` < 4000, 4000-7999, >= 8000; words for English and code,
 characters for Chinese).
@@ -34,7 +34,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator
 
-from icecache.core.errors import ConfigError
+from icecache.errors import ConfigError
 
 from .base import TASKS, PromptContext, Sample, Task, TaskConfig, read_jsonl
 from .chat import encode_prompt, newline_token_id, wrap_chat

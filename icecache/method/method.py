@@ -3,8 +3,8 @@ layer owns the index and selection a layer uses."""
 
 from __future__ import annotations
 
-from icecache.core.errors import ConfigError
 from icecache.core.method import METHODS, Method, SequenceContext
+from icecache.errors import ConfigError
 
 from .config import CPU_KV_DTYPES, DCI_LEAF_CAPACITY, IceCacheConfig, IceCacheReuseConfig
 from .layer import IceCacheLayer

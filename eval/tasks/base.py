@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Iterator
 
-from icecache.core.errors import ConfigError, dataclass_from_dict
-from icecache.core.registry import Registry
+from icecache.errors import ConfigError, dataclass_from_dict
+from icecache.registry import Registry
 
 
 @dataclass
@@ -108,7 +108,7 @@ TASKS: Registry[type[Task]] = Registry("task")
 def build_task(values: dict[str, Any], check: bool = True) -> Task:
     """The task ``values`` name, checked (``Task.check``) unless ``check=False``: scoring finished runs' records
     needs the task's aggregate, not its data."""
-    import icecache.tasks as _all_tasks  # noqa: F401  registers every task
+    import eval.tasks as _all_tasks  # noqa: F401  registers every task
 
     task_cls = TASKS.get(values.get("name"))
     task = task_cls(task_cls.config_class.from_dict(dict(values)))

@@ -14,8 +14,8 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from icecache_harness.report.accuracy import REFERENCE
-from icecache_harness.report.bootstrap import paired_difference
+from eval.report.accuracy import REFERENCE
+from eval.report.bootstrap import paired_difference
 
 
 def _pairing_key(payload: dict[str, Any]) -> str:
@@ -27,8 +27,8 @@ def _pairing_key(payload: dict[str, Any]) -> str:
 def attach_paired(payloads: list[dict[str, Any]], run_dir_of: Callable[[dict[str, Any]], Path]) -> int:
     """Add ``paired`` to every payload that can be paired with its reference run (module docstring); returns how
     many got one now."""
-    from icecache.tasks.base import build_task
-    from icecache_harness.runner import run_records
+    from eval.runner import run_records
+    from eval.tasks.base import build_task
 
     references = {_pairing_key(p): p for p in payloads if p.get("method") == REFERENCE}
     loaded: dict[int, list[dict[str, Any]]] = {}

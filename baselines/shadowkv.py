@@ -54,10 +54,10 @@ from dataclasses import dataclass
 import torch
 
 from icecache.core.attention import paged_decode_attention
-from icecache.core.errors import ConfigError
 from icecache.core.layer import attended_from_positions
 from icecache.core.method import METHODS, Method, MethodConfig, StaticDenseKV, storage_capacity
 from icecache.core.paged import copy_blocks, mapped_device_view
+from icecache.errors import ConfigError
 
 # The paper's Llama-3.1-8B setting: 48 outlier chunks beside 256 selected ones (2048 tokens of sparse budget).
 PAPER_OUTLIER_CHUNKS, PAPER_SELECTED_CHUNKS = 48, 256

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from icecache.core.errors import ConfigError, check_types
+from eval.plugins import method_class
+from eval.report.bootstrap import bootstrap_intervals
 from icecache.core.method import method_label
 from icecache.core.models import ModelSpec, check_model, model_info
-from icecache.methods import method_class
-from icecache_harness.report.bootstrap import bootstrap_intervals
+from icecache.errors import ConfigError, check_types
 
 PREDICTIONS = "predictions.jsonl"
 METRICS = "metrics.json"
@@ -317,8 +317,8 @@ def prepare(config: RunConfig):
 
     Settings (the run's, the method's, the task's) come first, then the task's data, then the model's files, and
     last the model's config (for a GGUF file: seconds of parsing), which the method's geometry checks need."""
-    from icecache.methods import build_method
-    from icecache.tasks.base import build_task
+    from eval.plugins import build_method
+    from eval.tasks.base import build_task
 
     config.check_settings()
     check_writable(Path(config.output_root))
@@ -336,8 +336,8 @@ def build_samples(task, config: RunConfig):
     """(tokenizer, samples): the model's tokenizer and every sample, built before any weights load, so a task
     that cannot be built for this model (a passkey length shorter than its fixed text, a RULER length too short for
     a task) or that yields nothing stops the run before it starts."""
+    from eval.tasks.base import PromptContext
     from icecache.core.models import load_tokenizer
-    from icecache.tasks.base import PromptContext
 
     tokenizer = read_model_part(config.model, lambda: memo("tokenizer", model_key(config),
                                                           lambda: load_tokenizer(config.model)))
@@ -420,10 +420,10 @@ def run(config: RunConfig) -> dict[str, Any] | None:
     from omegaconf import OmegaConf
     from tqdm.auto import tqdm
 
+    from eval import provenance
     from icecache.core.cache import HarnessCache
     from icecache.core.generation import GenerationRequest, default_eos_token_ids, greedy_generate
     from icecache.core.timing import PhaseTimer
-    from icecache_harness import provenance
 
     task, method = prepare(config)
     out_dir = config.output_dir()
@@ -498,7 +498,7 @@ def finish(config: RunConfig, task, samples, holds_run_lock: bool) -> dict[str, 
     """The run's metrics.json once every sample is in, else None (a shard whose part is done while others are
     not). Shards' files are merged into the run's predictions.jsonl, in sample order, first. One process at a time
     (``.finish.lock``); a shard leaves the run to the unsharded process that is writing it, if there is one."""
-    from icecache_harness import provenance
+    from eval import provenance
 
     out_dir = config.output_dir()
     metrics_path = out_dir / METRICS

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from icecache.core.errors import ConfigError
+from icecache.errors import ConfigError
 
 from .base import TASKS, PromptContext, Sample, Task, TaskConfig
 

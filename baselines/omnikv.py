@@ -49,12 +49,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from icecache.core.errors import ConfigError
 from icecache.core.method import METHODS, Method, MethodConfig, storage_capacity
 from icecache.core.paged import mapped_device_view
 from icecache.core.scores import gqa_scores
 from icecache.core.static_kv import StaticDenseKV
 from icecache.core.token_slots import RingSlotsKV
+from icecache.errors import ConfigError
 
 #: OmniKV's filter layers for Llama-3-8B (32 layers).
 PAPER_FILTER_LAYERS = (2, 8, 18)

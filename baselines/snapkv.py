@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from icecache.core.errors import ConfigError
 from icecache.core.method import METHODS, Method, MethodConfig
 from icecache.core.token_slots import RingSlotsKV
+from icecache.errors import ConfigError
 
 
 @dataclass

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from icecache.core.errors import ConfigError
 from icecache.core.method import MethodConfig
+from icecache.errors import ConfigError
 
 DCI_LEAF_CAPACITY = 16
 CPU_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

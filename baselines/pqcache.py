@@ -56,11 +56,11 @@ from dataclasses import dataclass
 
 import torch
 
-from icecache.core.errors import ConfigError
 from icecache.core.method import METHODS, Method, MethodConfig, storage_capacity
 from icecache.core.paged import copy_blocks, mapped_device_view
 from icecache.core.product_quantization import code_rows, pq_build, pq_encode, pq_scores
 from icecache.core.token_slots import RingSlotsKV
+from icecache.errors import ConfigError
 
 #: Sort key of a slot held by one of the step's blocks: never a victim.
 _HELD = torch.iinfo(torch.int64).max
