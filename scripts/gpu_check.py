@@ -1,15 +1,16 @@
 #!/usr/bin/env python
-"""GPU host check of the shared core's kernels: correctness tests, then kernel and bulk-load timings.
+"""GPU host check of the shared core's kernels: correctness tests, then kernel and page-copy timings.
 
-    python scripts/gpu_check.py [--skip-tests] [--commit SHA] [--out results/bench/kernels_<host>.json]
+    PYTHONPATH=. python scripts/gpu_check.py [--skip-tests] [--commit SHA] [--out results/bench/kernels_<host>.json]
 
-1. Runs the GPU tests (``pytest -m gpu tests/test_paged_attention.py``; without pytest, a built-in comparison of
-   the Triton attention with the PyTorch reference stands in).
+1. Runs the GPU kernel tests (``pytest -m gpu tests/test_paged_attention.py tests/test_selection_kernels.py``;
+   without pytest, a built-in comparison of the Triton attention with the PyTorch reference stands in).
 2. Times, for Llama-3.1-8B decode shapes (32 query heads, 8 KV heads, head_dim 128, bf16, pages of 16 tokens),
    the Triton paged decode attention, the PyTorch reference on the GPU, and dense SDPA over the same number of
    contiguous tokens, for selections of 16 pages (256 tokens) to 1024 pages (16k tokens).
-3. Times the bulk loader (gather into pinned memory, one host-to-device copy, scatter) for IceCache's per-layer
-   load (8 heads x 12 pages) and larger loads, with its parts timed separately.
+3. Times the page copies the methods call, for IceCache's per-layer load (8 heads x 12 pages) and larger ones: the
+   page scatter out of a device transit buffer (IceCache), the block copy from device memory and from a pinned
+   host store read in place (ArkVale, ShadowKV, PQCache), against a raw host-to-device copy of the same bytes.
 
 Prints a short table and writes a JSON file with provenance (git commit, GPU, CPU, torch/Triton/CUDA versions,
 date). Needs only torch and Triton (no hydra, no DCI extension).
@@ -29,16 +30,22 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+
+from eval.provenance import cpu_model  # stdlib-only at import
+from icecache.core.kernels import triton_runtime
+from icecache.core.kernels.block_copy import copy_blocks_triton
+from icecache.core.kernels.page_scatter import PageScatterPlan, scatter_pages_triton
+from icecache.core.kernels.paged_decode_attention import (
+    DEFAULT_BLOCK_TOKENS,
+    PagedAttentionPlan,
+    paged_decode_attention_reference,
+    paged_decode_attention_triton,
+)
+from icecache.core.paged import GpuPagePool, mapped_device_view
+
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from eval.provenance import cpu_model  # noqa: E402  (stdlib-only at import)
-from icecache.core import triton_kernels  # noqa: E402
-from icecache.core.attention import paged_decode_attention_reference  # noqa: E402
-from icecache.core.paged import BulkLoader, CpuPageStore, GpuPagePool  # noqa: E402
 
 N_HEADS, N_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16  # Llama-3.1-8B attention geometry, IceCache pages
 DTYPE = torch.bfloat16
@@ -60,8 +67,8 @@ def git_commit() -> str:
 
 def provenance(commit: str | None) -> dict:
     triton_version = None
-    if triton_kernels.TRITON_IMPORT_ERROR is None:
-        triton_version = triton_kernels.triton.__version__
+    if triton_runtime.TRITON_IMPORT_ERROR is None:
+        triton_version = triton_runtime.triton.__version__
     return {
         "git_commit": commit or os.environ.get("ICECACHE_GIT_COMMIT") or git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -90,7 +97,7 @@ def run_gpu_tests() -> dict:
     except ImportError:
         return {"ran": False, "reason": "pytest is not installed"}
     command = [sys.executable, "-m", "pytest", "-m", "gpu", "--noconftest", "-q", "-p", "no:cacheprovider",
-               "tests/test_paged_attention.py"]
+               "tests/test_paged_attention.py", "tests/test_selection_kernels.py"]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     print(result.stdout[-4000:], result.stderr[-2000:], sep="\n")
@@ -116,13 +123,14 @@ def builtin_correctness() -> list[dict]:
     """Max abs difference of the Triton attention from the reference on the benchmark shapes (bf16 and fp32)."""
     rows = []
     gen = torch.Generator().manual_seed(0)
+    plan = PagedAttentionPlan()
     for n_pages in (1, 16, 300, 1024):
         query, keys, values, table, counts = selection(n_pages, gen)
         table[:, ::7] = -1  # padding entries
         table[:, 0] = 0
         for dtype in (torch.bfloat16, torch.float32):
             args = (query.to(dtype), keys.to(dtype), values.to(dtype), table, counts, HEAD_DIM**-0.5)
-            error = (triton_kernels.paged_decode_attention(*args).float()
+            error = (paged_decode_attention_triton(*args, plan).float()
                      - paged_decode_attention_reference(*args).float()).abs().max().item()
             rows.append({"n_pages": n_pages, "dtype": str(dtype).replace("torch.", ""), "max_abs_error": error})
     return rows
@@ -165,11 +173,6 @@ def _time_per_call_us(fn, reps: int, repeats: int, sync_every_call: bool) -> flo
     return statistics.median(times)
 
 
-def wall_time_us(fn, reps: int = 50, repeats: int = 5) -> float:
-    """Each call followed by a device sync: host and device time of one call together."""
-    return _time_per_call_us(fn, reps, repeats, sync_every_call=True)
-
-
 def host_time_us(fn, reps: int = 20, repeats: int = 20) -> float:
     """``reps`` calls, then one device sync (what a decode step that syncs once per token sees when the host, not
     the GPU, is the bottleneck)."""
@@ -190,27 +193,26 @@ def bench_attention() -> list[dict]:
         kv_bytes = 2 * N_KV_HEADS * n_tokens * HEAD_DIM * 2
         row = {"n_pages": n_pages, "n_tokens": n_tokens, "kv_bytes": kv_bytes}
         for block_tokens in (32, 64, 128):
-            row[f"triton_us_block{block_tokens}"] = cuda_time_us(
-                lambda: triton_kernels.paged_decode_attention(*args, block_tokens=block_tokens))
-        row["triton_us"] = row[f"triton_us_block{triton_kernels.DEFAULT_BLOCK_TOKENS}"]
-        row["triton_us_8warps"] = cuda_time_us(lambda: triton_kernels.paged_decode_attention(*args, num_warps=8))
-        # Per-call host cost (issue 8): direct launches (default), Triton's own launch path, one split, out=.
-        row["n_splits"] = triton_kernels.attention_plan(query, key_pages, table)[0]
-        row["triton_host_us"] = host_time_us(lambda: triton_kernels.paged_decode_attention(*args))
+            plan = PagedAttentionPlan(block_tokens=block_tokens)
+            row[f"triton_us_block{block_tokens}"] = cuda_time_us(lambda: paged_decode_attention_triton(*args, plan))
+        row["triton_us"] = row[f"triton_us_block{DEFAULT_BLOCK_TOKENS}"]
+        eight_warps = PagedAttentionPlan(num_warps=8)
+        row["triton_us_8warps"] = cuda_time_us(lambda: paged_decode_attention_triton(*args, eight_warps))
+        # Per-call host cost: direct launches (default), Triton's own launch path, one split, out=.
+        plan, one_split, jit_launch = PagedAttentionPlan(), PagedAttentionPlan(n_splits=1), \
+            PagedAttentionPlan(direct_launch=False)
+        row["n_splits"] = plan.splits(query, key_pages, table)[0]
+        row["triton_host_us"] = host_time_us(lambda: paged_decode_attention_triton(*args, plan))
         out = torch.empty_like(query)
-        row["triton_host_out_us"] = host_time_us(lambda: triton_kernels.paged_decode_attention(*args, out=out))
-        row["triton_host_1split_us"] = host_time_us(lambda: triton_kernels.paged_decode_attention(*args, n_splits=1))
-        row["triton_us_1split"] = cuda_time_us(lambda: triton_kernels.paged_decode_attention(*args, n_splits=1))
-        previous = triton_kernels.set_fast_launch(False)
-        try:
-            row["triton_host_jit_launch_us"] = host_time_us(lambda: triton_kernels.paged_decode_attention(*args))
-        finally:
-            triton_kernels.set_fast_launch(previous)
+        row["triton_host_out_us"] = host_time_us(lambda: paged_decode_attention_triton(*args, plan, out=out))
+        row["triton_host_1split_us"] = host_time_us(lambda: paged_decode_attention_triton(*args, one_split))
+        row["triton_us_1split"] = cuda_time_us(lambda: paged_decode_attention_triton(*args, one_split))
+        row["triton_host_jit_launch_us"] = host_time_us(lambda: paged_decode_attention_triton(*args, jit_launch))
         try:  # device time alone: the calls replayed from a CUDA graph carry no host cost
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 for _ in range(20):
-                    triton_kernels.paged_decode_attention(*args, out=out)
+                    paged_decode_attention_triton(*args, plan, out=out)
             row["triton_graph_us"] = cuda_time_us(graph.replay, reps=10) / 20
         except Exception as error:  # noqa: BLE001 - a report line, not a failure
             row["triton_graph_us"] = float("nan")
@@ -223,59 +225,55 @@ def bench_attention() -> list[dict]:
     return rows
 
 
-def bench_bulk_loader() -> list[dict]:
-    """IceCache's per-layer load (8 heads x 12 pages = 768 KiB), 4 and 32 layers' worth, and a 128 MiB load."""
+def bench_page_copies() -> list[dict]:
+    """The page copies of IceCache's per-layer load (8 heads x 12 pages = 768 KiB), 4 and 32 layers' worth, and
+    2048 pages per head (128 MiB): the scatter out of a device transit buffer, the block copy from device memory
+    and from a pinned store read in place, and a raw pinned host-to-device copy of the same bytes."""
     rows = []
     gen = torch.Generator().manual_seed(2)
     n_store_pages = 4096
-    store = CpuPageStore(N_KV_HEADS, PAGE_SIZE, HEAD_DIM, DTYPE, pin_memory=True, initial_pages=n_store_pages)
-    store.ensure_capacity(n_store_pages)
-    store.key_pages.copy_(torch.randn(store.key_pages.shape, generator=gen).to(DTYPE))
-    store.value_pages.copy_(torch.randn(store.value_pages.shape, generator=gen).to(DTYPE))
+    store_shape = (n_store_pages, N_KV_HEADS, PAGE_SIZE, HEAD_DIM)
+    host_store = [torch.randn(store_shape, generator=gen).to(DTYPE).pin_memory() for _ in range(2)]
+    mapped_store = [mapped_device_view(pages, torch.device("cuda")) for pages in host_store]
+    device_store = [pages.cuda() for pages in host_store]
     for pages_per_head, label in ((12, "1 layer, 12 pages/head"), (48, "4 layers"), (384, "32 layers"),
                                   (2048, "2048 pages/head")):
         n_blocks = N_KV_HEADS * pages_per_head
         pool = GpuPagePool(pages_per_head, N_KV_HEADS, PAGE_SIZE, HEAD_DIM, DTYPE, "cuda")
-        loader = BulkLoader(PAGE_SIZE, HEAD_DIM, DTYPE, "cuda", max_pages=n_blocks)
         page_ids = torch.randint(0, n_store_pages, (n_blocks,), generator=gen)
         heads = torch.arange(N_KV_HEADS).repeat(pages_per_head)
         slots = torch.arange(pages_per_head).repeat_interleave(N_KV_HEADS)
-        n_bytes = loader.load(store, page_ids, heads, pool, slots)
+        n_bytes = 2 * n_blocks * PAGE_SIZE * HEAD_DIM * DTYPE.itemsize
+        device_pages, device_slots, device_heads = page_ids.cuda(), slots.cuda(), heads.cuda()
+
+        copy_blocks_triton(*mapped_store, device_pages, pool.key_pages, pool.value_pages, device_slots, device_heads)
         torch.cuda.synchronize()
-        assert torch.equal(pool.key_pages[slots, heads].cpu(), store.key_pages[page_ids, heads])
+        assert torch.equal(pool.key_pages[slots, heads].cpu(), host_store[0][page_ids, heads])
+        copy_device_us = cuda_time_us(lambda: copy_blocks_triton(
+            *device_store, device_pages, pool.key_pages, pool.value_pages, device_slots, device_heads), reps=50)
+        copy_mapped_us = cuda_time_us(lambda: copy_blocks_triton(
+            *mapped_store, device_pages, pool.key_pages, pool.value_pages, device_slots, device_heads), reps=20)
+        copy_host_us = host_time_us(lambda: copy_blocks_triton(
+            *mapped_store, device_pages, pool.key_pages, pool.value_pages, device_slots, device_heads))
 
-        # Parts: host gather into pinned memory, the raw pinned copy of that many bytes, the scatter kernel.
-        rows_index = page_ids * N_KV_HEADS + heads
+        transit = [torch.randn(n_blocks, PAGE_SIZE, HEAD_DIM, generator=gen).to(DTYPE).cuda() for _ in range(2)]
+        plan = PageScatterPlan()
+        scatter_pages_triton(*transit, pool.key_pages, pool.value_pages, device_slots, device_heads, plan)
+        torch.cuda.synchronize()
+        assert torch.equal(pool.value_pages[slots, heads], transit[1])
+        scatter_us = cuda_time_us(lambda: scatter_pages_triton(
+            *transit, pool.key_pages, pool.value_pages, device_slots, device_heads, plan), reps=50)
+        scatter_host_us = host_time_us(lambda: scatter_pages_triton(
+            *transit, pool.key_pages, pool.value_pages, device_slots, device_heads, plan))
+
         pinned = torch.empty(2, n_blocks, PAGE_SIZE, HEAD_DIM, dtype=DTYPE, pin_memory=True)
-        flat_keys = store.key_pages.reshape(-1, PAGE_SIZE, HEAD_DIM)
-        flat_values = store.value_pages.reshape(-1, PAGE_SIZE, HEAD_DIM)
-
-        def gather():
-            torch.index_select(flat_keys, 0, rows_index, out=pinned[0])
-            torch.index_select(flat_values, 0, rows_index, out=pinned[1])
-
-        start = time.perf_counter()
-        for _ in range(20):
-            gather()
-        gather_index_select_us = (time.perf_counter() - start) * 1e6 / 20
-        pinned_bytes = pinned.view(torch.uint8).reshape(2, n_blocks, -1).numpy()
-        rows_np = rows_index.numpy()
-        start = time.perf_counter()
-        for _ in range(20):
-            loader.gather(store, rows_np, pinned_bytes)  # what load() uses: one thread for loads up to 8 MiB
-        gather_us = (time.perf_counter() - start) * 1e6 / 20
         on_device = torch.empty_like(pinned, device="cuda")
         copy_us = cuda_time_us(lambda: on_device.copy_(pinned, non_blocking=True), reps=20)
-        device_slots, device_heads = slots.cuda(), heads.cuda()
-        scatter_us = cuda_time_us(lambda: triton_kernels.scatter_pages(
-            on_device[0], on_device[1], pool.key_pages, pool.value_pages, device_slots, device_heads), reps=50)
-        total_us = wall_time_us(lambda: loader.load(store, page_ids, heads, pool, slots), reps=20)
-        load_host_us = host_time_us(lambda: loader.load(store, page_ids, heads, pool, slots))
         rows.append({
-            "load": label, "blocks": n_blocks, "bytes": n_bytes, "total_us": total_us,
-            "total_gb_s": n_bytes / total_us / 1e3, "gather_us": gather_us, "h2d_copy_us": copy_us,
-            "h2d_gb_s": n_bytes / copy_us / 1e3, "scatter_us": scatter_us,
-            "gather_index_select_us": gather_index_select_us, "load_host_us": load_host_us,
+            "load": label, "blocks": n_blocks, "bytes": n_bytes, "scatter_us": scatter_us,
+            "scatter_host_us": scatter_host_us, "copy_blocks_device_us": copy_device_us,
+            "copy_blocks_mapped_us": copy_mapped_us, "copy_blocks_mapped_gb_s": n_bytes / copy_mapped_us / 1e3,
+            "copy_blocks_host_us": copy_host_us, "h2d_copy_us": copy_us, "h2d_gb_s": n_bytes / copy_us / 1e3,
         })
     return rows
 
@@ -303,8 +301,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; run it on the GPU host")
         return 2
-    if not triton_kernels.available():
-        print(f"gpu_check: the Triton kernels cannot run here ({triton_kernels.TRITON_IMPORT_ERROR})")
+    if not triton_runtime.available():
+        print(f"gpu_check: the Triton kernels cannot run here ({triton_runtime.TRITON_IMPORT_ERROR})")
         return 2
 
     report = {"provenance": provenance(args.commit)}
@@ -323,12 +321,13 @@ def main() -> int:
                 report["attention"], ["n_pages", "n_splits", "triton_host_us", "triton_host_out_us",
                                       "triton_host_1split_us", "triton_us_1split", "triton_host_jit_launch_us",
                                       "triton_graph_us"])
-    report["bulk_loader"] = bench_bulk_loader()
-    print_table("Bulk loader (gather + one H2D copy + scatter), bf16 pages of 16 x 128",
-                report["bulk_loader"], ["load", "bytes", "total_us", "total_gb_s", "gather_us", "h2d_copy_us",
-                                        "h2d_gb_s", "scatter_us"])
-    print_table("Bulk loader host time per load (20 loads per sync) and the two gathers, microseconds",
-                report["bulk_loader"], ["load", "load_host_us", "gather_us", "gather_index_select_us"])
+    report["page_copies"] = bench_page_copies()
+    print_table("Page copies (scatter, block copy from device or mapped host memory), bf16 pages of 16 x 128, "
+                "microseconds", report["page_copies"], ["load", "bytes", "scatter_us", "copy_blocks_device_us",
+                                                        "copy_blocks_mapped_us", "copy_blocks_mapped_gb_s",
+                                                        "h2d_copy_us", "h2d_gb_s"])
+    print_table("Page copies, host time per call (20 calls per sync), microseconds",
+                report["page_copies"], ["load", "scatter_host_us", "copy_blocks_host_us"])
 
     host = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in socket.gethostname())
     out = Path(args.out) if args.out else REPO / "results" / "bench" / f"kernels_{host}.json"

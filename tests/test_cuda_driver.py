@@ -3,8 +3,6 @@
 Run with `pytest -m gpu tests/test_cuda_driver.py` (make test-gpu); skipped without CUDA.
 """
 
-import time
-
 import pytest
 import torch
 
@@ -70,49 +68,62 @@ def test_an_exception_in_a_host_function_is_raised_on_the_caller_after_the_step(
     assert ran == []
 
 
-def test_code_knows_it_runs_in_a_host_function_and_a_page_store_grows_there_without_pinning():
-    from icecache.core.paged import CpuPageStore
-
-    store = CpuPageStore(2, 4, 8, torch.float32, pin_memory=True, initial_pages=2)
-    assert store._keys.is_pinned() and not in_host_function()
+def test_code_knows_it_runs_in_a_host_function():
     seen = []
-
-    def grow():
-        seen.append(in_host_function())
-        store.ensure_capacity(5)  # would pin through CUDA, which a host function must not call
-
     functions = HostFunctions()
-    functions.launch(grow, torch.device("cuda"))
+    functions.launch(lambda: seen.append(in_host_function()), torch.device("cuda"))
     torch.cuda.current_stream().synchronize()
     functions.raise_pending()
     assert seen == [True] and not in_host_function()
-    assert store.capacity == 5 and not store._keys.is_pinned()
-    store.reserve(20)  # outside: pinned again
-    assert store.capacity == 20 and store._keys.is_pinned()
 
 
-def test_a_large_page_store_growth_inside_a_captured_host_function_completes():
-    """The page store may grow inside a host function (pageable); the token store refuses to, since its growth
-    once hung a captured step. This grows a page store by a copy large enough for PyTorch to run it on its
-    thread pool, from a host function replayed by a graph, and checks the stream does not hang."""
+def test_a_captured_host_exchange_replays_what_its_eager_step_computes():
+    """``core.host_step.HostExchange``, the channel of a decode step with host work: send, run, receive. Captured
+    once, each replay's answer is the host function's of that replay's input, bitwise the eager step's."""
+    from icecache.core.host_step import HostExchange
 
-    from icecache.core.paged import CpuPageStore
-
-    store = CpuPageStore(8, 16, 128, torch.bfloat16, pin_memory=True, initial_pages=256)
-    store.ensure_capacity(256)
-    store._keys.normal_()
-    before = store._keys[:256].clone()
     functions = HostFunctions()
+    exchange = HostExchange(
+        to_host={"x": ((4, 3), torch.float32), "step": ((1,), torch.int64)},
+        to_device={"y": ((4, 3), torch.float32), "seen": ((2,), torch.int32)}, device="cuda", host_functions=functions,
+    )
+    calls = []
+
+    def host_work():  # no CUDA here: it reads and writes the pinned host views only
+        step = int(exchange.host_in["step"][0])
+        calls.append(step)
+        exchange.host_out["y"].copy_(exchange.host_in["x"] * 2 + step)
+        exchange.host_out["seen"][:] = torch.tensor([step, len(calls)], dtype=torch.int32)
+
+    x, step = torch.zeros(4, 3, device="cuda"), torch.zeros(1, dtype=torch.long, device="cuda")
+    result = torch.zeros(4, 3, device="cuda")
+
+    def decode_step():
+        exchange.send(x=x.to(torch.bfloat16), step=step)  # cast to the section's dtype on the device
+        exchange.run(host_work)
+        answer = exchange.receive()
+        result.copy_(answer["y"] + 1)
+
+    eager = []
+    for value in (1.0, 2.5):
+        x.fill_(value)
+        step.fill_(int(value))
+        decode_step()
+        torch.cuda.synchronize()
+        eager.append(result.clone())
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        functions.launch(lambda: store.ensure_capacity(4096), torch.device("cuda"))
-    done = torch.cuda.Event()
-    graph.replay()
-    done.record()
-    deadline = time.monotonic() + 30
-    while not done.query():
-        assert time.monotonic() < deadline, "the host function's growth hung the stream"
-        time.sleep(0.01)
+        decode_step()
+    assert len(calls) == 2  # capture records the host function, it does not run it
+    for value, expected in zip((1.0, 2.5), eager):
+        x.fill_(value)
+        step.fill_(int(value))
+        graph.replay()
+        torch.cuda.current_stream().synchronize()
+        assert torch.equal(result, expected)
     functions.raise_pending()
-    assert store.capacity >= 4096 and torch.equal(store._keys[:256], before)
+    assert calls == [1, 2, 1, 2]
+    assert exchange.device_out["seen"].tolist() == [2, 4]
+    assert exchange.nbytes()[0] == exchange.nbytes()[1] > 0

@@ -1,23 +1,33 @@
-"""Sparse paged decode attention, the page scatter and the paged KV store (icecache.core.attention / paged /
-triton_kernels).
+"""Sparse paged decode attention and the page scatter (icecache.core.kernels.paged_decode_attention /
+page_scatter), and dense prefill attention.
 
 The CPU tests check the PyTorch references against direct computations. The tests marked ``gpu`` check the Triton
 kernels against those references: on CUDA, or on CPU in Triton's interpreter when ``TRITON_INTERPRET=1`` is set
-(``TRITON_INTERPRET=1 pytest -m gpu tests/test_paged_attention.py`` with Triton installed). The CUDA bulk-loader
-tests need a real GPU.
+(``TRITON_INTERPRET=1 pytest -m gpu tests/test_paged_attention.py`` with Triton installed).
 """
 
 from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
-from icecache.core import triton_kernels
-from icecache.core.attention import paged_decode_attention, paged_decode_attention_reference
-from icecache.core.paged import BulkLoader, CpuPageStore, GpuPagePool, StepTransit, scatter_pages_reference
+from icecache.core.kernels import triton_runtime
+from icecache.core.kernels.page_scatter import (
+    PageScatterPlan,
+    scatter_pages,
+    scatter_pages_reference,
+    scatter_pages_triton,
+)
+from icecache.core.kernels.paged_decode_attention import (
+    DEFAULT_BLOCK_TOKENS,
+    PagedAttentionPlan,
+    choose_splits,
+    paged_decode_attention,
+    paged_decode_attention_reference,
+    paged_decode_attention_triton,
+)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Helpers: a paged layout of random tokens, IceCache style (each KV head cuts its tokens into pages differently)
@@ -128,11 +138,23 @@ def test_dispatcher_uses_the_reference_on_cpu():
     table, counts, _ = random_selection(page_tokens, n_entries=4, gen=gen, n_padding=1)
     query = torch.randn(4, 16, generator=gen)
     args = (query, key_pages, value_pages, table, counts, 0.25)
-    assert torch.equal(paged_decode_attention(*args), paged_decode_attention_reference(*args))
+    plan = PagedAttentionPlan()
+    assert torch.equal(paged_decode_attention(*args, plan), paged_decode_attention_reference(*args))
+    assert not plan._geometries and not plan._scratch  # the reference needs no launch state
+
+
+def test_scatter_dispatcher_uses_the_reference_for_a_cpu_pool():
+    blocks = torch.arange(1.0, 3.0).view(2, 1, 1).expand(2, 2, 2)
+    pools = [torch.zeros(3, 2, 2, 2) for _ in range(4)]
+    slots, heads = torch.tensor([2, -1]), torch.tensor([1, 0])
+    plan = PageScatterPlan()
+    scatter_pages(blocks, -blocks, pools[0], pools[1], slots, heads, plan)
+    scatter_pages_reference(blocks, -blocks, pools[2], pools[3], slots, heads)
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3]) and not plan._compiled
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# CPU: page store, scatter and bulk loader
+# CPU: the scatter
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -158,136 +180,11 @@ def test_scatter_reference_skips_entries_with_a_negative_slot():
     assert torch.equal(pool_keys, expected) and torch.equal(pool_values, -expected)
 
 
-def test_step_transit_cpu_views_share_the_host_memory_and_stage_inputs_as_float32():
-    transit = StepTransit(n_heads=4, n_kv_heads=2, n_slots=5, max_blocks=3, page_size=4, head_dim=8,
-                          block_dtype=torch.bfloat16, device=torch.device("cpu"))
-    host, device_views = transit.host, transit.device_views
-    assert (host["slots"] == -1).all()  # nothing to load until the host says so
-    host["counts"][1, 4] = 7
-    host["window_rows"][:] = [11, 12]
-    host["slots"][0], host["heads"][0] = 2, 1
-    block = torch.randn(4, 8).to(torch.bfloat16)
-    host["keys"][0] = block.view(torch.uint8).reshape(-1).numpy()
-    transit.outputs_to_device()  # nothing to copy on CPU
-    assert device_views["counts"][1, 4] == 7 and device_views["window_rows"].tolist() == [11, 12]
-    assert device_views["slots"].tolist() == [2, -1, -1] and device_views["heads"][0] == 1
-    assert torch.equal(device_views["keys"][0], block)
-    query, key, value = torch.randn(4, 8).to(torch.bfloat16), torch.randn(2, 8), torch.randn(2, 8)
-    transit.inputs_to_host(query, key, value)
-    assert torch.equal(transit.inputs_host, torch.cat([query.float(), key, value]))
-    assert transit.inputs.dtype == np.float32 and transit.nbytes()[1] == 0
-
-
-def test_cpu_page_store_writes_pages_from_rows_with_zeros_for_padding():
-    store = CpuPageStore(2, 4, 8, torch.float32, pin_memory=False, initial_pages=1)
-    key_rows, value_rows = torch.randn(10, 8), torch.randn(10, 8)
-    source = np.array([[3, 1, -1, -1], [0, 9, 2, 5]])
-    store.write_pages_from_rows(np.array([2, 0]), np.array([1, 0]), key_rows, value_rows, source)
-    assert store.n_pages == 3 and store.capacity == 3
-    assert torch.equal(store.key_pages[2, 1], torch.cat([key_rows[[3, 1]], torch.zeros(2, 8)]))
-    assert torch.equal(store.value_pages[0, 0], value_rows[[0, 9, 2, 5]])
-    assert torch.equal(store.key_pages[0, 1], torch.zeros(4, 8))  # untouched
-
-
-def test_cpu_page_store_reserve_grows_without_making_pages_addressable():
-    store = CpuPageStore(2, 4, 8, torch.float32, pin_memory=False, initial_pages=4)
-    store.write_pages(torch.tensor([1]), torch.tensor([0]), torch.ones(1, 4, 8), torch.ones(1, 4, 8))
-    store.reserve(9)
-    assert store.capacity == 9 and store.n_pages == 2
-    assert torch.equal(store.key_pages[1, 0], torch.ones(4, 8))  # contents kept
-    store.reserve(3)  # never shrinks
-    assert store.capacity == 9
-
-
-def test_cpu_page_store_grows_to_what_is_asked_or_by_an_eighth_and_keeps_its_pages():
-    gen = torch.Generator().manual_seed(2)
-    store = CpuPageStore(n_kv_heads=2, page_size=4, head_dim=8, dtype=torch.float32, pin_memory=False, initial_pages=2)
-    first = torch.randn(2, 4, 8, generator=gen)
-    store.write_pages(torch.tensor([0, 1]), torch.tensor([1, 0]), first, -first)
-    assert (store.n_pages, store.capacity) == (2, 2)
-    late = torch.randn(1, 4, 8, generator=gen)
-    store.write_pages(torch.tensor([6]), torch.tensor([1]), late, -late)  # needs 7 pages: exactly 7
-    assert (store.n_pages, store.capacity) == (7, 7)
-    assert store.key_pages.shape == (7, 2, 4, 8)
-    assert torch.equal(store.key_pages[0, 1], first[0]) and torch.equal(store.value_pages[1, 0], -first[1])
-    assert torch.equal(store.key_pages[6, 1], late[0])
-    assert store.nbytes() == 2 * 7 * 2 * 4 * 8 * 4
-    assert not store.key_pages[2:6].any()  # pages never written are zero
-    store.reserve(65)
-    store.reserve(66)  # one more page: grows by an eighth, not by one
-    assert store.capacity == 65 + 65 // 8 and torch.equal(store.key_pages[6, 1], late[0])
-
-
-def random_load_request(gen, n_pages, n_slots, n_kv_heads, n_blocks):
-    """``n_blocks`` distinct (slot, head) targets and a random source page for each (repeats allowed)."""
-    targets = torch.randperm(n_slots * n_kv_heads, generator=gen)[:n_blocks]
-    slots, heads = targets // n_kv_heads, targets % n_kv_heads
-    page_ids = torch.randint(0, n_pages, (n_blocks,), generator=gen)
-    return page_ids, heads, slots
-
-
-def filled_store(gen, n_pages, n_kv_heads, page_size, head_dim, dtype, pin_memory):
-    store = CpuPageStore(n_kv_heads, page_size, head_dim, dtype, pin_memory=pin_memory, initial_pages=4)
-    page_ids = torch.arange(n_pages).repeat_interleave(n_kv_heads)
-    heads = torch.arange(n_kv_heads).repeat(n_pages)
-    shape = (n_pages * n_kv_heads, page_size, head_dim)
-    store.write_pages(page_ids, heads, torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))
-    return store
-
-
-def expected_pool_after_load(pool_keys, pool_values, store, page_ids, heads, slots):
-    """The pool with exactly the requested blocks replaced: a loop, one block at a time."""
-    keys, values = pool_keys.cpu().clone(), pool_values.cpu().clone()
-    for page, head, slot in zip(page_ids.tolist(), heads.tolist(), slots.tolist()):
-        keys[slot, head] = store.key_pages[page, head].to(keys.dtype)
-        values[slot, head] = store.value_pages[page, head].to(values.dtype)
-    return keys, values
-
-
-@pytest.mark.parametrize("seed", range(12))
-def test_bulk_loader_cpu_moves_exactly_the_requested_pages(seed):
-    gen = torch.Generator().manual_seed(seed)
-    n_kv_heads = int(torch.randint(1, 5, (1,), generator=gen))
-    page_size, head_dim = [(4, 8), (16, 16), (8, 32)][seed % 3]
-    n_pages, n_slots = int(torch.randint(1, 40, (1,), generator=gen)), int(torch.randint(1, 10, (1,), generator=gen))
-    # Half the cases keep float32 pages on CPU and bfloat16 slots in the pool, as IceCache's float32 CPU cache does.
-    pool_dtype = torch.bfloat16 if seed % 2 else torch.float32
-    store = filled_store(gen, n_pages, n_kv_heads, page_size, head_dim, torch.float32, pin_memory=False)
-    store_before = (store.key_pages.clone(), store.value_pages.clone())
-    pool = GpuPagePool(n_slots, n_kv_heads, page_size, head_dim, pool_dtype, "cpu")
-    pool.key_pages.copy_(torch.randn(pool.key_pages.shape, generator=gen))
-    pool.value_pages.copy_(torch.randn(pool.value_pages.shape, generator=gen))
-    loader = BulkLoader(page_size, head_dim, torch.float32, "cpu", max_pages=2)
-
-    n_blocks = int(torch.randint(0, n_slots * n_kv_heads + 1, (1,), generator=gen))
-    page_ids, heads, slots = random_load_request(gen, n_pages, n_slots, n_kv_heads, n_blocks)
-    expected = expected_pool_after_load(pool.key_pages, pool.value_pages, store, page_ids, heads, slots)
-    n_bytes = loader.load(store, page_ids, heads, pool, slots)
-
-    assert n_bytes == 2 * n_blocks * page_size * head_dim * 4  # float32 keys and values of every block
-    assert torch.equal(pool.key_pages, expected[0]) and torch.equal(pool.value_pages, expected[1])
-    assert torch.equal(store.key_pages, store_before[0]) and torch.equal(store.value_pages, store_before[1])
-
-
-def test_bulk_loader_rejects_out_of_range_pages_and_mismatched_requests():
-    gen = torch.Generator().manual_seed(3)
-    store = filled_store(gen, 3, 2, 4, 8, torch.float32, pin_memory=False)
-    pool = GpuPagePool(2, 2, 4, 8, torch.float32, "cpu")
-    loader = BulkLoader(4, 8, torch.float32, "cpu", max_pages=4)
-    with pytest.raises(IndexError):
-        loader.load(store, torch.tensor([3]), torch.tensor([0]), pool, torch.tensor([0]))
-    with pytest.raises(ValueError):
-        loader.load(store, torch.tensor([0, 1]), torch.tensor([0]), pool, torch.tensor([0]))
-    with pytest.raises(ValueError):
-        loader.load(store, torch.tensor([0]), torch.tensor([0]), GpuPagePool(2, 2, 8, 8, torch.float32, "cpu"),
-                    torch.tensor([0]))
-
-
 def test_triton_module_imports_and_reports_availability():
     # On a machine without CUDA the kernels must say they are unavailable, so the dispatcher keeps the reference.
     if not torch.cuda.is_available():
-        assert not triton_kernels.available()
-    assert isinstance(triton_kernels.available(), bool)
+        assert not triton_runtime.available()
+    assert isinstance(triton_runtime.available(), bool)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -297,9 +194,9 @@ def test_triton_module_imports_and_reports_availability():
 
 def kernel_device() -> torch.device:
     """CUDA when the Triton kernels can run there, CPU under Triton's interpreter, otherwise skip."""
-    if triton_kernels.available():
+    if triton_runtime.available():
         return torch.device("cuda")
-    if triton_kernels.interpreted():
+    if triton_runtime.interpreted():
         return torch.device("cpu")
     pytest.skip("needs CUDA and Triton (or TRITON_INTERPRET=1 with Triton installed)")
 
@@ -336,7 +233,7 @@ def test_triton_attention_matches_reference(dtype, head_dim, group, n_entries):
     n_kv_heads = 8 if device.type == "cuda" else 2
     args = random_pages_and_selection(gen, n_kv_heads, group, head_dim, 16, n_entries, 512, dtype, device)
     scaling = head_dim**-0.5
-    out = triton_kernels.paged_decode_attention(*args, scaling)
+    out = paged_decode_attention_triton(*args, scaling, PagedAttentionPlan())
     expected = paged_decode_attention_reference(*args, scaling)
     assert out.dtype == dtype and out.shape == expected.shape
     tolerance = TOLERANCES[dtype]
@@ -350,7 +247,7 @@ def test_triton_attention_page_sizes_and_splits(page_size, n_splits):
     device = kernel_device()
     gen = torch.Generator().manual_seed(page_size * 10 + (n_splits or 0))
     args = random_pages_and_selection(gen, 2, 4, 64, page_size, 41, 64, torch.float16, device)
-    out = triton_kernels.paged_decode_attention(*args, 0.125, n_splits=n_splits)
+    out = paged_decode_attention_triton(*args, 0.125, PagedAttentionPlan(n_splits=n_splits))
     expected = paged_decode_attention_reference(*args, 0.125)
     tolerance = TOLERANCES[torch.float16]
     torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
@@ -365,19 +262,21 @@ def test_triton_attention_over_selected_tokens_equals_direct_attention():
     table, counts, attended = random_selection(page_tokens, n_entries=20, gen=gen, n_padding=4)
     query = torch.randn(8, 64, generator=gen)
     on_device = [t.to(device) for t in (query, key_pages, value_pages, table, counts)]
-    out = triton_kernels.paged_decode_attention(*on_device, 0.125)
+    out = paged_decode_attention_triton(*on_device, 0.125, PagedAttentionPlan())
     expected = direct_attention(query, keys, values, attended, 0.125)
     torch.testing.assert_close(out.cpu().double(), expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.gpu
 def test_dispatcher_uses_triton_on_cuda():
-    if not triton_kernels.available():
+    if not triton_runtime.available():
         pytest.skip("needs CUDA and Triton")
     gen = torch.Generator().manual_seed(6)
     args = random_pages_and_selection(gen, 8, 4, 128, 16, 12, 64, torch.bfloat16, "cuda")
-    direct = triton_kernels.paged_decode_attention(*args, 0.1)
-    assert torch.equal(paged_decode_attention(*args, 0.1), direct)
+    direct = paged_decode_attention_triton(*args, 0.1, PagedAttentionPlan())
+    plan = PagedAttentionPlan()
+    assert torch.equal(paged_decode_attention(*args, 0.1, plan), direct)
+    assert len(plan._geometries) == 1  # the dispatcher launched through the caller's plan
 
 
 @pytest.mark.gpu
@@ -398,38 +297,11 @@ def test_triton_scatter_matches_reference(transit_dtype, pool_dtype):
     transit = [torch.randn(n_blocks, 16, 128, generator=gen).to(device, transit_dtype) for _ in range(2)]
     pools = [torch.randn(n_slots, n_kv_heads, 16, 128, generator=gen).to(device, pool_dtype) for _ in range(2)]
     expected = [p.clone() for p in pools]
-    triton_kernels.scatter_pages(*transit, *pools, slots.to(device, torch.int32), heads.to(device, torch.int32))
+    plan = PageScatterPlan()
+    for _ in range(2):  # the second call of the layout launches the compiled kernel directly (on CUDA)
+        scatter_pages_triton(*transit, *pools, slots.to(device, torch.int32), heads.to(device, torch.int32), plan)
     scatter_pages_reference(*transit, *expected, slots.to(device), heads.to(device))
     assert torch.equal(pools[0], expected[0]) and torch.equal(pools[1], expected[1])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("store_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_bulk_loader_cuda_moves_exactly_the_requested_pages(store_dtype):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    gen = torch.Generator().manual_seed(8)
-    n_kv_heads, page_size, head_dim, n_pages, n_slots = 8, 16, 128, 300, 16
-    store = filled_store(gen, n_pages, n_kv_heads, page_size, head_dim, store_dtype, pin_memory=True)
-    assert store.key_pages.is_pinned()
-    pool = GpuPagePool(n_slots, n_kv_heads, page_size, head_dim, torch.bfloat16, "cuda")
-    pool.key_pages.copy_(torch.randn(pool.key_pages.shape, generator=gen))
-    pool.value_pages.copy_(torch.randn(pool.value_pages.shape, generator=gen))
-    mirror = GpuPagePool(n_slots, n_kv_heads, page_size, head_dim, torch.bfloat16, "cpu")
-    mirror.key_pages.copy_(pool.key_pages.cpu())
-    mirror.value_pages.copy_(pool.value_pages.cpu())
-    loader = BulkLoader(page_size, head_dim, store_dtype, "cuda", max_pages=8)
-    cpu_loader = BulkLoader(page_size, head_dim, store_dtype, "cpu", max_pages=8)
-    # Several loads back to back with no synchronisation, some larger than the transit buffers: the pinned and
-    # device transit buffers are reused (and grown) while earlier copies and scatters may still be in flight.
-    for n_blocks in (5, 96, 3, 128, 40):
-        page_ids, heads, slots = random_load_request(gen, n_pages, n_slots, n_kv_heads, n_blocks)
-        n_bytes = loader.load(store, page_ids, heads, pool, slots)
-        cpu_loader.load(store, page_ids, heads, mirror, slots)
-        assert n_bytes == 2 * n_blocks * page_size * head_dim * store.key_pages.element_size()
-    torch.cuda.synchronize()
-    assert torch.equal(pool.key_pages.cpu(), mirror.key_pages)
-    assert torch.equal(pool.value_pages.cpu(), mirror.value_pages)
 
 
 def test_kernel_choose_splits_covers_every_page_once():
@@ -437,68 +309,48 @@ def test_kernel_choose_splits_covers_every_page_once():
     # reaches n_table while (n_splits - 1) * pages_per_split stays below it.
     for n_table in (1, 15, 16, 17, 300, 1024):
         for pages_per_block in (1, 4, 64):
-            n_splits, pages_per_split = triton_kernels.choose_splits(n_table, 8, pages_per_block, torch.device("cpu"))
+            n_splits, pages_per_split = choose_splits(n_table, 8, pages_per_block, torch.device("cpu"))
             assert pages_per_split % pages_per_block == 0
             assert (n_splits - 1) * pages_per_split < n_table <= n_splits * pages_per_split
             assert n_splits <= math.ceil(n_table / pages_per_block)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Host-overhead paths: the serial gather, index checks, direct (cached) kernel launches
+# Host-overhead paths: direct launches of the compiled kernels a plan keeps
 # ---------------------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("serial", [True, False], ids=["numpy-take", "index_select"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_bulk_loader_gather_copies_the_requested_rows_bytewise(serial, dtype):
-    # Both gathers (one thread's copy loop for small loads, index_select for large ones) must give, block i, the
-    # bytes of store page (page_ids[i], heads[i]); compared against direct indexing of the store.
-    gen = torch.Generator().manual_seed(9)
-    store = filled_store(gen, 40, 4, 8, 16, dtype, pin_memory=False)
-    loader = BulkLoader(8, 16, dtype, "cpu", max_pages=4)
-    loader.serial_gather_max_bytes = 1 << 30 if serial else 0
-    page_ids, heads, _ = random_load_request(gen, 40, 40, 4, 50)
-    out = torch.full((2, 50, 8, 16), float("nan"), dtype=dtype)
-    rows = (page_ids * 4 + heads).numpy()
-    loader.gather(store, rows, out.view(torch.uint8).reshape(2, 50, -1).numpy())
-    assert torch.equal(out[0], store.key_pages[page_ids, heads])
-    assert torch.equal(out[1], store.value_pages[page_ids, heads])
-
-
-@pytest.mark.parametrize("bad", ["page", "head", "slot"])
-def test_bulk_loader_rejects_out_of_range_indices(bad):
-    # A head == n_kv_heads would otherwise address head 0 of the next page, and a bad slot would write outside
-    # the pool; each is refused before anything is copied.
-    gen = torch.Generator().manual_seed(10)
-    store = filled_store(gen, 6, 2, 4, 8, torch.float32, pin_memory=False)
-    pool = GpuPagePool(3, 2, 4, 8, torch.float32, "cpu")
-    page_ids, heads, slots = torch.tensor([1, 5]), torch.tensor([0, 1]), torch.tensor([0, 2])
-    {"page": page_ids, "head": heads, "slot": slots}[bad][1] = {"page": 6, "head": 2, "slot": 3}[bad]
-    with pytest.raises(IndexError):
-        BulkLoader(4, 8, torch.float32, "cpu", max_pages=2).load(store, page_ids, heads, pool, slots)
-    assert not pool.key_pages.any() and not pool.value_pages.any()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fast_launch", [True, False], ids=["direct", "jit"])
 @pytest.mark.parametrize("n_entries", [16, 300])
 def test_triton_attention_repeated_calls_reuse_the_plan_correctly(fast_launch, n_entries):
-    # The first call of a geometry compiles and caches; later calls launch the cached kernel with new data (and
-    # the shared split scratch), into a fresh or a caller's output. Each must match the reference on its own data.
+    # The first call of a geometry compiles and keeps its launch state in the plan; later calls launch the kept
+    # kernel with new data (and the plan's split scratch), into a fresh or a caller's output. Each must match the
+    # reference on its own data.
     device = kernel_device()
-    previous = triton_kernels.set_fast_launch(fast_launch)
-    try:
-        out = None
-        for step in range(3):
-            gen = torch.Generator().manual_seed(100 + step)
-            args = random_pages_and_selection(gen, 8 if device.type == "cuda" else 2, 4, 128, 16, n_entries, 512,
-                                              torch.bfloat16, device)
-            out = triton_kernels.paged_decode_attention(*args, 0.09, out=out if step == 2 else None)
-            expected = paged_decode_attention_reference(*args, 0.09)
-            tolerance = TOLERANCES[torch.bfloat16]
-            torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
-    finally:
-        triton_kernels.set_fast_launch(previous)
+    plan = PagedAttentionPlan(direct_launch=fast_launch)
+    assert plan._launch.enabled == (fast_launch and triton_runtime.direct_launch_supported())
+    out = None
+    for step in range(3):
+        gen = torch.Generator().manual_seed(100 + step)
+        args = random_pages_and_selection(gen, 8 if device.type == "cuda" else 2, 4, 128, 16, n_entries, 512,
+                                          torch.bfloat16, device)
+        out = paged_decode_attention_triton(*args, 0.09, plan, out=out if step == 2 else None)
+        expected = paged_decode_attention_reference(*args, 0.09)
+        tolerance = TOLERANCES[torch.bfloat16]
+        torch.testing.assert_close(out.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    assert len(plan._geometries) == 1
+    launch = next(iter(plan._geometries.values()))
+    assert plan.splits(*args[:2], args[3]) == (launch.n_splits, launch.pages_per_split)
+    assert (launch.split_kernel is not None) == plan._launch.enabled
+
+
+def test_plans_keep_their_settings_apart():
+    # Two callers' plans: settings and launch state are each plan's own (nothing is shared through the module).
+    default, forced = PagedAttentionPlan(), PagedAttentionPlan(n_splits=3, block_tokens=32, direct_launch=False)
+    assert (default.n_splits, default.block_tokens) == (None, DEFAULT_BLOCK_TOKENS)
+    assert (forced.n_splits, forced.block_tokens, forced._launch.enabled) == (3, 32, False)
+    assert default._geometries is not forced._geometries and default._scratch is not forced._scratch
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(

@@ -1,15 +1,17 @@
-"""The selection kernels of the shared core (``core.scores``, ``core.paged.copy_blocks``) against direct
-computations, and on a CUDA host (``make test-gpu``) their Triton versions against the PyTorch references:
-fresh random inputs, partial blocks and masked tails included, outputs poisoned before each run."""
+"""The selection kernels of the shared core (``core.kernels``: gqa_scores, causal_column_sums, block_copy, h2o_step)
+against direct computations, and on a CUDA host (``make test-gpu``) their Triton versions against the PyTorch
+references: fresh random inputs, partial blocks and masked tails included, outputs poisoned before each run."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from icecache.core import triton_kernels
-from icecache.core.paged import copy_blocks, copy_blocks_reference, mapped_device_view
-from icecache.core.scores import causal_column_sums, causal_column_sums_reference, gqa_scores, gqa_scores_reference
+from icecache.core.kernels import triton_runtime
+from icecache.core.kernels.block_copy import copy_blocks, copy_blocks_reference
+from icecache.core.kernels.causal_column_sums import causal_column_sums, causal_column_sums_reference
+from icecache.core.kernels.gqa_scores import gqa_scores, gqa_scores_reference
+from icecache.core.paged import mapped_device_view
 
 
 def test_gqa_scores_reference_is_scaled_dot_products_masked_past_the_count():
@@ -52,7 +54,7 @@ def test_copy_blocks_reference_copies_the_named_blocks_and_skips_negative_slots(
 @pytest.mark.parametrize("n_keys,n_valid,group", [(1, 1, 1), (300, 257, 4), (4100, 4100, 2), (700, 1, 8)])
 @pytest.mark.gpu
 def test_triton_gqa_scores_match_the_reference(dtype, n_keys, n_valid, group):
-    if not triton_kernels.available():
+    if not triton_runtime.available():
         pytest.skip("needs CUDA and Triton")
     gen = torch.Generator().manual_seed(n_keys + group)
     query = torch.randn(2 * group, 64, generator=gen).to("cuda", dtype)
@@ -69,7 +71,7 @@ def test_triton_gqa_scores_match_the_reference(dtype, n_keys, n_valid, group):
 @pytest.mark.parametrize("n_queries,n_keys,group", [(1, 1, 1), (37, 37, 4), (200, 1000, 2), (130, 130, 1)])
 @pytest.mark.gpu
 def test_triton_causal_column_sums_match_the_reference(dtype, n_queries, n_keys, group):
-    if not triton_kernels.available():
+    if not triton_runtime.available():
         pytest.skip("needs CUDA and Triton")
     gen = torch.Generator().manual_seed(n_queries * 7 + n_keys)
     query = torch.randn(2 * group, n_queries, 64, generator=gen).to("cuda", dtype)
@@ -85,7 +87,7 @@ def test_triton_causal_column_sums_match_the_reference(dtype, n_queries, n_keys,
 @pytest.mark.parametrize("mapped_source", [False, True])
 @pytest.mark.gpu
 def test_triton_copy_blocks_matches_the_reference_from_device_or_mapped_host_memory(mapped_source):
-    if not triton_kernels.available():
+    if not triton_runtime.available():
         pytest.skip("needs CUDA and Triton")
     gen = torch.Generator().manual_seed(5)
     source = [torch.randn(40, 4, 16, 64, generator=gen).to(torch.bfloat16) for _ in range(2)]
@@ -113,9 +115,9 @@ def test_triton_copy_blocks_matches_the_reference_from_device_or_mapped_host_mem
 @pytest.mark.parametrize("n_slots,n_empty,group", [(64, 0, 4), (256, 0, 2), (100, 30, 1), (40, 39, 8)])
 def test_triton_h2o_step_matches_the_reference(dtype, n_slots, n_empty, group):
     """Output, accumulated scores, the next slot and the evicted position, over several steps (ties: lowest slot)."""
-    from icecache.core.heavy_hitters import h2o_step, h2o_step_reference
+    from icecache.core.kernels.h2o_step import h2o_step, h2o_step_reference
 
-    if not triton_kernels.available():
+    if not triton_runtime.available():
         pytest.skip("needs CUDA and Triton")
     gen = torch.Generator().manual_seed(n_slots + n_empty)
     keys = torch.randn(2, n_slots, 64, generator=gen).to("cuda", dtype)
@@ -145,9 +147,9 @@ def test_triton_h2o_step_matches_the_reference(dtype, n_slots, n_empty, group):
 @pytest.mark.parametrize("n_pages,n_finished,group", [(1, 0, 1), (300, 257, 4), (2049, 2049, 2)])
 def test_triton_page_bounds_match_the_reference(dtype, n_pages, n_finished, group):
     """Quest's bound in one pass over both metadata tiles against q+ . M + q- . m from the reference."""
-    from icecache.core.scores import page_bounds, page_bounds_reference
+    from icecache.core.kernels.gqa_scores import page_bounds, page_bounds_reference
 
-    if not triton_kernels.available():
+    if not triton_runtime.available():
         pytest.skip("needs CUDA and Triton")
     gen = torch.Generator().manual_seed(n_pages + group)
     query = torch.randn(2 * group, 128, generator=gen).to("cuda", dtype)
@@ -162,7 +164,7 @@ def test_triton_page_bounds_match_the_reference(dtype, n_pages, n_finished, grou
 
 
 def test_page_bounds_reference_is_the_per_channel_box_bound():
-    from icecache.core.scores import page_bounds_reference
+    from icecache.core.kernels.gqa_scores import page_bounds_reference
 
     gen = torch.Generator().manual_seed(3)
     query, corners = torch.randn(4, 8, generator=gen), torch.randn(2, 2, 5, 8, generator=gen)

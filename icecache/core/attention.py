@@ -1,9 +1,6 @@
-"""Attention kernels of the shared core.
-
-* ``dense_attention``: causal attention of a chunk of queries over all keys so far (prefill, full cache).
-* ``paged_decode_attention``: one decode query per head over a per-KV-head selection of pages with per-page
-  valid-token counts. The PyTorch reference runs everywhere and defines the semantics; on CUDA the Triton kernel
-  in ``triton_kernels`` is used when present and is tested against the reference.
+"""Dense attention of the shared core: causal attention of a chunk of queries over all keys so far (prefill, full
+cache), through PyTorch's fused SDPA kernels. The sparse decode attention over selected pages is
+``kernels.paged_decode_attention``.
 
 Shapes follow transformers: queries ``[B, Hq, S, D]``, keys and values ``[B, Hkv, T, D]`` (GQA not expanded).
 """
@@ -41,67 +38,3 @@ def dense_attention(
             query, key, value, attn_mask=causal_lower_right(q_len, kv_len), scale=scaling, enable_gqa=gqa
         )
     return out.transpose(1, 2).contiguous()
-
-
-def gather_pages(
-    pages: torch.Tensor, page_table: torch.Tensor
-) -> torch.Tensor:
-    """``pages [P, Hkv, page_size, D]``, ``page_table [Hkv, N]`` -> ``[Hkv, N * page_size, D]`` (unused slots
-    arbitrary)."""
-    n_kv_heads = pages.shape[1]
-    heads = torch.arange(n_kv_heads, device=pages.device)[:, None]
-    gathered = pages[page_table.clamp(min=0), heads]  # [Hkv, N, page_size, D]
-    return gathered.reshape(n_kv_heads, -1, pages.shape[-1])
-
-
-def valid_slot_mask(page_table: torch.Tensor, valid_counts: torch.Tensor, page_size: int) -> torch.Tensor:
-    """``[Hkv, N * page_size]`` bool: slot ``s`` of selected page ``j`` is attended iff ``s < valid_counts[j]``."""
-    slots = torch.arange(page_size, device=page_table.device)
-    mask = (slots[None, None, :] < valid_counts[..., None]) & (page_table[..., None] >= 0)
-    return mask.reshape(page_table.shape[0], -1)
-
-
-def paged_decode_attention_reference(
-    query: torch.Tensor,
-    key_pages: torch.Tensor,
-    value_pages: torch.Tensor,
-    page_table: torch.Tensor,
-    valid_counts: torch.Tensor,
-    scaling: float,
-) -> torch.Tensor:
-    """Exact softmax attention of ``query [Hq, D]`` over the selected pages; returns ``[Hq, D]``.
-
-    Query head ``h`` reads KV head ``h // (Hq / Hkv)``. Page ``page_table[g, j]`` contributes its first
-    ``valid_counts[g, j]`` slots; entries of ``page_table`` below zero are padding. Softmax is in float32.
-    """
-    n_heads, head_dim = query.shape
-    n_kv_heads, page_size = key_pages.shape[1], key_pages.shape[2]
-    group = n_heads // n_kv_heads
-    keys = gather_pages(key_pages, page_table).float()
-    values = gather_pages(value_pages, page_table).float()
-    mask = valid_slot_mask(page_table, valid_counts, page_size)
-    q = query.float().view(n_kv_heads, group, head_dim)
-    scores = torch.einsum("hgd,htd->hgt", q, keys) * scaling
-    scores = scores.masked_fill(~mask[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("hgt,htd->hgd", probs, values)
-    return out.reshape(n_heads, head_dim).to(query.dtype)
-
-
-def paged_decode_attention(
-    query: torch.Tensor,
-    key_pages: torch.Tensor,
-    value_pages: torch.Tensor,
-    page_table: torch.Tensor,
-    valid_counts: torch.Tensor,
-    scaling: float,
-) -> torch.Tensor:
-    """Dispatch: the Triton kernel on CUDA when available, the PyTorch reference otherwise."""
-    if query.is_cuda:
-        from . import triton_kernels
-
-        if triton_kernels.available():
-            return triton_kernels.paged_decode_attention(
-                query, key_pages, value_pages, page_table, valid_counts, scaling
-            )
-    return paged_decode_attention_reference(query, key_pages, value_pages, page_table, valid_counts, scaling)

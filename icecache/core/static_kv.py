@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .attention import dense_attention, paged_decode_attention
+from .attention import dense_attention
+from .kernels.paged_decode_attention import PagedAttentionPlan, paged_decode_attention
 from .layer import LayerKV, ModelInfo, SequenceContext, attended_prefix, storage_capacity
 
 
@@ -23,6 +24,7 @@ class StaticDenseKV(LayerKV):
         self.page_size = page_size
         self._keys: torch.Tensor | None = None
         self._values: torch.Tensor | None = None
+        self._attention_plan = PagedAttentionPlan()
 
     @property
     def capacity(self) -> int:
@@ -81,7 +83,8 @@ class StaticDenseKV(LayerKV):
         if self.seq.trace_selection:
             self.last_attended = attended_prefix(query.shape[1], position, self.trace_width(), query.device)
         out = paged_decode_attention(
-            query[0, :, 0, :], self._pages(self._keys), self._pages(self._values), self._page_table, counts, scaling
+            query[0, :, 0, :], self._pages(self._keys), self._pages(self._values), self._page_table, counts, scaling,
+            self._attention_plan,
         )
         return out[None, None]
 

@@ -18,24 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from .attention import paged_decode_attention
+from .kernels.paged_decode_attention import PagedAttentionPlan, paged_decode_attention
+from .kernels.slot_attention import slot_attention
 from .layer import DenseKV, ModelInfo, SequenceContext, attended_from_positions
 
 #: Tokens per page of the paged kernel's view of a ring's slots.
 SLOT_PAGE_SIZE = 16
-
-
-def slot_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor,
-                   scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``query [Hq, D]`` over ``keys``/``values [Hkv, S, D]`` where ``valid [Hkv, S]``: float32 ``(out [Hq, D],
-    probs [Hq, S])``, invalid slots with probability 0."""
-    n_heads, head_dim = query.shape
-    n_kv_heads = keys.shape[0]
-    q = query.float().view(n_kv_heads, n_heads // n_kv_heads, head_dim)
-    scores = torch.einsum("hgd,hsd->hgs", q, keys.float()) * scaling
-    probs = torch.softmax(scores.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
-    out = torch.einsum("hgs,hsd->hgd", probs, values.float())
-    return out.reshape(n_heads, head_dim), probs.reshape(n_heads, -1)
 
 
 class TokenSlotsKV(DenseKV):
@@ -50,6 +38,7 @@ class TokenSlotsKV(DenseKV):
         self.slot_keys: torch.Tensor | None = None  # [Hkv, budget, D]
         self.slot_values: torch.Tensor | None = None
         self.slot_positions: torch.Tensor | None = None  # [Hkv, budget] int64, -1 = empty
+        self._attention_plan = PagedAttentionPlan()  # the ring methods' paged attention over the slots
 
     # --- what a method decides ---------------------------------------------------------------------------------
     def place_prompt(self, n_prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,6 +176,6 @@ class RingSlotsKV(TokenSlotsKV):
         n_kv_heads, n_slots, head_dim = self.slot_keys.shape
         pages = [t.view(n_kv_heads, n_slots // SLOT_PAGE_SIZE, SLOT_PAGE_SIZE, head_dim).permute(1, 0, 2, 3)
                  for t in (self.slot_keys, self.slot_values)]
-        out = paged_decode_attention(query, *pages, self._page_table, counts, scaling)
+        out = paged_decode_attention(query, *pages, self._page_table, counts, scaling, self._attention_plan)
         self.seq.counters.record_on_device(n_valid)
         return out

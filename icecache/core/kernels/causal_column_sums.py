@@ -1,17 +1,18 @@
-"""Attention scores that selection methods need, without materialising what they do not need.
+"""Column sums of the causal softmax attention of a chunk of prompt queries: H2O's accumulated attention at prefill.
 
-* ``gqa_scores``: ``scale * q . k`` of every query head against every key of its KV head, the keys at or past a
-  device-side count set to ``-inf`` (oracle TOP-k scores every resident key; Quest scores page bounds with it). The
-  count is a device tensor, so a CUDA graph that replays the call sees the current length.
-* ``page_bounds``: Quest's per-page bound ``q+ . M + q- . m`` from per-page key maxima and minima, in one pass.
-* ``causal_column_sums``: for a chunk of prompt queries, the sum over the chunk's rows of the causal softmax
-  attention each key receives (H2O's accumulated attention at prefill). The Triton version never builds the
-  ``[S, T]`` probability matrix: a first pass computes each row's log-sum-exp, a second sums ``exp(s - lse)``
-  down the columns, tile by tile.
+``causal_column_sums(query [Hq, S, D], keys [Hkv, T, D], scaling) -> [Hq, T]`` (float32): for S queries that are
+the last S of T positions, each key's summed causal softmax probability over the S rows.
 
-Each has a PyTorch reference, which runs everywhere, defines the semantics and is what CI tests; on CUDA with
-Triton the kernels are used and ``make test-gpu`` compares them with the references. The products of 16-bit inputs
-are exact in float32 on both paths, so the two differ only in the order of float32 sums.
+* ``causal_column_sums_reference``: PyTorch, ``chunk_size`` rows at a time; runs everywhere and defines the
+  semantics.
+* ``causal_column_sums_triton``: two passes that never build the ``[S, T]`` probability matrix: a first computes
+  each row's log-sum-exp, a second sums ``exp(s - lse)`` down the columns, tile by tile. The tile shapes are
+  autotuned by Triton once per geometry (its own tuning record, kept with the kernel).
+* ``causal_column_sums``: the dispatch, the Triton kernels on CUDA when ``triton_runtime.available()``, the
+  reference otherwise.
+
+The products of 16-bit inputs are exact in float32 on both paths, so the two differ only in the order of float32
+sums.
 """
 
 from __future__ import annotations
@@ -20,46 +21,10 @@ import math
 
 import torch
 
-from . import triton_kernels
-
-triton, tl = triton_kernels.triton, triton_kernels.tl
+from .triton_runtime import available as triton_available
+from .triton_runtime import last_dim_contiguous, require_triton, tl, triton
 
 _LOG2_E = math.log2(math.e)
-
-
-def gqa_scores_reference(query: torch.Tensor, keys: torch.Tensor, scale: float, n_valid: torch.Tensor) -> torch.Tensor:
-    """``query [Hq, D]``, ``keys [Hkv, T, D]``, ``n_valid`` a one-element integer tensor -> float32 ``[Hq, T]``:
-    ``scale * q_h . k_t`` for ``t < n_valid``, ``-inf`` beyond. Query head ``h`` reads KV head ``h // (Hq / Hkv)``."""
-    n_heads, head_dim = query.shape
-    n_kv_heads, n_keys = keys.shape[:2]
-    q = query.float().view(n_kv_heads, n_heads // n_kv_heads, head_dim)
-    scores = torch.einsum("hgd,htd->hgt", q, keys.float()).reshape(n_heads, n_keys) * scale
-    beyond = torch.arange(n_keys, device=keys.device) >= n_valid.reshape(1).to(keys.device)
-    return scores.masked_fill(beyond[None, :], float("-inf"))
-
-
-def gqa_scores(query: torch.Tensor, keys: torch.Tensor, scale: float, n_valid: torch.Tensor) -> torch.Tensor:
-    """Dispatch: the Triton kernel on CUDA when available, the PyTorch reference otherwise."""
-    if query.is_cuda and triton_kernels.available():
-        return gqa_scores_triton(query, keys, scale, n_valid)
-    return gqa_scores_reference(query, keys, scale, n_valid)
-
-
-def page_bounds_reference(query: torch.Tensor, page_max: torch.Tensor, page_min: torch.Tensor,
-                          n_valid: torch.Tensor) -> torch.Tensor:
-    """Quest's bound ``sum_d max(q_d M_d, q_d m_d) = q+ . M + q- . m`` (``q+ = max(q, 0)``, ``q- = min(q, 0)``; equal
-    since ``M >= m``) for ``query [Hq, D]`` and per-page metadata ``[Hkv, P, D]`` -> float32 ``[Hq, P]``, ``-inf``
-    for pages at or past ``n_valid``."""
-    return (gqa_scores_reference(query.clamp(min=0), page_max, 1.0, n_valid)
-            + gqa_scores_reference(query.clamp(max=0), page_min, 1.0, n_valid))
-
-
-def page_bounds(query: torch.Tensor, page_max: torch.Tensor, page_min: torch.Tensor,
-                n_valid: torch.Tensor) -> torch.Tensor:
-    """Dispatch: one Triton kernel (both metadata tiles, both dots) on CUDA when available, else the reference."""
-    if query.is_cuda and triton_kernels.available():
-        return gqa_scores_triton(query, page_max, 1.0, n_valid, second_keys=page_min)
-    return page_bounds_reference(query, page_max, page_min, n_valid)
 
 
 def causal_column_sums_reference(query: torch.Tensor, keys: torch.Tensor, scaling: float,
@@ -87,52 +52,12 @@ def causal_column_sums_reference(query: torch.Tensor, keys: torch.Tensor, scalin
 
 def causal_column_sums(query: torch.Tensor, keys: torch.Tensor, scaling: float, chunk_size: int = 256) -> torch.Tensor:
     """Dispatch: the two-pass Triton kernels on CUDA when available, the chunked PyTorch reference otherwise."""
-    if query.is_cuda and triton_kernels.available():
+    if query.is_cuda and triton_available():
         return causal_column_sums_triton(query, keys, scaling)
     return causal_column_sums_reference(query, keys, scaling, chunk_size)
 
 
 if triton is not None:
-
-    @triton.jit
-    def _gqa_scores_kernel(
-        query_ptr, key_ptr, second_key_ptr, n_valid_ptr, out_ptr,
-        n_keys, scale,
-        stride_qh, stride_kh, stride_kt, stride_oh,
-        GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DIM: tl.constexpr,
-        BLOCK_T: tl.constexpr, IEEE_FP32: tl.constexpr, SIGN_SPLIT: tl.constexpr,
-    ):
-        # SIGN_SPLIT: max(q, 0) against the first keys plus min(q, 0) against the second (Quest's page bound).
-        kv_head = tl.program_id(0)
-        block = tl.program_id(1)
-        rows = tl.arange(0, BLOCK_GROUP)
-        dims = tl.arange(0, BLOCK_DIM)
-        heads = kv_head * GROUP + rows
-        row_ok = rows < GROUP
-        dim_ok = dims < HEAD_DIM
-        query = tl.load(query_ptr + heads[:, None] * stride_qh + dims[None, :],
-                        mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-        tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
-        in_range = tokens < n_keys
-        rows_of_keys = kv_head.to(tl.int64) * stride_kh + tokens[:, None].to(tl.int64) * stride_kt + dims[None, :]
-        keys = tl.load(key_ptr + rows_of_keys, mask=in_range[:, None] & dim_ok[None, :], other=0.0)
-        first = tl.maximum(query, 0.0).to(query.dtype) if SIGN_SPLIT else query
-        if IEEE_FP32:
-            scores = tl.dot(first.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
-        else:
-            scores = tl.dot(first, tl.trans(keys.to(query.dtype)))
-        if SIGN_SPLIT:
-            second_keys = tl.load(second_key_ptr + rows_of_keys, mask=in_range[:, None] & dim_ok[None, :], other=0.0)
-            second = tl.minimum(query, 0.0).to(query.dtype)
-            if IEEE_FP32:
-                scores += tl.dot(second.to(tl.float32), tl.trans(second_keys.to(tl.float32)), input_precision="ieee")
-            else:
-                scores += tl.dot(second, tl.trans(second_keys.to(query.dtype)))
-        n_valid = tl.load(n_valid_ptr)
-        scores = tl.where((tokens < n_valid)[None, :], scores * scale, float("-inf"))
-        tl.store(out_ptr + heads[:, None].to(tl.int64) * stride_oh + tokens[None, :], scores,
-                 mask=row_ok[:, None] & in_range[None, :])
-
 
     # Prefill-sized problems (thousands of rows and columns): tile shapes chosen once per geometry on first use.
     # Both kernels only write their outputs, so the tuning runs leave no trace.
@@ -217,43 +142,10 @@ if triton is not None:
         tl.store(out_ptr + head.to(tl.int64) * n_keys + columns, totals, mask=column_ok)
 
 
-def _last_dim_contiguous(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
-
-
-def gqa_scores_triton(query: torch.Tensor, keys: torch.Tensor, scale: float, n_valid: torch.Tensor,
-                      block_tokens: int = 128, second_keys: torch.Tensor | None = None) -> torch.Tensor:
-    """The Triton version of ``gqa_scores_reference`` (CUDA tensors); with ``second_keys`` (same layout as ``keys``)
-    that of ``page_bounds_reference`` (``scale`` applies to the sum)."""
-    triton_kernels._require_triton()
-    query, keys = _last_dim_contiguous(query), _last_dim_contiguous(keys)
-    if second_keys is not None:
-        second_keys = _last_dim_contiguous(second_keys)
-        if second_keys.shape != keys.shape or second_keys.stride() != keys.stride():
-            raise ValueError("second_keys must have the layout of keys")
-    n_heads, head_dim = query.shape
-    n_kv_heads, n_keys = keys.shape[:2]
-    group = n_heads // n_kv_heads
-    out = torch.empty(n_heads, n_keys, dtype=torch.float32, device=query.device)
-    if n_keys == 0:
-        return out
-    n_valid = n_valid.reshape(1).to(device=query.device)
-    fp32 = query.dtype == torch.float32 or keys.dtype == torch.float32
-    grid = (n_kv_heads, triton.cdiv(n_keys, block_tokens))
-    _gqa_scores_kernel[grid](
-        query, keys, keys if second_keys is None else second_keys, n_valid, out, n_keys, float(scale),
-        query.stride(0), keys.stride(0), keys.stride(1), out.stride(0),
-        GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_DIM=triton.next_power_of_2(head_dim), BLOCK_T=block_tokens, IEEE_FP32=fp32,
-        SIGN_SPLIT=second_keys is not None, num_warps=8 if fp32 else 4,
-    )
-    return out
-
-
 def causal_column_sums_triton(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
     """The Triton version of ``causal_column_sums_reference`` (CUDA tensors)."""
-    triton_kernels._require_triton()
-    query, keys = _last_dim_contiguous(query), _last_dim_contiguous(keys)
+    require_triton()
+    query, keys = last_dim_contiguous(query), last_dim_contiguous(keys)
     n_heads, n_queries, head_dim = query.shape
     n_kv_heads, n_keys = keys.shape[:2]
     if n_queries > n_keys:

@@ -6,9 +6,10 @@ Given the slots after the step's token was written (``slot_positions`` -1 where 
 ``position - (n_recent - 1)``) with the smallest score summed over the KV group's query heads, whose position it sets
 to -1 (evicted); before that, the first empty slot. Everything stays on the device.
 
-``h2o_step_reference`` is the PyTorch definition (CPU, and CUDA without Triton); on CUDA one Triton program per KV
-head does all of it in two passes over the slots, where the reference takes some twenty small kernels. Ties in the
-smallest score go to the lowest slot in both.
+``h2o_step_reference`` is the PyTorch definition (CPU, and CUDA without Triton); ``h2o_step_triton`` does all of it
+with one Triton program per KV head in two passes over the slots, where the reference takes some twenty small
+kernels; ``h2o_step`` dispatches to it on CUDA when ``triton_runtime.available()``. Ties in the smallest score go to
+the lowest slot in both. No launch state: every call goes through Triton's launch path.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ import math
 
 import torch
 
-from . import triton_kernels
-from .token_slots import slot_attention
-
-triton, tl = triton_kernels.triton, triton_kernels.tl
+from .slot_attention import slot_attention
+from .triton_runtime import available as triton_available
+from .triton_runtime import require_triton, tl, triton
 
 
 def h2o_step_reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
@@ -46,7 +46,7 @@ def h2o_step_reference(query: torch.Tensor, keys: torch.Tensor, values: torch.Te
 
 def h2o_step(query, keys, values, positions, scores, free_slot, position, scaling, n_recent) -> torch.Tensor:
     """Dispatch: the Triton kernel on CUDA when available, the PyTorch reference otherwise."""
-    if query.is_cuda and triton_kernels.available():
+    if query.is_cuda and triton_available():
         return h2o_step_triton(query, keys, values, positions, scores, free_slot, position, scaling, n_recent)
     return h2o_step_reference(query, keys, values, positions, scores, free_slot, position, scaling, n_recent)
 
@@ -143,7 +143,7 @@ if triton is not None:
 
 def h2o_step_triton(query, keys, values, positions, scores, free_slot, position, scaling, n_recent) -> torch.Tensor:
     """The Triton version of ``h2o_step_reference`` (CUDA tensors, contiguous last dimensions)."""
-    triton_kernels._require_triton()
+    require_triton()
     n_heads, head_dim = query.shape
     n_kv_heads, n_slots = positions.shape
     for name, tensor in (("query", query), ("keys", keys), ("values", values), ("positions", positions),

@@ -1,0 +1,94 @@
+"""The block copy: ``target[slots[i], heads[i]] = source[pages[i], heads[i]]`` for keys and values laid out
+``[n, Hkv, page_size, D]``, cast to the target's dtype, every entry with a negative slot skipped.
+
+ArkVale, ShadowKV and PQCache recall pages with it from a pinned host store read in place through
+``paged.mapped_device_view`` (zero-copy), where a skipped entry saves a PCIe read.
+
+* ``copy_blocks_reference``: fixed-shape index operations, so that it can be captured: a skipped entry reads page 0
+  and writes the target's last slot, which the caller keeps as a scratch slot.
+* ``copy_blocks_triton``: one program per entry, each moving one contiguous ``page_size * head_dim`` block of keys
+  and one of values; a skipped entry's loads and stores are fully masked, so it moves no byte.
+* ``copy_blocks``: the dispatch, the Triton kernel for a CUDA target when ``triton_runtime.available()``, the
+  reference otherwise. It has no launch state: every call goes through Triton's launch path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .triton_runtime import available as triton_available
+from .triton_runtime import require_triton, tl, triton
+
+
+def copy_blocks_reference(
+    source_keys: torch.Tensor, source_values: torch.Tensor, pages: torch.Tensor,
+    target_keys: torch.Tensor, target_values: torch.Tensor, slots: torch.Tensor, heads: torch.Tensor,
+) -> None:
+    """``target[slots[i], heads[i]] = source[pages[i], heads[i]]`` for keys and values ``[n, Hkv, page_size, D]``,
+    skipping entries whose slot is negative. Fixed shapes (no data-dependent indexing), so it can be captured:
+    skipped entries read page 0 and write the target's last slot, which the caller keeps as a scratch slot."""
+    use = slots >= 0
+    rows = torch.where(use, pages, 0)
+    targets = torch.where(use, slots, target_keys.shape[0] - 1)
+    target_keys.index_put_((targets, heads), source_keys[rows, heads].to(target_keys.dtype))
+    target_values.index_put_((targets, heads), source_values[rows, heads].to(target_values.dtype))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _copy_blocks_kernel(
+        source_keys_ptr, source_values_ptr, target_keys_ptr, target_values_ptr, pages_ptr, slots_ptr, heads_ptr,
+        stride_source_page, stride_source_head, stride_target_slot, stride_target_head,
+        BLOCK_SIZE: tl.constexpr, BLOCK_ELEMENTS: tl.constexpr,
+    ):
+        block = tl.program_id(0)
+        slot = tl.load(slots_ptr + block).to(tl.int64)
+        page = tl.load(pages_ptr + block).to(tl.int64)
+        head = tl.load(heads_ptr + block).to(tl.int64)
+        elements = tl.arange(0, BLOCK_ELEMENTS)
+        ok = elements < tl.where(slot >= 0, BLOCK_SIZE, 0)  # a negative slot: nothing read, nothing written
+        source = page * stride_source_page + head * stride_source_head + elements
+        target = slot * stride_target_slot + head * stride_target_head + elements
+        keys = tl.load(source_keys_ptr + source, mask=ok)
+        values = tl.load(source_values_ptr + source, mask=ok)
+        tl.store(target_keys_ptr + target, keys.to(target_keys_ptr.dtype.element_ty), mask=ok)
+        tl.store(target_values_ptr + target, values.to(target_values_ptr.dtype.element_ty), mask=ok)
+
+
+
+def copy_blocks_triton(
+    source_keys: torch.Tensor, source_values: torch.Tensor, pages: torch.Tensor,
+    target_keys: torch.Tensor, target_values: torch.Tensor, slots: torch.Tensor, heads: torch.Tensor,
+) -> None:
+    """The Triton kernel of ``copy_blocks_reference`` (each block contiguous, keys and values of one layout), entries
+    with a negative slot skipped without a read."""
+    require_triton()
+    n = slots.numel()
+    if n == 0:
+        return
+    page_size, head_dim = target_keys.shape[-2:]
+    for name, tensor in (("source_keys", source_keys), ("source_values", source_values),
+                         ("target_keys", target_keys), ("target_values", target_values)):
+        if tensor.stride(-1) != 1 or tensor.stride(-2) != head_dim:
+            raise ValueError(f"{name} must be contiguous within each page block")
+    if source_keys.stride()[:2] != source_values.stride()[:2] or target_keys.stride()[:2] != target_values.stride()[:2]:
+        raise ValueError("keys and values must have the same layout")
+    block_size = page_size * head_dim
+    _copy_blocks_kernel[(n,)](
+        source_keys, source_values, target_keys, target_values, pages, slots, heads,
+        source_keys.stride(0), source_keys.stride(1), target_keys.stride(0), target_keys.stride(1),
+        BLOCK_SIZE=block_size, BLOCK_ELEMENTS=triton.next_power_of_2(block_size), num_warps=4,
+    )
+
+
+def copy_blocks(
+    source_keys: torch.Tensor, source_values: torch.Tensor, pages: torch.Tensor,
+    target_keys: torch.Tensor, target_values: torch.Tensor, slots: torch.Tensor, heads: torch.Tensor,
+) -> None:
+    """Dispatch: on CUDA with Triton one kernel whose skipped entries move no byte (the source may be mapped host
+    memory, ``paged.mapped_device_view``, so a skipped entry saves a PCIe read); otherwise the reference."""
+    if target_keys.is_cuda and triton_available():
+        copy_blocks_triton(source_keys, source_values, pages, target_keys, target_values, slots, heads)
+    else:
+        copy_blocks_reference(source_keys, source_values, pages, target_keys, target_values, slots, heads)
