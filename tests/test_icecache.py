@@ -46,13 +46,13 @@ def test_attended_set_is_sinks_selected_pages_and_window(tiny):
         assert attended.shape == (info.n_heads, 330) and not attended[:, total:].any()
         attended = attended[:, :total]
         expected = torch.zeros(info.n_kv_heads, total, dtype=torch.bool)
-        expected[:, : layer.sink_len] = True
-        expected[:, layer.window_start:] = True
+        expected[:, : layer.state.sink_len] = True
+        expected[:, layer.state.window.start:] = True
         index = layer.group.index
         for head in range(info.n_kv_heads):
-            for page in layer.resident[head][layer.resident[head] >= 0]:
+            for page in layer.state.resident[head][layer.state.resident[head] >= 0]:
                 tokens = index.page_tokens(head)[page]
-                expected[head, layer.token_positions[tokens[tokens >= 0]]] = True
+                expected[head, layer.state.positions[tokens[tokens >= 0]]] = True
         assert torch.equal(attended, expected.repeat_interleave(info.group_size, 0))
         assert attended.sum(1).max() <= 96
         assert attended[:, :32].all() and attended[:, -1].all()  # sinks and the newest token
@@ -65,7 +65,7 @@ def test_reused_layers_share_the_owner_selection(tiny):
     greedy_generate(model, cache, GenerationRequest(prompt(300, 2), 20))
     owner, reused = cache.layer_kvs[2], cache.layer_kvs[3]
     assert owner.is_owner and not reused.is_owner
-    assert np.array_equal(owner.resident, reused.resident)
+    assert np.array_equal(owner.state.resident, reused.state.resident)
 
 
 def test_budget_too_small_is_refused_with_the_numbers():
@@ -220,7 +220,7 @@ def test_valid_counts_cover_exactly_the_attended_positions(tiny, name):
             out = decode(query, key, value, scaling)
             if layer.offloaded:
                 attended = layer.last_attended[:: info.group_size].sum(1)  # one query head per KV head
-                assert torch.equal(layer._transit.device_views["counts"].sum(1).long(), attended)
+                assert torch.equal(layer.buffers.exchange.device_out["counts"].sum(1).long(), attended)
             per_step.append(layer.last_attended[:: info.group_size].sum(1).float().mean().item())
             return out
         layer.decode = recording
@@ -276,11 +276,11 @@ def test_an_offloaded_layer_keeps_token_room_for_the_next_steps(tiny):
     assert offloaded
     for layer in offloaded:
         layer.between_steps()  # the store already holds every token up to the announced length, and no more
-        assert layer.tokens.capacity == cache.seq.max_total_tokens - layer.sink_len
+        assert layer.state.tokens.capacity == cache.seq.max_total_tokens - layer.state.sink_len
     cache.seq.max_total_tokens = None  # a sequence that runs past what it announced
     for layer in offloaded:
         layer.between_steps()
-        spare_tokens = layer.tokens.capacity - layer.tokens.n_tokens
+        spare_tokens = layer.state.tokens.capacity - layer.state.tokens.n_tokens
         assert spare_tokens >= 64 * layer.cfg.page_size  # many window offloads ahead (one per page_size steps)
 
 
@@ -336,12 +336,13 @@ def test_window_ring_turns_and_every_step_attends_exactly_its_selection(n_window
             expected = masked_dense_attention(query[0, :, 0], keys[i][0], values[i][0], attended, scaling)
             torch.testing.assert_close(out[0, 0], expected, atol=1e-5, rtol=1e-5)
             n_tokens = n_prompt + step + 1
-            assert attended[:, layer.window_start : n_tokens].all()
-            assert n_tokens - layer.window_start == layer.window_count <= n_window_pages * 16
-        assert np.array_equal(layers[0].resident, layers[1].resident)  # the reuser holds the owner's pages
-    assert layers[0].window_start > n_prompt + 100 - n_window_pages * 16  # the window moved with the tokens
+            window = layer.state.window
+            assert attended[:, window.start : n_tokens].all()
+            assert n_tokens - window.start == window.count <= n_window_pages * 16
+        assert np.array_equal(layers[0].state.resident, layers[1].state.resident)  # the reuser holds the owner's pages
+    assert layers[0].state.window.start > n_prompt + 100 - n_window_pages * 16  # the window moved with the tokens
     layers[0].between_steps()  # what a graphed step runs after each replay: room for several inserts ahead
-    assert layers[0].tokens.capacity >= layers[0].tokens.n_tokens + 4 * 16
+    assert layers[0].state.tokens.capacity >= layers[0].state.tokens.n_tokens + 4 * 16
 
 
 def test_token_store_rows_address_every_head_of_a_view_and_of_grown_storage():
@@ -423,8 +424,8 @@ def test_a_disabled_timer_records_no_span():
 def test_selections_equal_the_recorded_digests():
     """Every page IceCache and IceCache(r) select over 64 decode steps, on the four architectures in float32 and
     bfloat16, equals what the harness selected before the index held the bf16 keys itself and the page-ordered
-    copies were dropped (tests/fixtures/selection_digests.json, ``scripts/selection_hash.py``), on a host of the
-    same CPU capability (the tiny models' arithmetic follows it)."""
+    copies were dropped (tests/fixtures/selection_digests.json, ``scripts/diagnostics/selection_hash.py``), on a host
+    of the same CPU capability (the tiny models' arithmetic follows it)."""
     import importlib.util
     import json
     from pathlib import Path
@@ -432,15 +433,17 @@ def test_selections_equal_the_recorded_digests():
     from tests.conftest import tiny_model_on
 
     repo = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("selection_hash", repo / "scripts" / "selection_hash.py")
+    spec = importlib.util.spec_from_file_location("selection_hash",
+                                                  repo / "scripts" / "diagnostics" / "selection_hash.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     fixture = json.loads((repo / "tests" / "fixtures" / "selection_digests.json").read_text())
     capability = torch.backends.cpu.get_cpu_capability()
     recorded = fixture["digests_by_cpu_capability"].get(capability)
     assert recorded is not None, (
-        f"no digests recorded for CPU capability {capability}: make them with scripts/selection_hash.py on the code "
-        f"of commit c8d6c58 (a git worktree) on such a host, and add them to tests/fixtures/selection_digests.json")
+        f"no digests recorded for CPU capability {capability}: make them with scripts/diagnostics/selection_hash.py on "
+        f"the code of commit c8d6c58 (a git worktree) on such a host, and add them to "
+        f"tests/fixtures/selection_digests.json")
     for key, digest in recorded.items():
         arch, dtype, name = key.split("/")
         model, info = tiny_model_on(arch, "cpu", getattr(torch, dtype))
@@ -471,13 +474,13 @@ def test_host_memory_is_one_copy_of_the_offloaded_tokens(name):
                 layer.between_steps()
                 q, k, v = (torch.randn(1, h, 1, 128, generator=gen).to(torch.bfloat16) for h in (4, 2, 2))
                 layer.forward(q, k, v, None, 0.1)
-        stores = [layer.tokens.capacity for layer in layers]
+        stores = [layer.state.tokens.capacity for layer in layers]
         for layer in layers:
             layer.between_steps()
-            offloaded_kv = 2 * layer.tokens.n_tokens * 2 * 128 * 2  # keys and values, 2 heads, bf16
-            assert layer.tokens.has_keys == (not layer.is_owner)
+            offloaded_kv = 2 * layer.state.tokens.n_tokens * 2 * 128 * 2  # keys and values, 2 heads, bf16
+            assert layer.state.tokens.has_keys == (not layer.is_owner)
             assert layer.cpu_kv_bytes() <= 1.3 * offloaded_kv
-        assert [layer.tokens.capacity for layer in layers] == stores == [n_prompt + n_steps - 16] * 2
+        assert [layer.state.tokens.capacity for layer in layers] == stores == [n_prompt + n_steps - 16] * 2
     seq.close()
 
 
@@ -500,3 +503,55 @@ def test_a_keyless_token_store_takes_values_only_and_gathers_rows_by_token_id():
         for t in range(16):
             if ids[r, t] >= 0:
                 assert torch.equal(rows[r, t], store.values[heads[r], ids[r, t]])
+
+
+def test_decode_buffers_on_cpu_are_the_host_memory_and_stage_inputs_as_float32():
+    """Off CUDA a layer's decode buffers have no device copy: what the host step writes is what the device views
+    read; the inputs arrive as float32 whatever the model's dtype, and no slot is loaded until the host says so."""
+    from icecache.core.cuda_driver import HostFunctions
+    from icecache.method.buffers import DecodeBuffers
+
+    buffers = DecodeBuffers.make(n_heads=4, n_kv_heads=2, n_slots=5, max_blocks=3, page_size=4, head_dim=8,
+                                 block_dtype=torch.bfloat16, device=torch.device("cpu"),
+                                 host_functions=HostFunctions())
+    assert (buffers.slots == -1).all() and buffers.attended is None
+    buffers.counts[1, 4] = 7
+    buffers.window_rows[:] = [11, 12]
+    buffers.slots[0], buffers.heads[0] = 2, 1
+    block = torch.randn(4, 8).to(torch.bfloat16)
+    buffers.keys[0] = block.view(torch.uint8).reshape(-1).numpy()
+    device_views = buffers.exchange.receive()  # nothing to copy on CPU
+    assert device_views["counts"][1, 4] == 7 and device_views["window_rows"].tolist() == [11, 12]
+    assert device_views["slots"].tolist() == [2, -1, -1] and device_views["heads"][0] == 1
+    assert torch.equal(device_views["keys"][0], block)
+    query, key, value = torch.randn(4, 8).to(torch.bfloat16), torch.randn(2, 8), torch.randn(2, 8)
+    buffers.exchange.send(query=query, key=key, value=value)
+    ran = []
+    buffers.exchange.run(lambda: ran.append(buffers.query.copy()))  # on CPU: at once
+    assert np.array_equal(ran[0], query.float().numpy()) and buffers.query.dtype == np.float32
+    assert torch.equal(buffers.key, key) and torch.equal(buffers.value, value)
+    assert buffers.exchange.nbytes()[1] == 0
+    traced = DecodeBuffers.make(4, 2, 5, 3, 4, 8, torch.float32, torch.device("cpu"), HostFunctions(), trace_width=9)
+    assert traced.attended.shape == (2, 9) and traced.attended.dtype == np.uint8
+
+
+def test_the_window_ring_turns_through_its_slots_and_offloads_its_oldest_page():
+    """Logical page j sits in slot first_slot + (head + j) % n_pages; offloading the oldest page turns the ring."""
+    from icecache.method.window import WindowRing
+
+    with torch.inference_mode():  # the ring's host copy is written only under it (the host step, the prompt job)
+        ring = WindowRing.empty(first_slot=3, n_pages=2, page_size=4, start=100, count=6, n_kv_heads=2, head_dim=1,
+                                dtype=torch.float32)
+        ring.fill_host_copy(torch.arange(6.0).view(1, 6, 1).expand(2, 6, 1), torch.zeros(2, 6, 1))
+        assert ring.slot_counts().tolist() == [4, 2] and not ring.is_full()
+        # pool rows of [slots, Hkv=2, page_size=4]: slot 4 (the second page), offset 2, heads 0 and 1
+        assert ring.append(torch.full((2, 1), 6.0), torch.zeros(2, 1)).tolist() == [4 * 8 + 2, 4 * 8 + 4 + 2]
+        ring.append(torch.full((2, 1), 7.0), torch.zeros(2, 1))
+        assert ring.is_full()
+        page_k, _, positions = ring.pop_oldest_page()
+        assert page_k[0, :, 0].tolist() == [0, 1, 2, 3] and positions.tolist() == [100, 101, 102, 103]
+        assert (ring.start, ring.count, ring.head) == (104, 4, 1)
+        # slot 3 is the newest page now: the next token goes to its offset 0, and it counts only what is written
+        assert ring.slot_counts().tolist() == [0, 4]
+        assert ring.append(torch.zeros(2, 1), torch.zeros(2, 1)).tolist() == [3 * 8, 3 * 8 + 4]
+        assert ring.slot_counts().tolist() == [1, 4] and ring.host_keys[0, :4, 0].tolist() == [4, 5, 6, 7]

@@ -1,13 +1,20 @@
-"""Host work in the middle of a decode step that may be captured in a CUDA graph: fixed buffers to the host and
-back, and the host work run where the step can wait for it.
+"""The one way a method does host work in the middle of a decode step that may be captured in a CUDA graph.
 
-A layer whose step needs the CPU (MagicPIG's sampled attention over keys in host memory) stages named device
-tensors into one pinned buffer (one device-to-host copy), runs its host function on what arrived, and sends the
-host's results back in one host-to-device copy into device tensors that the rest of the step reads. Every copy has
-the same size and address at every step, so a CUDA graph can record them: captured, the host work becomes a host
-function of the graph (``cuda_driver.HostFunctions``), which the driver runs at every replay once the stream
-reaches it; eagerly the step waits for its inputs (one synchronisation) and runs the same function; on a CPU
-the "device" tensors are the host buffers themselves and nothing is copied. The host function must not call CUDA.
+A layer whose step needs the CPU (IceCache's index search and page gather, MagicPIG's sampled attention over keys
+in host memory) declares once, by name, shape and dtype, what its host work reads (``to_host``) and what it answers
+(``to_device``), and makes a ``HostExchange``. Every step then does the same three things:
+
+1. ``send(name=tensor, ...)``: the device tensors into one staging buffer, one device-to-host copy of it;
+2. ``run(work)``: ``work()`` on the host once those inputs have arrived; it reads ``host_in`` and writes
+   ``host_out`` (CPU tensors, pinned on CUDA) and must not call CUDA;
+3. ``receive()``: one host-to-device copy of ``host_out``; the returned device views are what the rest of the step
+   reads.
+
+Every copy has the same size and address at every step, so a CUDA graph can record them. Captured, the work becomes
+a host function of the graph (``cuda_driver.HostFunctions``), which the driver runs at every replay once the stream
+reaches it, and the copies are the driver's raw copies (``copy_async``); eagerly the step waits for its inputs (one
+synchronisation) and runs the same function, so a replay computes bitwise what the eager step computes. On a CPU
+the "device" tensors are the host buffers themselves and nothing is copied.
 """
 
 from __future__ import annotations
@@ -16,12 +23,16 @@ from typing import Callable
 
 import torch
 
-from .cuda_driver import memcpy_async
+from .cuda_driver import HostFunctions, memcpy_async
 
-_ALIGN_BYTES = 128  # each section starts aligned, so typed views of the one byte buffer are valid and fast
+# Each section starts aligned, so typed views of the one byte buffer are valid and the kernels that read a section
+# of it get vector-aligned rows.
+_ALIGN_BYTES = 128
+
+Sections = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
-def _layout(sections: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[dict[str, tuple[int, int]], int]:
+def _layout(sections: Sections) -> tuple[dict[str, tuple[int, int]], int]:
     offsets, cursor = {}, 0
     for name, (shape, dtype) in sections.items():
         cursor = -(-cursor // _ALIGN_BYTES) * _ALIGN_BYTES
@@ -33,7 +44,7 @@ def _layout(sections: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[d
     return offsets, max(cursor, 1)
 
 
-def _views(buffer: torch.Tensor, sections, offsets) -> dict[str, torch.Tensor]:
+def _views(buffer: torch.Tensor, sections: Sections, offsets: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
     return {name: buffer[offsets[name][0] : offsets[name][1]].view(dtype).view(shape)
             for name, (shape, dtype) in sections.items()}
 
@@ -50,15 +61,13 @@ def copy_async(destination: torch.Tensor, source: torch.Tensor) -> None:
 class HostExchange:
     """Named fixed-shape tensors to the host (``to_host``) and back (``to_device``), each direction one buffer.
 
-    ``send(name=tensor, ...)`` writes device tensors into the device staging buffer and copies it to the host;
-    ``run(work)`` runs ``work()`` once the inputs are on the host; ``receive()`` copies what ``work`` wrote into
-    ``host_out`` to the device and returns the device views. ``host_in`` and ``host_out`` are CPU tensors (pinned
-    on CUDA) that the host function reads and writes.
+    ``host_in`` and ``host_out`` are the host views by name (what the host work reads and writes); ``device_out``
+    the device views ``receive`` returns. ``host_functions`` is the sequence's (``SequenceContext.host_functions``),
+    which keeps captured host functions alive as long as a graph may replay them.
     """
 
-    def __init__(self, to_host: dict[str, tuple[tuple[int, ...], torch.dtype]],
-                 to_device: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device | str,
-                 host_functions) -> None:
+    def __init__(self, to_host: Sections, to_device: Sections, device: torch.device | str,
+                 host_functions: HostFunctions) -> None:
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"
         self.host_functions = host_functions
@@ -76,7 +85,8 @@ class HostExchange:
         self._arrived = torch.cuda.Event() if self.on_cuda else None
 
     def send(self, **tensors: torch.Tensor) -> None:
-        """Stage every section of ``to_host`` (each given once, cast to its dtype) and copy them to the host."""
+        """Stage every section of ``to_host`` (each given once, cast to its dtype) and copy them to the host
+        (asynchronously on CUDA: ``run`` is where the host may read them)."""
         for name, view in self._staged.items():
             view.copy_(tensors[name].reshape(view.shape))
         if self.on_cuda:

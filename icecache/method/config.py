@@ -23,12 +23,13 @@ class IceCacheConfig(MethodConfig):
     page_size: int = 16  # must equal the DCI leaf capacity
     n_sink_pages: int = 2
     n_window_pages: int = 2
-    n_dense_layers: int = 2
+    n_dense_layers: int = 2  # layers 0..n-1 keep the full cache
     n_reuse_layers: int = 1  # 1: every layer owns its index; R > 1: IceCache-reuse
-    promotion_prob: float = 0.01
-    promotion_prob_subseq: float = 0.2
+    promotion_prob: float = 0.01  # DCI: the chance a point of level 0 is promoted to level 1
+    promotion_prob_subseq: float = 0.2  # DCI: the same from each higher level to the next
     build_field_of_view: int = 30
     build_prop_to_retrieve: float = 1.0
+    # The anchor shortcut for the parents of level-0 points (v4434: 60, 60, 1.02).
     anchor_interval: int = 60
     anchor_neighbours: int = 60
     anchor_threshold: float = 1.02
@@ -63,6 +64,18 @@ class IceCacheConfig(MethodConfig):
         config = super().from_dict(values).fitted_to_budget()
         config.check_pages()  # needs no model: a sweep refuses such a cell before any job runs
         return config
+
+    def budget_page_size(self) -> int | None:
+        return self.page_size
+
+    def min_budget(self) -> int:
+        """Three pages with one sink and one window page (the fixed pages shrink to those where they would leave
+        nothing to select, ``fitted_to_budget``); two without sinks."""
+        return (min(self.n_sink_pages, 1) + min(self.n_window_pages, 1) + 1) * self.page_size
+
+    def min_budget_reason(self) -> str:
+        return (f"({min(self.n_sink_pages, 1)} sink + 1 selected + {min(self.n_window_pages, 1)} window page) x "
+                f"page_size={self.page_size}")
 
     def check_pages(self) -> None:
         """``ConfigError`` unless the budget's pages hold the fixed pages and at least one selected page."""

@@ -13,18 +13,23 @@ attention, loads and MLP run. When layer l's own query arrives the step checks t
 * a miss: the correction is the exact search, run then with the exact query, so that a poor speculation costs
   time, never a selection the exact search would not make from a query that far from the speculative one.
 
-The counters ``lookahead_searches`` and ``lookahead_misses`` say how often each happened. Only owners look ahead
-(a reusing layer reads its owner's selection), and never layer 0 (there is no layer before it).
+The miss check is ours. The counters
+``lookahead_searches`` and ``lookahead_misses`` say how often each happened. With look-ahead the step's ``query`` phase
+is the time it still waits for the search. The look-ahead's job and its speculative query are captured in the step's
+CUDA graph like the rest of the host work. Only owners look ahead (a reusing layer reads its owner's selection), and
+never layer 0 (there is no layer before it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
 
-from icecache.core.paged import copy_async
+from icecache.core.cuda_driver import HostFunctions
+from icecache.core.host_step import HostExchange
 
 
 @dataclass
@@ -53,20 +58,18 @@ def is_hit(speculative: np.ndarray, exact: np.ndarray, min_cosine: float) -> boo
 
 
 class SpeculativeQuery:
-    """The fixed-size copy of a speculative query ``[Hq, D]`` to the host (float32), capturable in a CUDA graph;
-    on CPU the host array is the tensor itself."""
+    """A speculative query ``[Hq, D]`` on its way to the host (float32) through its own ``HostExchange``, so that
+    its copy and the job launch after it can be captured in a CUDA graph."""
 
-    def __init__(self, n_heads: int, head_dim: int, device: torch.device):
-        self.on_cuda = torch.device(device).type == "cuda"
-        self.host = torch.zeros(n_heads, head_dim, dtype=torch.float32, pin_memory=self.on_cuda)
-        self.staged = torch.zeros_like(self.host, device=device) if self.on_cuda else self.host
+    def __init__(self, n_heads: int, head_dim: int, device: torch.device, host_functions: HostFunctions):
+        self.exchange = HostExchange({"query": ((n_heads, head_dim), torch.float32)}, {}, device, host_functions)
 
-    def to_host(self, query: torch.Tensor) -> None:
-        """Stage ``query [Hq, D]`` (asynchronous on CUDA: read it on the host once the stream has reached here)."""
-        self.staged.copy_(query)
-        if self.on_cuda:
-            copy_async(self.host, self.staged)
+    def send(self, query: torch.Tensor, then: Callable[[], None]) -> None:
+        """Stage ``query [Hq, D]`` for the host and run ``then()`` there once it has arrived (``HostExchange.run``:
+        a host function when captured)."""
+        self.exchange.send(query=query)
+        self.exchange.run(then)
 
     def read(self) -> np.ndarray:
         """A copy of the staged query, which the next step overwrites."""
-        return self.host.numpy().copy()
+        return self.exchange.host_in["query"].numpy().copy()

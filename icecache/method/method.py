@@ -13,17 +13,13 @@ from .layer import IceCacheLayer
 @METHODS.register("icecache")
 class IceCache(Method):
     display_name = "IceCache"
+    display_order = 120
+    paper_names = ("Ice",)
     config_class = IceCacheConfig
     traces_in_graph = True
     # 64 tokens are 4 pages: 1 sink + 2 selected + 1 window.
     test_settings = {"n_sink_pages": 1, "n_window_pages": 1}
     variants = {"lookahead": {"lookahead": True}}
-
-    def min_budget(self) -> int:
-        """Three pages with one sink and one window page (the fixed pages shrink to those where they would leave
-        nothing to select, ``IceCacheConfig.fitted_to_budget``); two without sinks."""
-        cfg = self.config
-        return (min(cfg.n_sink_pages, 1) + min(cfg.n_window_pages, 1) + 1) * cfg.page_size
 
     def forced_positions(self, n_tokens):
         # The sink pages, and the window, which always holds its n_window_pages - 1 full pages and one more token.
@@ -74,9 +70,9 @@ class IceCache(Method):
     @property
     def captures_decode_step(self) -> bool:
         # The host step writes into the Triton kernels' fixed buffers; without Triton the step runs eagerly.
-        from icecache.core import triton_kernels
+        from icecache.core.kernels import triton_runtime
 
-        return super().captures_decode_step and triton_kernels.available()
+        return super().captures_decode_step and triton_runtime.available()
 
     def make_sparse_layer(self, layer_idx: int, seq: SequenceContext):
         return IceCacheLayer(layer_idx, self.model, seq, self.config)
@@ -87,4 +83,6 @@ class IceCacheReuse(IceCache):
     """IceCache(r): one index and selection per group of ``n_reuse_layers`` consecutive layers (default 3)."""
 
     display_name = "IceCache(r)"
+    display_order = 121
+    paper_names = ("Ice(r)",)
     config_class = IceCacheReuseConfig

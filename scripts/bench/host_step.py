@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Time one IceCache layer's host work per decode step (what each layer's host function does in a captured step).
 
 One sparsified layer with the Llama-3.1-8B geometry (32 query / 8 KV heads of 128 dimensions, budget 256) is
@@ -8,30 +7,28 @@ the random-weight model of the latency benchmark). The parts of the layer's host
 timer per step:
 
 * ``search``: the DCI query and the merge of each GQA group's ranked pages (the step's ``query`` phase);
-* ``stage``: the diff against the slots and the gather of the pages to load into the transit buffer (``load``);
+* ``stage``: the diff against the slots and the gather of the pages to load into the decode buffers (``load``);
 * ``rest``: the window bookkeeping (and, every 16 steps, the offload of the oldest window page into the index),
   the valid counts and the counters: host work that the latency phases count as ``model``;
 * ``host_step``: all of it (the timer's span ``host_step``).
 
 Writes ``host_step_<machine>_<date>.json`` with provenance to ``--out``.
-Usage: python scripts/bench_host_step.py --length 32768 --steps 64 --threads 16
+Usage: python scripts/bench/host_step.py --length 32768 --steps 64 --threads 16
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
+from eval.latency import llama8b_layer_method
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def time_host_steps(length: int, steps: int, threads: int) -> dict[str, list[float]]:
     import torch
-    from bench_prompt_index import llama8b_layer_method
 
     from icecache.core.method import SequenceContext
     from icecache.core.timing import PhaseTimer
