@@ -1,21 +1,46 @@
 """ArkVale (Chen et al., NeurIPS 2024): page eviction with CPU backup and recall by page digests.
 
-The GPU holds ``B = budget // page_size`` page slots per layer: ``n_sink_pages`` sink slots, ``n_window_pages``
-window slots (the last pages, the one being filled included, in a ring) and ``B - sinks - window`` middle slots, a
-score-driven cache of older pages. Every finished page is backed up to the CPU (pinned memory on CUDA) and
+**The paper.** Pages are positional (16 consecutive tokens). Every finished page is backed up to the CPU and
 summarised by a digest: per KV head and channel, the centre ``c = (max + min) / 2`` of its post-RoPE keys and the
-mean absolute deviation ``r = mean_t |c - k_t|``, stored as ``hi = c + r`` and ``lo = c - r`` (the paper's
-"cuboid-mean").
+mean absolute deviation ``r = mean_t |k_t - c|``, kept as ``hi = c + r`` and ``lo = c - r`` (the paper's
+"cuboid-mean"). At each decode step the pages outside sinks and window are scored with
+``sum_d max(q_d hi_d, q_d lo_d)``, averaged over the query heads of each of ``n_groups`` head groups (default one:
+one ranking per layer); each group's top-k pages must be on the GPU, and the missing ones are recalled from the CPU
+into the middle slots holding the lowest-scored cached pages. Attention runs over all resident pages (sinks, middle
+cache, window), not only the top-k.
 
-At each decode step the pages outside sink and window are scored with ``s_h(p) = sum_d max(q_d hi_d, q_d lo_d)``,
-averaged over the query heads of each of ``n_groups`` head groups (default one group: one ranking per layer).
-The top-k pages of each group must be on the GPU: missing ones are recalled from the CPU through the shared bulk
-transfer path into the middle slots holding the lowest-scored cached pages. Attention then runs over all
-resident pages (sinks + middle cache + window), not only the top-k. A page leaving the window moves to a free
-middle slot while there is one and otherwise becomes CPU-only (recallable later).
+**Budget.** ``B = budget // page_size`` page slots per layer: ``n_sink_pages`` (1) sink slots, ``n_window_pages``
+(2) window slots in a ring (the page being filled included) and ``B - 3`` middle slots caching older pages.
+``k = page_topks - n_sink_pages - (n_window_pages - 1)`` with ``page_topks = min(1280, budget / 2) / page_size``
+(the paper's rule) unless set, clamped to ``[1, B - sinks - window]``. Needs
+``budget >= (n_sink_pages + n_window_pages + 1) * page_size`` and ``n_groups`` dividing the KV heads.
 
-After the prompt (dense attention), all full pages are backed up and digested; if the prompt has more than ``B``
-pages the middle slots keep the top pages by the last prompt token's query.
+**This code.** All state is sized for the announced sequence when the prompt ends: the pool ``[B + 1, Hkv, 16, D]``
+(one scratch slot, never attended), the slot table ``slot_page [B + 1, n_groups]`` (the page each slot holds per
+group, -1 empty) and the digests ``[Hkv, P + 1, D]`` on the device, and the host page store
+``[P + 1, Hkv, 16, D]`` (pinned on CUDA; ``P`` pages plus a scratch page). After the prompt (prefill phase
+``offload``) all full pages are backed up and digested, sinks and the last pages go to their slots, and the middle
+slots take the other pages if they fit, else the top pages by the last prompt token's query. A decode step, every
+decision on the device:
+
+1. page start: the page just finished is backed up and digested, and the ring turns: the page leaving the window moves
+   to the first free middle slot if there is one (else it stays on the host only, recallable); these writes happen at
+   every step, to the scratch page and slot when the step starts no page; then the token is written;
+2. scoring with the ``page_bounds`` kernel, pages outside the candidates at ``-inf``;
+3. a ``topk`` of fixed size ``k``; while every candidate fits in the middle slots nothing is ranked for loading; the
+   missing pages take, in order, the slots of a stable sort of the cached pages by score (empty slots first, a chosen
+   page never), and the slot table is updated in place (entries with nothing to do target the scratch slot);
+4. recall: ``copy_blocks`` (``core.kernels.block_copy``) copies the missing (page, KV head) blocks in one kernel that
+   reads the pinned host store in place through its device mapping (``core.paged.mapped_device_view``, zero-copy),
+   skipping resident pages' blocks without a read;
+5. attention with the paged kernel over every resident page, the current page counting its filled slots.
+
+The step has no host decision and is captured on CUDA.
+
+**Deviations.** Backups are written by the decode step itself into the mapped host store (ArkVale uses a side
+stream); the bookkeeping is PyTorch tensor operations on the device, replayed from the graph, rather than ArkVale's
+fused CUDA kernels; no prefetch of later layers' selections; the prefill keeps ``n_sink_pages`` sink pages
+(ArkVale's prefill uses ``max(2, n_sink)``); recall is one block-copy kernel per layer rather than per-page copies.
 """
 
 from __future__ import annotations
@@ -24,11 +49,12 @@ from dataclasses import dataclass
 
 import torch
 
-from icecache.core.attention import paged_decode_attention
+from icecache.core.kernels.block_copy import copy_blocks
+from icecache.core.kernels.gqa_scores import page_bounds
+from icecache.core.kernels.paged_decode_attention import PagedAttentionPlan, paged_decode_attention
 from icecache.core.layer import attended_from_positions
 from icecache.core.method import METHODS, DenseKV, Method, MethodConfig, storage_capacity
-from icecache.core.paged import copy_blocks, mapped_device_view
-from icecache.core.scores import page_bounds
+from icecache.core.paged import mapped_device_view
 from icecache.errors import ConfigError
 
 # ArkVale's rule for its top-k, k = min(C, c / 2) / p pages, with C = 1280 tokens and c the cache size in tokens.
@@ -43,6 +69,16 @@ class ArkValeConfig(MethodConfig):
     n_window_pages: int = 2  # the last pages, the one being filled included
     n_groups: int = 1  # query-head groups that share a page ranking (must divide the KV heads)
     page_topks: int | None = None  # ArkVale's knob, sink and window counted; None: min(1280, budget / 2) / page_size
+
+    def budget_page_size(self) -> int | None:
+        return self.page_size
+
+    def min_budget(self) -> int:
+        return (self.n_sink_pages + self.n_window_pages + 1) * self.page_size  # sinks, window and one middle page
+
+    def min_budget_reason(self) -> str:
+        return (f"(n_sink_pages={self.n_sink_pages} + n_window_pages={self.n_window_pages} + 1 page) x "
+                f"page_size={self.page_size}")
 
 
 def page_digests(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,6 +124,7 @@ class ArkValeKV(DenseKV):
         self.n_topk = topk_count(config)
         self.middle = range(self.n_sink, self.n_slots - self.n_window)  # middle slot indices
         self.scratch_slot = self.n_slots
+        self._attention_plan = PagedAttentionPlan()
         self.kv_heads_per_group = model.n_kv_heads // config.n_groups
         self.pool_keys: torch.Tensor | None = None  # [B + 1, Hkv, ps, D] on the device
         self.pool_values: torch.Tensor | None = None
@@ -223,7 +260,7 @@ class ArkValeKV(DenseKV):
         held = self.slot_page[: self.n_slots] >= 0  # [B, G]
         table = torch.where(held, self._slot_index[:, None], -1)
         out = paged_decode_attention(q, self.pool_keys, self.pool_values, table.t()[self._kv_group],
-                                     counts.expand(self.model.n_kv_heads, -1), scaling)
+                                     counts.expand(self.model.n_kv_heads, -1), scaling, self._attention_plan)
         self.seq.counters.record_on_device((held * counts[:, None]).sum(0).float().mean())
         if self.seq.trace_selection:
             self.last_attended = self._attended_positions(counts)
@@ -309,6 +346,8 @@ class ArkValeKV(DenseKV):
 @METHODS.register("arkvale")
 class ArkVale(Method):
     display_name = "ArkVale"
+    display_order = 100
+    paper_names = ("AKV",)
     config_class = ArkValeConfig
     traces_in_graph = True
     test_settings = {"page_size": 8}
@@ -329,18 +368,8 @@ class ArkVale(Method):
             raise ConfigError(
                 f"{c.name}: page_size={c.page_size} must be a power of two <= 64 for the CUDA paged attention kernel"
             )
-        needed = self.min_budget()
-        if c.budget < needed:
-            raise ConfigError(
-                f"arkvale: budget={c.budget} is below (n_sink_pages={c.n_sink_pages} + n_window_pages="
-                f"{c.n_window_pages} + 1 page) x page_size={c.page_size} = {needed}"
-            )
         if c.page_topks is not None and c.page_topks < 1:
             raise ConfigError(f"arkvale: page_topks={c.page_topks} must be >= 1 (or null for the paper's rule)")
-
-    def min_budget(self) -> int:
-        c = self.config  # sink pages, window pages and one middle page
-        return (c.n_sink_pages + c.n_window_pages + 1) * c.page_size
 
     def forced_positions(self, n_tokens):
         c = self.config  # the sink pages and the window's last pages, the current one included

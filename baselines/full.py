@@ -1,14 +1,18 @@
-"""Full cache: every token of every layer kept on the model's device, dense attention. Ignores the budget.
+"""Full cache: every token of every layer kept on the model's device, dense attention. Ignores the budget (runs record
+``budget-none``).
 
 Two forms of the same computation:
 
-* ``full``: ``DenseKV`` storage, the plain transformers decode path (one Python pass per step).
-* ``full_static``: the fast full cache that latency ratios are measured against. Each layer's keys and values live
-  in one buffer sized for the whole sequence before the first token, a decode step writes its token at a position
-  read from a device tensor and attends with the split-K paged kernel over the buffer (seen as pages of 16 tokens
-  with per-page valid counts computed on the device). Nothing in its decode step depends on a host value, so on
-  CUDA the generation loop captures the step in a CUDA graph and replays it; the per-token cost is then the GPU's,
-  not Python's. On CPU the same layer runs eagerly (the kernel's PyTorch reference), which is what CI tests.
+* ``full``: ``DenseKV`` storage (sized once to the sequence's announced length, else grown by doubling), dense SDPA
+  attention, the plain transformers decode path, one Python pass per step. It is the one method never captured in
+  a CUDA graph (``supports_cuda_graph = False``): it shows what a step costs without static buffers or a graph.
+* ``full_static``: the fast full cache that latency ratios are stated against. Each layer's keys and values live in
+  one ``[Hkv, capacity, D]`` buffer sized for the whole sequence before the first token (``core.static_kv``); a
+  decode step writes its token at a position read from a device tensor and attends with the split-K paged kernel
+  over the buffer, seen as pages of 16 tokens with an identity page table and per-page valid counts computed on the
+  device. Nothing in its step depends on a host value, so on CUDA the first decode step runs eagerly, the second is
+  captured and every later one replays the graph; the per-token cost is then the GPU's, not Python's. On a CPU the
+  same layer runs eagerly through the kernel's PyTorch reference, which is what CI tests.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ class FullCache(Method):
     without static buffers or a graph (``full_static`` is the same cache with both)."""
 
     display_name = "FULL"
+    display_order = 10
+    paper_names = ("FullKV",)
 
     uses_budget = False
     supports_cuda_graph = False
@@ -46,6 +52,7 @@ class FullStaticConfig(MethodConfig):
 @METHODS.register("full_static")
 class FullStaticCache(Method):
     display_name = "FULL (static, graph)"
+    display_order = 11
     config_class = FullStaticConfig
     traces_in_graph = True
     uses_budget = False

@@ -1,24 +1,29 @@
 """H2O, Heavy-Hitter Oracle (Zhang et al., NeurIPS 2023), with real eviction.
 
-Every head accumulates, for every cached key, the attention probability its queries gave that key: over all rows
-of the prompt and then one row per decode step. The cache keeps the most recent tokens plus the "heavy hitters",
-the older tokens with the largest accumulated probability, and evicts the rest for good. Scores of kept tokens are
-never reset (``H2OKVCache_LayerWise``).
+**The paper.** Every head accumulates, for every cached key, the attention probability its queries gave that key:
+over all rows of the prompt and then one row per decode step. The cache keeps the most recent tokens plus the
+"heavy hitters", the older tokens with the largest accumulated probability, and evicts the rest for good. Scores of
+kept tokens are never reset (``H2OKVCache_LayerWise``). The eviction follows the step's attention, so the step's
+own probabilities count when choosing what to drop.
 
-Budget: a decode step attends to at most ``budget`` tokens, ``n_heavy = round(heavy_fraction * budget)`` heavy
-hitters and ``budget - n_heavy`` recent tokens, the new one included. As in H2O the eviction follows the step's
-attention, so the step's own probabilities count when choosing what to drop.
+**Budget.** ``n_heavy = round(heavy_fraction * budget)`` heavy hitters (``heavy_fraction`` 0.5: the 50/50 split of
+H2O's summarisation runs) + ``n_recent = budget - n_heavy`` recent tokens, the new one included.
 
-Accumulated scores are kept per query head (the paper's per-head statistic); with GQA the cache is per KV head,
-so a KV head keeps the tokens with the largest sum of its query heads' scores. The prompt's score matrix is never
-materialised (``core.scores.causal_column_sums``: on CUDA two Triton passes, a row's log-sum-exp and then the
-column sums tile by tile; on CPU ``score_chunk_size`` query rows at a time).
+**This code.** Scores are kept per query head (the paper's statistic); with GQA the cache is per KV head, so a KV
+head keeps the tokens with the largest sum of its group's scores (H2O was written for multi-head attention). The
+prompt's score matrix is never materialised: the ``causal_column_sums`` kernel gives each key's summed probability
+per prefill chunk against all keys so far (on CUDA two Triton passes, each row's log-sum-exp and then column sums
+tile by tile; on a CPU ``score_chunk_size`` (256) query rows at a time), timed as the prefill phase
+``prompt_scores``. After the prompt the rule keeps ``budget - 1`` tokens in ``budget`` slots per KV head
+(``core.token_slots``). Each decode step writes its token into the free slot (score 0) and runs the ``h2o_step``
+kernel: attend over the valid slots in float32, add each query head's probabilities to its scores, and name the
+next free slot; once all are taken that is the slot of the older token (position at most
+``position - (n_recent - 1)``) with the smallest summed score, marked evicted: one token in, one out, which is
+exactly the token the top-``n_heavy`` rule drops. Ties go to the lowest slot in the Triton kernel and the PyTorch
+reference alike. The step needs no host decision and replays from a CUDA graph.
 
-Decoding keeps ``budget`` slots per KV head (``core.token_slots``). Once the cache is full, a step adds one token
-and evicts one: the older token (outside the recent window) with the smallest score, which is exactly the token
-that the top-``n_heavy`` rule drops. Its slot receives the next token, so the step needs no host decision and
-replays from a CUDA graph; attention, accumulation and the eviction are one operation (``core.heavy_hitters``,
-one Triton kernel on CUDA).
+**Deviation from the long-context practice** of the Quest and ArkVale papers, which collected H2O's scores from
+the decode phase only for lack of prefill scores: the prompt's scores are collected, as H2O itself does.
 """
 
 from __future__ import annotations
@@ -27,9 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from icecache.core.heavy_hitters import h2o_step
+from icecache.core.kernels.causal_column_sums import causal_column_sums
+from icecache.core.kernels.h2o_step import h2o_step
 from icecache.core.method import METHODS, Method, MethodConfig
-from icecache.core.scores import causal_column_sums
 from icecache.core.token_slots import TokenSlotsKV
 from icecache.errors import ConfigError
 
@@ -40,10 +45,23 @@ class H2OConfig(MethodConfig):
     heavy_fraction: float = 0.5  # share of the budget for heavy hitters; the rest is the recent window
     score_chunk_size: int = 256  # prompt query rows per block when accumulating prefill scores (memory only)
 
+    def min_budget(self) -> int:
+        """The smallest budget whose recent window keeps the new token and one more (``heavy_fraction < 1``)."""
+        if not 0.0 <= self.heavy_fraction < 1.0:
+            return 2  # the method's check refuses the fraction itself
+        budget = 2
+        while budget - int(round(self.heavy_fraction * budget)) < 2:
+            budget += 1
+        return budget
+
+    def min_budget_reason(self) -> str:
+        return (f"the least whose recent window, with heavy_fraction={self.heavy_fraction}, holds 2 tokens (the new "
+                f"token and one more)")
+
 
 def accumulated_attention(query: torch.Tensor, keys: torch.Tensor, scaling: float, chunk_size: int) -> torch.Tensor:
     """Column sums of the causal softmax attention: ``query [Hq, S, D]`` are the last S of ``keys [Hkv, T, D]``.
-    Returns ``[Hq, T]`` float32 (``core.scores.causal_column_sums``; ``chunk_size`` rows at a time on CPU)."""
+    Returns ``[Hq, T]`` float32 (``core.kernels.causal_column_sums``; ``chunk_size`` rows at a time on CPU)."""
     return causal_column_sums(query, keys, scaling, chunk_size)
 
 
@@ -107,7 +125,7 @@ class H2OKV(TokenSlotsKV):
         self.scores.scatter_(1, slot.repeat_interleave(group)[:, None], 0.0)  # a new token has no score yet
 
     def attend(self, query, position, scaling):
-        # Attention, score accumulation and the choice of the next victim in one step (core.heavy_hitters).
+        # Attention, score accumulation and the choice of the next victim in one step (core.kernels.h2o_step).
         out = h2o_step(query, self.slot_keys, self.slot_values, self.slot_positions, self.scores, self.free_slot,
                        position, scaling, self.n_recent)
         # Slots fill one per step until all are taken, then one goes as one comes.
@@ -118,6 +136,7 @@ class H2OKV(TokenSlotsKV):
 @METHODS.register("h2o")
 class H2O(Method):
     display_name = "H2O"
+    display_order = 50
     config_class = H2OConfig
     traces_in_graph = True
 
@@ -133,21 +152,6 @@ class H2O(Method):
             raise ConfigError(f"h2o: heavy_fraction={config.heavy_fraction} must lie in [0, 1)")
         if config.score_chunk_size < 1:
             raise ConfigError(f"h2o: score_chunk_size={config.score_chunk_size} must be >= 1")
-        n_heavy, n_recent = self.split()
-        if config.budget < self.min_budget():
-            raise ConfigError(
-                f"h2o: budget={config.budget} with heavy_fraction={config.heavy_fraction} leaves a recent window of "
-                f"{n_recent} tokens; it needs at least 2 (the new token and one more)"
-            )
-
-    def min_budget(self) -> int:
-        """The smallest budget whose recent window keeps the new token and one more (``heavy_fraction < 1``)."""
-        if not 0.0 <= self.config.heavy_fraction < 1.0:
-            return 2  # check refuses the fraction itself
-        budget = 2
-        while budget - int(round(self.config.heavy_fraction * budget)) < 2:
-            budget += 1
-        return budget
 
     def forced_positions(self, n_tokens):
         _, n_recent = self.split()

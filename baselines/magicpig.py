@@ -13,41 +13,44 @@ offloaded keys and values and the sampled attention live on the CPU; the two par
 log-sum-exp. The paper's configurations are ``K = 10, L = 150`` and ``K = 11, L = 300``, stated by their
 computation cost (the share of full attention's work, about 2% for both), not by a number of tokens.
 
-This code. The prompt is attended densely; after its last chunk each sparsified layer keeps 4 sink tokens and a
-window of 64 (the public code's ``num_sink_tokens`` and ``num_local_tokens``) in device buffers and copies every
-token to host memory, with the norm of its centred key. The device hashes the middle of the prompt (after the
-sinks) with one set of ``K * L`` Gaussian projections (the same for every layer, seeded) and sorts each table by
-bucket; the host keeps the tables (``HashTables``: per KV head and table, the tokens in bucket order and each
-bucket's span). A decode step writes the new token into the window ring (the token it overwrites is in host memory
-already and joins the middle), hashes the query and the new key on the device, and sends them to the host with
-the new key and value; the host stores the token, counts for each query head the tables in which each middle token
-shares its bucket (the prompt's through the tables, later tokens directly), samples the tokens with at least two
-collisions and computes, in vectorised float32 torch on its threads, their attention with the log-weights
-``-log(u + 1e-4)`` (the public code's floor) and its log-sum-exp; the device attends the sinks and window, and
-merges the two parts. The step is captured in a CUDA graph on CUDA: the host work is a host function of the graph
-(``core.host_step``), as IceCache's search is.
+This code. The prompt is attended densely; after its last chunk each sparsified layer keeps 4 sink tokens and a window
+of 64 (the public code's ``num_sink_tokens`` and ``num_local_tokens``) in device buffers and copies every token to host
+memory, with the norm of its centred key. The device hashes the middle of the prompt (after the sinks) with one set of
+``K * L`` Gaussian projections (the same for every layer, seeded) and sorts each table by bucket (prefill phase
+``hash_tables``); the host keeps the tables (``HashTables``: per KV head and table, the tokens in bucket order and each
+bucket's span). A decode step writes the new token into the window ring (slot ``4 + (t - 4) % 64``; the token it
+overwrites is in host memory already and joins the middle), hashes the query and the new key on the device (phase
+``hash``), and sends them to the host with the new key and value in one fixed-size copy
+(``core.host_step.HostExchange``); the host stores the token, counts for each query head the tables in which each middle
+token shares its bucket (the prompt's through the tables, later tokens directly), samples the tokens with at least two
+collisions (phase ``select``; the angle in float64) and computes (phase ``cpu_attention``), in vectorised float32 torch
+on its threads, their attention with the log-weights ``-log(u + 1e-4)`` (the public code's floor) and its log-sum-exp;
+the device attends the sinks and window, and merges the two parts. The step is captured in a CUDA graph on CUDA: the
+host work is a host function of the graph (``core.host_step``), as IceCache's search is.
 
-Budget. ``budget`` slots per query head: the sinks, the window (the new token included) and at most
-``budget - n_sink_tokens - n_local_tokens`` sampled tokens; a budget the sinks and window would fill shrinks the
-window to a quarter of what the sinks leave (4 + 15 + 45 at budget 64). While the middle fits in the sampled slots,
-every middle token is attended with weight 1, so attention is exact (a sequence that fits the budget is attended in
-full, as for every method). Beyond, the tokens the hash tables sample are attended; if a head samples more than fit
-(``capped: true``), a uniformly random subset of them of the allowed size is kept (drawn per layer and step from a
-seeded generator) and the weights of that head's kept tokens grow by the inverse of the fraction kept, so the
-estimator stays importance-weighted. The number attended varies from step to step and head to head; runs record
-the mean (``mean_attended_tokens``), the effective budget. ``capped: false`` runs the paper's uncapped sampling
-(the budget then only decides when attention is exact) for comparisons with its tables.
+Budget. ``budget`` slots per query head: the sinks, the window (the new token included) and at most ``budget -
+n_sink_tokens - n_local_tokens`` sampled tokens; a budget the sinks and window would fill shrinks the window to a
+quarter of what the sinks leave (4 + 15 + 45 at budget 64; the public code's 64 is a quarter of 256), and the run
+records that setting. While the middle fits in the sampled slots, every middle token is attended with weight 1, so
+attention is exact (a sequence that fits the budget is attended in full, as for every method). Beyond, the tokens the
+hash tables sample are attended; if a head samples more than fit (``capped: true``), a uniformly random subset of them
+of the allowed size is kept (the smallest of one uniform draw per position, from a generator seeded by seed, layer and
+position) and the weights of that head's kept tokens grow by the inverse of the fraction kept, so the estimator stays
+importance-weighted. The number attended varies from step to step and head to head; runs record the mean
+(``mean_attended_tokens``), the effective budget. ``capped: false`` runs the paper's uncapped sampling (the budget then
+only decides when attention is exact) for comparisons with its tables.
 
 With ``seq.trace_selection`` a layer records the positions each query head attended (``last_attended``) and, since
 this is a weighted estimate rather than a softmax over a subset, the additive log-weight of each
 (``last_log_weights``: 0 for sinks, window and exact attention): its output is the softmax of
 ``q . k / sqrt(d) + log_weight`` over the attended positions.
 
-Differences from the paper's code: the first ``n_dense_layers`` layers (default 2) keep the full cache, where the
-public code keeps layers 0 and 16 of Llama-3.1-8B dense; tokens generated after the prompt join the hash tables
-when they leave the window (the public code keeps every generated token on the GPU); the tables are built when a
-layer's prompt is done rather than beside the next layer's prefill; the CPU attention is torch (float32) rather
-than AVX-512 kernels (bf16 keys converted on the fly); the cap above is ours (the paper has no token budget).
+Differences from the paper's code: the first ``n_dense_layers`` layers (default 2) keep the full cache, where the public
+code keeps layers 0 and 16 of Llama-3.1-8B dense; tokens generated after the prompt join the hash tables when they leave
+the window (the public code keeps every generated token on the GPU); the tables are built when a layer's prompt is done
+rather than beside the next layer's prefill; the CPU attention is torch (float32) rather than AVX-512 kernels (bf16 keys
+converted on the fly); the cap above is ours (the paper has no token budget). Rule tests (codes, table counts, the
+two-collision rule, the weights, thinning, the exact mode): ``tests/test_magicpig.py``.
 """
 
 from __future__ import annotations
@@ -88,6 +91,13 @@ class MagicPIGConfig(MethodConfig):
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "MagicPIGConfig":
         return super().from_dict(values).fitted_to_budget()
+
+    def min_budget(self) -> int:
+        """The sinks, a window of one and one sampled slot (the window shrinks to fit, ``fitted_to_budget``)."""
+        return self.n_sink_tokens + 2
+
+    def min_budget_reason(self) -> str:
+        return f"n_sink_tokens={self.n_sink_tokens} + a window of 1 + 1 sampled token"
 
     def fitted_to_budget(self) -> "MagicPIGConfig":
         """The settings MagicPIG runs with at this budget. Where the configured sinks and window leave no slot to
@@ -472,6 +482,8 @@ class MagicPIGKV(DenseKV):
 @METHODS.register("magicpig")
 class MagicPIG(Method):
     display_name = "MagicPIG"
+    display_order = 80
+    paper_names = ("MPG",)
     config_class = MagicPIGConfig
     traces_in_graph = True
     # At the shared tests' budget of 64: 4 sinks, a window of 16 and up to 44 sampled tokens.
@@ -487,13 +499,6 @@ class MagicPIG(Method):
         if c.n_sink_tokens < 0 or c.n_local_tokens < 1:
             raise ConfigError(f"magicpig: n_sink_tokens={c.n_sink_tokens} must be >= 0 and n_local_tokens="
                               f"{c.n_local_tokens} >= 1 (the window holds the new token)")
-        if c.budget < c.n_sink_tokens + c.n_local_tokens + 1:
-            raise ConfigError(f"magicpig: budget={c.budget} leaves no sampled token besides n_sink_tokens="
-                              f"{c.n_sink_tokens} + n_local_tokens={c.n_local_tokens}: raise it to {self.min_budget()}")
-
-    def min_budget(self) -> int:
-        """The sinks, a window of one and one sampled slot (the window shrinks to fit, ``fitted_to_budget``)."""
-        return self.config.n_sink_tokens + 2
 
     def forced_positions(self, n_tokens):
         c = self.config

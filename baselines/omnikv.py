@@ -11,13 +11,13 @@ GPU, while the loads for the layers after them arrive; the layers before the fir
 OmniKV's Llama-3-8B setting: filter layers 2, 8 and 18 of 32, one wait layer after each, the top 6.7 % of the
 prompt's tokens.
 
-**Layers here**, for a model of ``L`` layers: the filter layers are ``filter_layers`` (default: 2, 8 and 18 scaled
-to ``L``, ``round(l * L / 32)``: the paper's for 32 layers); each is followed by ``n_wait_layers`` (1) dense layers
-(up to the next filter layer); layers below ``n_dense_layers`` (2, the layers before the first default filter
-layer) are dense too. Filter and dense layers keep their whole cache on the device and attend fully, as the
-paper's do; like the harness's first ``n_dense_layers`` layers they are not sparsified, so the budget and
+**Layers here**, for a model of ``L`` layers: the filter layers are ``filter_layers`` (default: 2, 8 and 18 scaled to
+``L``, ``round(l * L / 32)``: the paper's for 32 layers; 2, 8 and 17 for SmolLM2's 30); each is followed by
+``n_wait_layers`` (1) dense layers (up to the next filter layer); layers below ``n_dense_layers`` (2, the layers before
+the first default filter layer) are dense too. Filter and dense layers keep their whole cache on the device and attend
+fully, as the paper's do; like the harness's first ``n_dense_layers`` layers they are not sparsified, so the budget and
 ``mean_attended_tokens`` concern the other layers. On a 32-layer model those are 24 of the 32 layers (4-7, 10-17,
-20-31).
+20-31); filter and dense layers record no attended count. Needs ``budget > n_recent``.
 
 **The budget** (tokens a query head of a sparsified layer attends at a decode step): OmniKV attends its selected
 prompt tokens plus every generated token. With the budget counting everything, a sparsified layer attends the
@@ -26,15 +26,15 @@ layer among all older ones (the prompt's, and generated tokens once they are old
 among the prompt's tokens only and keeps every generated token, which under a fixed budget would crowd the
 selection out as generation goes on.
 
-**This code.** A filter layer is the static full cache (``core.static_kv``); after attending, it scores its keys
-before the window with ``core.scores.gqa_scores``, takes the maximum over query heads (``selector: last``; or the
-maximum of each head's softmax, ``softmax_last``, OmniKV's ``softmax_before_last``) and writes the ``topk`` of
-fixed size into a device tensor of the sequence (``SequenceContext.shared``), which its layers read at the same
-step. A sparsified layer keeps its window and the step's selection in ``budget`` token slots on the device (a
-``RingSlotsKV``: the window is the ring, the selection the slots after it) and every token's key and value in a
-host store (pinned on CUDA) written at every step; it gathers the selected tokens from the store with one
-``index_select`` that reads the pinned memory in place (``core.paged.mapped_device_view``) and attends over the
-slots. No step reads a host value, so on CUDA it replays from a CUDA graph.
+**This code.** A filter layer is the static full cache (``core.static_kv``); after attending, it scores its keys before
+the window with the ``gqa_scores`` kernel, takes the maximum over query heads (``selector: last``; or the maximum of
+each head's softmax, ``softmax_last``, OmniKV's ``softmax_before_last``) and writes the ``topk`` of fixed size into a
+device tensor of the sequence (``SequenceContext.shared``), which its layers read at the same step. A sparsified layer
+keeps its window and the step's selection in ``budget`` token slots on the device (a ``RingSlotsKV``: the window is the
+ring, the selection the slots after it) and every token's key and value in a host store (pinned on CUDA) written at
+every step; it gathers the selected tokens from the store with one ``index_select`` that reads the pinned memory in
+place (``core.paged.mapped_device_view``) and attends over the slots. ``pages_loaded`` counts the (token, KV head)
+entries read. No step reads a host value, so on CUDA it replays from a CUDA graph.
 
 **Deviations.** Loads are issued by each sparsified layer in its own step rather than by the filter layer for its
 whole span (so the wait layers hide no transfer here; they still attend fully, which is what they change in the
@@ -49,9 +49,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from icecache.core.kernels.gqa_scores import gqa_scores
 from icecache.core.method import METHODS, Method, MethodConfig, storage_capacity
 from icecache.core.paged import mapped_device_view
-from icecache.core.scores import gqa_scores
 from icecache.core.static_kv import StaticDenseKV
 from icecache.core.token_slots import RingSlotsKV
 from icecache.errors import ConfigError
@@ -69,6 +69,12 @@ class OmniKVConfig(MethodConfig):
     n_wait_layers: int = 1  # dense layers after each filter layer (OmniKV's num_wait_load_layers)
     n_recent: int = 32  # most recent tokens every sparsified layer attends (the new one included)
     selector: str = "last"  # last: max over heads of q.k / sqrt(D); softmax_last: max over heads of each softmax
+
+    def min_budget(self) -> int:
+        return self.n_recent + 1  # the window and one selected token
+
+    def min_budget_reason(self) -> str:
+        return f"n_recent={self.n_recent} + 1 selected token besides the window"
 
 
 def default_filter_layers(n_layers: int) -> list[int]:
@@ -239,6 +245,8 @@ class OmniKVSparseKV(RingSlotsKV):
 @METHODS.register("omnikv")
 class OmniKV(Method):
     display_name = "OmniKV"
+    display_order = 70
+    paper_names = ("OKV",)
     config_class = OmniKVConfig
     traces_in_graph = True
     # Tiny models have 4 layers: layer 0 dense, layer 1 the filter (inside the dense prefix, which the shared tests
@@ -275,12 +283,6 @@ class OmniKV(Method):
             raise ConfigError(f"omnikv: selector={c.selector!r} must be one of {', '.join(SELECTORS)}")
         if c.n_recent < 1:
             raise ConfigError(f"omnikv: n_recent={c.n_recent} must be >= 1 (the new token)")
-        if c.budget < self.min_budget():
-            raise ConfigError(f"omnikv: budget={c.budget} must exceed n_recent={c.n_recent} (at least one "
-                              f"selected token besides the window)")
-
-    def min_budget(self) -> int:
-        return self.config.n_recent + 1  # the window and one selected token
 
     def forced_positions(self, n_tokens):
         return list(range(max(0, n_tokens - self.config.n_recent), n_tokens))

@@ -1,13 +1,17 @@
 """Oracle TOP-k (the IceCache paper's "TOP-k" row): exact top-``budget`` tokens per query head by ``q . k``.
 
 The whole cache stays on the GPU and every decode step scores every key, so this is not a practical method: it is
-the upper bound of what a token-level selection method with the same budget could attend to. Softmax runs over the
-selected tokens only. Nothing is forced in (no sinks, no window): the new token is attended only if it ranks.
+the upper bound of what a token-level selection with the same budget could attend to.
 
-The keys live in static buffers sized for the sequence (``core.static_kv``); a step scores the whole buffer in
-float32 (``core.scores.gqa_scores``, positions past the current one at ``-inf``), takes a ``topk`` of fixed shape,
-and attends over the gathered values of the chosen tokens with their exact scores. Nothing depends on a host value,
-so on CUDA the step replays from a CUDA graph.
+**Budget.** Exactly the ``budget`` keys with the largest ``q . k`` of each query head over the whole cache; nothing
+is forced in (no sinks, no window): the new token is attended only if it ranks. Softmax runs over the selected
+tokens only.
+
+**This code.** The keys live in static buffers sized for the sequence (``core.static_kv``); a step scores the whole
+buffer in float32 (the ``gqa_scores`` kernel, positions past the current one at ``-inf``), takes a ``topk`` of
+fixed shape, and attends with a softmax over the chosen exact scores and the gathered values of the chosen tokens
+(with fewer tokens than the budget the ``-inf`` picks get probability 0). Nothing depends on a host value, so on
+CUDA the step replays from a CUDA graph. Selection quality measures it at its oracle exactly.
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from icecache.core.kernels.gqa_scores import gqa_scores
 from icecache.core.layer import attended_from_positions
 from icecache.core.method import METHODS, Method, MethodConfig
-from icecache.core.scores import gqa_scores
 from icecache.core.static_kv import StaticDenseKV
 
 
@@ -57,6 +61,8 @@ class OracleTopKKV(StaticDenseKV):
 @METHODS.register("oracle_topk")
 class OracleTopK(Method):
     display_name = "TOPK"
+    display_order = 20
+    paper_names = ("Top-k",)
     config_class = OracleTopKConfig
     traces_in_graph = True
 

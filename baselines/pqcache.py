@@ -12,28 +12,30 @@ the blocks that the selections hit most, so that part of a step's tokens need no
 
 **Settings (the paper's Llama-3.1 runs).** ``m = 2`` sub-spaces, ``b = 6`` bits (64 centroids per sub-space),
 Euclidean k-means seeded with a random sample of the keys, 32 initial tokens, half of the rest of the budget for
-the local window, every layer compressed (no dense layers); the block cache holds 4096 tokens in blocks of 128 and
+the local window, every layer compressed (``n_dense_layers: 0``); the block cache holds 4096 tokens in blocks of 128 and
 takes the 32 blocks with the most selected tokens at each step.
 
-**The budget** (the harness's one meaning: tokens a query head attends at a decode step): ``n_sink_tokens``
-initial tokens + ``n_local = int(local_ratio * (budget - n_sink_tokens))`` most recent tokens (the new one
-included) + ``n_topk = budget - n_sink_tokens - n_local`` selected middle tokens (PQCache's ``topk_size``). At
-budget 256: 32 + 112 + 112. PQCache sizes its parts as fractions of the prompt; here they are the budget's. When
-the middle has no more than ``n_topk`` tokens every token is attended.
+**The budget** (the harness's one meaning: tokens a query head attends at a decode step): ``n_sink_tokens`` initial
+tokens + ``n_local = int(local_ratio * (budget - n_sink_tokens))`` most recent tokens (the new one included) + ``n_topk
+= budget - n_sink_tokens - n_local`` selected middle tokens (PQCache's ``topk_size``). At budget 256: 32 + 112 + 112.
+PQCache sizes its parts as fractions of the prompt; here they are the budget's. When the middle has no more than
+``n_topk`` tokens every token is attended. Needs ``budget >= n_sink_tokens + 2`` at ``local_ratio = 0.5``.
 
-**This code.** The window is a ``RingSlotsKV`` of ``budget`` slots per KV head: the sinks pinned, the local
-window a ring, and the last ``n_topk`` slots holding the step's selection. After the prompt, every token's key and
-value is in a host store (pinned on CUDA, read in place through ``core.paged.mapped_device_view``) and a worker
-thread of the sequence runs the layer's k-means on the CPU, layer after layer, while the prefill goes on; the
-first decode step waits for its layer's codebooks. Each step, on the device: the new token goes to the ring and the
-host store and is encoded; ``core.product_quantization.pq_scores`` scores every token; the candidates (after the
-sinks, before the window) get a softmax per query head, summed per KV head, and a ``topk`` of fixed size chooses
-``n_topk`` tokens; the chosen tokens held by the block cache are gathered from it and the others are read from the
-host store with ``core.paged.copy_blocks`` (one kernel, skipped entries read nothing); then the cache update: the
-``cache_topk_blocks`` complete blocks with the most selected tokens (all KV heads counted) are inserted in LFU
-order (a hit adds one to a block's count; a missing block takes an empty slot or evicts the slot with the lowest
-count, the oldest among equals, never one of the step's blocks) and copied in from the host store. The step
-reads no host value, so on CUDA it replays from a CUDA graph.
+**This code.** The window is a ``RingSlotsKV`` of ``budget`` slots per KV head: the sinks pinned, the local window a
+ring, and the last ``n_topk`` slots holding the step's selection. After the prompt, every token's key and value is in a
+host store (pinned on CUDA, read in place through ``core.paged.mapped_device_view``) and a worker thread of the sequence
+runs the layer's k-means on the CPU, layer after layer, while the prefill goes on; the first decode step waits for its
+layer's codebooks (TT2T includes the wait) and puts the codes on the device as int32 rows ``(h * m + j) * C + code`` of
+the query-centroid table. The k-means is seeded with distinct keys drawn with ``seed + layer``. Each step, on the
+device: the new token goes to the ring and the host store and is encoded; ``core.product_quantization.pq_scores`` scores
+every token; the candidates (after the sinks, before the window) get a softmax per query head, summed per KV head, and a
+stable sort keeps ``n_topk`` tokens per KV head (tokens with the same codes tie; ties go to the earlier position on
+every device); the chosen tokens held by the block cache are gathered from it and the others are read from the host
+store with ``copy_blocks`` (``core.kernels.block_copy``) (one kernel, skipped entries read nothing); then the cache
+update: the ``cache_topk_blocks`` complete blocks with the most selected tokens (all KV heads counted; ties to the lower
+block; only blocks with one at least) are inserted in LFU order (a hit adds one to a block's count; a missing block
+takes an empty slot or evicts the slot with the lowest count, the oldest among equals, never one of the step's blocks)
+and copied in from the host store. The step reads no host value, so on CUDA it replays from a CUDA graph.
 
 **Deviations.** The number of k-means iterations is fixed (``kmeans_iters``, default 10); PQCache's code picks it
 per layer from a timing model so that clustering ends within the GPU's work on the following layers (3 to 300
@@ -56,8 +58,9 @@ from dataclasses import dataclass
 
 import torch
 
+from icecache.core.kernels.block_copy import copy_blocks
 from icecache.core.method import METHODS, Method, MethodConfig, storage_capacity
-from icecache.core.paged import copy_blocks, mapped_device_view
+from icecache.core.paged import mapped_device_view
 from icecache.core.product_quantization import code_rows, pq_build, pq_encode, pq_scores
 from icecache.core.token_slots import RingSlotsKV
 from icecache.errors import ConfigError
@@ -96,6 +99,17 @@ class PQCacheConfig(MethodConfig):
     cache_tokens: int = 4096  # tokens the block cache holds per layer (0: no cache)
     cache_topk_blocks: int = 32  # blocks offered to the cache at each step (the most selected ones)
     seed: int = 0  # k-means initialisation (layer l draws with seed + l)
+
+    def min_budget(self) -> int:
+        budget = self.n_sink_tokens + 2
+        while min(budget_split(PQCacheConfig(budget=budget, n_sink_tokens=self.n_sink_tokens,
+                                             local_ratio=self.local_ratio))) < 1:
+            budget += 1
+        return budget
+
+    def min_budget_reason(self) -> str:
+        return (f"n_sink_tokens={self.n_sink_tokens} + 1 local and 1 selected token at local_ratio="
+                f"{self.local_ratio}")
 
 
 def budget_split(config: PQCacheConfig) -> tuple[int, int]:
@@ -358,6 +372,8 @@ class PQCacheKV(RingSlotsKV):
 @METHODS.register("pqcache")
 class PQCache(Method):
     display_name = "PQCache"
+    display_order = 90
+    paper_names = ("PQC",)
     config_class = PQCacheConfig
     traces_in_graph = True
     # Small parts for 300-token prompts at budget 64: 4 sinks, 30 local, 30 selected; blocks of 8 in a 4-block cache.
@@ -382,19 +398,6 @@ class PQCache(Method):
         if n_cache_blocks and not 1 <= c.cache_topk_blocks <= n_cache_blocks:
             raise ConfigError(f"pqcache: cache_topk_blocks={c.cache_topk_blocks} must lie in [1, {n_cache_blocks}] "
                               f"(the blocks the cache holds)")
-        if c.budget < self.min_budget():
-            n_local, n_topk = budget_split(c)
-            raise ConfigError(
-                f"pqcache: budget={c.budget} leaves {n_local} local and {n_topk} selected tokens after "
-                f"n_sink_tokens={c.n_sink_tokens}; at least {self.min_budget()} gives one of each")
-
-    def min_budget(self) -> int:
-        c = self.config
-        budget = c.n_sink_tokens + 2
-        while min(budget_split(PQCacheConfig(budget=budget, n_sink_tokens=c.n_sink_tokens,
-                                             local_ratio=c.local_ratio))) < 1:
-            budget += 1
-        return budget
 
     def forced_positions(self, n_tokens):
         c = self.config

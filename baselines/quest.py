@@ -1,23 +1,33 @@
 """Quest (Tang et al., ICML 2024): query-aware page selection by a per-channel upper bound.
 
-Pages of ``page_size`` tokens are aligned from position 0. For each page and KV head Quest keeps the element-wise
-maximum ``M`` and minimum ``m`` of the page's post-RoPE keys, updated as tokens are appended. At a decode step,
-query head ``h`` bounds every ``q . k`` in a page by ``U(p) = sum_d max(q_d M_d, q_d m_d)`` (no 1/sqrt(d)), takes
-the ``page_budget - 1`` pages with the largest bound among the finished pages, and always attends the current
-(last) page: ``page_budget = budget // page_size`` pages in all (the end-to-end kernel's rule). When the sequence has
-at most ``page_budget`` pages attention is full. Nothing is evicted: the whole cache stays on the device.
+**The paper.** Pages of ``page_size`` (16) tokens are aligned from position 0. For each page and KV head Quest
+keeps the element-wise maximum ``M`` and minimum ``m`` of the page's post-RoPE keys, updated as tokens are
+appended. At a decode step query head ``h`` bounds every ``q . k`` in a page by
+``U(p) = sum_d max(q_d M_d, q_d m_d)`` (no 1/sqrt(d)) and attends the pages with the largest bound. Nothing is
+evicted: the whole cache stays on the device (Quest saves reads, not memory).
 
-Two implementations of the same rule:
-* ``paged`` (default, fast): keys live in static buffers sized for the sequence (``core.static_kv``), seen as pages;
-  the bound comes from the incremental metadata as two score passes, ``q+ . M + q- . m`` with ``q+ = max(q, 0)``
-  and ``q- = min(q, 0)`` (equal to the per-channel max, since ``M >= m``), over every page of the buffer with the
-  unfinished ones masked; the top pages come from one ``topk`` of fixed shape, and the core's sparse paged decode
-  attention reads only the selected pages. No step depends on a host value, so on CUDA the step replays from a
-  CUDA graph.
+**Budget.** ``page_budget = budget // page_size`` pages per query head: the ``page_budget - 1`` finished pages with
+the largest bound plus the current (last) page, always (the end-to-end kernel's rule). When the sequence has at
+most ``page_budget`` pages attention is full. Needs ``budget >= 2 * page_size``.
+
+**This code.** Two implementations of the same rule, tested equal (same selection, outputs within 1e-5):
+
+* ``paged`` (default, captured on CUDA): keys and values in static buffers sized for the sequence
+  (``core.static_kv``), seen as pages; the metadata in ``[Hkv, P, D]`` buffers over all ``P`` pages of the buffer.
+  After the prompt its pages' boxes are computed and every later page starts at ``(-inf, +inf)``, so a decode token
+  updates its page's box with two scatter reductions (``amax`` into ``M``, ``amin`` into ``m``). The bound is
+  ``q+ . M + q- . m`` (``q+ = max(q, 0)``, ``q- = min(q, 0)``; equal to the per-channel max since ``M >= m``), one
+  Triton pass over both metadata tiles (the ``page_bounds`` kernel), the current and later pages at ``-inf``; one
+  ``topk`` of fixed size over all pages, ``-inf`` picks (fewer finished pages than the budget) turned into padding.
+  The selection is per query head: the buffers are seen through a stride-0 view with one "virtual page" set per
+  query head (page ``kv * P + p``), so one page table per query head serves the paged kernel in one launch.
 * ``simulation``: the Quest paper's accuracy path. The bound is computed from the token keys as
-  ``sum_d |q_d| max_t(k_td sign(q_d))`` and every unselected token is masked out of a dense softmax (eager only).
-The paper's simulation script also differs in its rule (at least 3 chunks, current chunk not forced); both paths
-here use the end-to-end rule so that they can be tested against each other and so that the budget is exact.
+  ``sum_d |q_d| max_t(k_td sign(q_d))`` and every unselected token is masked out of a dense float32 softmax. It
+  slices the cache at the host's length, so it stays eager.
+
+**Deviation.** The paper's accuracy script selects ``max(3, budget // 16)`` chunks by top-k without forcing the
+current chunk; both paths here use the end-to-end rule, so that the budget is exact and the two paths can be tested
+against each other.
 """
 
 from __future__ import annotations
@@ -26,10 +36,10 @@ from dataclasses import dataclass
 
 import torch
 
-from icecache.core.attention import paged_decode_attention
+from icecache.core.kernels.gqa_scores import page_bounds
+from icecache.core.kernels.paged_decode_attention import paged_decode_attention
 from icecache.core.layer import attended_from_positions
 from icecache.core.method import METHODS, Method, MethodConfig
-from icecache.core.scores import page_bounds
 from icecache.core.static_kv import StaticDenseKV
 from icecache.errors import ConfigError
 
@@ -39,6 +49,15 @@ class QuestConfig(MethodConfig):
     name: str = "quest"
     page_size: int = 16
     implementation: str = "paged"  # paged | simulation
+
+    def budget_page_size(self) -> int | None:
+        return self.page_size
+
+    def min_budget(self) -> int:
+        return 2 * self.page_size  # the current page and one selected page
+
+    def min_budget_reason(self) -> str:
+        return f"2 x page_size={self.page_size} (the current page plus one selected page)"
 
 
 def upper_bound_scores(query: torch.Tensor, page_max: torch.Tensor, page_min: torch.Tensor) -> torch.Tensor:
@@ -138,7 +157,7 @@ class QuestKV(StaticDenseKV):
                            (page + self._head_base)[:, None]], dim=1)
         counts = torch.cat([chosen * self.page_size, (slot + 1).expand(q.shape[0], 1)], dim=1)
         out = paged_decode_attention(q, self._per_head_pages(self._keys), self._per_head_pages(self._values),
-                                     table, counts, scaling)
+                                     table, counts, scaling, self._attention_plan)
         self.seq.counters.record_on_device(counts.sum() / q.shape[0])
         if self.seq.trace_selection:
             pages = torch.cat([top.indices, page.expand(q.shape[0], 1)], dim=1)
@@ -184,6 +203,7 @@ class QuestKV(StaticDenseKV):
 @METHODS.register("quest")
 class Quest(Method):
     display_name = "Quest"
+    display_order = 60
     config_class = QuestConfig
     traces_in_graph = True
     test_settings = {"page_size": 8}
@@ -198,14 +218,6 @@ class Quest(Method):
         page_size = config.page_size
         if self.model.device.type == "cuda" and (page_size & (page_size - 1) or page_size > 64):
             raise ConfigError(f"quest: page_size={page_size} must be a power of two <= 64 for the CUDA paged attention")
-        if config.budget < self.min_budget():
-            raise ConfigError(
-                f"quest: budget={config.budget} must be at least 2 x page_size={config.page_size} "
-                f"(the current page plus one selected page)"
-            )
-
-    def min_budget(self) -> int:
-        return 2 * self.config.page_size  # the current page and one selected page
 
     def forced_positions(self, n_tokens):
         page_size = self.config.page_size  # the current page, pages aligned from position 0

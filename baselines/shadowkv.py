@@ -18,33 +18,35 @@ from the model's config into ``ModelInfo.rotary``); rebuilt keys are rotated wit
 whose RoPE changes with the sequence length is refused. A bare geometry with no rotary information (the core's unit
 tests) is taken as having no RoPE.
 
-This code. ``budget`` slots per query head, all chunks of ``chunk_size`` tokens: ``n_local_chunks`` (4) window
-chunks (the current, partly filled chunk counts whole, as page methods count their current page), outlier chunks
-and selected chunks. Of the chunks besides the window, 48 in 304 are outliers unless ``n_outlier_chunks`` is set,
-the share of the paper's Llama-3.1-8B setting: at its budget, 8 x (4 + 48 + 256) = 2464 tokens, that is 48
-outliers and 256 selected chunks; at budget 256, 4 window, 4 outlier and 24 selected chunks. A sequence that fits
-the budget (its announced length at most ``budget``) keeps its cache whole and is attended in full. Otherwise, after
-the prompt's last chunk: the pre-RoPE keys of the whole prompt are factorised (``rank`` at or above
-``n_kv_heads * head_dim``: the factorisation is the identity, and rebuilt keys are exact); the chunks before the
-window are candidates, their landmarks computed and their outliers chosen per KV head; everything goes into one
-device pool of chunk slots (outliers, selected, window ring, one scratch slot) and the candidates' values into the
-host store (pinned on CUDA, read in place by the copy kernel). The factor kept per token is its coefficients on the
-rank-``r`` basis (``pre-RoPE key @ basis^T``, which is ``U S`` of the SVD for a prompt token), so a chunk that
-leaves the window later gets its coefficients, landmark and host copy of its values the same way and becomes a
-candidate (outliers are chosen once, at the prompt, as in ShadowKV). A decode step, every decision on the device
-and its shapes fixed, is captured in a CUDA graph on CUDA: turn the window ring when a chunk starts, write the new
-token, score the landmarks, take each KV head's top chunks (a ``topk`` of fixed size, ``-inf`` picks padding),
-keep the chunks already resident and send the others' values from the host store into the freed slots with
-``core.paged.copy_blocks`` on a side stream, while the main stream rebuilds every resident selected chunk's keys;
-then one paged attention over all slots.
+This code. ``budget`` slots per query head, all chunks of ``chunk_size`` tokens: ``n_local_chunks`` (4) window chunks
+(the current, partly filled chunk counts whole, as page methods count their current page), outlier chunks and selected
+chunks. Of the chunks besides the window, 48 in 304 are outliers (round half to even) unless ``n_outlier_chunks`` is
+set, the share of the paper's Llama-3.1-8B setting: at its budget, 8 x (4 + 48 + 256) = 2464 tokens, that is 48 outliers
+and 256 selected chunks; at budget 256, 4 window, 4 outlier and 24 selected chunks. The budget must be a multiple of
+``chunk_size``. A sequence that fits the budget (its announced length at most ``budget``) keeps its cache whole
+(``StaticDenseKV``) and is attended in full. Otherwise, after the prompt's last chunk: the pre-RoPE keys of the whole
+prompt are factorised (``rank`` at or above ``n_kv_heads * head_dim``: the factorisation is the identity, and rebuilt
+keys are exact); the chunks before the window are candidates, their landmarks computed and their outliers chosen per KV
+head; everything goes into one device pool of chunk slots (outliers, selected, window ring, one scratch slot) and the
+candidates' values into the host store (pinned on CUDA, read in place by the copy kernel). The factor kept per token is
+its coefficients on the rank-``r`` basis (``pre-RoPE key @ basis^T``, which is ``U S`` of the SVD for a prompt token),
+so a chunk that leaves the window later gets its coefficients, landmark and host copy of its values the same way and
+becomes a candidate (outliers are chosen once, at the prompt, as in ShadowKV). A decode step, every decision on the
+device and its shapes fixed, is captured in a CUDA graph on CUDA: turn the window ring when a chunk starts, write the
+new token, score the landmarks, take each KV head's top chunks (a ``topk`` of fixed size, ``-inf`` picks padding), keep
+the chunks already resident and send the others' values from the host store into the freed slots with ``copy_blocks``
+(``core.kernels.block_copy``) (its two block arrays are the two halves of each chunk) on a side stream, while the main
+stream rebuilds every resident selected chunk's keys (phase ``rebuild``); then one paged attention over all slots.
 
-Differences from the paper: the first ``n_dense_layers`` (default 2) layers keep the full cache (ShadowKV
-sparsifies every layer of its prompts over 4k tokens); the window is a fixed ring of chunks, so tokens generated
-after the prompt leave it and become candidates (ShadowKV keeps every generated token on the GPU); the window is
-chunk-aligned from position 0 (ShadowKV keeps the prompt's last 4 chunks plus the remainder, aligned to 8 chunks);
-the keys of every resident selected chunk are rebuilt at each step (ShadowKV rebuilds the missing ones and moves
-the rest); the landmark softmax uses the model's scaling (ShadowKV's ``1 / sqrt(128)``); no initial selection by
-the last prompt query (the first step loads its chunks).
+Differences from the paper: the first ``n_dense_layers`` (default 2) layers keep the full cache (ShadowKV sparsifies
+every layer of its prompts over 4k tokens); the window is a fixed ring of chunks, so tokens generated after the prompt
+leave it and become candidates (ShadowKV keeps every generated token on the GPU); the window is chunk-aligned from
+position 0 (ShadowKV keeps the prompt's last 4 chunks plus the remainder, aligned to 8 chunks); the keys of every
+resident selected chunk are rebuilt at each step (ShadowKV rebuilds the missing ones and moves the rest); the landmark
+softmax uses the model's scaling (ShadowKV's ``1 / sqrt(128)``); no initial selection by the last prompt query (the
+first step loads its chunks). The counters record the tokens attended and the (chunk, KV head) value blocks copied and
+their bytes. Rule tests (inverse RoPE against each tiny model's projected keys, the SVD rebuild, landmarks, outliers,
+chosen and loaded chunks, a chunk leaving the window): ``tests/test_shadowkv.py``.
 """
 
 from __future__ import annotations
@@ -53,10 +55,11 @@ from dataclasses import dataclass
 
 import torch
 
-from icecache.core.attention import paged_decode_attention
+from icecache.core.kernels.block_copy import copy_blocks
+from icecache.core.kernels.paged_decode_attention import paged_decode_attention
 from icecache.core.layer import attended_from_positions
 from icecache.core.method import METHODS, Method, MethodConfig, StaticDenseKV, storage_capacity
-from icecache.core.paged import copy_blocks, mapped_device_view
+from icecache.core.paged import mapped_device_view
 from icecache.errors import ConfigError
 
 # The paper's Llama-3.1-8B setting: 48 outlier chunks beside 256 selected ones (2048 tokens of sparse budget).
@@ -70,6 +73,19 @@ class ShadowKVConfig(MethodConfig):
     rank: int = 160  # rank of the pre-RoPE key factorisation (all KV heads together)
     n_local_chunks: int = 4  # the window, in chunks, the current one included
     n_outlier_chunks: int | None = None  # None: 48 in 304 of the chunks besides the window (the paper's share)
+
+    def check_budget(self) -> None:
+        super().check_budget()
+        if self.chunk_size > 0 and self.budget % self.chunk_size:
+            raise ConfigError(f"shadowkv: budget={self.budget} must be a multiple of chunk_size={self.chunk_size}")
+
+    def min_budget(self) -> int:
+        fixed = self.n_local_chunks + (self.n_outlier_chunks or 0)
+        return (fixed + 1) * self.chunk_size
+
+    def min_budget_reason(self) -> str:
+        return (f"(n_local_chunks={self.n_local_chunks} + the outliers + 1 selected chunk) x "
+                f"chunk_size={self.chunk_size}")
 
 
 def chunk_split(config: ShadowKVConfig) -> tuple[int, int, int]:
@@ -310,7 +326,8 @@ class ShadowKVKV(StaticDenseKV):
             torch.cuda.current_stream(key.device).wait_stream(side)
 
         counts = self._valid_counts(position, window_base)
-        out = paged_decode_attention(q, self.pool_keys, self.pool_values, self._slot_table, counts, scaling)
+        out = paged_decode_attention(q, self.pool_keys, self.pool_values, self._slot_table, counts, scaling,
+                                     self._attention_plan)
         n_loaded = missing.sum()
         block_bytes = self.pool_values[0, 0].nbytes
         self.seq.counters.record_on_device(counts.sum(-1).float().mean(), pages_loaded=n_loaded,
@@ -435,6 +452,7 @@ class ShadowKVKV(StaticDenseKV):
 @METHODS.register("shadowkv")
 class ShadowKV(Method):
     display_name = "ShadowKV"
+    display_order = 110
     config_class = ShadowKVConfig
     traces_in_graph = True
     # At the shared tests' budget of 64 with chunks of 8: 2 window, 1 outlier and 5 selected chunks.
@@ -455,16 +473,6 @@ class ShadowKV(Method):
         if rotary is not None and not rotary.supported:
             raise ConfigError(f"shadowkv: the model's RoPE ({rotary.rope_type}) is not one fixed rotation, so its "
                               f"pre-RoPE keys cannot be recovered: use a model with default or fixed-scaled RoPE")
-        if c.budget % cs:
-            raise ConfigError(f"shadowkv: budget={c.budget} must be a multiple of chunk_size={cs}")
-        if c.budget < self.min_budget():
-            raise ConfigError(f"shadowkv: budget={c.budget} leaves no selected chunk besides n_local_chunks="
-                              f"{c.n_local_chunks} and the outliers: raise it to {self.min_budget()}")
-
-    def min_budget(self) -> int:
-        c = self.config
-        fixed = c.n_local_chunks + (c.n_outlier_chunks or 0)
-        return (fixed + 1) * c.chunk_size
 
     def forced_positions(self, n_tokens):
         c = self.config  # the window: the current chunk and the n_local_chunks - 1 before it

@@ -1,18 +1,23 @@
 """SnapKV (Li et al., NeurIPS 2024): compress the prompt by what its last queries attend to.
 
-The last ``observation_window`` prompt tokens act as an observation window. Their queries' attention over the
-prompt prefix (softmax over the whole causal row, as in the model) is summed over the window's queries, giving one
-vote per prefix token and head; the votes are max-pooled along the sequence (``pooling_kernel``, stride 1, same
-padding) so that the neighbours of a strong token survive with it, and each KV head keeps its top
-``budget - observation_window`` prefix tokens plus the whole window. With GQA the votes of a KV group's query heads
-are averaged before pooling. This is the setting the IceCache paper ran (window 32, max pooling, kernel 7).
+**The paper.** The last ``observation_window`` prompt tokens act as an observation window. Their queries'
+attention over the prompt prefix (softmax over the whole causal row, as in the model) is summed over the window's
+queries, giving one vote per prefix token and head; the votes are max-pooled along the sequence
+(``pooling_kernel``, stride 1, same padding) so that the neighbours of a strong token survive with it, and each
+head keeps its top prefix tokens plus the whole window. The IceCache paper ran it with window 32, max pooling,
+kernel 7, the defaults here.
 
-Decoding (SnapKV itself only compresses the prompt and lets the cache grow): to stay within ``budget`` we keep the
-selected prefix tokens fixed and treat everything after them as a sliding window of ``budget - n_selected``
-tokens, the new token included; the oldest non-selected token is evicted at each step. A prompt that fits the
-budget is not compressed, and its prefix (all but the last ``observation_window`` tokens) stays pinned the same
-way. The selected tokens are pinned slots and the window a ring (``core.token_slots.RingSlotsKV``), so the decode
-step replays from a CUDA graph.
+**Budget.** ``budget - observation_window`` selected prefix tokens + a sliding window of the rest, the new token
+included. A prompt that fits the budget is not compressed.
+
+**This code.** With GQA the votes of a KV group's query heads are averaged first, then pooled: one vote vector per
+KV head, which is what is selected. The window's queries are carried across prefill chunks, so the window may
+straddle them. The selected tokens are the pinned slots of a ``core.token_slots.RingSlotsKV`` and everything after
+them its ring of ``budget - n_selected`` tokens; a prompt that fits pins its prefix (all but the last
+``observation_window`` tokens) the same way. The decode step replays from a CUDA graph.
+
+**Deviation** (SnapKV only compresses the prompt and lets the cache grow): to stay within ``budget`` the oldest
+non-selected token is evicted at each step, the first step's token replacing the observation window's oldest.
 """
 
 from __future__ import annotations
@@ -32,6 +37,12 @@ class SnapKVConfig(MethodConfig):
     name: str = "snapkv"
     observation_window: int = 32  # last prompt tokens whose queries vote
     pooling_kernel: int = 7  # max-pooling kernel over the votes (odd: same padding)
+
+    def min_budget(self) -> int:
+        return self.observation_window + 1  # the window and one selected prompt token
+
+    def min_budget_reason(self) -> str:
+        return f"observation_window={self.observation_window} + 1 selected prompt token besides the window"
 
 
 def pooled_votes(window_query: torch.Tensor, keys: torch.Tensor, scaling: float, pooling_kernel: int) -> torch.Tensor:
@@ -90,6 +101,8 @@ class SnapKVKV(RingSlotsKV):
 @METHODS.register("snapkv")
 class SnapKV(Method):
     display_name = "SnapKV"
+    display_order = 30
+    paper_names = ("SKV",)
     config_class = SnapKVConfig
     traces_in_graph = True
     test_settings = {"observation_window": 16}
@@ -101,14 +114,6 @@ class SnapKV(Method):
             raise ConfigError(f"snapkv: observation_window={config.observation_window} must be >= 1")
         if config.pooling_kernel < 1 or config.pooling_kernel % 2 == 0:
             raise ConfigError(f"snapkv: pooling_kernel={config.pooling_kernel} must be odd and >= 1")
-        if config.budget < self.min_budget():
-            raise ConfigError(
-                f"snapkv: budget={config.budget} must exceed observation_window={config.observation_window} "
-                f"(at least one selected prompt token besides the window)"
-            )
-
-    def min_budget(self) -> int:
-        return self.config.observation_window + 1  # the window and one selected prompt token
 
     def forced_positions(self, n_tokens):
         return list(range(max(0, n_tokens - self.config.observation_window), n_tokens))

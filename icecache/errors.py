@@ -11,9 +11,10 @@ class ConfigError(ValueError):
     """A configuration or input the user must change; the CLI prints its message alone and exits with code 2."""
 
 
-def dataclass_from_dict(cls, values: dict, kind: str):
+def dataclass_from_dict(cls, values: dict, kind: str, messages: dict[str, str] | None = None):
     """``cls(**values)`` for a settings dataclass, refusing unknown keys with one line that lists the known ones, and
-    values of the wrong type (``budget=abc``, ``task.lengths=abc``) with one line that names the key."""
+    values of the wrong type (``budget=abc``, ``task.lengths=abc``) with one line that names the key (``messages``:
+    a key's own line, formatted with ``value``)."""
     import dataclasses
 
     known = {f.name for f in dataclasses.fields(cls)}
@@ -23,13 +24,14 @@ def dataclass_from_dict(cls, values: dict, kind: str):
             f"{kind} {values.get('name', cls.__name__)!r} has no setting {', '.join(unknown)}; "
             f"its settings are: {', '.join(sorted(known))}"
         )
-    check_types(cls, values, kind)
+    check_types(cls, values, kind, messages)
     return cls(**values)
 
 
-def check_types(cls, values: dict, kind: str) -> None:
+def check_types(cls, values: dict, kind: str, messages: dict[str, str] | None = None) -> None:
     """Raise ``ConfigError`` for the first value in ``values`` that does not match its field's annotation in the
-    dataclass ``cls`` (ints pass for floats; a bool is not an int; unknown annotations pass)."""
+    dataclass ``cls`` (ints pass for floats; a bool is not an int; unknown annotations pass); ``messages`` maps a key
+    to its own line (``{value!r}`` in it is the value)."""
     try:
         hints = typing.get_type_hints(cls)
     except Exception:  # noqa: BLE001  an annotation that cannot be resolved is not checked
@@ -37,12 +39,12 @@ def check_types(cls, values: dict, kind: str) -> None:
     for key, value in values.items():
         expected = hints.get(key)
         if expected is not None and not matches(value, expected):
+            if messages and key in messages:
+                raise ConfigError(messages[key].format(value=value))
             raise ConfigError(wrong_type_message(kind, key, value, expected))
 
 
 def wrong_type_message(kind: str, key: str, value: Any, expected: Any) -> str:
-    if key == "budget":
-        return f"budget={value!r} must be a whole number of tokens (or null for budget-free methods)"
     return f"{f'{kind}.' if kind else ''}{key}={value!r} must be {describe(expected)}"
 
 

@@ -1,4 +1,5 @@
-"""Each baseline's selection rule against a direct PyTorch computation of it on random tensors (docs/algorithms.md).
+"""Each baseline's selection rule, as its module docstring states it, against a direct PyTorch computation of it on
+random tensors.
 
 Layers are driven directly (no model): ``forward(query, key, value, mask, scaling)`` with random post-RoPE-like
 tensors, on a small geometry with GQA (4 query heads, 2 KV heads).

@@ -5,6 +5,7 @@ import json
 from types import SimpleNamespace
 
 from eval import runner
+from eval.config import RunConfig
 from icecache.core.generation import default_eos_token_ids
 
 
@@ -39,5 +40,5 @@ def test_the_runner_stops_on_the_models_eos_list(tmp_path, monkeypatch):
         "task": {"name": "passkey", "lengths": [300], "num_depths": 1, "calibration": "tokens"},
         "output_root": str(tmp_path),
     }
-    runner.run(runner.RunConfig.from_dict(json.loads(json.dumps(values))))
+    runner.run(RunConfig.from_dict(json.loads(json.dumps(values))))
     assert seen == [[257, 300, 301]]  # the byte tokenizer's </s>, then the model's two

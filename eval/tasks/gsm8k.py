@@ -1,14 +1,21 @@
-"""GSM8K (Cobbe et al. 2021) with 8-shot chain-of-thought, as IceCache's ``benchmark/gsm8k_pred.py`` runs it.
+r"""GSM8K (Cobbe et al. 2021) with 8-shot chain-of-thought, as IceCache's ``benchmark/gsm8k_pred.py`` runs it.
 
-Prompt: the exemplars + ``"\\nQuestion: " + question + "\\n"``, no chat template, greedy, 256 new tokens, stopping at
-the next ``"\\nQuestion: "`` the model starts. The exemplars are the eight classic ones of the chain-of-thought paper
-(Wei et al. 2022) because IceCache's own prompt file, ``gsm8k_prompt_formal.txt``, was never made public; see
-``eval/tasks/data/gsm8k/SOURCE.md``.
+Prompt: the exemplars + ``"\nQuestion: " + question + "\n"``, no chat template, greedy, 256 new tokens, stopping at
+the next ``"\nQuestion: "`` the model starts. The exemplars are the eight classic ones of the chain-of-thought paper
+(Wei et al. 2022; ``eval/tasks/data/gsm8k/cot_8shot.txt``: "Question: ... / Let's think step by step / ... / The
+answer is N.") because IceCache's own prompt file, ``gsm8k_prompt_formal.txt``, was never made public (see
+``eval/tasks/data/gsm8k/SOURCE.md``); absolute accuracy may differ slightly from the paper's, method-against-method
+comparisons do not.
 
-Answer extraction (docs/algorithms.md, GSM8K): cut the generation at the first ``"\\nQuestion: "``, remove commas, and
-read the last match of ``\\d*\\.?\\d+`` as a float; the gold answer is read the same way (its last number is the one
-after "####"). Equal floats are correct; a generation without a number is wrong. The regex has no sign, so "-5" and
-"5" compare equal, as in the reference.
+Answer extraction: cut the generation at the first ``"\nQuestion: "``, remove commas, and read the last match of
+``\d*\.?\d+`` as a float; the gold answer is read the same way (its last number is the one after "####"). Equal
+floats are correct; a generation without a number is wrong. The regex has no sign, so "-5" and "5" compare equal,
+as in the reference.
+
+Data: ``source: local`` reads a JSONL with fields ``question`` and ``answer`` from ``path`` (default
+``$ICECACHE_GSM8K``, else ``~/.cache/icecache-harness/gsm8k/test.jsonl``; a relative path is from the repository
+root); ``source: hub`` reads ``openai/gsm8k`` (``main``, ``test``). A line that is not JSON, a row without a
+``question`` or ``answer`` string, or a file without rows stops the run before the model loads, file and row named.
 """
 
 from __future__ import annotations

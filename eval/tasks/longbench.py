@@ -1,26 +1,51 @@
-"""LongBench v1 and LongBench-E (Bai et al. 2023), as ``THUDM/LongBench``'s ``pred.py`` and ``eval.py`` run them.
+r"""LongBench v1 and LongBench-E (Bai et al. 2023), as ``THUDM/LongBench``'s ``pred.py`` and ``eval.py`` run them.
 
-Per sample (docs/algorithms.md, LongBench):
+``task=longbench`` (``variant: v1``; by default the 16 English and code sets of the IceCache table, any of the 21)
+and ``task=longbench_e`` (``variant: e``: the 13 LongBench-E sets with the same prompts, truncation, generation and
+metrics). Per sample:
 
-1. ``prompt = dataset2prompt[dataset].format(**sample)`` (templates are data: ``eval/tasks/data/longbench/``).
-2. Middle truncation to the prompt budget ``L``: if the tokenised prompt is longer than ``L``, keep the first
-   ``int(L/2)`` and the last ``int(L/2)`` tokens, decode each half with special tokens skipped and concatenate the
-   two strings. ``L`` is the IceCache scripts' ``model2maxlen`` value for the models they list
-   (``REFERENCE_MAX_LENGTH``), else the model's ``max_length``; ``task.max_length`` overrides both. The string is
-   re-tokenised later, so the length can drift by a token or two, exactly as in the official script.
-3. The model family's chat template, except on trec, triviaqa, samsum, lsht, lcc and repobench-p (few-shot and code
-   sets, where chat models do better on the raw continuation).
-4. Greedy generation of ``dataset2maxlen[dataset]`` tokens; samsum also forces one new token and stops on "\\n".
+1. ``prompt = dataset2prompt[dataset].format(**sample)``. The templates and generation lengths are byte-exact copies
+   of the official ``config/dataset2prompt.json`` and ``dataset2maxlen.json`` in ``eval/tasks/data/longbench/``
+   (licence and commit beside them); their typos ("asconcisely", trailing spaces) are part of the benchmark.
+2. Middle truncation to the prompt budget ``L``: tokenised with default special tokens; if longer than ``L``, the
+   first and the last ``int(L/2)`` tokens are decoded separately with special tokens skipped and the two strings
+   joined. The string is re-tokenised later, so the length can drift by a token or two, as in the official script.
+   ``L`` is the IceCache scripts' ``model2maxlen.json`` value for the models they list (``REFERENCE_MAX_LENGTH``:
+   ``llama31_8b`` 131072, their ``llama-3.1``; ``mistral7b_v02`` 32768, their ``mistral-7b-inst``, which their
+   ``model2path.json`` points at Mistral-7B-Instruct-v0.2; ``qwen3_4b_2507`` 32760, their ``qwen3``, the nearest
+   checkpoint they list, not the model's 262144 context); THUDM's own file lists none of the harness models, so
+   other models use their ``max_length``. ``task.max_length`` overrides both; ``meta.max_length`` records it.
+3. The model family's chat template (``eval.tasks.chat``), except on trec, triviaqa, samsum, lsht, lcc and
+   repobench-p (few-shot and code sets, where chat models do better on the raw continuation).
+4. Greedy generation of ``dataset2maxlen[dataset]`` tokens. samsum also forces one new token and stops on the
+   tokenizer's EOS and the newline id only (the last id of ``encode("\n")``), as ``pred.py`` passes its own
+   ``eos_token_id`` list, which replaces the model's.
 
-Scores: the official per-sample metric (``eval.tasks.metrics``), ``round(100 * mean, 2)`` per dataset, the
-leaderboard's "Avg" (mean of the six category means), the IceCache table's plain mean over datasets, and for
-LongBench-E the same per length bucket (``length`` < 4000, 4000-7999, >= 8000; words for English and code,
-characters for Chinese).
+``Sample.meta`` carries ``dataset``, ``variant``, ``length``, ``all_classes`` and ``_id``; ids are
+``<dataset>[_e]/<row index>``.
 
-Data: the hub's parquet mirror ``Xnhyacinth/LongBench`` (the script-based ``THUDM/LongBench`` no longer loads with
-recent ``datasets``), or a local folder in the official ``data.zip`` layout. The mirror stores each prompt pre-split
-as ``context`` (template head with the context filled in) + ``question`` + ``answer_prefix``; their concatenation is
-the official prompt, which is what we rebuild (docs/eval.md shows the identity per dataset).
+Scores: the official per-sample metric of each dataset (``eval.tasks.metrics``, quirks included; docs/eval.md,
+Scoring quirks), the max over ground truths, ``round(100 * mean, 2)`` per dataset (``datasets``). ``score`` (also
+``paper_average``) is the plain mean over datasets, the IceCache table's "Avg"; ``official_average`` is the
+leaderboard's mean of the category means (``categories``), reported beside it; ``n_per_dataset``. LongBench-E adds
+``buckets[dataset]`` for ``0-4k`` (``length`` < 4000), ``4-8k`` (4000-7999) and ``8k+`` (>= 8000; words for
+English and code, characters for Chinese), ``null`` where a bucket is empty (the official script prints NaN),
+``n_per_bucket`` and ``bucket_average`` over datasets per bucket. The report keeps LongBench-E runs as their own
+task: a ``qasper_e`` score is never a LongBench v1 ``qasper`` cell.
+
+Data:
+
+* ``source: hub`` (default): ``datasets.load_dataset("Xnhyacinth/LongBench", data_dir="<dataset>[_e]",
+  split="test")``, the parquet mirror (the script-based ``THUDM/LongBench`` no longer loads with ``datasets`` >= 4).
+  The mirror stores each prompt pre-split as ``context`` (the template head with the context filled in) +
+  ``question`` + ``answer_prefix``; their concatenation is the official prompt for every set (for trec, triviaqa
+  and samsum the mirror moves the "Type:" / "Answer:" / "Summary:" suffix of ``input`` into ``answer_prefix``,
+  which concatenation restores), which ``tests/test_longbench.py`` checks on hand-written rows. ``offline: true``
+  reads only the local Hugging Face cache.
+* ``source: local``: the official ``data.zip`` unzipped (``<dir>/<dataset>.jsonl``, ``<dir>/<dataset>_e.jsonl``);
+  ``data_dir`` defaults to ``$ICECACHE_LONGBENCH``, else ``~/.cache/icecache-harness/longbench``. A missing file, a
+  line that is not JSON (file and line named), a row without prompt fields, ``answers`` or ``length``, or a set
+  with no rows stops the run before the model loads.
 """
 
 from __future__ import annotations
@@ -243,6 +268,12 @@ class LongBench(Task):
 
     config_class = LongBenchConfig
     config: LongBenchConfig
+    coordinates = ("datasets",)
+
+    @classmethod
+    def table_name(cls, settings: dict[str, Any]) -> str:
+        """LongBench-E runs are the table ``longbench_e``: their scores are per length bucket of other files."""
+        return "longbench_e" if settings.get("variant") == "e" else "longbench"
 
     def __init__(self, config: LongBenchConfig):
         super().__init__(config)

@@ -16,7 +16,7 @@ a harness whose numbers drift from the leaderboard's by a point cannot be compar
   sets; a dataset's score is ``round(100 * mean, 2)``.
 
 Function names and signatures (``prediction, ground_truth, **kwargs``) follow the official module so a reader can
-check them side by side. docs/algorithms.md (LongBench) describes each one.
+check them side by side. docs/eval.md (Scoring quirks) lists what each one does.
 """
 
 from __future__ import annotations

@@ -1,24 +1,29 @@
 """Passkey retrieval, as the ArkVale and IceCache benchmark scripts run it (``benchmark/passkey_pred.py`` of
-pku-liang/ArkVale at 0c3b45e and of yuzhenmao/IceCache at 63db4c1; docs/algorithms.md, Passkey).
+pku-liang/ArkVale at 0c3b45e and of yuzhenmao/IceCache at 63db4c1, the same prompt code in both).
 
-A pass key sentence is hidden at depth ``i / num_depths`` in repeated filler text; the model must continue
-"What is the pass key? The pass key is" with the key. The prompt is the four lines task, filler prefix, key sentence,
-filler suffix (both filler parts cut from the start of one long filler string), joined by newlines, with the question
-appended straight onto the suffix, no newline between: the scripts' layout.
+A pass key sentence, "The pass key is N. Remember it. N is the pass key.", is hidden at depth ``i / num_depths``
+(``num_depths`` 20 samples per length) in repeated filler text ("The grass is green. The sky is blue. ..."); the
+model must continue "What is the pass key? The pass key is" with the key. The prompt is the four lines task, filler
+prefix, key sentence, filler suffix (both filler parts cut from the start of one long filler string), joined by
+newlines, with the question appended straight onto the suffix, no newline between: the scripts' layout.
 
-Length: the scripts fix the filler in characters, 38000 / 76000 / 114000 for their 10k / 20k / 30k contexts, a ratio
-of 3.8 characters per token; ``calibration: reference`` uses that ratio, ``round(3.8 * length)`` filler characters,
-so the prompt's token count is whatever the model's tokenizer makes of it (recorded as ``prompt_tokens``).
-``calibration: tokens`` instead fits the filler so that the prompt has at most ``length`` tokens.
+Length (``lengths``, default 4096): the scripts fix the filler in characters, 38000 / 76000 / 114000 for their
+10k / 20k / 30k contexts, a ratio of 3.8 characters per token; ``calibration: reference`` uses that ratio,
+``round(3.8 * length)`` filler characters (``task.lengths=[10000]`` is their 38000), so the prompt's token count is
+whatever the model's tokenizer makes of it (recorded as ``meta.prompt_tokens``; a prompt over the model's
+``max_length`` is refused before the weights load). ``calibration: tokens`` instead fits the filler so that the
+prompt has at most ``length`` tokens of the run's tokenizer.
 
 Keys come from ``numpy.random.RandomState(seed).randint(1, 50000)`` drawn in sample order, as the scripts do with the
-global NumPy seed 42. A sample is correct iff the last ``len(answer_ids)`` generated ids equal the key's ids
-(``max_new_tokens = len(answer_ids) + 1``, IceCache's setting; ArkVale's is ``extra_new_tokens: 0``). The key's ids
-are its tokenisation without special tokens (the scripts drop the first id, which is that for tokenizers with a BOS).
+global NumPy seed 42. Generation is greedy for ``len(answer_ids) + extra_new_tokens`` tokens (1, IceCache's setting;
+ArkVale's is 0). A sample is correct iff the last ``len(answer_ids)`` generated ids equal the key's ids, its
+tokenisation without special tokens (the scripts drop the first id, which is the BOS of their tokenizers);
+``first_integer``, whether the first number in the text is the key, is reported beside it. The score is the mean
+in percent, also per length.
 
 ``decode_question`` is the scripts' question-as-decode mode (``--use-3-stages-gen``, Quest's protocol): the question
 is tokenised on its own with the tokenizer's default special tokens (a BOS for Llama) and fed token by token as decode
-steps after the prompt without it.
+steps after the prompt without it, so the selection sees the question's queries.
 """
 
 from __future__ import annotations
@@ -98,6 +103,8 @@ def filler_chars_for(tokenizer, n_tokens: int, decode_question: bool = False) ->
 @TASKS.register("passkey")
 class Passkey(Task):
     config_class = PasskeyConfig
+    has_lengths = True
+    coordinates = ("lengths",)
 
     def check(self) -> None:
         if not self.config.lengths or min(self.config.lengths) <= 0:

@@ -23,7 +23,10 @@ from .layer import DenseKV, LayerKV, ModelInfo, SequenceContext, storage_capacit
 from .static_kv import StaticDenseKV
 
 __all__ = ["METHODS", "DenseKV", "LayerKV", "Method", "MethodConfig", "ModelInfo", "SequenceContext",
-           "StaticDenseKV", "build_method", "method_class", "storage_capacity"]
+           "StaticDenseKV", "build_method", "method_class", "method_settings", "storage_capacity"]
+
+
+BUDGET_TYPE_MESSAGE = "budget={value!r} must be a whole number of tokens (or null for budget-free methods)"
 
 
 @dataclass
@@ -39,7 +42,44 @@ class MethodConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "MethodConfig":
-        return dataclass_from_dict(cls, values, "method")
+        return dataclass_from_dict(cls, values, "method", messages={"budget": BUDGET_TYPE_MESSAGE})
+
+    # The budget's rules, for a method that uses one (``Method.uses_budget``): ``check_budget`` holds the budget to
+    # what the settings alone decide (the runner calls it before any model is read), ``check_min_budget`` to the
+    # least the method's fixed parts need (``build_method`` calls it once the method's own checks have passed).
+
+    def budget_page_size(self) -> int | None:
+        """The page the budget must be a whole number of (a paged method's ``page_size``); None: any token count."""
+        return None
+
+    def min_budget(self) -> int:
+        """The smallest budget these settings accept (their fixed parts and one more token or page)."""
+        return 1
+
+    def min_budget_reason(self) -> str:
+        """What the smallest budget is made of, in the method's own settings (ends the message of a budget below
+        it)."""
+        return "the least its fixed parts need"
+
+    def check_budget(self) -> None:
+        """``ConfigError`` unless the budget is a positive whole number of the method's pages."""
+        budget = self.budget
+        if budget is None or budget <= 0:
+            raise ConfigError(f"method {self.name!r} needs a positive budget: add budget=<tokens>")
+        page = self.budget_page_size()
+        if isinstance(page, int) and page > 0 and budget % page:
+            lower, upper = budget // page * page, (budget // page + 1) * page
+            raise ConfigError(
+                f"budget {budget} is not a multiple of {self.name}'s page size {page}: the method attends whole pages "
+                f"({lower} tokens at this budget); use budget={upper}" + (f" or {lower}" if lower else "")
+            )
+
+    def check_min_budget(self, least: int | None = None) -> None:
+        """``ConfigError`` if the budget is below ``least`` (by default ``min_budget``)."""
+        least = self.min_budget() if least is None else least
+        if self.budget < least:
+            raise ConfigError(f"{self.name}: budget={self.budget} is below {least} = {self.min_budget_reason()}: "
+                              f"raise the budget")
 
 
 class Method(ABC):
@@ -60,6 +100,12 @@ class Method(ABC):
     traces_in_graph: ClassVar[bool] = False
     #: The name tables and figures print (the paper's); None: the registry name.
     display_name: ClassVar[str | None] = None
+    #: Where tables and figures list the method, lowest first: the paper's order (the full cache, the oracle, the
+    #: evicting methods, the selecting ones, IceCache last). A method's variants follow it.
+    display_order: ClassVar[int] = 1000
+    #: Other spellings of the method in the paper's tables and figures (matched case-insensitively, without spaces),
+    #: besides its registry name and ``display_name``.
+    paper_names: ClassVar[tuple[str, ...]] = ()
     #: Settings for the shared invariant tests on tiny models at a 64-token budget (pages of 8 tokens, say, so that
     #: the budget holds several); the method's defaults otherwise.
     test_settings: ClassVar[dict[str, Any]] = {}
@@ -79,17 +125,17 @@ class Method(ABC):
 
     def check(self) -> None:
         """Raise ``ConfigError`` if the settings cannot work for this model (called before any weights load)."""
-        if self.uses_budget and (self.config.budget is None or self.config.budget <= 0):
-            raise ConfigError(f"method {self.config.name!r} needs a positive budget: add budget=<tokens>")
+        if self.uses_budget:
+            self.config.check_budget()
         if not 0 <= self.config.n_dense_layers <= self.model.n_layers:
             raise ConfigError(
                 f"n_dense_layers={self.config.n_dense_layers} must lie in [0, {self.model.n_layers}] for this model"
             )
 
     def min_budget(self) -> int:
-        """The smallest budget these settings accept (their fixed parts and one more token or page); ``build_method``
-        refuses anything below it (after ``check``, whose own message may say why)."""
-        return 1
+        """The smallest budget these settings accept: the config's (``MethodConfig.min_budget``); ``build_method``
+        refuses anything below it, after ``check``."""
+        return self.config.min_budget()
 
     def forced_positions(self, n_tokens: int) -> list[int]:
         """The positions a decode step with ``n_tokens`` tokens (the new one included) attends whatever it selects:
@@ -133,15 +179,25 @@ def method_label(settings: dict[str, Any]) -> str:
     return name
 
 
+def method_settings(values: dict[str, Any]) -> MethodConfig:
+    """The settings a method runs with: its config class's (unknown keys and wrong types refused, the settings fitted
+    to the budget where the method does that), budget None for a budget-free method, and the budget held to the
+    rules the settings alone decide (``MethodConfig.check_budget``)."""
+    method_cls = method_class(values.get("name"))
+    values = dict(values)
+    if not method_cls.uses_budget:
+        values["budget"] = None
+    config = method_cls.config_class.from_dict(values)
+    if method_cls.uses_budget:
+        config.check_budget()
+    return config
+
+
 def build_method(values: dict[str, Any], model: ModelInfo) -> Method:
     """Config dict (from Hydra or a test) -> checked ``Method``; raises ``ConfigError`` on bad settings."""
-    method_cls = method_class(values.get("name"))
-    config = method_cls.config_class.from_dict(dict(values))
-    method = method_cls(config, model)
+    config = method_settings(values)
+    method = method_class(config.name)(config, model)
     method.check()
-    # A method's own check says in its terms why a budget is too small; this holds one that has no such check to
-    # the smallest budget it declares.
-    if method.uses_budget and config.budget < method.min_budget():
-        raise ConfigError(f"{config.name}: budget={config.budget} is below {method.min_budget()}, the least its fixed "
-                          f"parts need: raise the budget")
+    if method.uses_budget:
+        config.check_min_budget(method.min_budget())
     return method
