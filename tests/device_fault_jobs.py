@@ -1,6 +1,6 @@
-"""Job runners for scripts/run_jobs.py's tests: device faults injected where a CPU cannot make one.
+"""Job runners for the host launcher's tests (eval/sweep.py): device faults injected where a CPU cannot make one.
 
-A spawned worker imports them by name (the parent's sys.path travels with it), as it imports run_jobs.run_job.
+A spawned worker imports them by name (the parent's sys.path travels with it), as it imports eval.sweep.run_job.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ FAULT = "CUDA error: an illegal memory access was encountered"
 
 def fault_first_call(values: dict[str, Any]) -> None:
     """The first job run anywhere ends in a device fault; every call, that one included, is logged in order."""
-    import run_jobs
+    from eval.sweep import run_job
 
     folder = Path(values["output_root"]).parent / "faults"
     folder.mkdir(exist_ok=True)
@@ -24,7 +24,7 @@ def fault_first_call(values: dict[str, Any]) -> None:
     if not marker.exists():
         marker.touch()
         raise RuntimeError(FAULT)
-    run_jobs.run_job(values)
+    run_job(values)
 
 
 def always_fault(values: dict[str, Any]) -> None:

@@ -1,8 +1,8 @@
 """Every bad input is one ``error:`` line and exit code 2, found before the model's weights load (and, where the
 settings alone show it, before the model's config or tokenizer is read), with no run directory left behind.
 
-The cases run ``run.py``'s ``main`` in this process; each forbids the loading steps its error must come before
-(the step raises if it is reached), so "before any model load" is checked by structure, not by the clock."""
+The cases run ``run.py``'s ``main`` (eval/cli.py) in this process; each forbids the loading steps its error must come
+before (the step raises if it is reached), so "before any model load" is checked by structure, not by the clock."""
 
 from __future__ import annotations
 
@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from eval import cli
+
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
-sys.path.insert(0, str(REPO))
-
-import run  # noqa: E402  run.py
 
 SETTINGS, MODEL_CONFIG, TOKENIZER = "settings", "model config", "tokenizer"  # the last step each case may reach
 
@@ -97,7 +96,7 @@ def guarded(monkeypatch):
             monkeypatch.setattr(models, "load_tokenizer", forbid("loading the tokenizer"))
         if stage == SETTINGS:
             monkeypatch.setattr(runner, "model_info", forbid("reading the model's config"))
-        monkeypatch.setattr(run.shutil, "which", lambda name: None)  # no Slurm here, whatever the machine has
+        monkeypatch.setattr(cli.shutil, "which", lambda name: None)  # no Slurm here, whatever the machine has
 
     return install
 
@@ -108,7 +107,7 @@ def main(argv: list[str], monkeypatch) -> SystemExit:
     GlobalHydra.instance().clear()
     monkeypatch.setattr(sys, "argv", ["run.py", *argv])
     with pytest.raises(SystemExit) as stopped:
-        run.main()
+        cli.main()
     GlobalHydra.instance().clear()
     return stopped.value
 
@@ -157,11 +156,11 @@ def test_hydras_own_cfg_flag_prints_the_config(monkeypatch, capfd):
 
     GlobalHydra.instance().clear()
     monkeypatch.setattr(sys, "argv", ["run.py", "--cfg", "job", TINY, "method=quest"])
-    run.main()
+    cli.main()
     GlobalHydra.instance().clear()
     out = capfd.readouterr().out
     assert "name: quest" in out and "name: tiny-llama" in out
-    assert run.split_argv(["--cfg", "job", "-p", "task", "budget=64", "--info", "defaults", "-m"]) == (
+    assert cli.split_argv(["--cfg", "job", "-p", "task", "budget=64", "--info", "defaults", "-m"]) == (
         ["budget=64"], ["--cfg", "job", "-p", "task", "--info", "defaults", "-m"])
 
 

@@ -22,7 +22,6 @@ CLUSTER = REPO / "scripts" / "slurm_local_cluster.sh"
 CLUSTER_DIR = Path(os.environ.get("ICECACHE_SLURM_DIR", "/var/tmp/icecache-slurm"))
 NOT_AVAILABLE = 3  # the script's exit status when the packages are missing and cannot be installed
 FIXTURES = REPO / "tests" / "fixtures"
-sys.path.insert(0, str(REPO / "scripts"))
 
 # What a CPU-only test cluster can give each task; every knob the config keeps for cluster users is set.
 LAUNCHER = ["hydra/launcher=slurm", "hydra.launcher.partition=cpu", "hydra.launcher.gpus_per_node=0",
@@ -294,23 +293,23 @@ def test_preempted_array_tasks_come_back_and_resume_their_runs(slurm_cluster, tm
 
 
 def test_the_launcher_knobs_are_overrides_with_the_documented_defaults():
-    import sweep  # scripts/sweep.py
+    from eval.sweep import expand, launcher_summary
 
     rows = re.findall(r"^\| `(\w+)` \| `([^`]+)` \| `(--[\w-]+)", (REPO / "docs" / "reproduce.md").read_text(), re.M)
     knobs = {"partition", "account", "qos", "timeout_min", "gpus_per_node", "cpus_per_task", "mem_gb",
              "array_parallelism"}
     assert {key for key, _, _ in rows} == knobs
-    _, base = sweep.expand(["experiment=passkey", "hydra/launcher=slurm"], resolve_dirs=False)
+    _, base = expand(["experiment=passkey", "hydra/launcher=slurm"], resolve_dirs=False)
     for key, default, _ in rows:
         assert str(base.hydra.launcher[key]).replace("None", "null") == default, key
     values = {"partition": "gpu", "account": "abc", "qos": "high", "timeout_min": "600", "gpus_per_node": "2",
               "cpus_per_task": "8", "mem_gb": "64", "array_parallelism": "4"}
-    _, base = sweep.expand(["experiment=passkey", "hydra/launcher=slurm",
+    _, base = expand(["experiment=passkey", "hydra/launcher=slurm",
                             *(f"hydra.launcher.{k}={v}" for k, v in values.items())], resolve_dirs=False)
-    sbatch = sweep.launcher_summary(base, 10).split("sbatch ", 1)[1].splitlines()[0].split()
+    sbatch = launcher_summary(base, 10).split("sbatch ", 1)[1].splitlines()[0].split()
     assert {"--partition=gpu", "--account=abc", "--qos=high", "--time=600", "--gpus-per-node=2",
             "--cpus-per-task=8", "--mem=64GB", "--array=0-9%4"} <= set(sbatch)
-    assert "export OMP_NUM_THREADS=8" in sweep.launcher_summary(base, 10)
+    assert "export OMP_NUM_THREADS=8" in launcher_summary(base, 10)
 
 
 def test_the_cluster_script_says_in_one_line_why_it_cannot_start(tmp_path):

@@ -5,16 +5,14 @@ in their config. CPU only."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from eval import sweep
+
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
-sys.path.insert(0, str(REPO / "scripts"))
-
-import sweep  # noqa: E402  scripts/sweep.py
 
 # The swept data axis pinned to one small value and the task shrunk to one or two samples: the cells (method x
 # budget) are the experiment's own.
@@ -36,8 +34,8 @@ def grid(experiment: str) -> set[tuple[str, int | None]]:
     """(method, budget) of every configured cell: the sweeper's methods x budgets, the full caches budget-free."""
     from omegaconf import OmegaConf
 
+    from eval.cli import hydra_context, sweep_jobs
     from eval.plugins import method_class
-    from run import hydra_context, sweep_jobs
 
     with hydra_context():
         _, base = sweep_jobs([f"experiment={experiment}"])
@@ -69,7 +67,8 @@ def test_every_configured_cell_composes_and_passes_its_checks(experiment):
 
 @pytest.mark.parametrize("experiment", SWEPT)
 def test_every_configured_cell_runs_on_a_tiny_model(experiment, tmp_path):
-    from eval.runner import RunConfig, run
+    from eval.config import RunConfig
+    from eval.runner import run
 
     overrides = [f"experiment={experiment}", "model=tiny_llama", f"output_root={tmp_path}", *TINY_TASKS[experiment]]
     jobs, _ = sweep.expand(overrides, device="cpu")  # with the tiny model's geometry: the methods' own checks too
@@ -90,7 +89,7 @@ def test_every_configured_cell_runs_on_a_tiny_model(experiment, tmp_path):
 
 
 def _values(job: list[str]) -> dict:
-    from run import JobComposer, hydra_context, run_values
+    from eval.cli import JobComposer, hydra_context, run_values
 
     with hydra_context():
         return run_values(JobComposer().compose(sweep.normalise_overrides(job)))
@@ -98,12 +97,12 @@ def _values(job: list[str]) -> dict:
 
 @pytest.mark.parametrize("experiment", SWEPT)
 def test_the_fast_job_composer_equals_hydra_compose(experiment):
-    """sweep.py and run.py -m compose a sweep's jobs once per choice of config groups plus Hydra's own override
+    """eval/sweep.py and run.py -m compose a sweep's jobs once per choice of config groups plus Hydra's own override
     code; the result is what Hydra's full composition gives for each job."""
     from hydra import compose
     from omegaconf import OmegaConf
 
-    from run import JobComposer, hydra_context, sweep_jobs
+    from eval.cli import JobComposer, hydra_context, sweep_jobs
 
     with hydra_context():
         jobs, _ = sweep_jobs([f"experiment={experiment}", "model=tiny_llama", "method=full,icecache,quest"])
