@@ -7,10 +7,10 @@
 
 Reads only what is on disk (metrics.json marks a finished run), so it works after any launcher, after a sweep
 that failed half-way, and while a sweep is still running. Writes Markdown, CSV and LaTeX tables next to the
-paper's numbers (results/reference/ in the repository) and PNG + PDF plots under <out>/plots/, all from the runs
+paper's numbers (results/paper/ in the repository) and PNG + PDF plots under <out>/plots/, all from the runs
 named on the command line; the latency figures only from the benchmark files of --bench (e.g. results/bench,
-where scripts/bench_latency.py writes). Runs of different settings never share a cell (docs/reproduce.md). A run
-root may also be a curated file of finished runs (results/bench/accuracy_*.json, scripts/run_jobs.py --curate).
+where scripts/bench/latency.py writes). Runs of different settings never share a cell (docs/reproduce.md). A run
+root may also be a curated file of finished runs (results/bench/accuracy_*.json, scripts/sweep.py --curate).
 Runs with the selection diagnostic (measure_selection) also give accuracy.md / .csv (score with its 95% interval,
 share of full, tokens attended, mass captured) and its figures: accuracy against the budget, against TPOT from the
 --bench files, and the mass captured by layer, one line per method.
@@ -23,7 +23,6 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(REPO / "results" / "summary"), help="output folder")
     parser.add_argument("--bench", default=None,
                         help="latency_*.json folder for the latency figures, e.g. results/bench (default: none)")
-    parser.add_argument("--reference", default=None, help="paper numbers folder (default: results/reference/)")
+    parser.add_argument("--reference", default=None, help="paper numbers folder (default: results/paper/)")
     parser.add_argument("--no-plots", action="store_true", help="tables only")
     parser.add_argument("--paper-only", action="store_true",
                         help="also write tables for models with the paper's numbers but no runs of ours")

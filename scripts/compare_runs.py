@@ -12,11 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 
 def finished_runs(root: Path) -> dict[str, Path]:
@@ -32,7 +28,7 @@ def finished_runs(root: Path) -> dict[str, Path]:
 
 
 def compare(before: Path, after: Path) -> dict:
-    from eval.runner import read_records
+    from eval.rundir import read_records
 
     runs_before, runs_after = finished_runs(before), finished_runs(after)
     pairs = []

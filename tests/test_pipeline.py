@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from eval import sweep
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
-
-import sweep  # noqa: E402  scripts/sweep.py
 
 EXPERIMENTS = sorted(p.stem for p in (REPO / "configs" / "experiment").glob("*.yaml"))
 PY = sys.executable
@@ -28,6 +28,8 @@ def compose(overrides: list[str]):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+
+    import eval.plugins  # noqa: F401  the method defaults configs/method/*.yaml start from
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
@@ -129,7 +131,7 @@ def test_dry_run_lists_the_expected_jobs_and_the_slurm_array(tmp_path):
 def test_dry_run_of_a_driver_experiment_prints_the_driver():
     result = subprocess.run([PY, str(REPO / "scripts" / "sweep.py"), "experiment=scaling", "--dry-run"], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and "bench_latency.py --experiment scaling" in result.stdout
+    assert result.returncode == 0 and "scripts/bench/latency.py --experiment scaling" in result.stdout
 
 
 def test_slurm_launcher_settings():
@@ -239,7 +241,7 @@ def test_tiny_sweep_interrupted_resumed_and_collected(tmp_path):
 
 def test_bench_latency_driver_writes_its_file(tmp_path):
     method = _second_method()
-    command = [PY, str(REPO / "scripts" / "bench_latency.py"), "--model", "tiny_llama", "--lengths", "48",
+    command = [PY, str(REPO / "scripts" / "bench" / "latency.py"), "--model", "tiny_llama", "--lengths", "48",
                "--methods", method, "--budget", "32", "--repeats", "1", "--warmup", "0", "--decode-steps", "64",
                "--bandwidth-probe-gib", "0.01", "--out", str(tmp_path)]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600,
@@ -275,7 +277,7 @@ def test_a_latency_run_killed_midway_keeps_the_methods_it_finished(tmp_path, mon
 
     import icecache.core.generation as generation
 
-    spec = importlib.util.spec_from_file_location("bench_latency", REPO / "scripts" / "bench_latency.py")
+    spec = importlib.util.spec_from_file_location("bench_latency", REPO / "scripts" / "bench" / "latency.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     real, calls = generation.greedy_generate, []
@@ -322,7 +324,7 @@ def test_a_latency_run_killed_midway_keeps_the_methods_it_finished(tmp_path, mon
 
 
 def test_a_look_ahead_latency_row_carries_its_label_and_its_miss_rate(tmp_path):
-    command = [PY, str(REPO / "scripts" / "bench_latency.py"), "--model", "tiny_llama", "--lengths", "300",
+    command = [PY, str(REPO / "scripts" / "bench" / "latency.py"), "--model", "tiny_llama", "--lengths", "300",
                "--methods", "icecache:lookahead=true", "--budget", "64", "--repeats", "1", "--warmup", "0",
                "--decode-steps", "64", "--bandwidth-probe-gib", "0.01", "--out", str(tmp_path)]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600,
@@ -340,14 +342,36 @@ def test_a_look_ahead_latency_row_carries_its_label_and_its_miss_rate(tmp_path):
 
 
 def test_bench_method_values_take_set_overrides_then_a_variants_own():
-    import bench_latency
+    import dataclasses
 
-    plain = bench_latency.method_values("icecache", 256, [])
+    from eval import latency
+    from eval.plugins import method_class
+    from icecache.errors import ConfigError
+
+    plain = latency.method_values("icecache", 256, [])
     assert plain["name"] == "icecache" and plain["budget"] == 256 and plain["cuda_graph"] is True
-    variant = bench_latency.method_values("icecache:cuda_graph=false,cpu_threads=8", 256,
-                                          ["icecache.cpu_threads=4", "icecache.n_sink_pages=1", "quest.x=1"])
+    variant = latency.method_values("icecache:cuda_graph=false,cpu_threads=8", 256,
+                                    ["icecache.cpu_threads=4", "icecache.n_sink_pages=1", "quest.x=1"])
     assert variant["cuda_graph"] is False and variant["cpu_threads"] == 8  # the variant's own setting wins
     assert variant["n_sink_pages"] == 1 and "x" not in variant  # --set applies to the base config, by name
+    # every key of the method's config class is there to override, written once (its default) in the class
+    assert set(variant) == {f.name for f in dataclasses.fields(method_class("icecache").config_class)}
+    with pytest.raises(ConfigError, match="method.x"):  # a key the class does not have: one line
+        latency.method_values("quest:x=1", 256, [])
+
+
+def test_the_latency_settings_come_from_the_flags_then_the_experiment_then_the_defaults():
+    from eval import latency
+    from icecache.errors import ConfigError
+
+    settings = latency.LatencySettings.compose({"experiment": "scaling", "lengths": [150000], "budget": None})
+    assert settings.model == "qwen3_4b_2507" and settings.lengths == [150000] and settings.budget == 256
+    assert settings.methods[:2] == ["full", "full_static"] and settings.layer_by_layer is True
+    assert latency.LatencySettings.compose({"methods": ["quest", "full"]}).methods == ["full", "full_static", "quest"]
+    with pytest.raises(ConfigError, match="no bench block"):
+        latency.LatencySettings.compose({"experiment": "passkey"})
+    with pytest.raises(ConfigError, match="at least 64"):
+        latency.LatencySettings.compose({"decode_steps": 8})
 
 
 def test_compare_runs_pairs_runs_by_task_model_method_budget_and_counts_identical_predictions(tmp_path):
@@ -372,8 +396,11 @@ def test_compare_runs_pairs_runs_by_task_model_method_budget_and_counts_identica
 
 
 def test_bench_host_step_times_the_parts_of_a_layer_step(tmp_path):
-    import bench_host_step
+    import importlib.util
 
+    spec = importlib.util.spec_from_file_location("bench_host_step", REPO / "scripts" / "bench" / "host_step.py")
+    bench_host_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_host_step)
     path = bench_host_step.main(["--length", "2048", "--steps", "20", "--threads", "1", "--out", str(tmp_path)])
     payload = json.loads(path.read_text())
     seconds = payload["seconds"]

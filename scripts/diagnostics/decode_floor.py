@@ -2,7 +2,7 @@
 """The physical floor of one batch-1 decode step: bytes and FLOPs per token, and the time they need at the GPU's
 peak rates (issue 8 asks for it next to every missed target).
 
-    python scripts/decode_floor.py --model llama31_8b --lengths 32768 131072 --budget 256 --n-dense-layers 2
+    python scripts/diagnostics/decode_floor.py --model llama31_8b --lengths 32768 131072 --budget 256 --n-dense-layers 2
 
 Counts, per generated token: every weight read once (the embedding: one row), the KV the attention reads (all of
 it for the full cache; ``budget`` tokens per KV head in IceCache's sparsified layers, all of it in its dense
@@ -14,13 +14,8 @@ so the byte count is the bound.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from scripts.bench_latency import read_config  # noqa: E402  (same config reader as the latency driver)
+from eval.latency import model_values
 
 
 def step_cost(config: dict, context: int, attended_per_layer: list[int], bytes_per_value: int = 2) -> dict:
@@ -46,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hbm-tb-s", type=float, default=4.8, help="device memory bandwidth, TB/s")
     parser.add_argument("--tflops", type=float, default=989.0, help="dense bf16 tensor throughput, TFLOP/s")
     args = parser.parse_args(argv)
-    config = read_config(REPO / "configs" / "model" / f"{args.model}.yaml")["config"]
+    config = model_values(args.model)["config"]
     n_layers = config["num_hidden_layers"]
     print(f"{'context':>8} {'cache':<9} {'weights GB':>10} {'KV GB':>7} {'GFLOP':>7} {'HBM floor ms':>12} "
           f"{'FLOP floor ms':>13}")

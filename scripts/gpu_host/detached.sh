@@ -6,9 +6,9 @@
 # The command runs in a copy of the repository, <root>/NAME/tree ($DETACHED_TREE), so that the next call's fresh
 # copy of the working tree cannot change the files under a running process.
 #
-#   bash scripts/device_detached.sh start NAME COMMAND   run COMMAND (one string, through bash) in a copy of the
+#   bash scripts/gpu_host/detached.sh start NAME COMMAND   run COMMAND (one string, through bash) in a copy of the
 #                                                        repository, under setsid; its output: <root>/NAME/log
-#   bash scripts/device_detached.sh wait NAME [SECONDS]  wait up to SECONDS (default 540) for it to end, print
+#   bash scripts/gpu_host/detached.sh wait NAME [SECONDS]  wait up to SECONDS (default 540) for it to end, print
 #                                                        the end of its log and copy what its DETACHED_OUT holds
 #                                                        so far to $OUT (or the current folder): finished or not,
 #                                                        so that a host lost before the end loses no finished file
@@ -16,9 +16,9 @@
 #   2 nothing is running and no status was written (the host was restarted or the command was killed).
 #
 # <root> is $ICECACHE_DETACHED_ROOT, /tmp/icecache-detached by default. Example, the 512k scaling row:
-#   bash scripts/device_detached.sh start scaling512k 'python3 scripts/bench_latency.py --experiment scaling
+#   bash scripts/gpu_host/detached.sh start scaling512k 'python3 scripts/bench/latency.py --experiment scaling
 #       --lengths 524288 --repeats 1 --warmup 0 --threads 16 --out "$DETACHED_OUT"'
-#   bash scripts/device_detached.sh wait scaling512k 560      # again in each following call until it ends
+#   bash scripts/gpu_host/detached.sh wait scaling512k 560      # again in each following call until it ends
 set -uo pipefail
 root=${ICECACHE_DETACHED_ROOT:-/tmp/icecache-detached}
 usage() { echo "usage: $0 start NAME COMMAND | wait NAME [SECONDS]" >&2; exit 2; }
@@ -39,13 +39,15 @@ start)
     rm -rf "$dir"
     mkdir -p "$dir/out" "$dir/tree"
     printf '%s\n' "$3" >"$dir/command"
-    repo=$(cd "$(dirname "$0")/.." && pwd)
+    repo=$(cd "$(dirname "$0")/../.." && pwd)
     # Everything but a virtual environment and the git folder (a GPU host's copy has neither).
     tar -C "$repo" --exclude=./.venv --exclude=./.git -cf - . | tar -C "$dir/tree" -xf - ||
         { echo "error: could not copy $repo to $dir/tree" >&2; exit 2; }
     # The detached shell writes its own pid (setsid may fork) and, last, its status, renamed into place so that wait never
     # reads a half-written one.
-    DETACHED_OUT=$dir/out DETACHED_TREE=$dir/tree setsid bash -c 'echo $$ >"$2/pid"; cd "$2/tree" || exit
+    # The copy's eval/ and baselines/ are found through PYTHONPATH (a GPU host has no virtual environment).
+    DETACHED_OUT=$dir/out DETACHED_TREE=$dir/tree PYTHONPATH=$dir/tree${PYTHONPATH:+:$PYTHONPATH} \
+        setsid bash -c 'echo $$ >"$2/pid"; cd "$2/tree" || exit
         bash -c "$1" >"$2/log" 2>&1; echo $? >"$2/rc.partial"; mv "$2/rc.partial" "$2/rc"' _ "$3" "$dir" \
         </dev/null >/dev/null 2>&1 &
     for _ in $(seq 50); do [ -s "$dir/pid" ] && break; sleep 0.1; done

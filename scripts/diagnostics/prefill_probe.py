@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """TTFT and TT2T of method variants at one context, interleaved, to find what the prompt phase waits for.
 
-    python scripts/prefill_probe.py --length 32768 --variants full icecache icecache:build_threads=15 \
+    python scripts/diagnostics/prefill_probe.py --length 32768 --variants full icecache icecache:build_threads=15 \
         icecache:dci_score_precision=float32 --repeats 2
 
 A variant is a method config name with optional ``key=value`` overrides after a colon (comma-separated). Each run
@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from eval.latency import method_values, model_spec
 
-from scripts.bench_latency import method_values, model_spec  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def parse_variant(text: str, budget: int) -> tuple[str, dict]:

@@ -3,7 +3,7 @@
 earlier keys, bottom-right causal) at several key lengths, with PyTorch's SDPA choosing its kernel and with each
 fused kernel forced, to see which kernel a long prompt's chunks get and at what rate.
 
-    python scripts/attention_probe.py --kv 150000 300000 524288 --chunk 8192 --heads 32 --kv-heads 8
+    python scripts/diagnostics/attention_probe.py --kv 150000 300000 524288 --chunk 8192 --heads 32 --kv-heads 8
 
 Prints effective TFLOP/s (4 * chunk * attended keys * heads * head_dim, the causal triangle counted once) per
 kernel and length, and writes results/bench/attention_probe_<host>_<date>.json with provenance.
@@ -12,12 +12,10 @@ kernel and length, and writes results/bench/attention_probe_<host>_<date>.json w
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[2]
 
 
 def time_attention(query, key, value, backend, repeats: int) -> float:

@@ -14,16 +14,18 @@
 # host that kept its disk between calls) is kept.
 # The finished runs of results/bench/accuracy_*.json (the curated files) are put back first and not run again, so a
 # fresh host without RUNS_TAR goes on where the curated files end; RESTORE=0 runs them again.
-# SHARDS=N splits each run left into N jobs of every N-th sample (run_jobs.py --shards): with 14 jobs on the H200
+# SHARDS=N splits each run left into N jobs of every N-th sample (scripts/sweep.py --shards): with 14 jobs on the H200
 # (one core each) a RULER sample of IceCache, PQCache or MagicPIG takes 3-10 s of wall time at 4k, so one such run
 # of 130 samples needs 7-22 minutes by itself, more at 8k, and ends a call's work last; with SHARDS=4 its quarters
 # run beside each other.
 # Usage: [JOBS=6] [SHARDS=1] [DEADLINE=420] [MODEL=smollm2_135m] [RUNS_TAR=runs.tar.gz] [MPS=1] [RESTORE=0] \
-#        bash scripts/device_accuracy.sh \
+#        bash scripts/gpu_host/accuracy.sh \
 #        [experiment ...]          (default: accuracy_passkey accuracy_ruler; an entry may carry overrides:
 #                                   "accuracy_ruler budget=256 task.lengths=[4096]")
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OMP_PROC_BIND=false TOKENIZERS_PARALLELISM=false
+# Run from the repository's root: its eval/ and baselines/ are found through PYTHONPATH (no virtual environment).
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # A git-archive copy has no .git: name the commit (ICECACHE_GIT_COMMIT=<sha> bash ...) so result files carry it.
 export ICECACHE_GIT_COMMIT=${ICECACHE_GIT_COMMIT:-unknown}
 out=${OUT:-results/bench}
@@ -62,13 +64,13 @@ fi
 # One process runs and then curates, listing the grid's jobs once; should it end before its curated file is
 # written (a job that cannot run, a crash), a second process curates what is on disk.
 started=$(mktemp)
-python3 scripts/run_jobs.py "${sweeps[@]}" "${restore[@]}" --workers "${JOBS:-6}" --shards "${SHARDS:-1}" \
+python3 scripts/sweep.py "${sweeps[@]}" "${restore[@]}" --workers "${JOBS:-6}" --shards "${SHARDS:-1}" \
     --deadline "${DEADLINE:-420}" --curate accuracy --out "$out" --bench results/bench
 status=$?
 if [ -z "$(find "$out" -maxdepth 1 -name 'accuracy_*.json' -newer "$started")" ]; then
-    python3 scripts/run_jobs.py "${sweeps[@]}" --no-run --curate accuracy --out "$out" --bench results/bench
+    python3 scripts/sweep.py "${sweeps[@]}" --no-run --curate accuracy --out "$out" --bench results/bench
 fi
 rm -f "$started"
 tar -czf "$out/runs.tar.gz" results/runs
-echo "run_jobs: exit status $status (0: every run done; 3: time ran out: call again with RUNS_TAR=<runs.tar.gz>)"
+echo "sweep.py: exit status $status (0: every run done; 3: time ran out: call again with RUNS_TAR=<runs.tar.gz>)"
 exit "$status"

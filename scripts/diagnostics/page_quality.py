@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """How much attention a page layout can hold at all: the mass of its best pages, chosen by their true mass.
 
-    python scripts/page_quality.py --model smollm2_135m --length 4096 --budget 256 --samples 2 --steps 16
-    python scripts/page_quality.py --model smollm2_135m --task ruler --subtask niah_multikey_1 --length 8000
+    python scripts/diagnostics/page_quality.py --model smollm2_135m --length 4096 --budget 256 --samples 2 --steps 16
+    python scripts/diagnostics/page_quality.py --model smollm2_135m --task ruler --subtask niah_multikey_1 --length 8000
 
 A page method attends whole pages, so what it can reach is bounded by its layout: how the prompt's tokens are
 grouped into pages. For real prompts and the decode queries of the full cache (greedy, ``--steps`` steps past the
@@ -31,16 +31,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
+REPO = Path(__file__).resolve().parents[2]
 
 LAYOUTS = ("token_topk", "positional", "dci", "kmeans", "dci_fixed", "dci_search")
 
@@ -274,8 +271,7 @@ def prompts(args, spec, tokenizer) -> list[list[int]]:
 
 
 def measure(args) -> dict[str, Any]:
-    from bench_latency import model_spec
-
+    from eval.latency import model_spec
     from icecache.core.cache import ATTENTION_NAME
     from icecache.core.models import load_model, load_tokenizer, model_info
     from icecache.method import IceCacheConfig

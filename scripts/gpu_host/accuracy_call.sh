@@ -2,19 +2,19 @@
 # The accuracy grid (BENCHMARKS.md, "Accuracy with the selection diagnostic") over calls to one warm GPU host that
 # has no package registry: the same command in every call, only the folders it carries change, so that a call
 # follows the one before within the host's idle limit. Each call
-#   1. keeps the files of the folders given (scripts/device_stage.sh keep: the pieces scripts/device_pack.sh made,
+#   1. keeps the files of the folders given (scripts/gpu_host/stage.sh keep: the pieces scripts/gpu_host/pack.sh made,
 #      and a folder holding the runs.tar.gz an earlier host returned, if there is one);
 #   2. once the model's three parts, the wheels and RULER's texts are all kept, installs them;
-#   3. then starts scripts/device_accuracy.sh detached (once per host: RUNS_TAR is the runs.tar.gz kept, if any);
+#   3. then starts scripts/gpu_host/accuracy.sh detached (once per host: RUNS_TAR is the runs.tar.gz kept, if any);
 #   4. while it runs, waits for it up to WAIT seconds and leaves in $OUT what it has curated so far and a
 #      runs.tar.gz of every sample on the host's disk: the RUNS_TAR of the next host, should this one be lost.
 # A call before all pieces are kept lists those missing and returns at once.
 #
 #   ICECACHE_GIT_COMMIT=<sha> DEADLINE=<seconds> [JOBS=14] [SHARDS=4] [MPS=1] [WAIT=540] [MODEL=...] \
-#       bash scripts/device_accuracy_call.sh [FOLDER...]   [experiment ...: after --, as device_accuracy.sh takes]
+#       bash scripts/gpu_host/accuracy_call.sh [FOLDER...]   [experiment ...: after --, as accuracy.sh takes]
 #
 # DEADLINE counts from the start of the grid (step 3): leave room after it for curating and one last wait. With
-# the folders of device_pack.sh the calls carry .parts/w .parts/m1, then .parts/r .parts/m2, then .parts/m3
+# the folders of pack.sh the calls carry .parts/w .parts/m1, then .parts/r .parts/m2, then .parts/m3
 # (the start and the first wait come with it), then nothing, until the grid's call ends.
 # Exit status: 0 it ended with every run done; 1 it ended otherwise (its log's end is printed); 3 pieces missing,
 # or still running; 2 bad input.
@@ -41,27 +41,27 @@ for folder in "${folders[@]}"; do
 done
 
 if [ ${#folders[@]} -gt 0 ]; then
-    bash "$here/device_stage.sh" keep "${folders[@]}" >/dev/null || exit 2
+    bash "$here/stage.sh" keep "${folders[@]}" >/dev/null || exit 2
 fi
 export PYTHONPATH=$stage/site${PYTHONPATH:+:$PYTHONPATH}
 # install unpacks RULER's texts into this folder and the runs read them from it
 export ICECACHE_RULER_DATA=${ICECACHE_RULER_DATA:-${ICECACHE_DATA:-$HOME/.cache/icecache-harness}/ruler}
 export OMP_PROC_BIND=false
 if [ ! -d "$root/$name" ]; then  # not started on this host yet
-    if ! gaps=$(bash "$here/device_stage.sh" missing); then
+    if ! gaps=$(bash "$here/stage.sh" missing); then
         echo "staged: still missing"; sed 's/^/  /' <<<"$gaps"; exit 3
     fi
-    bash "$here/device_stage.sh" install >/dev/null || exit 2
+    bash "$here/stage.sh" install >/dev/null || exit 2
     runs_tar=
     [ -f "$stage/runs.tar.gz" ] && runs_tar=$stage/runs.tar.gz
     grid=
     [ ${#experiments[@]} -gt 0 ] && printf -v grid '%q ' "${experiments[@]}"
-    bash "$here/device_detached.sh" start "$name" \
+    bash "$here/detached.sh" start "$name" \
         "RUNS_TAR=$runs_tar OUT=\$DETACHED_OUT MPS=${MPS:-1} JOBS=${JOBS:-14} SHARDS=${SHARDS:-4} \
-DEADLINE=$DEADLINE${MODEL:+ MODEL=$MODEL} bash scripts/device_accuracy.sh $grid" || exit 2
+DEADLINE=$DEADLINE${MODEL:+ MODEL=$MODEL} bash scripts/gpu_host/accuracy.sh $grid" || exit 2
 fi
 out=${OUT:-.}
-OUT=$out bash "$here/device_detached.sh" wait "$name" "$wait_s" | tail -c 3000
+OUT=$out bash "$here/detached.sh" wait "$name" "$wait_s" | tail -c 3000
 waited=${PIPESTATUS[0]}
 # Every sample on this host's disk, whatever the state of the grid (a torn last line is cut when a run resumes).
 tree=$root/$name/tree

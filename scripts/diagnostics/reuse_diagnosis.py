@@ -4,7 +4,7 @@ Runs full (greedy), then icecache and icecache_reuse teacher-forced on the full 
 trace_selection. Checks reuse mechanics at every decode step of every sparsified layer, and measures attention
 mass captured by each run's selection under the full run's queries/keys.
 
-usage (from the repository root): python scripts/reuse_diagnosis.py SAMPLE_INDEX [R ...]
+usage (from the repository root): python scripts/diagnostics/reuse_diagnosis.py SAMPLE_INDEX [R ...]
 (BENCHMARKS.md gives what it found; results/bench/reuse_diagnosis_smollm2_20261130.json summarises the raw output.)
 """
 
@@ -18,22 +18,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
 from eval import provenance
+from eval.latency import model_spec
 from eval.plugins import build_method
 from eval.tasks.base import PromptContext, build_task
 from icecache.core.cache import ATTENTION_NAME, HarnessCache
 from icecache.core.generation import GenerationRequest, _forward, greedy_generate
-from icecache.core.models import ModelSpec, load_model, model_info
+from icecache.core.models import load_model, model_info
 
 torch.set_num_threads(1)
 sample_index = int(sys.argv[1]) if len(sys.argv) > 1 else 1
 reuse_rs = [int(r) for r in sys.argv[2:]] or [3]
 
-values = yaml.safe_load(Path("configs/model/smollm2_135m.yaml").read_text())
-values.pop("defaults")
-spec = ModelSpec.from_dict({**values, "device": "cpu", "dtype": "float32"})
+spec = model_spec("smollm2_135m", None, "cpu", "float32")
 model, tokenizer = load_model(spec, ATTENTION_NAME)
 info = model_info(spec)
 task = build_task({"name": "passkey", "lengths": [4096], "num_depths": 10})
@@ -95,26 +93,27 @@ def check_layer(cache, layer, log, q, out, scaling):
     index = layer.group.index
     selection = layer.group.selection
     res = {"layer": li, "owner": owner.layer_idx, "step": len(log["q"][li]) - 1}
-    res["resident_eq_owner"] = bool(np.array_equal(layer.resident, owner.resident))
+    res["resident_eq_owner"] = bool(np.array_equal(layer.state.resident, owner.state.resident))
     res["resident_is_selection"] = all(
-        sorted(layer.resident[h][layer.resident[h] >= 0].tolist()) == sorted(selection[h][selection[h] >= 0].tolist())
+        sorted(layer.state.resident[h][layer.state.resident[h] >= 0].tolist())
+        == sorted(selection[h][selection[h] >= 0].tolist())
         for h in range(info.n_kv_heads)
     )
-    res["positions_eq_owner"] = bool(np.array_equal(layer.token_positions, owner.token_positions)) and (
-        layer.window_start == owner.window_start and layer.sink_len == owner.sink_len
+    res["positions_eq_owner"] = bool(np.array_equal(layer.state.positions, owner.state.positions)) and (
+        layer.state.window.start == owner.state.window.start and layer.state.sink_len == owner.state.sink_len
     )
     # Expected attended set from the OWNER's state.
     expected = torch.zeros(info.n_kv_heads, total, dtype=torch.bool)
-    expected[:, : owner.sink_len] = True
-    expected[:, owner.window_start : total] = True
+    expected[:, : owner.state.sink_len] = True
+    expected[:, owner.state.window.start : total] = True
     ns = method.config.n_sink_pages
     ps = method.config.page_size
     kv_ok, kv_not_owner, prefix_ok, count_ok = True, True, True, True
-    counts_dev = layer._transit.device_views["counts"]
+    counts_dev = layer.buffers.exchange.device_out["counts"]
     page_counts = index.page_valid_counts()
     for h in range(info.n_kv_heads):
         ptoks = index.page_tokens(h)
-        for j, page in enumerate(owner.resident[h]):
+        for j, page in enumerate(owner.state.resident[h]):
             if page < 0:
                 continue
             toks = ptoks[page]
@@ -124,26 +123,26 @@ def check_layer(cache, layer, log, q, out, scaling):
                 prefix_ok = False
             if int(counts_dev[h, ns + j]) != n or page_counts[h, page] != n:
                 count_ok = False
-            positions = owner.token_positions[toks[:n]]
+            positions = owner.state.positions[toks[:n]]
             expected[h, positions] = True
             slot = ns + j
-            # layer.resident equals owner.resident (checked), so slot j of the layer holds page `page`.
-            kp = layer.pool.key_pages[slot, h, :n]
-            vp = layer.pool.value_pages[slot, h, :n]
+            # layer.state.resident equals owner.state.resident (checked), so slot j of the layer holds page `page`.
+            kp = layer.state.pool.key_pages[slot, h, :n]
+            vp = layer.state.pool.value_pages[slot, h, :n]
             if not (torch.equal(kp, K[h, positions]) and torch.equal(vp, V[h, positions])):
                 kv_ok = False
             if layer is not owner and torch.equal(kp, K_owner[h, positions]):
                 kv_not_owner = False
         # sinks and window
-        sl = layer.sink_len
-        for s in range(layer.sink_slots):
+        sl = layer.state.sink_len
+        for s in range(-(-sl // ps)):
             n = min(ps, sl - s * ps)
-            if not torch.equal(layer.pool.key_pages[s, h, :n], K[h, s * ps : s * ps + n]):
+            if not torch.equal(layer.state.pool.key_pages[s, h, :n], K[h, s * ps : s * ps + n]):
                 kv_ok = False
         n_window = method.config.n_window_pages  # the window is a ring starting at window_head
-        ring = [layer.window_slot0 + (layer.window_head + j) % n_window for j in range(n_window)]
-        wk = layer.pool.key_pages[ring, h].reshape(-1, K.shape[-1])[: layer.window_count]
-        if not torch.equal(wk, K[h, layer.window_start : total]):
+        ring = [layer.state.window.first_slot + (layer.state.window.head + j) % n_window for j in range(n_window)]
+        wk = layer.state.pool.key_pages[ring, h].reshape(-1, K.shape[-1])[: layer.state.window.count]
+        if not torch.equal(wk, K[h, layer.state.window.start : total]):
             kv_ok = False
     res["mask_ok"] = bool(torch.equal(layer.last_attended, expected.repeat_interleave(info.group_size, 0)))
     res["kv_own_ok"] = kv_ok
@@ -157,9 +156,9 @@ def check_layer(cache, layer, log, q, out, scaling):
     scores = torch.einsum("hd,htd->ht", q.double(), Kq) * scaling
     scores = scores.masked_fill(~expected.repeat_interleave(g, 0), float("-inf"))
     ref = torch.einsum("ht,htd->hd", torch.softmax(scores, -1), Vq)
-    res["n_offloaded"] = int(len(layer.token_positions))
+    res["n_offloaded"] = int(len(layer.state.positions))
     res["index_tokens"] = int(index.num_tokens)
-    res["max_position_offloaded"] = int(layer.token_positions.max())
+    res["max_position_offloaded"] = int(layer.state.positions.max())
     res["out_err"] = float((ref - out.double()).abs().max())
     if FULL and res["step"] < FULL["n_steps"]:
         res.update(ownrank(layer, owner, index, res["step"], total))
@@ -183,13 +182,13 @@ def ownrank(layer, owner, index, t, total):
     for h in range(info.n_kv_heads):
         ptoks = index.page_tokens(h)
         valid = ptoks >= 0
-        pos = torch.from_numpy(np.where(valid, owner.token_positions[np.clip(ptoks, 0, None)], 0))
+        pos = torch.from_numpy(np.where(valid, owner.state.positions[np.clip(ptoks, 0, None)], 0))
         vmask = torch.from_numpy(valid)
         page_mass = (p[h][:, pos] * vmask).sum(-1)  # [g, pages]
         best = page_mass.sum(0).topk(min(k_sel, page_mass.shape[1])).indices
         chosen = torch.zeros(total, dtype=torch.bool)
-        chosen[: owner.sink_len] = True
-        chosen[owner.window_start : total] = True
+        chosen[: owner.state.sink_len] = True
+        chosen[owner.state.window.start : total] = True
         sel_pos = pos[best][vmask[best]]
         chosen[sel_pos] = True
         mass += float(p[h][:, chosen].sum())

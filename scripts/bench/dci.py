@@ -18,7 +18,7 @@ Score precision (--score-precision float32 half): one index per precision over t
 queries are timed in alternation (one call each, round robin), so that load from elsewhere hits both alike.
 `same` is the fraction of query heads whose pages, tokens and scores equal the float32 index's bit for bit.
 
-    python scripts/bench_dci.py --sizes 8192 32768 131072 --threads 1 4 16 [--shared-aim] \
+    python scripts/bench/dci.py --sizes 8192 32768 131072 --threads 1 4 16 [--shared-aim] \
         [--score-precision float32 half] [--out DIR_OR_FILE.json]
 writes results/bench/dci_<hostname>_<date>.json (or into/at --out) and prints a table.
 """
@@ -38,11 +38,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from eval.provenance import machine_label
+from icecache.dci import DCIIndex, default_query_field_of_view
 
-from eval.provenance import machine_label  # noqa: E402
-from icecache.dci import DCIIndex, default_query_field_of_view  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 N_KV_HEADS, N_Q_HEADS, HEAD_DIM, K_PAGES = 8, 32, 128, 12
 

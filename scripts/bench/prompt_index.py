@@ -11,30 +11,18 @@ geometry: 8 KV heads of 128 dimensions) and times its parts (the phase timer's s
 * ``job_total``: the whole job (the copy to the CPU, the store, the build and the bookkeeping around them).
 
 Writes ``prompt_index_<host>_<date>.json`` with provenance to ``--out``.
-Usage: python scripts/bench_prompt_index.py --lengths 32768 131072 --threads 16
+Usage: python scripts/bench/prompt_index.py --lengths 32768 131072 --threads 16
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from eval.latency import llama8b_layer_method
 
-
-def llama8b_layer_method(threads: int):
-    """IceCache at budget 256 for one sparsified layer of the Llama-3.1-8B geometry (32 query / 8 KV heads of 128
-    dimensions, bf16), its index on ``threads`` threads."""
-    import torch
-
-    from eval.plugins import build_method
-    from icecache.core.method import ModelInfo
-
-    info = ModelInfo(n_layers=1, n_heads=32, n_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
-    return build_method({"name": "icecache", "budget": 256, "n_dense_layers": 0, "cpu_threads": threads}, info)
+REPO = Path(__file__).resolve().parents[2]
 
 
 def time_layer(length: int, threads: int, repeats: int) -> dict[str, list[float]]:

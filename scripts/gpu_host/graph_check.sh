@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The captured IceCache decode step on the GPU host: its tests, each with a deadline; a test still running at the
 # deadline gets its Python and native stacks dumped (to tell a hang from slowness) and is killed.
-# Usage: bash scripts/device_graph_check.sh [pytest -k expression] [deadline seconds]
+# Usage: bash scripts/gpu_host/graph_check.sh [pytest -k expression] [deadline seconds]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OMP_PROC_BIND=false
+# Run from the repository's root: its eval/ and baselines/ are found through PYTHONPATH (no virtual environment).
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 out=${OUT:-/tmp}
 expr=${1:-"graph or capture or cuda_driver"}
 deadline=${2:-90}

@@ -3,10 +3,13 @@
 # full cache), optionally bench one layer's prompt job (PROMPT_BENCH=1) and the DCI index (DCI_BENCH=1: float32
 # and half first passes side by side), then time the methods against both full caches on the Llama-3.1-8B
 # architecture (random weights). Results go to $OUT (or results/bench).
-# HOST_STEP_BENCH=1 times one layer's host work per decode step at 32k and 128k (scripts/bench_host_step.py).
-# Usage: [PROMPT_BENCH=1] [DCI_BENCH=1] [HOST_STEP_BENCH=1] bash scripts/device_latency.sh "<lengths>" "<methods>" [bench_latency.py args]
+# HOST_STEP_BENCH=1 times one layer's host work per decode step at 32k and 128k (scripts/bench/host_step.py).
+# Usage: [PROMPT_BENCH=1] [DCI_BENCH=1] [HOST_STEP_BENCH=1] bash scripts/gpu_host/latency.sh "<lengths>" "<methods>" \
+#        [scripts/bench/latency.py arguments]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OMP_PROC_BIND=false
+# Run from the repository's root: its eval/ and baselines/ are found through PYTHONPATH (no virtual environment).
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # A git-archive copy has no .git: name the commit (ICECACHE_GIT_COMMIT=<sha> bash ...) so result files carry it.
 export ICECACHE_GIT_COMMIT=${ICECACHE_GIT_COMMIT:-unknown}
 out=${OUT:-results/bench}
@@ -32,16 +35,16 @@ if ! timeout 120 python3 -m pytest -q -m gpu tests/test_gpu_methods.py -k cuda_g
 fi
 [ ${#graph[@]} -gt 0 ] && graph=(--set "${graph[@]}")
 if [ -n "${PROMPT_BENCH:-}" ]; then  # one layer's prompt job (build, page rewrite) at 32k and 128k
-    python3 scripts/bench_prompt_index.py --lengths 32768 131072 --threads 16 --repeats 2 --out "$out" 2>&1 | tail -3
+    python3 scripts/bench/prompt_index.py --lengths 32768 131072 --threads 16 --repeats 2 --out "$out" 2>&1 | tail -3
 fi
 if [ -n "${DCI_BENCH:-}" ]; then
-    python3 scripts/bench_dci.py --sizes 32768 131072 --threads 16 --score-precision float32 half --out "$out" \
+    python3 scripts/bench/dci.py --sizes 32768 131072 --threads 16 --score-precision float32 half --out "$out" \
         2>&1 | tail -8
 fi
 if [ -n "${HOST_STEP_BENCH:-}" ]; then
     for length in 32768 131072; do
-        python3 scripts/bench_host_step.py --length $length --steps 64 --threads 16 --out "$out" 2>&1 | tail -2
+        python3 scripts/bench/host_step.py --length $length --steps 64 --threads 16 --out "$out" 2>&1 | tail -2
     done
 fi
-python3 scripts/bench_latency.py --model llama31_8b --lengths $lengths --methods $methods \
+python3 scripts/bench/latency.py --model llama31_8b --lengths $lengths --methods $methods \
     --budget 256 --repeats 2 --warmup 1 --threads 16 --out "$out" "${graph[@]}" "$@" 2>&1 | tail -40

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The TPOT breakdown figure of latency result files at one context, the paper's IceCache bars beside it.
 
-    python scripts/plot_breakdown.py results/bench/latency_<host>_<date>.json --context 32768 \
+    python scripts/diagnostics/plot_breakdown.py results/bench/latency_<host>_<date>.json --context 32768 \
         --out results/bench/tpot_breakdown_h200_32k
 
 Several files (runs of one setup, each with its own full caches) give one bar per method; a method in more than
@@ -12,22 +12,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from eval.report.collect import load_paper_latency
+from eval.report.plots import group_phases, paper_breakdown, tpot_breakdown
 
-from eval.report.collect import load_paper_latency  # noqa: E402
-from eval.report.plots import group_phases, paper_breakdown, tpot_breakdown  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("results", nargs="+", help="latency_*.json files of scripts/bench_latency.py")
+    parser.add_argument("results", nargs="+", help="latency_*.json files of scripts/bench/latency.py")
     parser.add_argument("--context", type=int, required=True)
     parser.add_argument("--out", required=True, help="output path without extension (.png and .pdf are written)")
-    parser.add_argument("--reference", default=str(REPO / "results" / "reference"), help="paper numbers folder")
+    parser.add_argument("--reference", default=str(REPO / "results" / "paper"), help="paper numbers folder")
     args = parser.parse_args(argv)
     files = [json.loads(Path(result).read_text(encoding="utf-8")) for result in args.results]
     rows = [r for data in files for r in data["summary"] if r["context"] == args.context]
