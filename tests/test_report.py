@@ -30,7 +30,7 @@ from eval.report.summary import write_summary
 from eval.report.tables import longbench_table, ruler_table
 
 REPO = Path(__file__).resolve().parent.parent
-REFERENCE = REPO / "results" / "reference"
+REFERENCE = REPO / "results" / "paper"
 LLAMA = "llama-3.1-8b-instruct"
 
 
@@ -95,7 +95,7 @@ def results(tmp_path: Path) -> Path:
                             "tpot_ratio_to_full": ms / full_ms})
     (bench / "latency_host_20260101-000000.json").write_text(json.dumps(
         {"kind": "latency", "settings": {}, "provenance": {"host": "host", "date": "2026-01-01"}, "summary": summary}))
-    shutil.copytree(REFERENCE, tmp_path / "results" / "reference")
+    shutil.copytree(REFERENCE, tmp_path / "results" / "paper")
     return tmp_path / "results"
 
 
@@ -138,7 +138,7 @@ def test_scores_merge_split_jobs_and_prefer_the_larger_run(results):
 
 def test_table2_cells_deltas_avg_and_missing(results, tmp_path):
     scores = collect_scores(load_runs(results / "runs"))
-    refs = References.load(results / "reference")
+    refs = References.load(results / "paper")
     table = longbench_table(scores, refs.longbench, "Llama-3.1-8B-Instruct")
     paper = refs.longbench.set_index(["paper_method"])
     # our narrativeqa for icecache@256 is 39.0; the paper's is 30.6 -> delta +8.4
@@ -185,7 +185,7 @@ def test_ruler_categories_and_table(results):
     by = categories.set_index("category")["score"]
     # Single-NIAH: mean(100, 90) = 95; Multi-keys: 80 alone; QA: mean(70, 60) = 65; vt belongs to no column
     assert by["single_niah"] == 95.0 and by["multikey_niah"] == 80.0 and by["qa"] == 65.0
-    refs = References.load(results / "reference")
+    refs = References.load(results / "paper")
     table = ruler_table(categories, refs.ruler, "qwen3-4b-instruct-2507", 150000)
     # the paper's RULER table: IceCache at 150k, Multi-keys NIAH 98.0 -> delta 80 - 98 = -18
     assert table.value("paper", "icecache", 256, "Multi-keys NIAH") == 98.0
@@ -197,7 +197,7 @@ def test_ruler_categories_and_table(results):
 def test_write_summary_writes_tables_and_all_plots(results, tmp_path):
     out = tmp_path / "summary"
     summary = write_summary(results / "runs", out, bench_root=results / "bench",
-                            reference_dir=results / "reference")
+                            reference_dir=results / "paper")
     names = {p.name for p in summary.files}
     for stem in ("table2_llama-3.1-8b-instruct", "ruler_qwen3-4b-instruct-2507_150k"):
         assert {f"{stem}.md", f"{stem}.csv", f"{stem}.tex"} <= names
@@ -376,7 +376,7 @@ def test_variant_lines_differ_in_style_and_every_legend_entry_has_points(mixed, 
     assert len({(line.get_linestyle(), line.get_marker()) for line in lines}) == len(lines) == 3
     labels = [text.get_text() for text in ax.get_legend().get_texts()]
     assert "paper (hollow)" not in labels  # no paper points in this figure
-    assert sum(label.startswith("IceCache [") for label in labels) == 3
+    assert sum(label.startswith("IceCache (") for label in labels) == 3
 
 
 def test_latency_table_orders_contexts_as_numbers_and_prints_budgets_as_integers():
@@ -391,10 +391,11 @@ def test_latency_table_orders_contexts_as_numbers_and_prints_budgets_as_integers
 
 
 def test_a_declared_variant_is_drawn_under_its_label_and_a_one_off_setting_is_not_drawn():
-    from eval.report.collect import DISPLAY_NAME, curve_method
+    from eval.report.collect import curve_method
+    from eval.report.methods import display_name
 
     assert curve_method("icecache", "icecache") == "icecache"
     assert curve_method("icecache:lookahead=true", "icecache+lookahead") == "icecache+lookahead"
     assert curve_method("icecache:prompt_workers=1", "icecache") is None  # a diagnostic row, not a method's curve
     assert curve_method("quest:cuda_graph=false", None) is None  # files from before rows carried a label
-    assert DISPLAY_NAME["icecache+lookahead"] == "IceCache (lookahead)"
+    assert display_name("icecache+lookahead") == "IceCache (lookahead)"

@@ -4,11 +4,11 @@ interval, its share of the full cache's score, the tokens attended and the atten
 Every number is read from finished runs' ``metrics.json`` payloads (the runner's ``confidence`` and, with
 ``measure_selection``, ``selection``; curating adds ``paired``, the difference with the full cache on the same
 samples: report/paired.py), whether they come from a results tree (``scripts/collect.py``) or from a
-curated list of them in ``results/bench/accuracy_*.json`` (``scripts/run_jobs.py --curate``, rendered by
-``scripts/bench_tables.py``). TPOT for the trade-off figure comes from the latency benchmark files
+curated list of them in ``results/bench/accuracy_*.json`` (``scripts/sweep.py --curate``, rendered by
+``eval.report.benchmarks``). TPOT for the trade-off figure comes from the latency benchmark files
 (``latency_*.json``), matched by method and budget (``tpot_for``), since a measured run decodes eagerly and
-measures as it goes. Nothing in this module imports torch, pandas or the methods: a budget-free method is one whose
-runs record budget null (the runner's rule), so ``scripts/bench_tables.py`` renders the table from files alone.
+measures as it goes. A budget-free method is one whose runs record budget null (the runner's rule); rows are in the
+methods' display order (``report.methods``).
 """
 
 from __future__ import annotations
@@ -17,15 +17,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from .methods import sort_key
+from .names import method_text
+
 REFERENCE = "full"  # the share of full is taken against this method's score of the same task, model and length
-ORDER = ["full", "full_static", "oracle_topk", "snapkv", "streaming_llm", "h2o", "quest", "arkvale", "icecache",
-         "icecache_reuse"]
-
-
-def method_rank(method: str) -> tuple[int, str]:
-    """Table order: by ``ORDER``, a method's variants (``<name>+<variant>``) right after it."""
-    base = method.partition("+")[0]
-    return (ORDER.index(base) if base in ORDER else len(ORDER), method)
 
 
 @dataclass
@@ -127,7 +122,7 @@ def accuracy_rows(payloads: Iterable[dict[str, Any]]) -> list[AccuracyRow]:
             if held is None or (row.n or 0, row.date or "") > (held.n or 0, held.date or ""):
                 best[row.key] = row
     rows = with_share_of_full(list(best.values()))
-    return sorted(rows, key=lambda r: (r.task, r.model.lower(), r.length or 0, method_rank(r.method), r.budget or 0))
+    return sorted(rows, key=lambda r: (r.task, r.model.lower(), r.length or 0, sort_key(r.method), r.budget or 0))
 
 
 def with_share_of_full(rows: list[AccuracyRow]) -> list[AccuracyRow]:
@@ -222,7 +217,7 @@ def render_tables(rows: list[AccuracyRow]) -> str:
     for (model, task), members in groups.items():
         lengths = sorted({r.length for r in members}, key=lambda x: (x is None, x or 0))
         cells = {(r.method, r.budget, r.length): r for r in members}
-        keys = sorted({(r.method, r.budget) for r in members}, key=lambda k: (method_rank(k[0]), k[1] or 0))
+        keys = sorted({(r.method, r.budget) for r in members}, key=lambda k: (sort_key(k[0]), k[1] or 0))
         paired = {r.length for r in members if r.difference is not None}  # the lengths that get a Δ column
         header = ["method", "budget"]
         for length in lengths:
@@ -232,7 +227,7 @@ def render_tables(rows: list[AccuracyRow]) -> str:
             header += [f"{label} attended", f"{label} mass (oracle)"]
         lines = [f"**{task}, {model}**", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for method, budget in keys:
-            line = [f"`{method}`", "-" if budget is None else str(budget)]
+            line = [f"`{method_text(method)}`", "-" if budget is None else str(budget)]
             for length in lengths:
                 row = cells.get((method, budget, length))
                 line += [score_cell(row), "-" if row is None or row.n is None else str(row.n),

@@ -6,10 +6,12 @@ long-form rows ``(task, model, method, budget, variant, dataset, length, score, 
 over one job per dataset is put back together here.
 
 A cell never mixes runs of different settings. A run's ``variant`` is a hash of its recorded settings less the
-coordinates a table spreads over (the budget, and the datasets, lengths or RULER tasks a sweep splits into jobs):
-runs of one method that differ in anything else (``task.limit``, a method knob, the device, the prefill chunk)
-are separate rows, labelled with the settings that differ (``variant_labels``). LongBench-E runs are the task
-``longbench_e``, never LongBench v1 cells. Nothing in this module imports torch.
+coordinates a table spreads over (the budget, and what each task declares, ``Task.coordinates``: LongBench's
+datasets, RULER's tasks and lengths, which a sweep splits into jobs): runs of one method that differ in anything
+else (``task.limit``, a method knob, the device, the prefill chunk) are separate rows, labelled with the settings
+that differ (``variant_labels``). A run's scores go to the table its task names (``Task.table_name``): LongBench-E
+runs are ``longbench_e``, never LongBench v1 cells. Method names and their order come from the registered methods
+(``report.methods``).
 """
 
 from __future__ import annotations
@@ -26,42 +28,15 @@ from typing import Any, Iterable
 
 import pandas as pd
 
-from eval.plugins import METHODS, method_class
+from eval.rundir import METRICS, PREDICTIONS
+from eval.tasks.base import TASKS
 
-METRICS = "metrics.json"
-PREDICTIONS = "predictions.jsonl"
+from .methods import canonical_method, sort_key, uses_budget
 
 LONGBENCH_16 = [
     "narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report", "qmsum",
     "multi_news", "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p",
 ]
-
-# Canonical method ids: the harness's method names, plus the paper's baselines we do not implement.
-METHOD_ORDER = [
-    "full", "full_static", "oracle_topk", "snapkv", "streaming_llm", "h2o", "quest", "omnikv", "magicpig", "pqcache",
-    "arkvale", "shadowkv",
-    "icecache", "icecache_reuse",
-]
-# Printed names: each registered method's own (``Method.display_name``), and the paper's for those not implemented.
-DISPLAY_NAME = {
-    "omnikv": "OmniKV", "magicpig": "MagicPIG", "pqcache": "PQCache",
-    **{name: method_class(name).display_name or name for name in METHODS.names()},
-    # a declared variant (``Method.variants``, the label ``<name>+<variant>``): "IceCache (lookahead)"
-    **{f"{name}+{variant}": f"{method_class(name).display_name or name} ({variant})" for name in METHODS.names()
-       for variant in method_class(name).variants},
-}
-# The paper's baselines without a registered method, shown with the paper's numbers only.
-NOT_IMPLEMENTED = tuple(name for name in ("omnikv", "magicpig", "pqcache") if name not in METHODS.names())
-# Every spelling of a method in the paper's tables, lower-cased and without spaces.
-_ALIASES = {
-    "full": "full", "fullkv": "full", "topk": "oracle_topk", "top-k": "oracle_topk", "snapkv": "snapkv",
-    "skv": "snapkv", "streamingllm": "streaming_llm", "slm": "streaming_llm", "arkvale": "arkvale", "akv": "arkvale",
-    "icecache": "icecache", "ice": "icecache", "icecache(r)": "icecache_reuse", "ice(r)": "icecache_reuse",
-    "omnikv": "omnikv", "okv": "omnikv", "magicpig": "magicpig", "mpg": "magicpig", "pqcache": "pqcache",
-    "pqc": "pqcache", "quest": "quest", "h2o": "h2o", "shadowkv": "shadowkv",
-}
-# Methods whose result does not depend on the budget (``Method.uses_budget`` false): rows keyed by budget None.
-BUDGET_FREE_METHODS = frozenset(name for name in METHODS.names() if not method_class(name).uses_budget)
 
 # The paper's RULER columns as means over RULER subtasks.
 RULER_CATEGORIES = {
@@ -73,19 +48,17 @@ RULER_CATEGORY_NAMES = {"single_niah": "Single-NIAH", "multikey_niah": "Multi-ke
 
 SCORE_COLUMNS = ["task", "model", "method", "budget", "variant", "dataset", "length", "score", "n", "run_dir",
                  "finished"]
-# Settings a table spreads over (its rows and columns), so not part of a run's variant.
-COORDINATES = ("method.budget", "task.datasets", "task.lengths", "task.tasks")
-REFERENCE_DIR = Path(__file__).resolve().parents[2] / "results" / "reference"  # the paper's numbers, in the repo
 
 
-def canonical_method(name: str) -> str:
-    """A paper or harness method name -> the harness id (unknown names pass through, lower-cased)."""
-    key = str(name).strip().lower().replace(" ", "")
-    return _ALIASES.get(key, key)
-
-
-def display_name(method: str) -> str:
-    return DISPLAY_NAME.get(method, method)
+def table_coordinates(task: str) -> tuple[str, ...]:
+    """The settings a table of ``task`` spreads over (its rows and columns), so not part of a run's variant: the
+    budget and what the task declares (``Task.coordinates``); for a task not registered, what any task declares."""
+    if task in TASKS:
+        declared = TASKS.get(task).coordinates
+    else:
+        declared = tuple(sorted({key for name in TASKS.names() for key in TASKS.get(name).coordinates}))
+    return ("method.budget", *(f"task.{key}" for key in declared))
+REFERENCE_DIR = Path(__file__).resolve().parents[2] / "results" / "paper"  # the paper's numbers, in the repo
 
 
 def canonical_model(name: str) -> str:
@@ -94,7 +67,7 @@ def canonical_model(name: str) -> str:
 
 
 def normalise_budget(method: str, budget: Any) -> int | None:
-    if method in BUDGET_FREE_METHODS or budget is None or budget == "" or _isnan(budget):
+    if not uses_budget(method) or budget is None or budget == "" or _isnan(budget):
         return None
     return int(budget)
 
@@ -103,14 +76,9 @@ def _isnan(value: Any) -> bool:
     return value is pd.NA or (isinstance(value, float) and math.isnan(value))
 
 
-def method_sort_key(method: str) -> tuple[int, str]:
-    """By ``METHOD_ORDER``, a method's variants (``<name>+<variant>``) right after it."""
-    base = method.partition("+")[0]
-    return (METHOD_ORDER.index(base) if base in METHOD_ORDER else len(METHOD_ORDER), method)
-
-
 def row_sort_key(method: str, budget: Any) -> tuple:
-    return (*method_sort_key(method), -1 if budget is None or _isnan(budget) else int(budget))
+    """By method (``methods.sort_key``), then budget, the full cache's ``None`` first."""
+    return (*sort_key(method), -1 if budget is None or _isnan(budget) else int(budget))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -143,8 +111,8 @@ class RunResult:
         method = str(payload["method"])
         settings = payload.get("settings") or {}
         task = str(payload["task"])
-        if task == "longbench" and (settings.get("task") or {}).get("variant") == "e":
-            task = "longbench_e"  # LongBench-E scores per length bucket of other files: never a v1 cell
+        if task in TASKS:  # the table the task puts these settings' scores in (LongBench-E: longbench_e)
+            task = TASKS.get(task).table_name(settings.get("task") or {"name": task})
         return cls(
             run_dir=run_dir,
             task=task,
@@ -163,7 +131,8 @@ class RunResult:
     @property
     def variant_settings(self) -> dict[str, Any]:
         """The recorded settings, flattened to dotted keys, less the table coordinates."""
-        return {key: value for key, value in flatten(self.settings).items() if key not in COORDINATES}
+        coordinates = table_coordinates(str((self.settings.get("task") or {}).get("name") or self.task))
+        return {key: value for key, value in flatten(self.settings).items() if key not in coordinates}
 
     @property
     def variant(self) -> str:
@@ -444,7 +413,7 @@ def ruler_categories(scores: pd.DataFrame) -> pd.DataFrame:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Latency benchmarks (scripts/bench_latency.py)
+# Latency benchmarks (scripts/bench/latency.py)
 
 
 def load_bench(roots: str | Path | Iterable[str | Path]) -> pd.DataFrame:
@@ -492,7 +461,7 @@ def latest_bench(bench: pd.DataFrame) -> pd.DataFrame:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The paper's numbers (REFERENCE_DIR: results/reference/ in the repository)
+# The paper's numbers (REFERENCE_DIR: results/paper/ in the repository)
 
 
 def load_paper_longbench(path: str | Path) -> pd.DataFrame:

@@ -1,7 +1,7 @@
 """Each run's score against the full cache's on the same samples: a paired bootstrap, attached when curating.
 
 Two runs' own intervals overlapping says little about their difference: both carry the spread of the samples'
-difficulty, which a difference over the same samples cancels. So at curating time (``scripts/run_jobs.py
+difficulty, which a difference over the same samples cancels. So at curating time (``scripts/sweep.py
 --curate``), for every finished run whose predictions are on disk and whose reference run (``full``, the same task
 settings and model) holds the same samples on disk, the payload gets ``paired``: the difference of every number
 its task's aggregate reports, with the interval of ``bootstrap.paired_difference``. A payload that already has one
@@ -27,7 +27,7 @@ def _pairing_key(payload: dict[str, Any]) -> str:
 def attach_paired(payloads: list[dict[str, Any]], run_dir_of: Callable[[dict[str, Any]], Path]) -> int:
     """Add ``paired`` to every payload that can be paired with its reference run (module docstring); returns how
     many got one now."""
-    from eval.runner import run_records
+    from eval.rundir import run_records
     from eval.tasks.base import build_task
 
     references = {_pairing_key(p): p for p in payloads if p.get("method") == REFERENCE}

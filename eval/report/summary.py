@@ -18,7 +18,6 @@ benchmarks and the paper's reference numbers, and writes
 
 from __future__ import annotations
 
-import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,7 +87,7 @@ def write_summary(runs_root: str | Path | list, out: str | Path, *, bench_root: 
 
     Every table and plot comes from the runs under ``runs_root`` and, for the latency figures, the benchmark files
     under ``bench_root`` (none unless given), next to the paper's numbers in ``reference_dir`` (the repository's
-    results/reference/ unless given). Tables for models we have no runs of are written only with
+    results/paper/ unless given). Tables for models we have no runs of are written only with
     ``paper_only_tables`` (they would be the paper's numbers alone).
     """
     out = Path(out)
@@ -171,7 +170,7 @@ def write_summary(runs_root: str | Path | list, out: str | Path, *, bench_root: 
     if not bench.empty:
         wide = latency_table(bench)
         summary.tables["latency"] = wide
-        (out / "latency.md").write_text("**Latency (scripts/bench_latency.py)**\n\n" + frame_to_markdown(wide, 3),
+        (out / "latency.md").write_text("**Latency (scripts/bench/latency.py)**\n\n" + frame_to_markdown(wide, 3),
                                         encoding="utf-8")
         wide.to_csv(out / "latency.csv", na_rep="")
         files += [out / "latency.md", out / "latency.csv"]
@@ -194,7 +193,7 @@ def accuracy_record(row: A.AccuracyRow) -> dict:
 
 def accuracy_figures(rows: list[A.AccuracyRow], bench: list[dict], folder: Path, prefix: str = "") -> list[Path]:
     """Per model: accuracy vs budget, accuracy vs TPOT (TPOT from the latency benchmark rows ``bench``, matched
-    by ``accuracy.tpot_for``; the title names the files and contexts used) and the mass captured by layer."""
+    by ``accuracy.tpot_for``; the title names the model timed) and the mass captured by layer."""
     files: list[Path] = []
     for model in sorted({r.model for r in rows}):
         mine = [r for r in rows if r.model == model]
@@ -203,11 +202,11 @@ def accuracy_figures(rows: list[A.AccuracyRow], bench: list[dict], folder: Path,
                                              title=f"Accuracy against the budget, {model}")
         matched = [(r, A.tpot_for(r, bench)) for r in mine]
         points = [(r, b["tpot_s_median"]) for r, b in matched if b is not None]
-        sources = sorted({f"{Path(str(b.get('file'))).name} ({b.get('model')}, {length_label(b.get('context'))})"
-                          for _, b in matched if b is not None})
-        # The files go on lines of their own under the title: one line of them would set the figure's width.
-        title = (f"Accuracy ({model}) against TPOT from the latency files\n" + textwrap.fill("; ".join(sources), 130)
-                 if sources else "")
+        # The title says whose decode time it is; the files it comes from are BENCHMARKS.md's (a list of them
+        # would bury the title).
+        timed = sorted({str(b.get("model")) for _, b in matched if b is not None})
+        title = (f"{model}: score against decode time (TPOT of {', '.join(timed)}, nearest context measured)"
+                 if timed else "")
         files += P.accuracy_vs_tpot_panels(points, folder / f"accuracy_vs_tpot_{name}", title=title)
         files += P.mass_by_layer_panels(mine, folder / f"mass_by_layer_{name}",
                                         title=f"Attention mass captured by layer, {model}")

@@ -19,15 +19,8 @@ from typing import Any
 import pandas as pd
 
 from .accuracy import length_label
-from .collect import (
-    LONGBENCH_16,
-    NOT_IMPLEMENTED,
-    RULER_CATEGORIES,
-    RULER_CATEGORY_NAMES,
-    canonical_model,
-    display_name,
-    row_sort_key,
-)
+from .collect import LONGBENCH_16, RULER_CATEGORIES, RULER_CATEGORY_NAMES, canonical_model, row_sort_key
+from .methods import display_name, is_registered
 
 MISSING_MD = "—"
 MISSING_TEX = "--"
@@ -94,7 +87,7 @@ class ComparisonTable:
 
     def _row_label(self, method: str, budget: Any, settings: str = "") -> tuple[str, str]:
         name = display_name(method)
-        if method in NOT_IMPLEMENTED:
+        if not is_registered(method):
             name += " (paper only)"
         if settings:
             name += f" [{settings}]"
@@ -110,7 +103,7 @@ class ComparisonTable:
                 value_columns = self.columns + (["Avg"] if "Avg" in frame.columns else [])
                 if source not in ("ours",) and all(_missing(values[c]) for c in value_columns):
                     continue
-                if source in ("ours", "n") and method in NOT_IMPLEMENTED:
+                if source in ("ours", "n") and not is_registered(method):
                     continue
                 line = {"method": method, "method_display": display_name(method),
                         "budget": None if _missing(budget) else int(budget), "settings": settings, "source": source}
@@ -162,7 +155,7 @@ class ComparisonTable:
         for method, budget, settings in self.rows:
             name, budget_label = self._row_label(method, budget, settings)
             ours, n, paper = self._cells(method, budget, settings, MISSING_MD, lambda d: f" ({d})")
-            if method not in NOT_IMPLEMENTED or paper is None:
+            if is_registered(method) or paper is None:
                 lines.append("| " + " | ".join([name, budget_label, "ours", *ours]) + " |")
                 if any(cell not in ("", MISSING_MD) for cell in n):
                     lines.append("| " + " | ".join([name, budget_label, "n", *n]) + " |")
@@ -185,7 +178,7 @@ class ComparisonTable:
             name, budget_label = self._row_label(method, budget, settings)
             ours, _, paper = self._cells(method, budget, settings, MISSING_TEX,
                                          lambda d: r"\,{\scriptsize(" + d + ")}")
-            if method not in NOT_IMPLEMENTED or paper is None:
+            if is_registered(method) or paper is None:
                 lines.append(" & ".join([esc(name), budget_label, "ours", *[esc(c) for c in ours]]) + r" \\")
             if paper is not None:
                 lines.append(" & ".join([esc(name), budget_label, r"\textit{paper}",
