@@ -53,23 +53,25 @@ clean-build:
 # MODEL on the command line overrides the experiment's own model; LAUNCHER=local|slurm
 MODEL_ARG = $(if $(filter command line environment,$(origin MODEL)),model=$(MODEL))
 SRUN = $(if $(filter slurm,$(LAUNCHER)),srun --gpus-per-node=1 --cpus-per-task=16 --mem=128G --time=240 )
+# LAUNCHER=local runs JOBS runs at once on this host (scripts/sweep.py --workers)
+LOCAL_WORKERS = $(if $(filter local,$(LAUNCHER)),--workers $(JOBS))
 
 ## Paper reproduction (docs/reproduce.md). Preview any of them: python scripts/sweep.py experiment=table2 --dry-run
 ## The leading '-' is deliberate: a sweep's exit status is unreliable (results live on disk); collect runs regardless.
 reproduce-table2: $(STAMP)
-	-$(PY) scripts/sweep.py experiment=table2 $(MODEL_ARG) hydra/launcher=$(LAUNCHER)
+	-$(PY) scripts/sweep.py experiment=table2 $(MODEL_ARG) hydra/launcher=$(LAUNCHER) $(LOCAL_WORKERS)
 	$(PY) scripts/collect.py results/runs --bench results/bench --out results/summary
 
 reproduce-ruler: $(STAMP)
-	-$(PY) scripts/sweep.py experiment=ruler $(MODEL_ARG) hydra/launcher=$(LAUNCHER)
+	-$(PY) scripts/sweep.py experiment=ruler $(MODEL_ARG) hydra/launcher=$(LAUNCHER) $(LOCAL_WORKERS)
 	$(PY) scripts/collect.py results/runs --bench results/bench --out results/summary
 
 reproduce-latency: $(STAMP)
-	$(SRUN)$(PY) scripts/bench_latency.py --experiment latency $(if $(MODEL_ARG),--model $(MODEL))
+	$(SRUN)$(PY) scripts/bench/latency.py --experiment latency $(if $(MODEL_ARG),--model $(MODEL))
 	$(PY) scripts/collect.py results/runs --bench results/bench --out results/summary
 
 reproduce-scaling: $(STAMP)
-	$(SRUN)$(PY) scripts/bench_latency.py --experiment scaling $(if $(MODEL_ARG),--model $(MODEL))
+	$(SRUN)$(PY) scripts/bench/latency.py --experiment scaling $(if $(MODEL_ARG),--model $(MODEL))
 	$(PY) scripts/collect.py results/runs --bench results/bench --out results/summary
 
 collect: $(STAMP)
@@ -87,13 +89,13 @@ ACCURACY_SWEEPS = --sweep "experiment=accuracy_passkey $(MODEL_ARG)" --sweep "ex
 ## On a Slurm cluster: python scripts/sweep.py experiment=accuracy_passkey hydra/launcher=slurm (and
 ## experiment=accuracy_ruler), then make accuracy-tables.
 reproduce-accuracy: $(STAMP)
-	-$(PY) scripts/run_jobs.py $(ACCURACY_SWEEPS) --workers $(JOBS) --shards $(SHARDS) \
+	-$(PY) scripts/sweep.py $(ACCURACY_SWEEPS) --workers $(JOBS) --shards $(SHARDS) \
 		$(if $(DEADLINE),--deadline $(DEADLINE))
 	$(MAKE) accuracy-tables
 
 ## The accuracy table from the runs on disk: the curated file (results/bench/accuracy_<model>_<date>.json) and its
 ## figures, the summary tables, BENCHMARKS.md.
 accuracy-tables: $(STAMP)
-	$(PY) scripts/run_jobs.py $(ACCURACY_SWEEPS) --no-run --curate accuracy --out results/bench --bench results/bench
+	$(PY) scripts/sweep.py $(ACCURACY_SWEEPS) --no-run --curate accuracy --out results/bench --bench results/bench
 	$(PY) scripts/collect.py results/runs --bench results/bench --out results/summary
-	$(PY) scripts/bench_tables.py
+	$(PY) scripts/bench/tables.py

@@ -1,23 +1,23 @@
-"""scripts/bench_tables.py on small synthetic result files: which file is newest, which rows a table shows, the
-ratios, and the rewriting and checking of a page's table regions."""
+"""eval.report.benchmarks (BENCHMARKS.md's renderer) on small synthetic result files: which file is newest, which
+rows a table shows, the ratios, the headline, and the rewriting and checking of a page's table regions."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from eval.report.names import method_text, split_method
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def bench_tables():
-    spec = importlib.util.spec_from_file_location("bench_tables", REPO / "scripts" / "bench_tables.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from eval.report import benchmarks
+
+    return benchmarks
 
 
 def provenance(date: str, commit: str) -> dict:
@@ -70,11 +70,14 @@ def test_latency_takes_the_newest_file_per_context_and_method(bench_tables, late
     assert rows[("4096", "icecache")][10] == f"`{older}`"
     assert rows[("1024", "icecache")][11] == "bbbbbbb"
     # A variant appears beside its base method's row only: the old one was measured beside a superseded row.
-    assert ("1024", "icecache:new_variant=1") in rows
-    assert ("1024", "icecache:old_variant=1") not in rows
-    assert [key for key in rows] == [("1024", "full"), ("1024", "full_static"), ("1024", "icecache"),
-                                     ("1024", "icecache:new_variant=1"), ("1024", "quest"), ("4096", "full"),
-                                     ("4096", "icecache")]
+    assert ("1024", "icecache (new_variant=1)") in rows
+    assert ("1024", "icecache (old_variant=1)") not in rows
+    keys = list(rows)
+    assert set(keys) == {("1024", "full"), ("1024", "full_static"), ("1024", "icecache"), ("1024", "quest"),
+                         ("1024", "icecache (new_variant=1)"), ("4096", "full"), ("4096", "icecache")}
+    # by context, then the methods' display order, a variant right after its method
+    assert keys == sorted(keys, key=lambda key: (int(key[0]), bench_tables.method_sort_key(key[1])))
+    assert keys.index(("1024", "icecache (new_variant=1)")) == keys.index(("1024", "icecache")) + 1
 
 
 def test_latency_ratios_are_to_the_full_caches_of_the_same_file(bench_tables, latency_folder):
@@ -216,7 +219,7 @@ def test_an_unknown_region_is_an_error(bench_tables, tmp_path):
 
 
 def test_benchmarks_page_matches_its_result_files(bench_tables):
-    """BENCHMARKS.md's tables are what results/bench/ renders (rerun scripts/bench_tables.py after adding a file)."""
+    """BENCHMARKS.md's tables are what results/bench/ renders (rerun scripts/bench/tables.py after adding a file)."""
     assert bench_tables.main(["--check"]) == 0
 
 
@@ -324,3 +327,40 @@ def test_a_row_measured_by_the_process_that_resumed_a_file_names_that_process_co
     path.write_text(json.dumps(payload))
     commits = {row[1]: row[-1] for row in table_rows(bench_tables.render_scaling(tmp_path, {}))}
     assert commits == {"`full`": "aaaaaaa", "`full_static`": "aaaaaaa", "`icecache`": "ddddddd"}
+
+
+def test_a_method_with_settings_is_written_one_way_whatever_its_file_recorded():
+    assert method_text("icecache:lookahead=true") == method_text("icecache+lookahead") == "icecache (lookahead)"
+    assert method_text("icecache:prompt_workers=1,cpu_threads=8") == "icecache (prompt_workers=1, cpu_threads=8)"
+    assert method_text("quest") == "quest" and split_method("icecache (lookahead)") == ("icecache", "lookahead")
+
+
+def test_the_headline_puts_each_method_s_share_of_full_beside_its_speed(bench_tables, latency_folder):
+    from tests.test_accuracy_report import payload
+
+    runs = [payload("passkey", "full", None, 4096, 100.0), payload("passkey", "icecache", 256, 4096, 80.0),
+            payload("passkey", "icecache", 128, 4096, 10.0),  # another budget than the latency files'
+            {**payload("passkey", "icecache", 256, 4096, 90.0), "method_label": "icecache+new_variant"}]
+    (latency_folder / "accuracy_tiny_1.json").write_text(json.dumps(
+        {"model": "tiny", "provenance": provenance("2026-01-01T00:00:00+00:00", "a"), "runs": runs}))
+    rendered = bench_tables.render_headline(latency_folder, {})
+    lines = [line for line in rendered.splitlines() if line.startswith("|")]
+    assert lines[0] == "| method | passkey 4k, % of full | 1k, x full_static |"  # 4096 has no full_static
+    rows = {row[0].strip("`"): row[1:] for row in table_rows(rendered)}
+    assert rows["icecache"] == ["80%", "10.00"]  # budget 256 only; 50 ms over the newer file's 5 ms
+    assert rows["quest"] == ["-", "3.00"] and rows["full"] == ["100%", "5.00"]
+    # the run's declared variant and the latency file's inline settings are one row
+    assert rows["icecache (new_variant=1)"] == ["-", "12.00"] and rows["icecache (new_variant)"] == ["90%", "-"]
+    assert "`accuracy_tiny_1.json`" in rendered and "budget 256" in rendered
+
+
+def test_the_summaries_are_one_line_per_method_and_per_context(bench_tables, latency_folder):
+    paper = {"latency": {"context_tokens": 3000, "tpot_ms": {"icecache": 100}, "tt2t_s": {"icecache": 7.5}}}
+    rows = {row[0]: row[1:] for row in table_rows(bench_tables.render_latency_summary(latency_folder, paper))}
+    assert rows["`icecache`"] == ["50.0", "200.0", "2.00", "2.00", "100", "7.50"]  # TPOT 1k 4k, TT2T 1k 4k, paper
+    assert rows["`quest`"][:2] == ["30.0", "-"]
+    write_latency(latency_folder, "latency_gpu_20990102-000000.json", "2026-03-01T00:00:00+00:00", "c", [
+        summary_row("full", 150000, 0.030), summary_row("icecache", 150000, 0.300)], experiment="scaling")
+    paper = {"scaling": {"tpot_ms": {"150000": {"full": 190, "icecache": 228}}}}
+    scaling = table_rows(bench_tables.render_scaling_summary(latency_folder, paper))
+    assert scaling == [["150k", "30.0", "300.0", "190", "228"]]

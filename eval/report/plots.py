@@ -15,18 +15,31 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
+from matplotlib.ticker import NullLocator
+
+from eval.plugins import method_class
 
 from .accuracy import length_label
-from .collect import METHOD_ORDER, canonical_model, display_name, method_sort_key
+from .collect import canonical_model
+from .methods import display_name, sort_key
+from .methods import order as display_order
+from .names import split_method
 from .tables import ComparisonTable, budget_text, row_id
 
-# One colour per method across every figure (one per METHOD_ORDER id).
+# One colour per method across every figure, given in display order (``methods.order``).
 _PALETTE = [
     "#222222", "#555555", "#7f7f7f", "#1f77b4", "#ff7f0e", "#bcbd22", "#17becf", "#9467bd", "#8c564b", "#e377c2",
     "#2ca02c", "#aec7e8",
     "#d62728", "#ff9896",
 ]
-COLORS = dict(zip(METHOD_ORDER, _PALETTE))
+COLORS = dict(zip(display_order(), _PALETTE))
+# A declared variant (``<name>+<variant>``) is a series of its own: its own colour, none of the methods' (a shade of
+# its method's could match another method's), and a dashed line that says it is a variant.
+_VARIANT_PALETTE = ["#393b79", "#637939", "#8c6d31", "#7b4173", "#5254a3", "#b5cf6b", "#e7ba52", "#ce6dbd"]
+VARIANT_COLORS = dict(zip((f"{name}+{variant}" for name in display_order() for variant in method_class(name).variants),
+                          _VARIANT_PALETTE))
+# The budgets of a trade-off figure, told apart by marker (the colour is the method's).
+BUDGET_MARKERS = ["s", "v", "D", "^", "P", "X"]
 # Our phases -> the paper's breakdown parts; the generation loop's remainder ("model") is the paper's "decoding".
 PHASE_GROUPS = {
     "query": ("query", "select", "search", "index_query", "hash"),
@@ -37,15 +50,26 @@ PHASE_COLORS = {"query": "#1f77b4", "load": "#ff7f0e", "compute": "#2ca02c", "ot
 
 
 def color(method: str) -> str:
-    """The method's colour; a variant (``<name>+<variant>``) has its method's, darkened, so that it reads as kin."""
-    if method in COLORS:
-        return COLORS[method]
-    base, _, variant = method.partition("+")
-    if variant and base in COLORS:
-        from matplotlib.colors import to_hex, to_rgb
+    """The method's colour, or its declared variant's (``<name>+<variant>``); unknown names are grey."""
+    return COLORS.get(method) or VARIANT_COLORS.get(method) or "#444444"
 
-        return to_hex(tuple(0.55 * channel for channel in to_rgb(COLORS[base])))
-    return "#444444"
+
+def method_label(method: str) -> str:
+    """The printed name of a method or a variant: ``IceCache``, ``IceCache (lookahead)`` (eval.report.names)."""
+    base, settings = split_method(method)
+    return display_name(base) + (f" ({settings})" if settings else "")
+
+
+def _plain_log_ticks(ax, values: list[float], axis: str = "x") -> None:
+    """Ticks at 1, 2, 5 x 10^k over the values' range on a log axis, written as plain numbers (10, 20, 50)."""
+    values = [v for v in values if v and v > 0]
+    if not values:
+        return
+    low, high = min(values), max(values)
+    ticks = [m * 10.0 ** k for k in range(math.floor(math.log10(low)) - 1, math.ceil(math.log10(high)) + 1)
+             for m in (1, 2, 5) if low / 1.5 <= m * 10.0 ** k <= high * 1.5]
+    getattr(ax, f"set_{axis}ticks")(ticks, [f"{tick:g}" for tick in ticks])
+    getattr(ax, f"{axis}axis").set_minor_locator(NullLocator())
 
 
 def _missing(value: Any) -> bool:
@@ -67,8 +91,8 @@ def _source_legend(ax, methods: list[str], loc: str = "best", sources: set[str] 
     """One entry per method drawn (ours or the paper's), the ours / paper convention only for the sources that
     have points in the figure, and ``lines`` (entries for variants or horizontal lines) as given."""
     sources = {"ours", "paper"} if sources is None else sources
-    handles = [Line2D([], [], color=color(m), marker="s", linestyle="-", label=display_name(m))
-               for m in sorted(set(methods), key=method_sort_key)]
+    handles = [Line2D([], [], color=color(m), marker="s", linestyle="--" if "+" in m else "-", label=method_label(m))
+               for m in sorted(set(methods), key=sort_key)]
     handles += list(lines or [])
     if "ours" in sources:
         handles.append(Line2D([], [], marker="o", color="k", linestyle="none", label="ours (filled)"))
@@ -96,13 +120,13 @@ def accuracy_vs_budget(table: ComparisonTable, stem: str | Path, ylabel: str = "
     points_drawn: list[str] = []
     entries: list[Line2D] = []
     sources: set[str] = set()
-    methods = sorted({k[0] for k in table.rows}, key=method_sort_key)
+    methods = sorted({k[0] for k in table.rows}, key=sort_key)
     budgets = sorted({k[1] for k in table.rows if not _missing(k[1])})
     for method in methods:
         variants = sorted({k[2] for k in table.rows if k[0] == method})
         for number, settings in enumerate(variants):
             linestyle, marker = VARIANT_STYLES[number % len(VARIANT_STYLES)]
-            label = display_name(method) + (f" [{settings}]" if settings else "")
+            label = method_label(method) + (f" ({settings})" if settings else "")
             rows = [k for k in table.rows if k[0] == method and k[2] == settings]
             for source, hollow in (("ours", False), ("paper", True)):
                 if hollow and number:
@@ -145,36 +169,39 @@ def accuracy_vs_budget(table: ComparisonTable, stem: str | Path, ylabel: str = "
 
 
 def accuracy_vs_tpot(points: pd.DataFrame, stem: str | Path, title: str = "Accuracy vs decode latency") -> list[Path]:
-    """The paper's trade-off plot: accuracy relative to the full cache (%) against TPOT (s).
+    """The paper's trade-off plot: accuracy relative to the full cache (%) against TPOT (s, log scale).
 
-    ``points`` columns: method, budget, tpot_s, rel_accuracy_pct, source (ours | paper).
+    ``points`` columns: method, budget, tpot_s, rel_accuracy_pct, source (ours | paper). A method's colour and a
+    budget's marker tell the points apart (a legend for each, no labels on the points); the paper's are hollow.
     """
     points = points.dropna(subset=["tpot_s", "rel_accuracy_pct"])
     if points.empty:
         return []
-    fig = Figure(figsize=(6.4, 4.2))
+    fig = Figure(figsize=(7.2, 4.4))
     ax = fig.add_subplot()
     settings = points["settings"] if "settings" in points else pd.Series([""] * len(points), index=points.index)
-    for row, variant in zip(points.itertuples(), settings.fillna("")):
+    labels = [row.method + (f"+{variant}" if variant else "") for row, variant in
+              zip(points.itertuples(), settings.fillna(""))]
+    budgets = sorted({int(b) for b in points["budget"] if not _missing(b)})
+    for row, label in zip(points.itertuples(), labels):
         hollow = row.source == "paper"
-        ax.plot(row.tpot_s, row.rel_accuracy_pct, marker="o" if hollow else "s", markersize=8 if hollow else 7,
-                color=color(row.method), markerfacecolor="none" if hollow else color(row.method),
-                markeredgewidth=1.5, linestyle="none")
-        budget = "" if _missing(row.budget) else f"@{int(row.budget)}"
-        ax.annotate(display_name(row.method) + budget + (f" [{variant}]" if variant else ""),
-                    (row.tpot_s, row.rel_accuracy_pct), fontsize=6, xytext=(4, 3), textcoords="offset points",
-                    color=color(row.method))
-    ax.set_xlabel("time per output token, TPOT (s)")
+        marker = "o" if _missing(row.budget) else BUDGET_MARKERS[budgets.index(int(row.budget)) % len(BUDGET_MARKERS)]
+        ax.plot(row.tpot_s, row.rel_accuracy_pct, marker=marker, markersize=8 if hollow else 7, color=color(label),
+                markerfacecolor="none" if hollow else color(label), markeredgewidth=1.5, linestyle="none")
+    ax.set_xscale("log")
+    _plain_log_ticks(ax, list(points["tpot_s"]))
+    ax.set_xlabel("time per output token, TPOT (s, log scale)")
     ax.set_ylabel("accuracy relative to full cache (%)")
     ax.set_title(title)
-    ax.grid(alpha=0.3)
-    handles = []
-    if (points["source"] == "ours").any():
-        handles.append(Line2D([], [], marker="s", color="k", linestyle="none", label="ours (filled)"))
+    ax.grid(alpha=0.3, which="both")
+    handles = [Line2D([], [], color=color(m), marker="s", linestyle="none", label=method_label(m))
+               for m in sorted(set(labels), key=sort_key)]
+    handles += [Line2D([], [], color="k", marker=BUDGET_MARKERS[i % len(BUDGET_MARKERS)], linestyle="none",
+                       label=f"budget {b}") for i, b in enumerate(budgets)]
     if (points["source"] == "paper").any():
         handles.append(Line2D([], [], marker="o", markerfacecolor="none", color="k", linestyle="none",
                               label="paper (hollow)"))
-    ax.legend(handles=handles, fontsize=7)
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), framealpha=0.9)
     return save(fig, stem)
 
 
@@ -185,7 +212,7 @@ def latency_bars(ours: pd.DataFrame, paper: pd.DataFrame | None, stem: str | Pat
     ``ours`` columns: method, ``value`` and optionally ``value_min`` / ``value_max``; ``paper``: method, value.
     """
     methods = sorted(set(ours["method"]) | (set(paper["method"]) if paper is not None else set()),
-                     key=method_sort_key)
+                     key=sort_key)
     if not methods:
         return []
     fig = Figure(figsize=(max(4.8, 0.8 * len(methods) + 1.5), 4.0))
@@ -206,7 +233,7 @@ def latency_bars(ours: pd.DataFrame, paper: pd.DataFrame | None, stem: str | Pat
                 drew_paper = True
                 ax.plot(x, float(theirs.iloc[0]["value"]), marker="D", markersize=8, markerfacecolor="none",
                         markeredgecolor="k", markeredgewidth=1.5, linestyle="none")
-    ax.set_xticks(range(len(methods)), [display_name(m) for m in methods], rotation=30, ha="right")
+    ax.set_xticks(range(len(methods)), [method_label(m) for m in methods], rotation=30, ha="right")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(axis="y", alpha=0.3)
@@ -241,7 +268,7 @@ def tpot_breakdown(breakdowns: dict[str, dict[str, float]], paper: dict[str, dic
     """
     bars = [(m, b, False) for m, b in breakdowns.items()]
     bars += [(m, b, True) for m, b in (paper or {}).items()]
-    bars.sort(key=lambda item: (method_sort_key(item[0]), item[2]))
+    bars.sort(key=lambda item: (sort_key(item[0]), item[2]))
     if not bars:
         return []
     fig = Figure(figsize=(max(4.8, 0.9 * len(bars) + 1.5), 4.0))
@@ -285,12 +312,12 @@ def latency_vs_context(ours: pd.DataFrame, paper: pd.DataFrame | None, stem: str
     fig = Figure(figsize=(6.4, 4.2))
     ax = fig.add_subplot()
     drawn: list[str] = []
-    for method, group in sorted(ours.groupby("method"), key=lambda item: method_sort_key(item[0])):
+    for method, group in sorted(ours.groupby("method"), key=lambda item: sort_key(item[0])):
         group = group.dropna(subset=["tpot_ms"]).sort_values("context")
         if group.empty:
             continue
         ax.plot(group["context"], group["tpot_ms"], marker="o", color=color(method),
-                linestyle="--" if "+" in method else "-")  # a variant dashed, in its method's colour darkened
+                linestyle="--" if "+" in method else "-")  # a variant dashed, in a colour of its own
         if "tpot_ms_min" in group and group["tpot_ms_min"].notna().all():
             ax.fill_between(group["context"], group["tpot_ms_min"], group["tpot_ms_max"], color=color(method),
                             alpha=0.15, linewidth=0)
@@ -306,10 +333,14 @@ def latency_vs_context(ours: pd.DataFrame, paper: pd.DataFrame | None, stem: str
         return []
     ticks = sorted(set(ours["context"].dropna().astype(int)) | (
         set(paper["context_tokens"].astype(int)) if paper is not None else set()))
+    ax.set_xscale("log", base=2)  # contexts double from one measurement to the next: evenly spaced on a log axis
     ax.set_xticks(ticks, [length_label(t) for t in ticks])
-    ax.set_xlabel("context length (tokens)")
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel("context length (tokens, log scale)")
     ax.set_ylabel("decode latency per token (ms, log scale)")
     ax.set_yscale("log")  # the methods span 8 to 200 ms: on a linear axis the fast ones merge into one line
+    values = list(ours["tpot_ms"].dropna()) + (list(paper["tpot_ms"].dropna()) if paper is not None else [])
+    _plain_log_ticks(ax, values, axis="y")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     _source_legend(ax, drawn, sources=sources, outside=True)
@@ -403,8 +434,12 @@ def accuracy_vs_budget_panels(rows: list, stem: str | Path, title: str = "") -> 
     for ax, (task, length) in zip(axes, keys):
         here = [r for r in rows if (r.task, r.length) == (task, length)]
         budgets = sorted({r.budget for r in here if r.budget is not None})
-        for method in sorted({r.method for r in here}, key=method_sort_key):
+        budgeted = sorted({r.method for r in here if r.budget is not None}, key=sort_key)
+        for method in sorted({r.method for r in here}, key=sort_key):
             points = sorted((r for r in here if r.method == method), key=lambda r: r.budget or 0)
+            # each method a little to the side of the budget it ran at (a fraction of the step to the next
+            # budget), so that points and intervals at one budget do not hide each other
+            dodge = 2 ** (0.5 * ((budgeted.index(method) + 0.5) / len(budgeted) - 0.5)) if method in budgeted else 1
             if points[0].budget is None:
                 row = points[0]
                 ax.axhline(row.score, color=color(method), linestyle="--", linewidth=1)
@@ -412,13 +447,16 @@ def accuracy_vs_budget_panels(rows: list, stem: str | Path, title: str = "") -> 
                     ax.axhspan(*row.interval, color=color(method), alpha=0.08, linewidth=0)
             else:
                 errors = [_error(r) or [[0.0], [0.0]] for r in points]
-                ax.errorbar([r.budget for r in points], [r.score for r in points], color=color(method), marker="o",
+                ax.errorbar([r.budget * dodge for r in points], [r.score for r in points], color=color(method),
+                            marker="o",
                             markersize=4, capsize=2, linewidth=1.2,
                             yerr=[[e[0][0] for e in errors], [e[1][0] for e in errors]])
             drawn.add(method)
         if budgets:
             ax.set_xscale("log", base=2)
             ax.set_xticks(budgets, [str(b) for b in budgets])
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.set_xlim(budgets[0] / 2 ** 0.4, budgets[-1] * 2 ** 0.4)
         ax.set_xlabel("KV budget per query head (tokens)")
         ax.set_ylabel("score (%)")
         ax.set_title(_panel_title(task, length), fontsize=9)
@@ -429,28 +467,42 @@ def accuracy_vs_budget_panels(rows: list, stem: str | Path, title: str = "") -> 
 
 
 def accuracy_vs_tpot_panels(points: list[tuple], stem: str | Path, title: str = "") -> list[Path]:
-    """Score (with its interval) against TPOT, one point per (method, budget), one panel per task and length.
+    """Score (with its interval) against TPOT on a log axis, one panel per task and length: a method's colour, a
+    budget's marker, a thin line through a method's budgets; legends for both, no labels on the points.
     ``points``: (row, tpot_s) pairs."""
     points = [(r, t) for r, t in points if r.score is not None and t is not None]
     keys = sorted({(r.task, r.length) for r, _ in points}, key=lambda k: (k[0], k[1] or 0))
     if not keys:
         return []
+    budgets = sorted({r.budget for r, _ in points if r.budget is not None})
+
+    def marker(budget: int | None) -> str:
+        return "o" if budget is None else BUDGET_MARKERS[budgets.index(budget) % len(BUDGET_MARKERS)]
+
     fig, axes = _panels(keys)
     drawn: set[str] = set()
     for ax, (task, length) in zip(axes, keys):
-        for row, tpot in (p for p in points if (p[0].task, p[0].length) == (task, length)):
-            error = _error(row)
-            ax.errorbar([1000 * tpot], [row.score], yerr=error, color=color(row.method), marker="s", markersize=5,
-                        capsize=2, linestyle="none")
-            label = display_name(row.method) + ("" if row.budget is None else f"@{row.budget}")
-            ax.annotate(label, (1000 * tpot, row.score), fontsize=6, xytext=(3, 3), textcoords="offset points",
-                        color=color(row.method))
-            drawn.add(row.method)
-        ax.set_xlabel("time per output token, TPOT (ms)")
+        here = [p for p in points if (p[0].task, p[0].length) == (task, length)]
+        for method in sorted({r.method for r, _ in here}, key=sort_key):
+            mine = sorted(((r, t) for r, t in here if r.method == method), key=lambda p: p[0].budget or 0)
+            if len(mine) > 1:
+                ax.plot([1000 * t for _, t in mine], [r.score for r, _ in mine], color=color(method), linewidth=0.8,
+                        alpha=0.5, linestyle="--" if "+" in method else "-")
+            for row, tpot in mine:
+                ax.errorbar([1000 * tpot], [row.score], yerr=_error(row), color=color(method),
+                            marker=marker(row.budget), markersize=5, capsize=2, linestyle="none", elinewidth=0.8)
+            drawn.add(method)
+        ax.set_xscale("log")
+        _plain_log_ticks(ax, [1000 * t for _, t in here])
+        ax.set_xlabel("time per output token, TPOT (ms, log scale)")
         ax.set_ylabel("score (%)")
         ax.set_title(_panel_title(task, length), fontsize=9)
-        ax.grid(alpha=0.3)
-    _method_legend(fig, drawn, "bars: 95% bootstrap interval")
+        ax.grid(alpha=0.3, which="both")
+    extra = [Line2D([], [], color="k", marker=marker(b), linestyle="none", label=f"budget {b}") for b in budgets]
+    extra += [Line2D([], [], color="k", marker="o", linestyle="none", label="full caches (no budget)")]
+    joined = len(budgets) > 1  # a line joins a method's budgets only where there are several
+    _method_legend(fig, drawn, "bars: 95% bootstrap interval" + ("; line: one method's budgets" if joined else ""),
+                   extra)
     fig.suptitle(title or "Accuracy against decode latency", fontsize=10)
     return save(fig, stem)
 
@@ -469,7 +521,7 @@ def mass_by_layer_panels(rows: list, stem: str | Path, title: str = "") -> list[
     drawn: set[str] = set()
     for ax, (task, length, budget) in zip(axes, keys):
         for row in sorted((r for r in rows if (r.task, r.length, r.budget) == (task, length, budget)),
-                          key=lambda r: method_sort_key(r.method)):
+                          key=lambda r: sort_key(r.method)):
             ax.plot(row.layers, row.mass_by_layer, color=color(row.method), marker=".", linewidth=1.2)
             if row.oracle_by_layer:
                 ax.plot(row.layers, row.oracle_by_layer, color=color(row.method), linestyle=":", linewidth=1)
@@ -485,8 +537,8 @@ def mass_by_layer_panels(rows: list, stem: str | Path, title: str = "") -> list[
     return save(fig, stem)
 
 
-def _method_legend(fig: Figure, methods: set[str], note: str) -> None:
-    handles = [Line2D([], [], color=color(m), marker="s", linestyle="-", label=display_name(m))
-               for m in sorted(methods, key=method_sort_key)]
+def _method_legend(fig: Figure, methods: set[str], note: str, extra: list[Line2D] | None = None) -> None:
+    handles = [Line2D([], [], color=color(m), marker="s", linestyle="-", label=method_label(m))
+               for m in sorted(methods, key=sort_key)] + list(extra or [])
     fig.legend(handles=handles, fontsize=7, loc="outside lower center", ncol=min(6, max(1, len(handles))),
                framealpha=0.9, title=note, title_fontsize=7)

@@ -1,0 +1,957 @@
+"""The tables of BENCHMARKS.md, rendered from the result files in results/bench/ and the paper's figures.
+
+    python scripts/bench/tables.py            # rewrite every table region of BENCHMARKS.md
+    python scripts/bench/tables.py --check    # exit 1 if a region differs from what the files render
+
+A region is the text between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->``; NAME is one of ``RENDERERS``.
+Each table shows the newest numbers, row by row, and names the file and commit each row comes from:
+
+* headline: per method, its accuracy as a share of the full cache's (the newest ``accuracy_*.json``, at the latency
+  files' budget) beside its decode time over ``full_static``'s (the latency table's rows).
+
+* latency (``latency_*.json``): for every (context, method) the newest file that measured it. A method variant
+  (``icecache:key=value``) is shown only from the file that gives its base method's row at that context, since it
+  was measured to be compared with it. Ratios are to ``full`` and ``full_static`` of the same file.
+  Files of the scaling experiment (``settings.experiment == "scaling"``) are left to the scaling table.
+* scaling: the same choice over the scaling experiment's files, beside the paper's scaling figure.
+* capacity: per (model, method), the largest context the GPU host's memory allows, projected by a line through
+  the method's measured peak GPU and host memory (``render_capacity``).
+* breakdown: the IceCache and IceCache-reuse rows of the latency table, with their phases and memory.
+* host-step (``host_step_*.json``), prompt-index (``prompt_index_*.json``), dci (``dci_*.json``): the newest file per
+  (host, threads, context) (and, for the index, per first-pass precision).
+* kernels (``kernels_*.json``): the newest file per host.
+* cpu-accuracy (``cpu_accuracy*.json``, lists of run metrics): the newest run per (task, model, method, budget,
+  command-line settings).
+* accuracy (``accuracy_*.json``, the curated runs of the accuracy experiments): the newest file per model and
+  device (the GPU its runs ran on, or CPU), one table per file with every task and length side by side, every cell
+  from its runs' metrics.json (eval.report.accuracy).
+* page-quality (``page_quality_*.json``): the newest file per (host, model, task, length, budget).
+
+"Newest" is the latest ``provenance.date`` (then the file name); the host is the file name's label
+(``latency_<host>_<date>.json``). A method with settings is written as ``eval.report.names.method_text`` writes it
+(``icecache (lookahead)``), whichever spelling its file recorded; methods are in the report's order
+(``eval.report.methods``), a method's variants right after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from .names import method_text, split_method
+
+REPO = Path(__file__).resolve().parents[2]
+# The pages with table regions: the numbers, and what bounds them.
+PAGES = (REPO / "BENCHMARKS.md", REPO / "docs" / "performance.md")
+RESULTS = REPO / "results" / "bench"
+PAPER = REPO / "results" / "paper" / "paper_figures.json"
+
+REFERENCES = ("full", "full_static")
+ICECACHE_METHODS = ("icecache", "icecache_reuse")
+# Command-line settings of a run that do not change its results (paths, thread counts) or that are columns already.
+NOT_PROTOCOL = ("output_root", "threads", "method.cpu_threads", "task.data_dir", "budget", "method", "task", "model")
+REGION = re.compile(r"(<!-- table:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.DOTALL)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reading result files
+
+
+class Result:
+    """One result file: its data, name, host label and provenance."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.data = json.loads(path.read_text(encoding="utf-8"))
+        self.provenance: dict[str, Any] = self.data.get("provenance") or {}
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def host(self) -> str:
+        """The label between the kind and the date in ``<kind>_<host>_<date>.json``."""
+        match = re.fullmatch(r"(?:latency|dci|kernels|prompt_index|host_step|page_quality)_(.+?)_\d{8}(?:-\d+)?\.json",
+                             self.name)
+        return match.group(1) if match else "?"
+
+    @property
+    def order(self) -> tuple[str, str]:
+        return (str(self.provenance.get("date") or ""), self.name)
+
+    @property
+    def commit(self) -> str:
+        return short_commit(self.provenance)
+
+    def commit_of(self, row: dict[str, Any]) -> str:
+        """The commit that measured a summary row: a file completed by ``--resume`` holds rows of several
+        processes, and its measurements say which process (0: the file's own, n: the n-th that resumed it)."""
+        processes = {m.get("process", 0) for m in self.data.get("measurements", [])
+                     if m.get("context") == row.get("context") and m.get("method_label", m.get("method"))
+                     == row.get("method_label", row.get("method"))}
+        resumed = self.data.get("resumed_by", [])
+        if len(processes) != 1 or not 0 < (process := processes.pop()) <= len(resumed):
+            return self.commit
+        return short_commit(resumed[process - 1].get("provenance") or {})
+
+
+def short_commit(provenance: dict[str, Any]) -> str:
+    commit = str(provenance.get("git_commit") or "?")[:7]
+    return f"{commit} (dirty)" if provenance.get("git_dirty") else commit
+
+
+def load(results: Path, pattern: str) -> list[Result]:
+    """The files matching ``pattern``, oldest first."""
+    return sorted((Result(path) for path in results.glob(pattern)), key=lambda r: r.order)
+
+
+def newest_by(items: list[tuple[tuple, tuple, Any]]) -> dict[tuple, Any]:
+    """``(key, order, value)`` triples -> the value with the largest order for each key."""
+    best: dict[tuple, tuple[tuple, Any]] = {}
+    for key, order, value in items:
+        if key not in best or order > best[key][0]:
+            best[key] = (order, value)
+    return {key: value for key, (_, value) in best.items()}
+
+
+def method_sort_key(method: str) -> tuple:
+    """The methods' display order (``eval.report.methods``), a method's variants right after it."""
+    from eval.report.methods import sort_key
+
+    base, _ = split_method(method)
+    return (*sort_key(base), method_text(method))
+
+
+def method_cell(method: str) -> str:
+    return f"`{method_text(method)}`"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Formatting
+
+
+def fmt(value: float | None, scale: float = 1.0, digits: int = 1) -> str:
+    return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def spread(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
+    """median (min-max) of a few rounds."""
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    if len(ordered) == 1:
+        return fmt(median, scale, digits)
+    return f"{fmt(median, scale, digits)} ({fmt(ordered[0], scale, digits)}-{fmt(ordered[-1], scale, digits)})"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Latency
+
+
+def is_scaling(f: Result) -> bool:
+    return (f.data.get("settings") or {}).get("experiment") == "scaling"
+
+
+def latency_rows(results: Path, scaling: bool = False) -> list[tuple[dict[str, Any], Result]]:
+    """The newest summary row per (context, method), variants only beside their base method's row, from the
+    scaling experiment's files (``scaling``) or from the others."""
+    files = [f for f in load(results, "latency_*.json") if is_scaling(f) == scaling]
+    candidates = [((row["context"], row["method"]), f.order, (row, f)) for f in files for row in f.data["summary"]]
+    newest = newest_by(candidates)
+    chosen = []
+    for (context, method), (row, f) in newest.items():
+        if ":" in method:
+            base = newest.get((context, method.split(":")[0]))
+            if base is None or base[1] is not f:
+                continue
+        chosen.append((row, f))
+    return sorted(chosen, key=lambda item: (item[0]["context"], method_sort_key(item[0]["method"])))
+
+
+def reference_row(f: Result, context: int, method: str) -> dict[str, Any] | None:
+    return next((r for r in f.data["summary"] if r["context"] == context and r["method"] == method), None)
+
+
+def ratio_to(row: dict[str, Any], f: Result, reference: str) -> str:
+    base = reference_row(f, row["context"], reference)
+    if base is None or not base.get("tpot_s_median") or row.get("tpot_s_median") is None:
+        return "-"
+    return f"{row['tpot_s_median'] / base['tpot_s_median']:.2f}"
+
+
+def nearest_context(contexts: list[int], target: int | None) -> int | None:
+    if not contexts or target is None:
+        return None
+    return min(contexts, key=lambda c: (abs(c - target), c))
+
+
+def file_settings(f: Result) -> list[str]:
+    """What a latency file measured with, part by part (the parts several files share are said once)."""
+    s = f.data.get("settings", {})
+    prefill = "one-chunk prefill" if not s.get("prefill_chunk_size") else f"{s['prefill_chunk_size']}-token chunks"
+    if s.get("layer_by_layer"):
+        prefill += ", layer by layer"
+    if s.get("residual_on_host"):
+        prefill += ", residual stream on the host"
+    rounds = f"{s.get('repeats')} round{'' if s.get('repeats') == 1 else 's'}"
+    warmup = f"{s.get('warmup')} warm-up" + (f" at {s['warmup_length']}" if s.get("warmup_length") else "")
+    p = f.provenance
+    return [f"{p.get('gpu') or 'CPU'}, torch {p.get('torch')}",
+            f"{s.get('model_name') or s.get('model')} ({s.get('source')} weights, {s.get('dtype_resolved')})",
+            f"budget {s.get('budget')}", f"{s.get('threads')} threads", f"{rounds} + {warmup}",
+            f"{s.get('decode_steps')} decode steps", prefill]
+
+
+def file_notes(f: Result) -> list[str]:
+    """How a file was written when not by one process that ran to its end."""
+    notes = []
+    if f.data.get("complete") is False:
+        notes.append("unfinished (its process ended after the methods shown; --resume completes it)")
+    notes += [f"continued by another process at commit {str(r['provenance'].get('git_commit'))[:7]}, "
+              f"{r['provenance'].get('date')} (--resume)" for r in f.data.get("resumed_by", [])]
+    return notes
+
+
+def sources(files: list[Result]) -> str:
+    """The settings of the files a table shows: what they all share on one line, then each group of files that
+    share the rest, then how each file that was not written by one whole process came to be."""
+    parts = {f.name: file_settings(f) for f in files}
+    shared = [part for part in parts[files[0].name] if all(part in mine for mine in parts.values())] if files else []
+    groups: dict[str, list[str]] = {}
+    for f in files:
+        rest = ", ".join(part for part in parts[f.name] if part not in shared)
+        if rest:
+            groups.setdefault(rest, []).append(f"`{f.name}`")
+    lines = [f"* {'Every file' if len(files) > 1 else f'`{files[0].name}`'}: {', '.join(shared)}."] if shared else []
+    lines += [f"* {', '.join(names)}: {rest}." for rest, names in groups.items()]
+    lines += [f"* `{f.name}`: {'; '.join(file_notes(f))}." for f in files if file_notes(f)]
+    return "\n".join(lines)
+
+
+def render_latency(results: Path, paper: dict[str, Any]) -> str:
+    chosen = latency_rows(results)
+    figures = paper.get("latency", {})
+    paper_context = nearest_context(sorted({row["context"] for row, _ in chosen}), figures.get("context_tokens"))
+    rows = []
+    for row, f in chosen:
+        method = row["method"]
+        paper_cell = "-"
+        if row["context"] == paper_context and ":" not in method:
+            tpot, tt2t = figures.get("tpot_ms", {}).get(method), figures.get("tt2t_s", {}).get(method)
+            if tpot is not None or tt2t is not None:
+                paper_cell = f"{fmt(tpot, digits=0)} ms / {fmt(tt2t, digits=2)} s"
+        rows.append([
+            str(row["context"]), method_cell(method), fmt(row.get("tpot_s_median"), 1000),
+            f"{fmt(row.get('tpot_s_min'), 1000)}-{fmt(row.get('tpot_s_max'), 1000)}",
+            ratio_to(row, f, "full"), ratio_to(row, f, "full_static"),
+            fmt(row.get("ttft_s_median"), digits=2), fmt(row.get("tt2t_s_median"), digits=2),
+            fmt(row.get("peak_gpu_bytes"), 2**-30), paper_cell, f"`{f.name}`", f.commit_of(row),
+        ])
+    header = ["context", "method", "TPOT ms", "min-max", "x full", "x full_static", "TTFT s", "TT2T s", "peak GiB",
+              "paper TPOT / TT2T", "file", "commit"]
+    used = sorted({f.name: f for _, f in chosen}.values(), key=lambda f: f.order)
+    note = (f"Ratios are to `full` and `full_static` measured in the same file. The paper's column "
+            f"({figures.get('model')}, {figures.get('task')}, {figures.get('hardware')}) is filled at the context "
+            f"nearest its {figures.get('context_tokens')} tokens.")
+    return "\n\n".join([table(header, rows), note, sources(used), render_paper_scaling(paper)])
+
+
+def render_latency_summary(results: Path, paper: dict[str, Any]) -> str:
+    """The latency table's numbers one line per method: TPOT and TT2T at each context, beside the paper's."""
+    chosen = latency_rows(results)
+    contexts = sorted({row["context"] for row, _ in chosen})
+    cells = {(method_text(row["method"]), row["context"]): row for row, _ in chosen}
+    methods = sorted({method_text(row["method"]) for row, _ in chosen}, key=method_sort_key)
+    figures = paper.get("latency", {})
+    rows = []
+    for method in methods:
+        at = [cells.get((method, context)) or {} for context in contexts]
+        rows.append([f"`{method}`", *(fmt(row.get("tpot_s_median"), 1000) for row in at),
+                     *(fmt(row.get("tt2t_s_median"), digits=2) for row in at),
+                     fmt(figures.get("tpot_ms", {}).get(method), digits=0),
+                     fmt(figures.get("tt2t_s", {}).get(method), digits=2)])
+    paper_at = context_label(figures.get("context_tokens"))
+    header = ["method", *(f"{context_label(c)} TPOT ms" for c in contexts),
+              *(f"{context_label(c)} TT2T s" for c in contexts), f"paper TPOT ms ({paper_at})",
+              f"paper TT2T s ({paper_at})"]
+    note = (f"The newest measurement of each method at each context; every cell's file, commit, spread, TTFT and "
+            f"peak memory: docs/performance.md, \"Latency in detail\". The paper's columns: "
+            f"{figures.get('model')}, {figures.get('task')}, {figures.get('hardware')}.")
+    return "\n\n".join([table(header, rows), note])
+
+
+def context_label(tokens: Any) -> str:
+    """4096 -> 4k, 7500 -> 7.5k (eval.report.accuracy.length_label)."""
+    from eval.report.accuracy import length_label
+
+    return length_label(tokens)
+
+
+def render_scaling(results: Path, paper: dict[str, Any]) -> str:
+    figure = paper.get("scaling") or {}
+    paper_ms = figure.get("tpot_ms", {})
+    rows = []
+    chosen = latency_rows(results, scaling=True)
+    for row, f in chosen:
+        method = row["method"]
+        ours = row.get("tpot_s_median")
+        theirs = paper_ms.get(str(row["context"]), {}).get(method)
+        rows.append([
+            str(row["context"]), method_cell(method), fmt(ours, 1000), ratio_to(row, f, "full"),
+            ratio_to(row, f, "full_static"), fmt(row.get("tt2t_s_median"), digits=1),
+            fmt(row.get("peak_gpu_bytes"), 2**-30), fmt(row.get("cpu_kv_bytes"), 2**-30),
+            fmt(row.get("host_kv_ratio"), digits=2), fmt(theirs, digits=0),
+            fmt(None if ours is None or theirs is None else ours * 1000 / theirs, digits=2), f"`{f.name}`",
+            f.commit_of(row),
+        ])
+    header = ["context", "method", "TPOT ms", "x full", "x full_static", "TT2T s", "peak GiB", "host KV GiB",
+              "host / KV", "paper TPOT ms", "ours / paper", "file", "commit"]
+    used = sorted({f.name: f for _, f in chosen}.values(), key=lambda f: f.order)
+    note = (f"The paper's column is its scaling figure ({figure.get('model')}, {figure.get('task')}, "
+            f"{figure.get('hardware')}); its full cache is not said to be a static one. Ratios are to `full` and "
+            f"`full_static` measured in the same file (one process per context).")
+    return "\n\n".join([table(header, rows), note, sources(used)])
+
+
+def render_scaling_summary(results: Path, paper: dict[str, Any]) -> str:
+    """The scaling table one line per context: each method's TPOT beside the paper's."""
+    chosen = latency_rows(results, scaling=True)
+    contexts = sorted({row["context"] for row, _ in chosen})
+    methods = sorted({method_text(row["method"]) for row, _ in chosen}, key=method_sort_key)
+    ours = {(method_text(row["method"]), row["context"]): row.get("tpot_s_median") for row, _ in chosen}
+    figure = paper.get("scaling") or {}
+    theirs = {(method, int(context)): ms for context, values in (figure.get("tpot_ms") or {}).items()
+              for method, ms in values.items()}
+    paper_methods = sorted({method for method, _ in theirs}, key=method_sort_key)
+    rows = [[context_label(c), *(fmt(ours.get((m, c)), 1000) for m in methods),
+             *(fmt(theirs.get((m, c)), digits=0) for m in paper_methods)] for c in contexts]
+    header = ["context", *(f"`{m}` TPOT ms" for m in methods), *(f"paper `{m}`" for m in paper_methods)]
+    note = (f"The paper's columns are its scaling figure ({figure.get('model')}, {figure.get('task')}, "
+            f"{figure.get('hardware')}). Every cell's file and commit, ratios, TT2T and memory: docs/performance.md, "
+            f"\"Scaling in detail\".")
+    return "\n\n".join([table(header, rows), note])
+
+
+def render_paper_scaling(paper: dict[str, Any]) -> str:
+    scaling = paper.get("scaling")
+    if not scaling:
+        return ""
+    cells = "; ".join(
+        f"{int(context) // 1000}k: {values.get('full')} / {values.get('icecache')} / {values.get('icecache_reuse')} ms"
+        for context, values in sorted(scaling["tpot_ms"].items(), key=lambda item: int(item[0]))
+    )
+    return (f"The paper's scaling figure ({scaling['model']}, {scaling['task']}, {scaling['hardware']}), decode "
+            f"latency per token of full / `icecache` / `icecache_reuse`: {cells}.")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The largest context each method reaches: projected from the measured memory
+
+
+# What one host offers (GiB): the GPU's memory, and the host memory left to one process (3 GiB kept for the OS).
+CAPACITY_GIB = {"h200": {"gpu": 139.0, "host": 125.0}}
+
+
+def prefill_settings(f: Result) -> tuple:
+    """What shapes a run's peak GPU memory besides the context: the prefill's chunking and the budget."""
+    s = f.data.get("settings") or {}
+    return (s.get("prefill_chunk_size"), bool(s.get("layer_by_layer")), bool(s.get("residual_on_host")),
+            s.get("budget"))
+
+
+def model_of(f: Result) -> str:
+    s = f.data.get("settings") or {}
+    return str(s.get("model_name") or s.get("model") or "?")
+
+
+def host_bytes(row: dict[str, Any], f: Result) -> float:
+    """The host memory a run needs: its cache's host bytes over the process's resident memory with the full cache
+    (``full_static``) in the same file, where the file has it (the process-wide resident memory of a later run
+    also holds what earlier runs of the process left)."""
+    base = reference_row(f, row["context"], "full_static") or {}
+    return float(row.get("cpu_kv_bytes") or 0) + float(base.get("host_rss_bytes") or 0)
+
+
+def capacity_points(files: list[Result]) -> dict[tuple[str, str], tuple[list[tuple[dict[str, Any], Result]], int]]:
+    """Per (model, method) the rows a memory fit uses, and how many commits they span: among the files with the
+    prefill settings of its newest measurement, the newest commit that measured it at two or more contexts, else
+    the newest row of each context; a method measured at one context only is left out."""
+    by_method: dict[tuple[str, str], list[tuple[dict[str, Any], Result]]] = {}
+    for f in files:
+        model = model_of(f)
+        for row in f.data["summary"]:
+            if ":" not in row["method"] and row.get("peak_gpu_bytes"):
+                by_method.setdefault((model, row["method"]), []).append((row, f))
+    chosen = {}
+    for key, rows in by_method.items():
+        newest_settings = prefill_settings(max(rows, key=lambda item: item[1].order)[1])
+        rows = [(r, f) for r, f in rows if prefill_settings(f) == newest_settings]
+        by_commit = {commit: newest_by([(r["context"], f.order, (r, f)) for r, f in rows if f.commit == commit])
+                     for commit in {f.commit for _, f in rows}}
+        fits = [points for points in by_commit.values() if len(points) >= 2]
+        if fits:
+            points = max(fits, key=lambda p: max(f.order for _, f in p.values()))
+            chosen[key] = (sorted(points.values(), key=lambda item: item[0]["context"]), 1)
+            continue
+        newest = newest_by([(r["context"], f.order, (r, f)) for r, f in rows])
+        if len(newest) >= 2:
+            points = sorted(newest.values(), key=lambda item: item[0]["context"])
+            chosen[key] = (points, len({f.commit for _, f in points}))
+    return chosen
+
+
+def longer_measurement(files: list[Result], model: str, method: str,
+                       points: list[tuple[dict[str, Any], Result]]) -> tuple[dict[str, Any], Result] | None:
+    """The newest row of ``method`` at the longest context past the fitted ``points``, measured with their prefill
+    settings; None if there is none."""
+    settings, longest = prefill_settings(points[-1][1]), max(r["context"] for r, _ in points)
+    rows = [(r, f) for f in files if model_of(f) == model and prefill_settings(f) == settings
+            for r in f.data["summary"] if r["method"] == method and r["context"] > longest and r.get("peak_gpu_bytes")]
+    return max(rows, key=lambda item: (item[0]["context"], item[1].order)) if rows else None
+
+
+def line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares intercept and slope."""
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    return mean_y - slope * mean_x, slope
+
+
+def render_capacity(results: Path, paper: dict[str, Any]) -> str:
+    files = [f for f in load(results, "latency_*.json") if f.host in CAPACITY_GIB]
+    fitted = capacity_points(files)
+    rows = []
+    for (model, method), (points, n_commits) in sorted(fitted.items(),
+                                                       key=lambda item: (item[0][0], method_sort_key(item[0][1]))):
+        capacity = CAPACITY_GIB[points[-1][1].host]
+        contexts = [float(r["context"]) for r, _ in points]
+        bounds, slopes, lines = {}, {}, {}
+        for part, needed in (("gpu", lambda r, f: float(r["peak_gpu_bytes"])), ("host", host_bytes)):
+            intercept, slope = lines[part] = line_fit(contexts, [needed(r, f) for r, f in points])
+            # A part that does not grow with the context (the full caches' host memory) bounds nothing.
+            slopes[part] = slope if slope >= 1024 else 0.0  # bytes per token
+            bounds[part] = (capacity[part] * 2**30 - intercept) / slope if slopes[part] else None
+        reached = [(value, part) for part, value in bounds.items() if value is not None]
+        largest, bound = min(reached) if reached else (None, "-")
+        check = longer_measurement(files, model, method, points)
+        if check is None:
+            checked = "-"
+        else:
+            row, f = check
+            predicted = [lines[part][0] + lines[part][1] * row["context"] for part in ("gpu", "host")]
+            measured = [float(row["peak_gpu_bytes"]), host_bytes(row, f)]
+            checked = (f"{row['context'] // 1000}k: GPU {fmt(predicted[0], 2**-30)} / {fmt(measured[0], 2**-30)}, "
+                       f"host {fmt(predicted[1], 2**-30)} / {fmt(measured[1], 2**-30)} (`{f.name}`)")
+
+        def tokens(value: float | None) -> str:
+            return "-" if value is None else f"{value / 1000:,.0f}k"
+
+        rows.append([
+            model, method_cell(method), ", ".join(f"{int(c) // 1000}k" for c in contexts),
+            fmt(slopes["gpu"] * 1e5, 2**-30, 2), fmt(slopes["host"] * 1e5, 2**-30, 2),
+            tokens(bounds["gpu"]), tokens(bounds["host"]), tokens(largest), bound,
+            ", ".join(sorted({f"`{f.name}`" for _, f in points}))
+            + (f" ({n_commits} commits)" if n_commits > 1 else ""), checked,
+        ])
+    header = ["model", "method", "contexts fitted", "GPU GiB / 100k tokens", "host GiB / 100k tokens",
+              "GPU-bound context", "host-bound context", "largest context", "bound", "files",
+              "line / measured past the fit (GiB)"]
+    caps = "; ".join(f"{host}: GPU {c['gpu']:.0f} GiB, host {c['host']:.0f} GiB" for host, c in CAPACITY_GIB.items())
+    measured = {(model_of(f), r["method"]) for f in files for r in f.data["summary"] if ":" not in r["method"]}
+    single = sorted(f"{method_cell(method)} ({model})" for model, method in measured - set(fitted))
+    note = (f"Projected, not measured: a straight line through each method's peak GPU memory and host memory at the "
+            f"contexts it was measured at with one prefill setting (the newest commit with two or more contexts; "
+            f"else the newest row per context), solved for the capacity ({caps}). Host memory is the cache's host "
+            f"bytes plus the process's resident memory with `full_static` in the same file. Past the fitted "
+            f"range the line ignores what a longer prompt adds besides KV (larger pinned staging, allocator "
+            f"rounding). The last column checks the line where the method was measured past the fitted contexts "
+            f"(the longest such context, same prefill settings): the line's value beside the measured one.")
+    if single:
+        note += " Measured at one context only, so not projected: " + ", ".join(single) + "."
+    return "\n\n".join([table(header, rows), note])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# IceCache's decode breakdown and memory
+
+
+def model_weight_bytes(settings: dict[str, Any]) -> int | None:
+    """Bytes of a Llama- or Mistral-architecture model's weights from its config (configs/model/<model>.yaml)."""
+    path = REPO / "configs" / "model" / f"{settings.get('model')}.yaml"
+    if not path.is_file():
+        return None
+    import yaml
+
+    spec = yaml.safe_load(path.read_text(encoding="utf-8"))
+    c = spec.get("config") or {}
+    if spec.get("architecture") not in ("llama", "mistral") or "hidden_size" not in c:
+        return None
+    hidden, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    head_dim = c.get("head_dim") or hidden // c["num_attention_heads"]
+    attention = hidden * head_dim * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"])
+    per_layer = attention + 3 * hidden * c["intermediate_size"] + 2 * hidden
+    embeddings = vocab * hidden * (1 if c.get("tie_word_embeddings") else 2)
+    n_bytes = {"torch.bfloat16": 2, "torch.float16": 2, "torch.float32": 4}.get(settings.get("dtype_resolved"))
+    return None if n_bytes is None else n_bytes * (layers * per_layer + embeddings + hidden)
+
+
+def render_breakdown(results: Path, paper: dict[str, Any]) -> str:
+    rows = []
+    for row, f in latency_rows(results):
+        if row["method"].split(":")[0] not in ICECACHE_METHODS:
+            continue
+        phases = row.get("phases_s") or {}
+        # Phases with a median of zero (insert: one step in 16) are left out.
+        named = {k: v for k, v in phases.items() if k not in ("query", "load", "model") and v >= 5e-5}
+        parts = sum(phases.values())
+        weights = model_weight_bytes(f.data.get("settings", {}))
+        peak = row.get("peak_gpu_bytes")
+        rows.append([
+            str(row["context"]), method_cell(row["method"]), fmt(row.get("tpot_s_median"), 1000),
+            fmt(phases.get("query"), 1000), fmt(phases.get("load"), 1000), fmt(phases.get("model"), 1000),
+            " ".join(f"{k} {fmt(v, 1000)}" for k, v in sorted(named.items())) or "-",
+            fmt(parts / row["tpot_s_median"] if row.get("tpot_s_median") else None, digits=2),
+            fmt(row.get("pages_loaded_per_step"), digits=0), fmt(row.get("bytes_to_gpu_per_step"), 1e-6),
+            fmt(row.get("gpu_kv_bytes"), 2**-20, 0), fmt(row.get("cpu_kv_bytes"), 2**-30),
+            fmt(row.get("host_kv_ratio"), digits=2), fmt(row.get("host_rss_added_bytes"), 2**-30),
+            fmt(row.get("search_bytes_read_per_step"), 1e-6, 0), fmt(row.get("search_gbps"), digits=1),
+            fmt(row.get("search_share_of_host_read"), digits=2),
+            fmt(peak, 2**-30), fmt(None if peak is None or weights is None else peak - weights, 1e-9, 2),
+            f"`{f.name}`", f.commit,
+        ])
+    figure = paper.get("breakdown")
+    if figure:
+        ms = figure["ms"]
+        rows.append([
+            f"paper, ~{figure['context_tokens'] // 1000}k", f"`{figure['method']}`", fmt(ms.get("total"), digits=0),
+            fmt(ms.get("query"), digits=0), fmt(ms.get("load"), digits=0),
+            f"{fmt(ms.get('decoding'), digits=0)} (decoding)",
+            f"other {fmt(ms.get('other'), digits=0)}", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
+            figure["hardware"], "-",
+        ])
+    header = ["context", "method", "TPOT ms", "query ms", "load ms", "model ms", "other phases ms", "parts / TPOT",
+              "blocks loaded / step", "MB to GPU / step", "GPU KV MiB", "host KV GiB", "host / KV", "RSS added GiB",
+              "search MB / step", "search GB/s", "search / host read", "peak GiB",
+              "peak - weights GB", "file", "commit"]
+    return table(header, rows)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Host work per layer: decode step, prompt job
+
+
+def render_host_step(results: Path, paper: dict[str, Any]) -> str:
+    files = load(results, "host_step_*.json")
+    newest = newest_by([((f.host, f.data["threads"], f.data["length"]), f.order, f) for f in files])
+    rows = []
+    for (host, threads, length), f in sorted(newest.items()):
+        ms = f.data["median_ms"]
+        rows.append([host, str(threads), str(length), fmt(ms.get("search"), digits=2), fmt(ms.get("stage"), digits=2),
+                     fmt(ms.get("rest"), digits=2), fmt(ms.get("host_step"), digits=2), str(f.data["steps"]),
+                     f"`{f.name}`", f.commit])
+    header = ["host", "threads", "context", "search ms", "diff + gather ms", "rest ms", "host step ms", "steps",
+              "file", "commit"]
+    return table(header, rows)
+
+
+def render_prompt_index(results: Path, paper: dict[str, Any]) -> str:
+    files = load(results, "prompt_index_*.json")
+    newest = newest_by([((f.host, f.data["threads"], entry["length"]), f.order, (entry, f))
+                        for f in files for entry in f.data["results"]])
+    rows = []
+    for (host, threads, length), (entry, f) in sorted(newest.items()):
+        seconds = entry["seconds"]
+
+        def part(name: str, seconds: dict = seconds) -> str:  # files from before the single host copy time a page
+            return spread(seconds[name]) if seconds.get(name) else "-"  # rewrite and a float32 copy
+
+        rows.append([host, str(threads), str(length), spread(seconds["job_total"]), spread(seconds["build"]),
+                     part("token_store"), part("rewrite"), part("to_float32"), str(len(seconds["job_total"])),
+                     f"`{f.name}`", f.commit])
+    latency = paper.get("latency", {})
+    tt2t = latency.get("tt2t_s", {}).get("icecache")
+    if tt2t is not None:
+        rows.append([f"paper ({latency.get('hardware')})", "64", f"~{latency.get('context_tokens')}",
+                     f"< {tt2t / 30:.2f} (TT2T {tt2t} s over 30 layers)", "-", "-", "-", "-", "-", "-", "-"])
+    header = ["host", "threads", "context", "job s", "build s", "token store s", "page rewrite s", "float32 copy s",
+              "rounds", "file", "commit"]
+    return table(header, rows)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# DCI index, kernels
+
+
+def binding(f: Result) -> str:
+    """How a file's OpenMP threads were bound (``OMP_PROC_BIND``, with ``OMP_PLACES``); files from before the
+    provenance recorded it ran with the documented ``OMP_PROC_BIND=false``."""
+    bind = f.provenance.get("omp_proc_bind", "false") or "unset"
+    places = f.provenance.get("omp_places")
+    return f"{bind} ({places})" if places else bind
+
+
+def render_dci(results: Path, paper: dict[str, Any]) -> str:
+    files = load(results, "dci_*.json")
+    newest = newest_by([((f.host, row["n"], row["threads"], row.get("score_precision") or "float32", binding(f)),
+                         f.order, (row, f)) for f in files for row in f.data["rows"]])
+    rows = []
+    for (host, n, threads, precision, bound), (row, f) in sorted(newest.items()):
+        rows.append([host, str(n), str(threads), bound, precision, fmt(row["build_s"], digits=3),
+                     fmt(row["query_ms"], digits=3), fmt(row["exact_ms"], digits=2), fmt(row["page_recall"], digits=3),
+                     fmt(row["token_recall"], digits=3), fmt(row["mass_recall"], digits=3), f"`{f.name}`", f.commit])
+    figure = paper.get("breakdown")
+    if figure:
+        per_layer = figure["ms"]["query"] / 30
+        rows.append([f"paper ({figure['hardware']})", f"~{figure['context_tokens']}", "64", "-", "-", "-",
+                     f"~{per_layer:.1f} ({figure['ms']['query']} ms per token over 30 layers)", "-", "-", "-", "-",
+                     "-", "-"])
+    header = ["host", "keys", "threads", "threads bound", "first pass", "build s / layer", "query ms / layer",
+              "exact top-k ms (torch)",
+              "page recall", "token recall", "mass recall", "file", "commit"]
+    return table(header, rows)
+
+
+def render_kernels(results: Path, paper: dict[str, Any]) -> str:
+    newest = newest_by([((f.host,), f.order, f) for f in load(results, "kernels_*.json")])
+    rows = []
+    for (host,), f in sorted(newest.items()):
+        for a in f.data.get("attention", []):
+            comparison = (f"dense SDPA {fmt(a.get('sdpa_dense_us'))}, "
+                          f"PyTorch reference {fmt(a.get('reference_us'), digits=0)}")
+            rows.append([host, "paged decode attention", f"{a['n_pages']} pages, {a['n_tokens']} tokens / KV head",
+                         fmt(a.get("triton_host_us")), fmt(a.get("triton_graph_us")), comparison, f"`{f.name}`",
+                         f.commit])
+        for b in f.data.get("bulk_loader", []):
+            host_us = b.get("load_host_us", b.get("total_us"))
+            rows.append([host, "bulk load", f"{b['load']}, {b['bytes'] / 2**10:.0f} KiB", fmt(host_us),
+                         f"{fmt(b.get('h2d_copy_us'))} (copy)",
+                         f"gather {fmt(b.get('gather_us'))}, scatter {fmt(b.get('scatter_us'))}",
+                         f"`{f.name}`", f.commit])
+        for c in f.data.get("page_copies", []):
+            rows.append([host, "page scatter", f"{c['load']}, {c['bytes'] / 2**10:.0f} KiB",
+                         fmt(c.get("scatter_host_us")), fmt(c.get("scatter_us")),
+                         f"block copy from mapped host memory {fmt(c.get('copy_blocks_mapped_us'))}, from device "
+                         f"{fmt(c.get('copy_blocks_device_us'))}; raw H2D copy {fmt(c.get('h2d_copy_us'))}",
+                         f"`{f.name}`", f.commit])
+    header = ["host", "kernel", "size", "host µs / call", "GPU µs", "for comparison, µs", "file", "commit"]
+    return table(header, rows)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# CPU accuracy
+
+
+def run_overrides(run: dict[str, Any]) -> dict[str, str]:
+    """The ``key=value`` arguments of the run's command line."""
+    words = shlex.split(str(run.get("provenance", {}).get("command") or ""))
+    return dict(word.split("=", 1) for word in words if "=" in word and not word.startswith("-"))
+
+
+def config_defaults() -> dict[str, str]:
+    """The run config's default model (its name) and budget, for run records that do not carry them."""
+    import yaml
+
+    config = yaml.safe_load((REPO / "configs" / "config.yaml").read_text(encoding="utf-8"))
+    choices = {k: v for entry in config["defaults"] if isinstance(entry, dict) for k, v in entry.items()}
+    model = yaml.safe_load((REPO / "configs" / "model" / f"{choices['model']}.yaml").read_text(encoding="utf-8"))
+    return {"model": model["name"], "budget": str(config["budget"]), "task": choices["task"]}
+
+
+def run_key(run: dict[str, Any]) -> tuple[str, str, str, str, str]:
+    """(task, model, method, budget, the command line's other result-changing settings) of one run record; what a
+    record lacks is taken from its command line, else from the run config's defaults (budget marked so)."""
+    overrides, settings, defaults = run_overrides(run), run.get("settings", {}), config_defaults()
+    task = run.get("task") or settings.get("task", {}).get("name") or overrides.get("task", defaults["task"])
+    model = run.get("model") or settings.get("model", {}).get("name") or overrides.get("model", defaults["model"])
+    method = run.get("method") or settings.get("method", {}).get("name") or overrides.get("method", "?")
+    budget = run.get("budget") or settings.get("method", {}).get("budget") or overrides.get("budget")
+    if method in REFERENCES:
+        budget = "-"  # the full caches ignore it
+    elif budget is None:
+        budget = f"{defaults['budget']} (default)"
+    protocol = " ".join(f"{k}={v}" for k, v in overrides.items() if k not in NOT_PROTOCOL)
+    return task, model, method, str(budget), protocol
+
+
+def per_task(metrics: dict[str, Any]) -> str:
+    tasks = metrics.get("tasks")
+    if isinstance(tasks, dict):
+        return ", ".join(f"{task} {' / '.join(f'{v:g}' for v in by_length.values())}"
+                         for task, by_length in tasks.items())
+    by_length = metrics.get("by_length")
+    if isinstance(by_length, dict) and len(by_length) > 1:
+        return ", ".join(f"{length}: {v:g}" for length, v in by_length.items())
+    return "-"
+
+
+def published(task: str, method: str, paper: dict[str, Any]) -> str:
+    if task != "passkey":
+        return "-"
+    cells = []
+    for entry in paper.get("baseline_papers", {}).get("passkey", []):
+        if method in entry.get("score_pct", {}):
+            cells.append(f"{entry['score_pct'][method]:g} ({entry['paper']}, {entry['model']}, "
+                         f"{entry['context_tokens'] // 1000}k, budget {entry['budget']})")
+        elif method in entry.get("score_pct_range", {}):
+            low, high = entry["score_pct_range"][method]
+            cells.append(f"{low:g}-{high:g} ({entry['paper']}, {entry['model']}, {entry['context']}, "
+                         f"budgets {entry['budget']})")
+    return "; ".join(cells) or "-"
+
+
+def render_cpu_accuracy(results: Path, paper: dict[str, Any]) -> str:
+    files = load(results, "cpu_accuracy*.json")
+    items = []
+    for f in files:
+        for run in f.data.get("runs", []):
+            order = (str(run.get("provenance", {}).get("date") or ""), f.name)
+            items.append((run_key(run), order, (run, f)))
+    newest = newest_by(items)
+    rows = []
+    for key in sorted(newest, key=lambda k: (k[0], method_sort_key(k[2]), k[3], k[4])):
+        task, model, method, budget, protocol = key
+        run, f = newest[key]
+        metrics = run.get("metrics", {})
+        attended = (run.get("latency") or {}).get("mean_attended_tokens")
+        rows.append([task, model, method_cell(method), budget, f"`{protocol}`" if protocol else "-",
+                     str(run.get("n_samples", metrics.get("n"))), fmt(metrics.get("score")), per_task(metrics),
+                     fmt(attended, digits=0), published(task, method, paper), short_commit(run.get("provenance", {})),
+                     f"`{f.name}`"])
+    header = ["task", "model", "method", "budget", "settings", "samples", "score", "per task (by length)",
+              "mean attended tokens", "published (the baseline's paper)", "commit", "file"]
+    return table(header, rows)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Accuracy with the selection diagnostic, and the page layouts' own quality
+
+
+def render_accuracy(results: Path, paper: dict[str, Any]) -> str:
+    from eval.report import accuracy as A
+
+    def device(f: Result) -> str:  # the GPU the runs ran on, or CPU
+        gpus = {str((r.get("provenance") or {}).get("gpu") or "CPU") for r in f.data.get("runs") or []}
+        return ", ".join(sorted(gpus)) or "CPU"
+
+    newest = newest_by([((str(f.data.get("model")), device(f)), f.order, f) for f in load(results, "accuracy_*.json")])
+    if not newest:
+        return ("Not measured yet: no `results/bench/accuracy_*.json`. `make reproduce-accuracy` (or the commands "
+                "in docs/reproduce.md, \"Accuracy\") runs the experiments and writes one; every cell of this table "
+                "will come from the metrics.json of those runs.")
+    blocks = []
+    # per model, the newest file first (the full grid before a later, smaller check on another device)
+    for (model, _), f in sorted(sorted(newest.items(), key=lambda item: item[1].order, reverse=True),
+                                key=lambda item: item[0][0]):
+        runs = f.data.get("runs") or []
+        rows = A.accuracy_rows(runs)
+        commits = sorted({short_commit(r.get("provenance") or {}) for r in runs})
+        gpus = sorted({str((r.get("provenance") or {}).get("gpu") or "CPU") for r in runs})
+        dates = sorted(str((r.get("provenance") or {}).get("date") or "")[:10] for r in runs)
+        missing = len(f.data.get("missing") or [])
+        source = (samples_note(rows) + f"`{f.name}`: {len(runs)} finished runs"
+                  + (f", {missing} not finished" if missing else "")
+                  + f" of `{'`, `'.join(f.data.get('sweeps') or [])}`; {', '.join(gpus)}; commits "
+                  f"{', '.join(commits)}; run {dates[0] if dates else '?'} to {dates[-1] if dates else '?'}.")
+        figures = [name for name in (f.data.get("figures") or (f"accuracy_vs_budget_{model}.png",
+                                                                f"accuracy_vs_tpot_{model}.png",
+                                                                f"mass_by_layer_{model}.png"))
+                   if (results / name).exists()]
+        if figures:
+            source += " Figures: " + ", ".join(f"`results/bench/{name}`" for name in figures) + "."
+        blocks += [accuracy_table(rows) if rows else "(no finished runs)", source]
+    return "\n\n".join(blocks + [ACCURACY_DEFINITIONS])
+
+
+ACCURACY_DEFINITIONS = (
+    "A cell is the task's score in percent (passkey: keys retrieved; RULER: the mean of its tasks' string-match "
+    "scores) with the 2.5th-97.5th percentile of a bootstrap that resamples the samples within each (length, task); "
+    "Δ full is the score minus the full cache's on the same samples, with a paired bootstrap's interval (where both "
+    "runs' predictions were on disk when the file was curated). The tokens attended and the attention mass they hold "
+    "are in the curated file and in `scripts/collect.py`'s accuracy.md.")
+
+
+def accuracy_table(rows: list) -> str:
+    """One table of a model's accuracy rows (eval.report.accuracy.AccuracyRow): a line per method, per (task,
+    length) and budget the score [95% interval], then the paired difference with the full cache where some row of
+    that task and length has one. A budget-free method (the full caches) gives its one score under every budget;
+    the samples per cell are said under the table, or in the cell where they differ."""
+    from eval.report import accuracy as A
+
+    groups = sorted({(r.task, r.length) for r in rows}, key=lambda c: (c[0], c[1] is None, c[1] or 0))
+    budgets = {group: sorted({r.budget for r in rows if (r.task, r.length) == group and r.budget is not None})
+               for group in groups}
+    columns = [(*group, budget) for group in groups for budget in budgets[group] or [None]]
+    cells: dict[tuple, Any] = {}
+    for r in rows:
+        for budget in ([r.budget] if r.budget is not None else budgets[(r.task, r.length)] or [None]):
+            cells[(r.method, r.task, r.length, budget)] = r
+    counts = {group: {r.n for r in rows if (r.task, r.length) == group} for group in groups}
+    paired = [column for column in columns if any(
+        r.difference is not None for r in rows if (r.task, r.length, r.budget) == column)]
+
+    def label(task: str, length: Any, budget: Any) -> str:
+        return f"{task} {A.length_label(length)}" + ("" if budget is None else f", {budget}")
+
+    def score(method: str, column: tuple) -> str:
+        row = cells.get((method, *column))
+        text = A.score_cell(row)
+        return text + (f" (n {row.n})" if row is not None and len(counts[column[:2]]) > 1 else "")
+
+    methods = sorted({r.method for r in rows}, key=method_sort_key)
+    lines = [[method_cell(m), *(score(m, c) for c in columns),
+              *(A.difference_cell(cells.get((m, *c))) for c in paired)] for m in methods]
+    header = ["method", *(label(*c) for c in columns), *(f"Δ full, {label(*c)}" for c in paired)]
+    return table(header, lines)
+
+
+def samples_note(rows: list) -> str:
+    """The samples behind each cell of ``accuracy_table``, for the (task, length) groups where every cell has as
+    many."""
+    from eval.report import accuracy as A
+
+    counts: dict[tuple, set] = {}
+    for r in rows:
+        counts.setdefault((r.task, r.length), set()).add(r.n)
+    same = [f"{task} {A.length_label(length)} {n.pop()}" for (task, length), n in
+            sorted(counts.items(), key=lambda item: (item[0][0], item[0][1] or 0)) if len(n) == 1]
+    return f"Samples per cell: {', '.join(same)}. " if same else ""
+
+
+def render_page_quality(results: Path, paper: dict[str, Any]) -> str:
+    files = load(results, "page_quality_*.json")
+    if not files:
+        return ("Not measured yet: no `results/bench/page_quality_*.json`; `python scripts/diagnostics/page_quality.py "
+                "--model smollm2_135m --length 4096` writes one.")
+    def key(f: Result) -> tuple:
+        s = f.data.get("settings") or {}
+        return (f.host, str(s.get("model")), str(s.get("task")) + (f":{s.get('subtask')}" if s.get("task") == "ruler"
+                                                                     else ""), int(s.get("length") or 0),
+                int(s.get("budget") or 0))
+    newest = newest_by([(key(f), f.order, f) for f in files])
+    names = ("token_topk", "positional", "dci", "kmeans", "dci_fixed", "dci_search")
+    rows = []
+    for (host, model, task, length, budget), f in sorted(newest.items()):
+        result = f.data.get("result") or {}
+        mean = result.get("mean") or {}
+        tokens = result.get("prompt_tokens") or []
+        rows.append([host, model, task, str(length), str(budget), str(len(tokens)),
+                     str(budget // int(result.get("page_size") or 16)), str(result.get("n_selected_pages")),
+                     *[fmt(mean.get(name), digits=3) for name in names], f"`{f.name}`", f.commit])
+    header = ["host", "model", "task", "length", "budget", "prompts", "pages", "K", *names, "file", "commit"]
+    return table(header, rows)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The headline: accuracy kept and decode time, side by side
+
+
+def render_headline(results: Path, paper: dict[str, Any]) -> str:
+    from eval.report import accuracy as A
+
+    latency = latency_rows(results)
+    budgets = {(f.data.get("settings") or {}).get("budget") for _, f in latency}
+    budget = budgets.pop() if len(budgets) == 1 else None
+    accuracy_files = load(results, "accuracy_*.json")
+    newest = accuracy_files[-1] if accuracy_files else None
+    scores = A.accuracy_rows(newest.data.get("runs") or []) if newest else []
+    scores = [r for r in scores if r.budget is None or r.budget == budget]
+    accuracy_columns = sorted({(r.task, r.length) for r in scores}, key=lambda c: (c[0], c[1] or 0))
+    shares = {(method_text(r.method), r.task, r.length): r.share_of_full for r in scores}
+    contexts = sorted({row["context"] for row, f in latency if reference_row(f, row["context"], "full_static")})
+    ratios = {(method_text(row["method"]), row["context"]): ratio_to(row, f, "full_static") for row, f in latency}
+    methods = {m for m, *_ in shares} | {m for m, _ in ratios}
+    rows = []
+    for method in sorted(methods, key=method_sort_key):
+        share_cells = [shares.get((method, task, length)) for task, length in accuracy_columns]
+        rows.append([f"`{method}`", *("-" if s is None else f"{s:.0f}%" for s in share_cells),
+                     *(ratios.get((method, c), "-") for c in contexts)])
+    header = ["method", *(f"{task} {A.length_label(length)}, % of full" for task, length in accuracy_columns),
+              *(f"{A.length_label(c)}, x full_static" for c in contexts)]
+    models = sorted({model_of(f) for _, f in latency})
+    note = (f"Accuracy: the score over `full`'s at the same length, budget {budget}, from `{newest.name}` "
+            f"({newest.data.get('model')}; the accuracy table below). " if newest else "Accuracy: not measured yet. ")
+    note += (f"Speed: TPOT over `full_static`'s TPOT in the same file ({', '.join(models)}, budget {budget}; the "
+             f"latency table below); under 1 is faster than `full_static`.")
+    return "\n\n".join([table(header, rows), note])
+
+
+RENDERERS: dict[str, Callable[[Path, dict[str, Any]], str]] = {
+    "headline": render_headline,
+    "latency": render_latency,
+    "latency-summary": render_latency_summary,
+    "scaling": render_scaling,
+    "scaling-summary": render_scaling_summary,
+    "capacity": render_capacity,
+    "breakdown": render_breakdown,
+    "host-step": render_host_step,
+    "prompt-index": render_prompt_index,
+    "dci": render_dci,
+    "kernels": render_kernels,
+    "cpu-accuracy": render_cpu_accuracy,
+    "accuracy": render_accuracy,
+    "page-quality": render_page_quality,
+}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The page
+
+
+def render_page(text: str, results: Path, paper: dict[str, Any]) -> str:
+    """``text`` with every table region replaced by what the result files render."""
+    names = [m.group("name") for m in REGION.finditer(text)]
+    unknown = sorted(set(names) - set(RENDERERS))
+    if unknown:
+        raise SystemExit(f"error: unknown table region(s) {', '.join(unknown)}; known: {', '.join(RENDERERS)}")
+
+    def replace(match: re.Match) -> str:
+        body = RENDERERS[match.group("name")](results, paper).rstrip("\n")
+        return f"{match.group(1)}{body}\n{match.group(4)}"
+
+    return REGION.sub(replace, text)
+
+
+def stale_regions(old: str, new: str) -> list[str]:
+    before = {m.group("name"): m.group("body") for m in REGION.finditer(old)}
+    after = {m.group("name"): m.group("body") for m in REGION.finditer(new)}
+    return sorted(name for name in after if before.get(name) != after[name])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--page", type=Path, action="append", default=None,
+                        help="a Markdown page with table regions (repeatable; default: " + ", ".join(
+                            str(page.relative_to(REPO)) for page in PAGES) + ")")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="folder of result files")
+    parser.add_argument("--paper", type=Path, default=PAPER, help="the paper's figures (JSON)")
+    parser.add_argument("--check", action="store_true", help="only check that the pages are up to date")
+    args = parser.parse_args(argv)
+    paper = json.loads(args.paper.read_text(encoding="utf-8")) if args.paper.is_file() else {}
+    failed = False
+    for page in args.page or PAGES:
+        text = page.read_text(encoding="utf-8")
+        rendered = render_page(text, args.results, paper)
+        stale = stale_regions(text, rendered)
+        if args.check:
+            if stale:
+                print(f"{page} is stale in: {', '.join(stale)}; run python scripts/bench/tables.py", file=sys.stderr)
+                failed = True
+            else:
+                print(f"{page}: every table matches {args.results}")
+            continue
+        if rendered != text:
+            page.write_text(rendered, encoding="utf-8")
+        print(f"{page}: {len(stale)} table(s) rewritten" + (f" ({', '.join(stale)})" if stale else ""))
+    return 1 if failed else 0
