@@ -8,9 +8,11 @@
 Reads only what is on disk (metrics.json marks a finished run), so it works after any launcher, after a sweep
 that failed half-way, and while a sweep is still running. Writes Markdown, CSV and LaTeX tables next to the
 paper's numbers (results/paper/ in the repository) and PNG + PDF plots under <out>/plots/, all from the runs
-named on the command line; the latency figures only from the benchmark files of --bench (e.g. results/bench,
-where scripts/bench/latency.py writes). Runs of different settings never share a cell (docs/reproduce.md). A run
-root may also be a curated file of finished runs (results/bench/accuracy_*.json, scripts/sweep.py --curate).
+named on the command line (LongBench's Table 2 figures, and for every other task its score against the budget per
+model: score_vs_budget_<task>_<model>); the latency table and figures only from the benchmark files of --bench
+(e.g. results/bench, where scripts/bench/latency.py writes). Runs of different settings never share a cell
+(docs/reproduce.md). A run root may be a sweep's output_root, one run folder, or a curated file of finished runs
+(results/bench/accuracy_*.json, scripts/sweep.py --curate).
 Runs with the selection diagnostic (measure_selection) also give accuracy.md / .csv (score with its 95% interval,
 share of full, tokens attended, mass captured) and its figures: accuracy against the budget, against TPOT from the
 --bench files, and the mass captured by layer, one line per method.

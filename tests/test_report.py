@@ -399,3 +399,85 @@ def test_a_declared_variant_is_drawn_under_its_label_and_a_one_off_setting_is_no
     assert curve_method("icecache:prompt_workers=1", "icecache") is None  # a diagnostic row, not a method's curve
     assert curve_method("quest:cuda_graph=false", None) is None  # files from before rows carried a label
     assert display_name("icecache+lookahead") == "IceCache (lookahead)"
+
+
+def test_collect_plots_the_accuracy_runs_given_whatever_their_task(tmp_path):
+    # A user's own runs, no LongBench and no benchmark files: each task still gets its score figure, per model.
+    import subprocess
+    import sys
+
+    runs = tmp_path / "my runs"
+    for method, budget, by_length in (("full", None, {"4096": 100.0, "8192": 90.0}),
+                                      ("icecache", 128, {"4096": 80.0, "8192": 60.0}),
+                                      ("icecache", 256, {"4096": 95.0, "8192": 85.0})):
+        write_run(runs, "passkey", "tiny-llama", method, budget, {"score": 0, "by_length": by_length}, 8,
+                  f"p{method}{budget}")
+    ruler = {"tasks": {"niah_single_1": {"4096": 100.0}, "vt": {"4096": 50.0}}}
+    write_run(runs, "ruler", "tiny-llama", "quest", 128, ruler, 40, "r1")
+    write_run(runs, "ruler", "tiny-llama", "quest", 256, {"tasks": {"vt": {"4096": 70.0}}}, 20, "r2")  # one subtask
+    write_run(runs, "gsm8k", "tiny-llama", "snapkv", 64, {"score": 12.5, "n": 8}, 8, "g")
+    out = tmp_path / "summary"
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "collect.py"), str(runs), "--out", str(out)],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    for stem in ("score_vs_budget_passkey_tiny-llama", "score_vs_budget_ruler_tiny-llama",
+                 "score_vs_budget_gsm8k_tiny-llama"):
+        for suffix in (".png", ".pdf"):
+            path = out / "plots" / (stem + suffix)
+            assert path.exists() and path.stat().st_size > 1000, path
+
+    from eval.report.summary import task_score_points
+
+    scores = collect_scores(load_runs(runs))
+    passkey = {(p.length, p.method, p.budget): p.score for p in task_score_points(scores, "passkey", "tiny-llama")}
+    assert passkey[(8192, "icecache", 128)] == 60.0 and passkey[(4096, "full", None)] == 100.0
+    # RULER: the mean over the subtasks, only for a row that has them all (budget 256 ran vt alone: not drawn)
+    ruler_points = task_score_points(scores, "ruler", "tiny-llama")
+    assert [(p.budget, p.score) for p in ruler_points] == [(128, 75.0)]
+
+
+def test_latency_markdown_is_one_narrow_table_per_measure(results, tmp_path):
+    out = tmp_path / "summary"
+    write_summary(results / "runs", out, bench_root=results / "bench", reference_dir=results / "paper", plots=False)
+    text = (out / "latency.md").read_text()
+    tables = [block for block in text.split("\n\n") if block.startswith("|")]
+    assert len(tables) == 3  # TPOT, TT2T, ratio to full (no full_static rows in the benchmark file)
+    for table in tables:
+        header = table.splitlines()[0]
+        assert header.split("|")[1:-1] == [" model ", " method ", " budget ", " 16k ", " 36k "]
+    assert "TPOT (ms), by context length" in text and "| icecache | 256 | 60.000 | 70.000 |" in text
+    # the CSV keeps every measure in one wide row per model, method and budget
+    assert "tpot_ms@16k" in pd.read_csv(out / "latency.csv").columns
+
+
+def test_series_outside_the_palette_never_share_a_colour():
+    from eval.report import plots as P
+
+    labels = ["icecache+task.limit=5", "icecache+task.limit=9", "quest:page_size=32", "not_a_method"]
+    colours = [P.color(label) for label in labels]
+    assert len(set(colours)) == len(labels)
+    assert not set(colours) & (set(P.COLORS.values()) | set(P.VARIANT_COLORS.values()))
+    assert P.color("icecache+task.limit=5") == colours[0]  # stable once given
+    assert P.method_label("icecache:lookahead=true") == P.method_label("icecache+lookahead") == "IceCache (lookahead)"
+
+
+@pytest.mark.parametrize("target", ["output_root", "one run folder"])
+def test_notebook_reads_the_runs_it_is_pointed_at(results, tmp_path, monkeypatch, target):
+    # RUNS (here through ICECACHE_RUNS) is a sweep's output_root elsewhere, or a single run folder inside one.
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    output_root = tmp_path / "elsewhere runs"
+    write_run(output_root, "passkey", "tiny-llama", "icecache", 64, {"score": 75.0, "by_length": {"400": 75.0}}, 4,
+              "mine")
+    run_dir = write_run(output_root, "passkey", "tiny-llama", "quest", 64, {"score": 25.0, "by_length": {"400": 25.0}},
+                        4, "other")
+    monkeypatch.setenv("ICECACHE_RESULTS", str(results))
+    monkeypatch.setenv("ICECACHE_RUNS", str(output_root if target == "output_root" else run_dir))
+    monkeypatch.setenv("ICECACHE_SUMMARY", str(tmp_path / "nb_summary"))
+    notebook = nbformat.read(REPO / "notebooks" / "reproduce.ipynb", as_version=4)
+    nbclient.NotebookClient(notebook, timeout=300, kernel_name="python3",
+                            resources={"metadata": {"path": str(REPO / "notebooks")}}).execute()
+    runs = pd.read_csv(tmp_path / "nb_summary" / "runs.csv")
+    assert sorted(runs["method"]) == (["icecache", "quest"] if target == "output_root" else ["quest"])
+    assert set(runs["task"]) == {"passkey"}  # nothing of results/runs
+    assert (tmp_path / "nb_summary" / "plots" / "score_vs_budget_passkey_tiny-llama.png").exists()

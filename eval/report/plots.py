@@ -49,9 +49,22 @@ PHASE_GROUPS = {
 PHASE_COLORS = {"query": "#1f77b4", "load": "#ff7f0e", "compute": "#2ca02c", "other": "#7f7f7f"}
 
 
+# Any other series (a method with settings given inline or told apart by its settings, an unregistered name) takes
+# the next colour of its own, none of the above: one shared fallback would draw two such series alike.
+_OTHER_PALETTE = ["#a55194", "#6b6ecf", "#843c39", "#31a354", "#e6550d", "#3182bd", "#756bb1", "#636363",
+                  "#bd9e39", "#ad494a"]
+_OTHER_COLORS: dict[str, str] = {}
+
+
 def color(method: str) -> str:
-    """The method's colour, or its declared variant's (``<name>+<variant>``); unknown names are grey."""
-    return COLORS.get(method) or VARIANT_COLORS.get(method) or "#444444"
+    """The method's colour, or its declared variant's (``<name>+<variant>``); any other label the next colour of
+    ``_OTHER_PALETTE`` not yet given, the same one for that label from then on."""
+    known = COLORS.get(method) or VARIANT_COLORS.get(method)
+    if known:
+        return known
+    if method not in _OTHER_COLORS:
+        _OTHER_COLORS[method] = _OTHER_PALETTE[len(_OTHER_COLORS) % len(_OTHER_PALETTE)]
+    return _OTHER_COLORS[method]
 
 
 def method_label(method: str) -> str:
@@ -285,9 +298,9 @@ def tpot_breakdown(breakdowns: dict[str, dict[str, float]], paper: dict[str, dic
             bottom += height
     def label(method: str, parts: dict[str, float], hollow: bool) -> str:
         if not hollow:
-            return display_name(method)
+            return method_label(method)  # a latency row's inline settings written as every other figure does
         context = parts.get("context_tokens")
-        return display_name(method) + (f"\n(paper, {context / 1000:.0f}k)" if context else "\n(paper)")
+        return method_label(method) + (f"\n(paper, {context / 1000:.0f}k)" if context else "\n(paper)")
 
     labels = [label(m, parts, hollow) for m, parts, hollow in bars]
     ax.set_xticks(range(len(bars)), labels, rotation=30, ha="right", fontsize=8)

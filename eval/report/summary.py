@@ -8,12 +8,15 @@ benchmarks and the paper's reference numbers, and writes
 * ``table2_<model>.{md,csv,tex}`` for every model with LongBench v1 runs or paper numbers;
 * ``ruler_<model>_<length>.{md,csv,tex}``, ``<task>.{md,csv}`` for passkey, GSM8K, LongBench-E (``longbench_e``,
   per length bucket) and any other task, each score with its ``n``;
-* ``latency.{md,csv}`` from the benchmark files;
+* ``latency.{md,csv}`` from the benchmark files (the CSV one wide row per model, method and budget; the Markdown one
+  short table per measure, a column per context);
 * ``accuracy.{md,csv}`` from the runs with the selection diagnostic (``measure_selection``): per task, model,
   length, method and budget the score with its 95% bootstrap interval, its share of full, the tokens attended and
   the attention mass they hold (report.accuracy);
-* ``plots/``: accuracy vs budget, accuracy vs TPOT, TT2T bars, TPOT breakdown, decode latency vs context, and for
-  the measured runs accuracy vs budget and vs TPOT with intervals and the mass captured by layer.
+* ``plots/``: accuracy vs budget, accuracy vs TPOT, TT2T bars, TPOT breakdown, decode latency vs context, for
+  every other task of the runs given (passkey, RULER, GSM8K, LongBench-E, ...) its score against the budget per
+  model (``score_vs_budget_<task>_<model>``), and for the measured runs accuracy vs budget and vs TPOT with
+  intervals and the mass captured by layer.
 """
 
 from __future__ import annotations
@@ -152,6 +155,9 @@ def write_summary(runs_root: str | Path | list, out: str | Path, *, bench_root: 
             wide.to_csv(out / f"{task}.csv", na_rep="")
             files += [out / f"{task}.md", out / f"{task}.csv"]
 
+        if plots:
+            files += task_figures(summary.scores, plot_dir)
+
     # The measured runs' accuracy table and figures
     measured_runs = [run for run in runs if (run.settings or {}).get("measure_selection")]
     measured = [run.payload for run in measured_runs]
@@ -170,13 +176,98 @@ def write_summary(runs_root: str | Path | list, out: str | Path, *, bench_root: 
     if not bench.empty:
         wide = latency_table(bench)
         summary.tables["latency"] = wide
-        (out / "latency.md").write_text("**Latency (scripts/bench/latency.py)**\n\n" + frame_to_markdown(wide, 3),
-                                        encoding="utf-8")
+        (out / "latency.md").write_text(latency_markdown(wide), encoding="utf-8")
         wide.to_csv(out / "latency.csv", na_rep="")
         files += [out / "latency.md", out / "latency.csv"]
         if plots:
             files += _latency_plots(bench, references, plot_dir)
     return summary
+
+
+# The measures of latency_table's columns (``<measure>@<context>``), as latency.md titles them.
+LATENCY_MEASURES = {
+    "tpot_ms": "TPOT (ms)",
+    "tt2t_s_median": "TT2T (s)",
+    "tpot_ratio_to_full": "TPOT / full cache's",
+    "tpot_ratio_to_full_static": "TPOT / static full cache's",
+}
+
+
+def latency_markdown(wide: pd.DataFrame) -> str:
+    """latency_table's wide frame as one short table per measure (rows model, method, budget; a column per
+    context), so that no table is wider than the contexts measured."""
+    parts = ["**Latency (scripts/bench/latency.py)**"]
+    for measure, title in LATENCY_MEASURES.items():
+        columns = [c for c in wide.columns if str(c).partition("@")[0] == measure]
+        if not columns or wide[columns].isna().all().all():
+            continue
+        table = wide[columns].dropna(how="all")
+        table.columns = [str(c).partition("@")[2] for c in columns]
+        parts.append(f"{title}, by context length (tokens)\n\n" + frame_to_markdown(table, 3))
+    return "\n\n".join(parts) + "\n"
+
+
+@dataclass
+class ScorePoint:
+    """One cell of a task's score figure: the fields accuracy_vs_budget_panels reads (no interval: the runs'
+    aggregates carry none)."""
+
+    task: str
+    length: object
+    method: str
+    budget: int | None
+    score: float
+    interval: tuple[float, float] | None = None
+
+
+def task_score_points(scores: pd.DataFrame, task: str, model: str) -> list[ScorePoint]:
+    """Per context length and per method, budget and settings, the task's score: the mean over its datasets or
+    subtasks, drawn only where a row has every one that any row of the same length has (a mean over fewer would not
+    compare). LongBench-E's length buckets are its table's, not a panel each. A settings variant is its own series,
+    ``<method>+<settings>``."""
+    frame = scores[(scores["task"] == task) & (scores["model"].map(canonical_model) == canonical_model(model))]
+    points: list[ScorePoint] = []
+    lengths = [None if _missing_length(v) else int(float(v)) for v in frame["length"]]
+    keep = [_missing_length(v) or _is_number(v) for v in frame["length"]]
+    frame, lengths = frame[keep], [length for length, kept in zip(lengths, keep) if kept]
+    for length in sorted(set(lengths), key=lambda v: -1 if v is None else v):
+        here = frame[[value == length for value in lengths]]
+        datasets = set(here["dataset"])
+        keys = ["method", "budget", "settings"]
+        for (method, budget, settings), group in here.groupby([here[k].astype(object).fillna("") for k in keys]):
+            if set(group["dataset"]) != datasets:
+                continue
+            label = f"{method}+{settings}" if settings else method
+            points.append(ScorePoint(task=task, length=length, method=label,
+                                     budget=None if budget == "" else int(budget),
+                                     score=float(group["score"].mean())))
+    return points
+
+
+def _missing_length(value) -> bool:
+    return value is None or (isinstance(value, float) and pd.isna(value))
+
+
+def _is_number(value) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def task_figures(scores: pd.DataFrame, folder: Path) -> list[Path]:
+    """Score against the budget for every task but LongBench v1 (Table 2's figures), one figure per model with a
+    panel per context length: the runs given on the command line, whatever their task."""
+    files: list[Path] = []
+    if scores.empty:
+        return files
+    others = scores[scores["task"] != "longbench"]
+    for task, model in sorted({(t, m) for t, m in zip(others["task"], others["model"])}):
+        points = task_score_points(scores, task, model)
+        stem = folder / f"score_vs_budget_{safe_name(task)}_{safe_name(canonical_model(model))}"
+        files += P.accuracy_vs_budget_panels(points, stem, title=f"{task}: score against the budget, {model}")
+    return files
 
 
 def accuracy_record(row: A.AccuracyRow) -> dict:

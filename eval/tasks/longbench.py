@@ -40,8 +40,12 @@ Data:
   The mirror stores each prompt pre-split as ``context`` (the template head with the context filled in) +
   ``question`` + ``answer_prefix``; their concatenation is the official prompt for every set (for trec, triviaqa
   and samsum the mirror moves the "Type:" / "Answer:" / "Summary:" suffix of ``input`` into ``answer_prefix``,
-  which concatenation restores), which ``tests/test_longbench.py`` checks on hand-written rows. ``offline: true``
-  reads only the local Hugging Face cache.
+  which concatenation restores when ``input`` ends in the bare cue; one that ends in the cue and a space keeps it in
+  ``question`` and so carries it twice). ``hub_repo`` may also name a local folder in the mirror's layout (one
+  ``<dataset>[_e]/`` folder of parquet files per set, as ``push_to_hub`` writes them; rows with the mirror's columns
+  or the official ones): the same ``load_dataset`` call reads it. ``tests/test_longbench.py`` builds such a folder
+  from the official-layout fixtures and checks that both sources give the same samples. ``offline: true`` reads only
+  the local Hugging Face cache.
 * ``source: local``: the official ``data.zip`` unzipped (``<dir>/<dataset>.jsonl``, ``<dir>/<dataset>_e.jsonl``);
   ``data_dir`` defaults to ``$ICECACHE_LONGBENCH``, else ``~/.cache/icecache-harness/longbench``. A missing file, a
   line that is not JSON (file and line named), a row without prompt fields, ``answers`` or ``length``, or a set
