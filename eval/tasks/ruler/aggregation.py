@@ -49,9 +49,10 @@ def _numbered(words: list[str]) -> str:
 def _word_list(streams: Streams, pool: list[str], num_words: int, common_repeats: int, uncommon_repeats: int):
     if num_words > len(pool):
         raise ConfigError(
-            f"ruler cwe needs {num_words} distinct words at this length, more than the {len(pool)} of the "
-            f"wonderwords lists (RULER then draws from its english_words.json, which the harness does not have); "
-            f"use a shorter length for cwe"
+            f"ruler cwe needs {num_words} distinct words at this length (in a probe of RULER's size search, which "
+            f"tries up to twice the words that fill it), more than the {len(pool)} of the wonderwords lists (RULER "
+            f"then draws from its english_words.json, which the harness does not have, and its draws go another "
+            f"way from there); use a shorter length for cwe"
         )
     chosen = streams.rng.sample(pool, num_words)
     common, uncommon = chosen[:CWE_COMMON], chosen[CWE_COMMON:]

