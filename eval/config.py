@@ -19,7 +19,7 @@ from eval import rundir
 from eval.plugins import method_class
 from icecache.core.method import method_settings
 from icecache.core.models import ModelSpec
-from icecache.errors import ConfigError, check_types
+from icecache.errors import ConfigError, check_types, unknown_keys_message
 
 
 def effective_method_settings(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[Any, Any]]]:
@@ -36,6 +36,19 @@ def effective_method_settings(values: dict[str, Any]) -> tuple[dict[str, Any], d
     effective = {key: getattr(settings, key) for key in values}
     adjusted = {key: (values[key], effective[key]) for key in values if values[key] != effective[key]}
     return effective, adjusted
+
+
+# Top-level keys that are not the run's own settings but values its parts read (configs/method/*.yaml have
+# ``budget: ${budget}``): kept in ``RunConfig.extra``.
+SHARED_KEYS = ("budget",)
+
+
+def check_one_budget(values: dict[str, Any]) -> None:
+    """``budget=256 method.budget=128`` asks for two budgets; the run would use the method's without a word."""
+    method = values.get("method") or {}
+    if "budget" in values and "budget" in method and values["budget"] != method["budget"]:
+        raise ConfigError(f"budget={values['budget']} and method.budget={method['budget']} conflict: set the budget "
+                          f"once, with budget=<tokens> (every method reads it)")
 
 
 @dataclass
@@ -65,7 +78,12 @@ class RunConfig:
     def from_dict(cls, values: dict[str, Any]) -> "RunConfig":
         """Settings -> RunConfig, refusing at once (``ConfigError``) what the settings alone show to be wrong."""
         values = dict(values)
-        known = {f.name for f in dataclasses.fields(cls)} - {"adjusted"}
+        known = {f.name for f in dataclasses.fields(cls)} - {"adjusted", "extra"}
+        unknown = sorted(set(values) - known - set(SHARED_KEYS))
+        if unknown:
+            raise ConfigError(unknown_keys_message("the run", unknown, known | set(SHARED_KEYS),
+                                                   "; model.*, method.* and task.* hold the rest"))
+        check_one_budget(values)
         extra = {k: values.pop(k) for k in list(values) if k not in known}
         check_types(cls, {k: v for k, v in values.items() if k not in ("model", "method", "task")}, "")
         method, adjusted = effective_method_settings(dict(values.pop("method")))

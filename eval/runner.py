@@ -180,6 +180,8 @@ def run(config: RunConfig) -> dict[str, Any] | None:
     with rundir.RunLock(out_dir, rundir.lock_name(config.predictions_name)):
         predictions_path = out_dir / config.predictions_name
         if not config.resume and predictions_path.exists():
+            print(f"restarting {out_dir} (resume=false): its {len(rundir.read_records(predictions_path))} written "
+                  f"samples are dropped")
             predictions_path.unlink()
         rundir.truncate_torn_tail(predictions_path)
         rundir.write_text_atomic(out_dir / rundir.CONFIG, OmegaConf.to_yaml(OmegaConf.create(config.identity())))
@@ -189,6 +191,9 @@ def run(config: RunConfig) -> dict[str, Any] | None:
         done = set(rundir.run_records(out_dir))
         mine = samples[config.shard :: config.n_shards]
         todo = [s for s in mine if s.sample_id not in done]
+        if len(todo) < len(mine):
+            print(f"resuming {out_dir}: {len(mine) - len(todo)} of {len(mine)} samples already written, "
+                  f"{len(todo)} to run")
         default_eos = default_eos_token_ids(tokenizer, getattr(model, "generation_config", None))
         shard_label = f" (shard {config.shard + 1}/{config.n_shards})" if sharded else ""
         with open(predictions_path, "a", encoding="utf-8") as sink:

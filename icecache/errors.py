@@ -20,12 +20,18 @@ def dataclass_from_dict(cls, values: dict, kind: str, messages: dict[str, str] |
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ConfigError(
-            f"{kind} {values.get('name', cls.__name__)!r} has no setting {', '.join(unknown)}; "
-            f"its settings are: {', '.join(sorted(known))}"
-        )
+        raise ConfigError(unknown_keys_message(f"{kind} {values.get('name', cls.__name__)!r}", unknown, known))
     check_types(cls, values, kind, messages)
     return cls(**values)
+
+
+def unknown_keys_message(owner: str, unknown: list[str], known: set[str], tail: str = "") -> str:
+    """'<owner> has no setting x (did you mean y?); its settings are: ...': a misspelt key names the one meant."""
+    import difflib
+
+    close = [match for key in unknown for match in difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.75)]
+    meant = f" (did you mean {', '.join(close)}?)" if close else ""
+    return f"{owner} has no setting {', '.join(unknown)}{meant}; its settings are: {', '.join(sorted(known))}{tail}"
 
 
 def check_types(cls, values: dict, kind: str, messages: dict[str, str] | None = None) -> None:
@@ -45,7 +51,13 @@ def check_types(cls, values: dict, kind: str, messages: dict[str, str] | None = 
 
 
 def wrong_type_message(kind: str, key: str, value: Any, expected: Any) -> str:
-    return f"{f'{kind}.' if kind else ''}{key}={value!r} must be {describe(expected)}"
+    """'task.lengths=4096 must be a list of whole numbers: write task.lengths=[4096]' (a single item where a list
+    is wanted gets the list to write)."""
+    name = f"{kind}.{key}" if kind else key
+    message = f"{name}={value!r} must be {describe(expected)}"
+    if not isinstance(value, (list, tuple, dict)) and matches([value], expected):
+        message += f": write {name}=[{value}]"
+    return message
 
 
 def matches(value: Any, expected: Any) -> bool:

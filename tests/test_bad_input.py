@@ -6,6 +6,7 @@ before (the step raises if it is reached), so "before any model load" is checked
 
 from __future__ import annotations
 
+import random
 import sys
 import time
 from pathlib import Path
@@ -33,8 +34,23 @@ def data(tmp_path: Path) -> dict[str, Path]:
     (folder / "gsm8k_torn.jsonl").write_text(rows[0] + '\n{"question": "q", "answ\n')
     (folder / "gsm8k_noq.jsonl").write_text(rows[0] + '\n{"answer": "#### 2"}\n')
     (folder / "gsm8k_empty.jsonl").write_text("\n")
+    noise = bytes(random.Random(0).randrange(256) for _ in range(4096))  # no UTF-8 text
+    (folder / "gsm8k_noise.jsonl").write_bytes(noise)
+    (folder / "gsm8k_utf16.jsonl").write_text(rows[0] + "\n", encoding="utf-16")
+    (folder / "gsm8k_locked.jsonl").write_text(rows[0] + "\n")  # unreadable: the case's setup says so
+    (folder / "lb_noise").mkdir()
+    (folder / "lb_noise" / "trec.jsonl").write_bytes(noise)
+    (folder / "ruler_noise").mkdir()
+    for source in (FIXTURES / "ruler").glob("*.json"):
+        (folder / "ruler_noise" / source.name).write_bytes(source.read_bytes())
+    (folder / "ruler_noise" / "PaulGrahamEssays.json").write_bytes(noise)
+    (folder / "afile").write_text("a file, not a folder\n")
+    (folder / "readonly").mkdir()
     return {"lb": folder / "lb", "torn": folder / "gsm8k_torn.jsonl", "noq": folder / "gsm8k_noq.jsonl",
-            "empty": folder / "gsm8k_empty.jsonl"}
+            "empty": folder / "gsm8k_empty.jsonl", "noise": folder / "gsm8k_noise.jsonl",
+            "utf16": folder / "gsm8k_utf16.jsonl", "locked": folder / "gsm8k_locked.jsonl",
+            "lb_noise": folder / "lb_noise", "ruler_noise": folder / "ruler_noise", "folder": folder,
+            "afile": folder / "afile", "readonly": folder / "readonly"}
 
 
 TINY = "model=tiny_llama"
@@ -76,7 +92,94 @@ CASES = [
                                            "task.lengths=[100]"], "ruler length 100 is too short", TOKENIZER),
     ("IceCache budget below 3 pages", [TINY, "budget=32"], "budget 32 gives 2 pages", SETTINGS),
     ("unknown method setting", [TINY, "method.no_such_knob=3"], "no_such_knob", SETTINGS),
+    # tried as a new user would, beyond the cases above: what each gave before is in the comment
+    # data files: a traceback (UnicodeDecodeError, PermissionError, or a folder called missing)
+    ("GSM8K file of random bytes", [TINY, "task=gsm8k", "task.path={noise}"],
+     "gsm8k_noise.jsonl is not UTF-8 text (line 1 is not)", SETTINGS),
+    ("GSM8K file in UTF-16", [TINY, "task=gsm8k", "task.path={utf16}"], "gsm8k_utf16.jsonl is not UTF-8 text",
+     SETTINGS),
+    ("unreadable GSM8K file", [TINY, "task=gsm8k", "task.path={locked}"],
+     "gsm8k_locked.jsonl cannot be read by this user (permission denied): make it readable (chmod a+r", SETTINGS),
+    ("LongBench file of random bytes", [TINY, "task=longbench", "task.source=local", "task.data_dir={lb_noise}",
+                                        "task.datasets=[trec]"], "trec.jsonl is not UTF-8 text", SETTINGS),
+    ("RULER essays of random bytes", [TINY, "task=ruler", "task.data_dir={ruler_noise}", "task.lengths=[1000]"],
+     "PaulGrahamEssays.json cannot be read as JSON (UnicodeDecodeError)", TOKENIZER),
+    ("GSM8K path a folder", [TINY, "task=gsm8k", "task.path={folder}"], "data is a folder; set task.path", SETTINGS),
+    # keys: accepted silently (+foo), or refused without the key meant
+    ("unknown top-level key +foo=bar", [TINY, "+foo=bar"], "the run has no setting foo;", SETTINGS),
+    ("misspelt top-level key", [TINY, "budgte=64"], "no key budgte (did you mean budget?)", SETTINGS),
+    ("misspelt config group", [TINY, "methd=quest"], "no key methd (did you mean method?)", SETTINGS),
+    ("misspelt model key", ["mdoel=tiny_llama"], "no key mdoel (did you mean model?)", SETTINGS),
+    ("misspelt task key", [TINY, "task.lenghts=[400]"], "no key task.lenghts (did you mean task.lengths?)",
+     SETTINGS),
+    ("misspelt method key with +", [TINY, "+method.page_sise=16"], "no setting page_sise (did you mean page_size?)",
+     SETTINGS),
+    ("+ on a key that exists", [TINY, "+method.budget=128"], "An item is already at 'method.budget'", SETTINGS),
+    ("a removed key others read (~budget)", [TINY, "~budget"], "method.budget cannot be resolved", SETTINGS),
+    # conflicting settings: the method's budget won silently
+    ("budget and method.budget differ", [TINY, "budget=256", "method.budget=128"],
+     "budget=256 and method.budget=128 conflict: set the budget once", SETTINGS),
+    # budgets: told to "add budget=<tokens>" when given one; two minimums in one line; no [4096] hint
+    ("budget=-64", [TINY, "budget=-64"], "budget=-64: method 'icecache' needs a positive number of tokens", SETTINGS),
+    ("budget=0 on Quest", [TINY, "method=quest", "budget=0"], "budget=0: method 'quest' needs a positive", SETTINGS),
+    ("budget=null on IceCache", [TINY, "budget=null"], "method 'icecache' needs a budget: add budget=<tokens>",
+     SETTINGS),
+    ("budget=64.5", [TINY, "budget=64.5"], "budget=64.5 must be a whole number", SETTINGS),
+    ("budget= (empty)", [TINY, "budget="], "budget='' must be a whole number", SETTINGS),
+    ("budget=40 under IceCache's three pages", [TINY, "budget=40"],
+     "icecache needs at least 48 = (1 sink + 1 selected + 1 window page) x page_size=16: use budget=48", SETTINGS),
+    ("-m: a negative budget in the grid", ["-m", TINY, "method=quest", "budget=64,-64"],
+     "1 of the sweep's 2 jobs cannot run; the first, [1] model=tiny_llama method=quest budget=-64", SETTINGS),
+    # types and ranges
+    ("task.lengths=4096 (no list)", [TINY, "task.lengths=4096"],
+     "task.lengths=4096 must be a list of whole numbers: write task.lengths=[4096]", SETTINGS),
+    ("task.datasets=trec (no list)", [TINY, "task=longbench", "task.source=local", "task.data_dir={lb}",
+                                      "task.datasets=trec"], "write task.datasets=[trec]", SETTINGS),
+    ("task.lengths with a word", [TINY, "task.lengths=[400,abc]"], "must be a list of whole numbers", SETTINGS),
+    ("task.lengths=[0]", [TINY, "task.lengths=[0]"], "task.lengths must be a non-empty list of positive", SETTINGS),
+    ("task.limit=-1", [TINY, "task.limit=-1"], "task.limit must be at least 1", SETTINGS),
+    ("resume=maybe", [TINY, "resume=maybe"], "resume='maybe' must be true or false", SETTINGS),
+    ("shard past n_shards", [TINY, "shard=3", "n_shards=2"], "shard=3 of n_shards=2", SETTINGS),
+    ("prefill_chunk_size=-1", [TINY, "prefill_chunk_size=-1"], "prefill_chunk_size must be positive", SETTINGS),
+    ("model.dtype=float64", [TINY, "model.dtype=float64"], "model.dtype=float64 unknown", SETTINGS),
+    # output_root
+    ("output_root a file", [TINY, "output_root={afile}"], "afile is a file, not a folder", SETTINGS),
+    ("output_root under a file", [TINY, "output_root={afile}/runs"], "afile is a file, not a folder", SETTINGS),
+    ("read-only output_root", [TINY, "output_root={readonly}/runs"], "cannot create folders under", SETTINGS),
+    # Hydra syntax: a non-ASCII path was a "malformed override" with no hint to quote it
+    ("unquoted non-ASCII path", [TINY, "task=gsm8k", "task.path=/data/données.jsonl"],
+     "write \"task.path='/data/données.jsonl'\"", SETTINGS),
+    ("unclosed list", [TINY, "task.lengths=[400"], "malformed override task.lengths=[400 (", SETTINGS),
+    ("double =", [TINY, "budget==64"], "malformed override budget==64", SETTINGS),
+    ("a bare word", [TINY, "quest"], "malformed override quest", SETTINGS),
+    ("a misspelt flag", ["--cgf", "job", TINY], "unknown flag --cgf", SETTINGS),
+    ("empty config choice", [TINY, "task="], "unknown task ''", SETTINGS),
 ]
+
+
+def simulate(case_id: str, paths: dict[str, Path], monkeypatch) -> None:
+    """What this machine cannot show as root: a file this user may not read, a folder it may not write."""
+    import pathlib
+    import tempfile
+
+    if case_id == "unreadable GSM8K file":
+        real_open = pathlib.Path.open
+
+        def open_(self, *args, **kwargs):
+            if self == paths["locked"]:
+                raise PermissionError(13, "Permission denied", str(self))
+            return real_open(self, *args, **kwargs)
+
+        monkeypatch.setattr(pathlib.Path, "open", open_)
+    if case_id == "read-only output_root":
+        real_mkdtemp = tempfile.mkdtemp
+
+        def mkdtemp(*args, dir=None, **kwargs):
+            if dir is not None and Path(dir) == paths["readonly"]:
+                raise PermissionError(13, "Permission denied")
+            return real_mkdtemp(*args, dir=dir, **kwargs)
+
+        monkeypatch.setattr(tempfile, "mkdtemp", mkdtemp)
 
 
 @pytest.fixture
@@ -115,10 +218,12 @@ def main(argv: list[str], monkeypatch) -> SystemExit:
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_one_line_exit_2_before_any_model_load_and_leaves_nothing(case, tmp_path, monkeypatch, capfd,
                                                                                  guarded):
-    _, overrides, message, stage = case
+    case_id, overrides, message, stage = case
     paths = {**data(tmp_path), "ruler": FIXTURES / "ruler"}
     out = tmp_path / "runs"
     argv = [o.format(**paths) for o in overrides]
+    simulate(case_id, paths, monkeypatch)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     if not any(o.startswith("output_root=") for o in argv):
         argv.append(f"output_root={out}")
     guarded(stage)
@@ -131,6 +236,7 @@ def test_bad_input_is_one_line_exit_2_before_any_model_load_and_leaves_nothing(c
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], err
     assert "Traceback" not in err
     assert not out.exists() and not (tmp_path / "sweeps").exists()  # no run directory, no sweep directory
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing made, nothing lost
     assert elapsed < 120  # generous: the structure above is the real check
 
 
@@ -177,3 +283,103 @@ def test_a_local_sweep_goes_on_after_a_failing_job_and_says_where_results_are(tm
     finished = list(out.rglob("metrics.json"))
     assert len(finished) == 1  # the job after the failing one ran
     assert f"results: {finished[0].parent}" in captured.out
+
+
+def test_a_hub_model_without_network_fails_at_once_without_retries(tmp_path, monkeypatch, capfd, guarded):
+    """No network (simulated: every connection refused, no name resolves) and the model not in the hub's cache:
+    the hub is tried once, with a short timeout, and the model read from the cache alone, so the line comes at once
+    instead of after the hub client's retries (22 lines over 30 s)."""
+    import socket
+
+    import icecache.core.models as models
+
+    def no_network(*args, **kwargs):
+        raise OSError(101, "Network is unreachable")
+
+    monkeypatch.setattr(socket, "create_connection", no_network)
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: (_ for _ in ()).throw(socket.gaierror(-2)))
+    monkeypatch.setattr(models, "_HUB_REACHABLE", {}, raising=False)
+    guarded(MODEL_CONFIG)
+    start = time.monotonic()
+    stopped = main(["model=llama31_8b", "model.path=icecache-harness-test/no-such-model",
+                    f"output_root={tmp_path / 'runs'}"], monkeypatch)
+    elapsed = time.monotonic() - start
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert stopped.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("error: could not load model llama-3.1-8b-instruct (icecache-harness-test/no-such-"
+                               "model) from the hub") and "set model.path=" in lines[0]
+    assert elapsed < 20  # the retries alone took 23 s
+    assert not (tmp_path / "runs").exists()
+
+
+ACCEPTED = [
+    ("spaces in output_root", ["output_root='{tmp}/my runs'"], "my runs"),
+    ("quoted non-ASCII output_root", ["output_root='{tmp}/résultats'"], "résultats"),
+    ("budget and method.budget the same", ["budget=128", "method.budget=128", "output_root={tmp}/runs"], "runs"),
+]
+
+
+@pytest.mark.parametrize("case", ACCEPTED, ids=[c[0] for c in ACCEPTED])
+def test_good_input_with_spaces_or_unicode_runs(case, tmp_path, monkeypatch, capfd):
+    """Not refused: spaces and (quoted) letters beyond ASCII in a path, one budget given twice; each runs."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    _, overrides, root = case
+    GlobalHydra.instance().clear()
+    argv = [TINY, "task.lengths=[400]", "task.num_depths=1", *(o.format(tmp=tmp_path) for o in overrides)]
+    monkeypatch.setattr(sys, "argv", ["run.py", *argv])
+    cli.main()
+    GlobalHydra.instance().clear()
+    assert "error:" not in capfd.readouterr().err
+    assert len(list((tmp_path / root).rglob("metrics.json"))) == 1
+
+
+KILLABLE_RUN = """
+import sys, time
+from icecache.core import generation
+real = generation.greedy_generate
+def slow(*args, **kwargs):
+    time.sleep(0.3)  # time for the kill to land mid-run
+    return real(*args, **kwargs)
+generation.greedy_generate = slow
+from eval import cli
+sys.argv = ["run.py", *sys.argv[1:]]
+cli.main()
+"""
+
+
+def test_a_run_killed_with_sigkill_resumes_saying_so_without_losing_or_duplicating_a_sample(tmp_path, monkeypatch,
+                                                                                            capfd):
+    import json
+    import os
+    import signal
+    import subprocess
+
+    argv = [TINY, "method=full", "task.lengths=[300]", "task.num_depths=8", f"output_root={tmp_path / 'runs'}"]
+    job = subprocess.Popen([sys.executable, "-c", KILLABLE_RUN, *argv], cwd=REPO, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    written: list[Path] = []
+    while time.monotonic() < deadline and job.poll() is None:
+        written = list((tmp_path / "runs").rglob("predictions.jsonl"))
+        if written and len(written[0].read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.05)
+    assert job.poll() is None, "the run ended before it could be killed"
+    os.kill(job.pid, signal.SIGKILL)
+    job.wait()
+    predictions = written[0]
+    kept = [json.loads(line)["sample_id"] for line in predictions.read_text().splitlines() if line.endswith("}")]
+    assert 2 <= len(kept) < 8 and not (predictions.parent / "metrics.json").exists()
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    monkeypatch.setattr(sys, "argv", ["run.py", *argv])
+    cli.main()
+    GlobalHydra.instance().clear()
+    out = capfd.readouterr().out
+    assert f"resuming {predictions.parent}: {len(kept)} of 8 samples already written, {8 - len(kept)} to run" in out
+    ids = [json.loads(line)["sample_id"] for line in predictions.read_text().splitlines()]
+    assert ids[:len(kept)] == kept and sorted(ids) == sorted(set(ids)) and len(ids) == 8  # each once, none lost
+    assert json.loads((predictions.parent / "metrics.json").read_text())["n_samples"] == 8

@@ -99,23 +99,44 @@ class Task(ABC):
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The objects of a JSON-lines file (blank lines skipped); a line that is not a JSON object is a
-    ``ConfigError`` that names the file and the line."""
+    """The objects of a JSON-lines file (blank lines skipped); a file that cannot be read (no permission, not UTF-8
+    text) or a line that is not a JSON object is a ``ConfigError`` that names the file (and the line)."""
     rows = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                reason = f"{error.msg.removesuffix(' at')} at column {error.colno}"
-                message = f"{path} line {number} is not valid JSON ({reason}); fix or remove the line"
-                raise ConfigError(message) from None
-            if not isinstance(row, dict):
-                raise ConfigError(f"{path} line {number} is not a JSON object ({{...}}); fix or remove the line")
-            rows.append(row)
+    try:
+        with path.open(encoding="utf-8") as handle:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                rows.append(_jsonl_row(path, number, line))
+    except PermissionError:
+        raise ConfigError(f"{path} cannot be read by this user (permission denied): make it readable "
+                          f"(chmod a+r {path}) or point the task at a copy you can read") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not UTF-8 text (line {_first_undecodable_line(path)} is not): give a "
+                          f"JSON-lines file of UTF-8 text, one JSON object per line") from None
     return rows
+
+
+def _first_undecodable_line(path: Path) -> int:
+    """The number of the first line of ``path`` that is not UTF-8 (read again only to say where)."""
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, 1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return number
+    return 1  # a sequence cut by a line break: the decoder saw it, the lines alone do not
+
+
+def _jsonl_row(path: Path, number: int, line: str) -> dict[str, Any]:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as error:
+        reason = f"{error.msg.removesuffix(' at')} at column {error.colno}"
+        raise ConfigError(f"{path} line {number} is not valid JSON ({reason}); fix or remove the line") from None
+    if not isinstance(row, dict):
+        raise ConfigError(f"{path} line {number} is not a JSON object ({{...}}); fix or remove the line")
+    return row
 
 
 TASKS: Registry[type[Task]] = Registry("task")

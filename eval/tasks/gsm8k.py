@@ -117,7 +117,8 @@ class GSM8K(Task):
             path = resolve_path(self.config.path)
             if not path.is_file():
                 raise ConfigError(
-                    f"GSM8K file {path} not found; set task.path (or $ICECACHE_GSM8K) to a JSONL with fields "
+                    f"GSM8K file {path} {'is a folder' if path.is_dir() else 'not found'}; set task.path (or "
+                    f"$ICECACHE_GSM8K) to a JSONL with fields "
                     f"question and answer (the GSM8K test set), or use task.source=hub"
                 )
             return read_jsonl(path)

@@ -64,8 +64,11 @@ class MethodConfig:
     def check_budget(self) -> None:
         """``ConfigError`` unless the budget is a positive whole number of the method's pages."""
         budget = self.budget
-        if budget is None or budget <= 0:
-            raise ConfigError(f"method {self.name!r} needs a positive budget: add budget=<tokens>")
+        if budget is None:
+            raise ConfigError(f"method {self.name!r} needs a budget: add budget=<tokens>")
+        if budget <= 0:
+            raise ConfigError(f"budget={budget}: method {self.name!r} needs a positive number of tokens (KV slots per "
+                              f"query head), e.g. budget=256")
         page = self.budget_page_size()
         if isinstance(page, int) and page > 0 and budget % page:
             lower, upper = budget // page * page, (budget // page + 1) * page

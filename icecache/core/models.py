@@ -122,7 +122,10 @@ class PretrainedSource(ModelSource):
             raise ConfigError(f"model {spec.name}: set model.path to a hub id or a local directory")
 
     def _kwargs(self, spec) -> dict[str, Any]:
-        return {"trust_remote_code": spec.trust_remote_code, "gguf_file": spec.gguf_file}
+        kwargs = {"trust_remote_code": spec.trust_remote_code, "gguf_file": spec.gguf_file}
+        if not Path(self._location(spec)).expanduser().is_dir() and not hub_reachable():
+            kwargs["local_files_only"] = True  # the hub's cache only: no minute of retries before the same error
+        return kwargs
 
     def _location(self, spec) -> str:
         return spec.path
@@ -151,6 +154,35 @@ class PretrainedSource(ModelSource):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(self._location(spec), **self._kwargs(spec))
+
+
+HUB_PROBE_TIMEOUT_S = 3.0
+_HUB_REACHABLE: dict[str, bool] = {}
+
+
+def hub_reachable() -> bool:
+    """Whether the hub (``HF_ENDPOINT``, through ``HTTPS_PROXY`` where one is set) takes a connection, tried once per
+    process with a short timeout; False under ``HF_HUB_OFFLINE``. Without it, a hub model on a machine without
+    network is read from the local cache alone, at once, instead of after the hub client's retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    proxy = next((os.environ[name] for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+                  if os.environ.get(name)), None)
+    target = urlparse(proxy if proxy else constants.ENDPOINT)
+    host, port = target.hostname or "", target.port or (443 if target.scheme == "https" else 80)
+    key = f"{host}:{port}"
+    if key not in _HUB_REACHABLE:
+        try:
+            socket.create_connection((host, port), timeout=HUB_PROBE_TIMEOUT_S).close()
+            _HUB_REACHABLE[key] = True
+        except OSError:
+            _HUB_REACHABLE[key] = False
+    return _HUB_REACHABLE[key]
 
 
 @MODEL_SOURCES.register("local")

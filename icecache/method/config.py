@@ -83,11 +83,10 @@ class IceCacheConfig(MethodConfig):
             return  # no budget, a wrong type, a bad page size: the method's check says which
         pages = self.budget // self.page_size
         if pages - self.n_sink_pages - self.n_window_pages < 1:
+            # Fitted already (fitted_to_budget): below min_budget the sink and window pages cannot shrink further.
             raise ConfigError(
-                f"budget {self.budget} gives {pages} pages of {self.page_size} tokens, but n_sink_pages "
-                f"({self.n_sink_pages}) + n_window_pages ({self.n_window_pages}) + 1 selected page need "
-                f"{(self.n_sink_pages + self.n_window_pages + 1) * self.page_size}: raise the budget (IceCache needs "
-                f"at least {3 * self.page_size}: 1 sink + 1 selected + 1 window page)"
+                f"budget {self.budget} gives {pages} pages of {self.page_size} tokens; {self.name} needs at least "
+                f"{self.min_budget()} = {self.min_budget_reason()}: use budget={self.min_budget()} or more"
             )
 
     @property
