@@ -32,11 +32,11 @@ differently without losing or repeating a sample. Before any worker loads a mode
 need this host (its data, the packages it reads) run once. Exit status: 0 every run done, 2 a job cannot run or
 failed, 3 time ran out with runs left.
 
-With ``hydra/launcher=slurm`` or ``slurm_local`` the runs go as one job array through hydra-submitit-launcher's
-launcher (Hydra's own ``run.py -m`` would submit every job of the grid and, on Slurm, report a task whose run
-stopped with an error as completed); the sweep waits for every task and reports each that did not finish:
-``failed`` with the run's error line, ``crashed`` (an exception, or the task left the queue without a result:
-killed, out of memory), each with its log file. Exit status: 0 all finished, 2 some failed, 1 some crashed.
+With ``hydra/launcher=slurm`` or ``slurm_local`` the runs that are not done go as one job array through
+hydra-submitit-launcher's launcher (``run.py -m`` submits every job of the grid, done ones included); the sweep
+waits for every task and reports each that did not finish, as ``run.py -m`` does (eval/cli.py): ``failed`` with
+the run's error line, ``crashed`` (an exception, or the task left the queue without a result: killed, out of
+memory), each with its log file. Exit status: 0 all finished, 2 some failed, 1 some crashed.
 
 ``--restore CURATED`` first puts back the finished runs of an earlier curated file (their metrics.json), so that
 a host without the runs' directories skips them, and curating carries them into the next file. ``--curate NAME``
@@ -54,10 +54,8 @@ GPU host will (the default is this machine's device, or cuda for a Slurm launche
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime as dt
-import io
 import json
 import multiprocessing as mp
 import os
@@ -76,8 +74,6 @@ from typing import Any
 from eval import cli
 
 REPO = Path(__file__).resolve().parent.parent
-COLLECT_HINT = ("collect the results (whatever the exit code): "
-                "python scripts/collect.py results/runs --out results/summary")
 
 
 @dataclass
@@ -729,187 +725,20 @@ def curate(jobs: list[Job], sweeps: list[list[str]], name: str, out: Path, bench
 
 
 def is_submitit(base) -> bool:
-    return "hydra_submitit_launcher" in str(base.hydra.launcher.get("_target_", ""))
-
-
-def task_overrides(overrides: list[str]) -> list[str]:
-    """A job's overrides without the ``hydra...`` ones: those belong to the sweep's config, which the launcher
-    composes each task from (as Hydra's own sweeper hands its launcher only the task overrides)."""
-    return [o.input_line for o in cli.parse_overrides(overrides) if not o.is_hydra_override()]
-
-
-def run_task(cfg) -> dict | None:
-    """One task of the array (on the node): the run, as ``run.py`` runs it. None when it stopped with an
-    ``error:`` line (in the task's log), so that the sweep reports the task as failed instead of completed."""
-    from eval.runner import main_from_dict
-
-    return main_from_dict(cli.run_values(cfg), exit_on_error=False)
-
-
-@dataclass
-class TaskOutcome:
-    index: int
-    job: Job
-    status: str = "pending"  # finished, failed (an error line), crashed (raised, killed, vanished)
-    reason: str = ""
-    log: Path | None = None
+    return cli.is_submitit_launcher(base)
 
 
 def launch_submitit(overrides: list[str], todo: list[Job], n_done: int) -> int:
-    """Submit ``todo`` as one array with the configured submitit launcher, wait for every task, report each:
-    0 when all finished, 2 when some stopped with an error line, 1 when one crashed or vanished."""
-    from omegaconf import OmegaConf
-
+    """Submit ``todo`` as one array with the configured submitit launcher, wait for every task, report each
+    (eval/cli.py: the same report as ``run.py -m``'s): 0 when all finished, 2 when some stopped with an error
+    line, 1 when one crashed or vanished."""
     # Relative paths (output_root, the sweep dir) mean the same on the nodes as here: tasks start in the folder
-    # sbatch was called from, which is the repository, as for run.py -m. That folder also makes eval importable
-    # there (submitit starts each task with python -m), so the task function goes by reference.
+    # sbatch was called from, which is the repository, as the run directories listed here are. That folder also
+    # makes eval importable there (submitit starts each task with python -m), so the task function goes by
+    # reference.
     os.chdir(REPO)
-    launcher, cfg = cli.multirun_launcher(overrides, run_task)
-    sweep_dir = Path(str(cfg.hydra.sweep.dir))
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, sweep_dir / "multirun.yaml")
-    slurm = cli.submitit_executor_name(launcher) == "slurm"
-    runs = f"{len(todo)} run{'s' if len(todo) != 1 else ''}"
-    kind = ("to Slurm" + (" as one job array" if len(todo) > 1 else "")) if slurm else "as submitit local processes"
-    print(f"submitting {runs} {kind}" + (f" ({n_done} done, skipped)" if n_done else ""), flush=True)
-    try:
-        # submitit prints sbatch's stderr before it raises; the reason goes in the one error line instead
-        with contextlib.redirect_stderr(io.StringIO()):
-            jobs = submit_array(launcher, [task_overrides(job.overrides) for job in todo])
-    except Exception as error:  # noqa: BLE001  sbatch refused the array (a partition, account or QOS it rejects)
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        cli.fail(f"the submission failed, nothing was submitted: {lines[-1] if lines else type(error).__name__}")
-    if slurm:
-        # submitit submits a lone task as a plain job, not an array of one
-        what = (f"job array {jobs[0].job_id.split('_')[0]} (tasks 0-{len(jobs) - 1})" if len(jobs) > 1
-                else f"job {jobs[0].job_id}")
-        print(f"submitted {what}; logs: {jobs[0].paths.folder.parent}; waiting for it (interrupting leaves it "
-              f"running)", flush=True)
-    outcomes = [TaskOutcome(i, job, log=submitted.paths.stdout) for i, (job, submitted) in enumerate(zip(todo, jobs))]
-    try:
-        wait_for_tasks(jobs, outcomes, slurm)
-    except KeyboardInterrupt:
-        print("interrupted: the tasks go on; resubmit the same sweep later to wait for (or rerun) what is left",
-              file=sys.stderr)
-        return 130
-    return report(outcomes)
-
-
-def submit_array(launcher, job_overrides: list[list[str]]):
-    """What ``BaseSubmititLauncher.launch`` submits (its executor, its parameters, the launcher object as each
-    task's callable), returning the submitit jobs instead of waiting on them in order: that method returns
-    only when every task wrote a result and raises at the first one that did not, dropping the others' report."""
-    import submitit
-    from hydra.core.singleton import Singleton
-    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
-    from omegaconf import OmegaConf
-
-    params, executor_name = launcher.params, cli.submitit_executor_name(launcher)
-    init_keys = {"max_num_timeout", "submitit_folder"}
-    executor = submitit.AutoExecutor(
-        cluster=executor_name, folder=params["submitit_folder"],
-        **{f"{executor_name}_{k}": v for k, v in params.items() if k == "max_num_timeout"})
-    shared = set(OmegaConf.structured(BaseQueueConf).keys())
-    executor.update_parameters(**{k if k in shared else f"{executor_name}_{k}": v
-                                  for k, v in params.items() if k not in init_keys})
-    arguments = [(overrides, "hydra.sweep.dir", index, f"job_id_for_{index}", Singleton.get_state())
-                 for index, overrides in enumerate(job_overrides)]
-    return executor.map_array(launcher, *zip(*arguments))
-
-
-# squeue states of a task that may still write its result (a preempted task is PENDING again once requeued).
-ACTIVE_STATES = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_FED", "RESIZING",
-                           "SUSPENDED", "SIGNALING", "STAGE_OUT"})
-LOST_AFTER_S = 10.0  # a task gone from squeue's active states with no result for this long has died
-
-
-def wait_for_tasks(jobs, outcomes: list[TaskOutcome], slurm: bool) -> None:
-    """Until every task has an outcome: its result file (what the task returned or raised), or, for a Slurm task
-    that left the queue without one (killed, out of memory, node failure), "crashed". Slurm states come from
-    squeue, which every cluster has (sacct needs an accounting database)."""
-    start = time.time()
-    inactive_since: dict[int, float] = {}
-    pending = {outcome.index for outcome in outcomes}
-    while pending:
-        states = squeue_states(jobs[0].job_id.split("_")[0]) if slurm else None
-        now = time.time()
-        for index in sorted(pending):
-            job, outcome = jobs[index], outcomes[index]
-            if job.paths.result_pickle.exists() or (not slurm and job.done()):
-                read_outcome(job, outcome)
-                pending.discard(index)
-            elif states is not None and states.get(job.job_id) not in ACTIVE_STATES:
-                first = inactive_since.setdefault(index, now)
-                refresh_listing(job.paths.folder)
-                if job.paths.result_pickle.exists():
-                    continue  # read at the next poll
-                if now - first >= LOST_AFTER_S:
-                    state = states.get(job.job_id, "gone from the queue")
-                    outcome.status, outcome.reason = "crashed", f"the task ended without a result (Slurm: {state})"
-                    pending.discard(index)
-            else:
-                inactive_since.pop(index, None)
-        if pending:
-            time.sleep(min(30.0, max(2.0, (time.time() - start) / 10)))
-
-
-def refresh_listing(folder: Path) -> None:
-    """Make an NFS client look at the folder again (a file another node wrote may not show yet otherwise)."""
-    try:
-        folder.chmod(folder.stat().st_mode)
-    except OSError:
-        pass
-
-
-def squeue_states(array_id: str) -> dict[str, str] | None:
-    """{"<array>_<task>": state} of the array's tasks still in the queue (finished ones stay MinJobAge); None
-    when squeue does not answer (then nothing is declared crashed)."""
-    try:
-        result = subprocess.run(["squeue", "-h", "-r", "-t", "all", "-j", array_id, "-o", "%i %T"],
-                                capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if result.returncode != 0:
-        return None
-    return dict(line.split(None, 1) for line in result.stdout.splitlines() if len(line.split(None, 1)) == 2)
-
-
-def read_outcome(job, outcome: TaskOutcome) -> None:
-    try:
-        returned = job.result()
-    except Exception as error:  # noqa: BLE001  the task raised outside the run (submitit's own failure)
-        outcome.status, outcome.reason = "crashed", cli.first_line(error)
-        return
-    value = getattr(returned, "_return_value", None)
-    if getattr(getattr(returned, "status", None), "name", "") == "FAILED":
-        outcome.status, outcome.reason = "crashed", f"{type(value).__name__}: {cli.first_line(value)}"
-    elif value is None:
-        outcome.status, outcome.reason = "failed", last_error_line(outcome.log) or "the run stopped with an error"
-    else:
-        outcome.status = "finished"
-
-
-def last_error_line(log: Path | None) -> str | None:
-    try:
-        lines = log.read_text(errors="replace").splitlines() if log else []
-    except OSError:
-        return None
-    return next((line.removeprefix("error: ") for line in reversed(lines) if line.startswith("error: ")), None)
-
-
-def report(outcomes: list[TaskOutcome]) -> int:
-    counts = {status: sum(o.status == status for o in outcomes) for status in ("finished", "failed", "crashed")}
-    print(f"sweep: {len(outcomes)} tasks: {counts['finished']} finished, {counts['failed']} failed, "
-          f"{counts['crashed']} crashed")
-    for outcome in outcomes:
-        if outcome.status == "finished":
-            continue
-        alone = "python run.py " + " ".join(shlex.quote(o) for o in task_overrides(outcome.job.overrides))
-        print(f"[{outcome.index:4d}] {outcome.status}: {outcome.reason}\n       log: {outcome.log}\n       {alone}")
-    if counts["failed"] or counts["crashed"]:
-        print("resubmit the same sweep after fixing them: finished runs are skipped, partial ones resume",
-              file=sys.stderr)
-    return 1 if counts["crashed"] else 2 if counts["failed"] else 0
+    launcher, cfg = cli.multirun_launcher(overrides, cli.run_task)
+    return cli.launch_submitit(launcher, cfg, [cli.task_overrides(job.overrides) for job in todo], skipped=n_done)
 
 
 def submit(sweep: Sweep, runs: list[Job]) -> int:
@@ -1024,5 +853,5 @@ def main(argv: list[str] | None = None) -> int:
     if left:
         print(f"{len(left)} run(s) not finished: call again with the same sweeps to resume")
     if not args.no_run:
-        print(COLLECT_HINT)
+        print(cli.collect_hint(list(dict.fromkeys(str(job.values["output_root"]) for job in runs if job.values))))
     return code or (2 if failed else 0)

@@ -1,7 +1,8 @@
 """The Slurm path against a real one-node cluster on this machine (scripts/slurm_local_cluster.sh: munged,
 slurmctld, slurmd): a sweep is one job array submitted through hydra-submitit-launcher whose tasks all finish and
 are collected; a preempted task comes back and resumes its run from predictions.jsonl; a task that fails is
-reported with its log while the others finish; a finished sweep submits nothing. The tests marked ``slurm`` are
+reported with its log while the others finish, by scripts/sweep.py and by run.py -m alike; a finished sweep submits
+nothing. The tests marked ``slurm`` are
 skipped, with the reason, only where Slurm cannot be installed or started (no apt-get, not root)."""
 
 from __future__ import annotations
@@ -229,6 +230,28 @@ def test_failed_and_killed_tasks_are_reported_with_their_logs_and_the_other_fini
     # Slurm itself saw task 0 end normally: only the sweep's report tells that its run failed
     states = {t["ArrayTaskId"]: t["JobState"] for t in ended_records(array)}
     assert states == {"0": "COMPLETED", "1": "COMPLETED", "2": "CANCELLED"}
+
+
+@pytest.mark.slurm
+def test_run_py_m_reports_a_task_whose_run_failed_with_its_log_and_exits_2(slurm_cluster, tmp_path, monkeypatch,
+                                                                          capfd):
+    """Hydra's own path (run.py -m): the task of a file missing once the checks passed is reported as failed, with
+    its log under the output root, though Slurm saw it end normally; the other task finishes."""
+    from tests.test_sweeps import failed_reports, sweep_with_a_run_that_fails
+
+    code, root, doomed = sweep_with_a_run_that_fails(tmp_path, monkeypatch, *LAUNCHER)
+    out, err = capfd.readouterr()
+    assert code == 2, out + err
+    assert "sweep: 2 tasks: 1 finished, 1 failed, 0 crashed" in out, out + err
+    [(index, (reason, log, command))] = failed_reports(out).items()
+    array = array_id(out)
+    assert index == 0 and str(doomed) in reason and "not found" in reason and f"task.path={doomed}" in command
+    assert Path(log) == root / ".sweeps" / "gsm8k" / "tiny-llama" / ".submitit" / f"{array}_0" / f"{array}_0_0_log.out"
+    assert f"error: {reason}" in Path(log).read_text()
+    assert "error: 1 job(s) of the sweep did not finish" in err
+    [finished] = root.rglob("metrics.json")
+    assert json.loads(finished.read_text())["settings"]["task"]["path"] == str(FIXTURES / "gsm8k" / "test.jsonl")
+    assert {t["ArrayTaskId"]: t["JobState"] for t in ended_records(array)} == {"0": "COMPLETED", "1": "COMPLETED"}
 
 
 @pytest.mark.slurm

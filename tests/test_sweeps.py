@@ -5,6 +5,8 @@ in their config. CPU only."""
 from __future__ import annotations
 
 import json
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -128,3 +130,116 @@ def test_icecache_reuse_prompt_within_the_budget_and_decode_past_it():
     result = greedy_generate(model, HarnessCache(build_method({"name": "icecache_reuse", "budget": 256}, info)),
                              GenerationRequest(ids, 64))
     assert len(result.token_ids) == 64 and result.counters["pages_loaded"] > 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# run.py -m: a job whose run fails is reported, with its log, and the sweep exits non-zero, on every launcher;
+# the sweep's own files and the closing hint follow output_root
+
+
+def run_py(argv: list[str], monkeypatch) -> int:
+    """``run.py <argv>`` in this process (eval/cli.py's main); -> its exit status."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from eval import cli
+
+    GlobalHydra.instance().clear()
+    monkeypatch.setattr(sys, "argv", ["run.py", *argv])
+    try:
+        cli.main()
+    except SystemExit as stopped:
+        return stopped.code
+    finally:
+        GlobalHydra.instance().clear()
+    return 0
+
+
+def sweep_with_a_run_that_fails(tmp_path: Path, monkeypatch, *launcher: str) -> tuple[int, Path, Path]:
+    """``run.py -m`` over two GSM8K files, the first removed once the command line's checks have passed: only its
+    job can tell (as a file missing on a cluster's node). -> (exit status, output root, the removed file)."""
+    from eval import cli
+
+    doomed = tmp_path / "data" / "test.jsonl"
+    doomed.parent.mkdir()
+    doomed.write_text((FIXTURES / "gsm8k" / "test.jsonl").read_text())
+    checks = cli.precheck
+
+    def checks_then_removal(argv):
+        checks(argv)
+        doomed.unlink()
+
+    monkeypatch.setattr(cli, "precheck", checks_then_removal)
+    root = tmp_path / "runs"
+    code = run_py(["-m", "experiment=gsm8k", "model=tiny_llama", "method=full", "budget=256", "task.limit=1",
+                   f"task.path={doomed},{FIXTURES / 'gsm8k' / 'test.jsonl'}", f"output_root={root}", *launcher],
+                  monkeypatch)
+    return code, root, doomed
+
+
+def failed_reports(output: str) -> dict[int, tuple[str, str, str]]:
+    """{index: (reason, log, command)} of each job the sweep's report lists as failed."""
+    return {int(index): (reason, log, command) for index, reason, log, command in re.findall(
+        r"^\[ +(\d+)\] failed: (.+)\n +log: (.+)\n +python run\.py (.+)$", output, re.M)}
+
+
+def sweep_files_in_the_clone() -> dict[str, int]:
+    return {str(p): p.stat().st_mtime_ns for p in (REPO / "results" / "sweeps").rglob("*")} \
+        if (REPO / "results" / "sweeps").exists() else {}
+
+
+@pytest.mark.parametrize("launcher", ["local", "slurm_local"])
+def test_run_py_m_reports_a_job_whose_run_failed_with_its_log_and_exits_2(launcher, tmp_path, monkeypatch, capfd):
+    before = sweep_files_in_the_clone()
+    code, root, doomed = sweep_with_a_run_that_fails(tmp_path, monkeypatch, f"hydra/launcher={launcher}")
+    out, err = capfd.readouterr()
+    assert code == 2, out + err
+    assert "sweep: 2 tasks: 1 finished, 1 failed, 0 crashed" in out, out + err
+    [(index, (reason, log, command))] = failed_reports(out).items()
+    assert index == 0 and str(doomed) in reason and f"task.path={doomed}" in command, out
+    if launcher == "local":
+        assert log == "this process's output, above" and f"error: {reason}" in err
+    else:  # the task's own log, under the output root's sweep folder
+        assert Path(log).parent.parent == root / ".sweeps" / "gsm8k" / "tiny-llama" / ".submitit"
+        assert f"error: {reason}" in Path(log).read_text()
+    assert [line for line in err.splitlines() if line.startswith("error: ")][-1].startswith(
+        "error: 1 job(s) of the sweep did not finish")
+    [finished] = root.rglob("metrics.json")  # the other job ran to the end
+    assert json.loads(finished.read_text())["settings"]["task"]["path"] == str(FIXTURES / "gsm8k" / "test.jsonl")
+    # defect: the sweep's folder and the hint followed the clone's results/, not output_root
+    assert (root / ".sweeps" / "gsm8k" / "tiny-llama" / "multirun.yaml").exists()
+    assert sweep_files_in_the_clone() == before
+    assert f"python scripts/collect.py {root} --out results/summary" in out
+
+
+def test_run_py_m_exits_0_when_every_job_finishes(tmp_path, monkeypatch, capfd):
+    code = run_py(["-m", "model=tiny_llama", "method=full", "task=gsm8k", "task.limit=1",
+                   f"task.path={FIXTURES / 'gsm8k' / 'test.jsonl'}", f"output_root={tmp_path}"], monkeypatch)
+    out, err = capfd.readouterr()
+    assert code == 0, out + err
+    assert "sweep: 1 tasks: 1 finished, 0 failed, 0 crashed" in out and not failed_reports(out)
+    assert (tmp_path / ".sweeps" / "multirun.yaml").exists()
+
+
+def test_the_sweep_folder_is_inside_the_output_root_and_no_part_of_a_run(tmp_path):
+    from eval.cli import JobComposer, compose_one, hydra_context, run_values
+
+    with hydra_context():
+        experiment = ["experiment=passkey", "model=tiny_llama"]
+        for overrides, tail in (([], ".sweeps"), (experiment, ".sweeps/passkey/tiny-llama")):
+            for root in ("results/runs", str(tmp_path)):
+                cfg = compose_one([f"output_root={root}", *overrides], with_hydra=True)
+                assert cfg.hydra.sweep.dir == f"{root}/{tail}"
+        # the run's settings (and so its directory's hash) hold nothing of the hydra node
+        values = run_values(JobComposer().compose([f"output_root={tmp_path}", "hydra.sweep.dir=/elsewhere"]))
+        assert "hydra" not in values and values == run_values(JobComposer().compose([f"output_root={tmp_path}"]))
+
+
+def test_scripts_sweep_names_the_output_root_in_its_closing_hint(tmp_path, capsys):
+    overrides = ["experiment=passkey", "model=tiny_llama", "method=full", "budget=256", "task.lengths=[400]",
+                 "task.num_depths=1", f"output_root={tmp_path}"]
+    [job], _ = sweep.expand(overrides, device="cpu")
+    job.path.mkdir(parents=True)
+    (job.path / "metrics.json").write_text("{}")  # done: the call runs nothing
+    assert sweep.main(overrides) == 0
+    out = capsys.readouterr().out
+    assert f"python scripts/collect.py {tmp_path} --out results/summary" in out and "results/runs" not in out
