@@ -66,8 +66,25 @@ def prepare(config: RunConfig):
     check_model(config.model)
     info = read_model_part(config.model, lambda: memo("model_info", model_key(config),
                                                      lambda: model_info(config.model)))
+    check_positions(task, config, info.max_positions)
     method = build_method(config.method, info)
     return task, method
+
+
+def check_positions(task, config: RunConfig, positions: int | None) -> None:
+    """A prompt past the positions the model declares would run on positions it never saw, and score as if it were
+    a fair run: refuse the task's lengths (or LongBench's truncation length) past them. ``model.max_length`` alone
+    above them is not refused, since a task may ask for less."""
+    if positions is None or positions >= config.model.max_length:
+        return
+    try:
+        task.check_max_length(positions)
+    except ConfigError:
+        raise ConfigError(
+            f"the task asks for prompts longer than the {positions} positions of model {config.model.name} "
+            f"(max_position_embeddings in its config; model.max_length={config.model.max_length} is past them too): "
+            f"lower the task's lengths, or set model.config.max_position_embeddings=<n> to run past them on purpose"
+        ) from None
 
 
 def build_samples(task, config: RunConfig):

@@ -85,6 +85,9 @@ CASES = [
     ("passkey longer than the model", [TINY, "task.lengths=[9000]"], "exceeds the model's max_length 8000", SETTINGS),
     ("RULER longer than the model", [TINY, "task=ruler", "task.data_dir={ruler}", "task.lengths=[9000]"],
      "ruler length 9000 exceeds the model's max_length 8000", SETTINGS),
+    ("passkey past the model's positions", [TINY, "model.max_length=20000", "task.lengths=[16000]",
+                                            "task.calibration=tokens"],
+     "longer than the 8192 positions of model", MODEL_CONFIG),
     # inputs found only once the model had loaded
     ("passkey length under its fixed text", [TINY, "task.lengths=[10]"], "passkey length 10 is shorter", TOKENIZER),
     ("GSM8K row without question", [TINY, "task=gsm8k", "task.path={noq}"], "row 2 of", SETTINGS),
@@ -227,9 +230,7 @@ def test_bad_input_is_one_line_exit_2_before_any_model_load_and_leaves_nothing(c
     if not any(o.startswith("output_root=") for o in argv):
         argv.append(f"output_root={out}")
     guarded(stage)
-    start = time.monotonic()
     stopped = main(argv + [f"hydra.sweep.dir={tmp_path / 'sweeps'}"] if "-m" in argv else argv, monkeypatch)
-    elapsed = time.monotonic() - start
     err = capfd.readouterr().err
     lines = [line for line in err.splitlines() if line.strip() and not line.startswith("loading ")]
     assert stopped.code == 2, err
@@ -237,7 +238,6 @@ def test_bad_input_is_one_line_exit_2_before_any_model_load_and_leaves_nothing(c
     assert "Traceback" not in err
     assert not out.exists() and not (tmp_path / "sweeps").exists()  # no run directory, no sweep directory
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing made, nothing lost
-    assert elapsed < 120  # generous: the structure above is the real check
 
 
 def test_a_hub_model_without_network_is_one_line(tmp_path, monkeypatch, capfd, guarded):
@@ -293,22 +293,29 @@ def test_a_hub_model_without_network_fails_at_once_without_retries(tmp_path, mon
 
     import icecache.core.models as models
 
+    attempts = []
+
     def no_network(*args, **kwargs):
+        attempts.append(args)
         raise OSError(101, "Network is unreachable")
 
+    def no_name(*args, **kwargs):
+        attempts.append(args)
+        raise socket.gaierror(-2)
+
     monkeypatch.setattr(socket, "create_connection", no_network)
-    monkeypatch.setattr(socket, "getaddrinfo", lambda *args, **kwargs: (_ for _ in ()).throw(socket.gaierror(-2)))
+    monkeypatch.setattr(socket, "getaddrinfo", no_name)
     monkeypatch.setattr(models, "_HUB_REACHABLE", {}, raising=False)
     guarded(MODEL_CONFIG)
-    start = time.monotonic()
     stopped = main(["model=llama31_8b", "model.path=icecache-harness-test/no-such-model",
                     f"output_root={tmp_path / 'runs'}"], monkeypatch)
-    elapsed = time.monotonic() - start
     lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
     assert stopped.code == 2 and len(lines) == 1, lines
     assert lines[0].startswith("error: could not load model llama-3.1-8b-instruct (icecache-harness-test/no-such-"
                                "model) from the hub") and "set model.path=" in lines[0]
-    assert elapsed < 20  # the retries alone took 23 s
+    # The probe and at most one more connection before the local cache is read: without the probe the hub
+    # client retried a dozen times (about 23 s) before its error.
+    assert len(attempts) <= 2, attempts
     assert not (tmp_path / "runs").exists()
 
 

@@ -31,6 +31,8 @@ class ModelInfo:
     dtype: torch.dtype = torch.float32
     # The model's RoPE, for methods that need the keys before it (None: not known, as for a bare geometry).
     rotary: Rotary | None = None
+    # The positions the model's config declares (max_position_embeddings; None: the config names none).
+    max_positions: int | None = None
 
     @classmethod
     def from_config(cls, config: Any, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
@@ -44,6 +46,7 @@ class ModelInfo:
             device=torch.device(device),
             dtype=dtype,
             rotary=Rotary.from_config(config),
+            max_positions=getattr(config, "max_position_embeddings", None),
         )
 
     @property
