@@ -173,7 +173,7 @@ def latency_rows(results: Path, scaling: bool = False) -> list[tuple[dict[str, A
     chosen = []
     for (context, method), (row, f) in newest.items():
         if ":" in method:
-            base = newest.get((context, method.split(":")[0]))
+            base = newest.get((context, split_method(method)[0]))
             if base is None or base[1] is not f:
                 continue
         chosen.append((row, f))
@@ -510,7 +510,7 @@ def model_weight_bytes(settings: dict[str, Any]) -> int | None:
 def render_breakdown(results: Path, paper: dict[str, Any]) -> str:
     rows = []
     for row, f in latency_rows(results):
-        if row["method"].split(":")[0] not in ICECACHE_METHODS:
+        if split_method(row["method"])[0] not in ICECACHE_METHODS:
             continue
         phases = row.get("phases_s") or {}
         # Phases with a median of zero (insert: one step in 16) are left out.
