@@ -83,8 +83,8 @@ def instrument(cache, record_kv: bool):
 def check_layer(cache, layer, log, q, out, scaling):
     """Mechanics of one sparsified layer right after its decode: attended set, page contents, output."""
     li = layer.layer_idx
-    method = layer.method
-    owner = cache.layer_kvs[method.owner_of(li)]
+    config = layer.cfg  # the reuse grouping and page counts the layer runs with
+    owner = cache.layer_kvs[config.owner_of(li)]
     total = layer.seq_len + 1
     K = torch.cat(log["k"][li], dim=1)  # this layer's own [Hkv, total, D] in this run
     V = torch.cat(log["v"][li], dim=1)
@@ -106,8 +106,8 @@ def check_layer(cache, layer, log, q, out, scaling):
     expected = torch.zeros(info.n_kv_heads, total, dtype=torch.bool)
     expected[:, : owner.state.sink_len] = True
     expected[:, owner.state.window.start : total] = True
-    ns = method.config.n_sink_pages
-    ps = method.config.page_size
+    ns = config.n_sink_pages
+    ps = config.page_size
     kv_ok, kv_not_owner, prefix_ok, count_ok = True, True, True, True
     counts_dev = layer.buffers.exchange.device_out["counts"]
     page_counts = index.page_valid_counts()
@@ -139,7 +139,7 @@ def check_layer(cache, layer, log, q, out, scaling):
             n = min(ps, sl - s * ps)
             if not torch.equal(layer.state.pool.key_pages[s, h, :n], K[h, s * ps : s * ps + n]):
                 kv_ok = False
-        n_window = method.config.n_window_pages  # the window is a ring starting at window_head
+        n_window = config.n_window_pages  # the window is a ring starting at window_head
         ring = [layer.state.window.first_slot + (layer.state.window.head + j) % n_window for j in range(n_window)]
         wk = layer.state.pool.key_pages[ring, h].reshape(-1, K.shape[-1])[: layer.state.window.count]
         if not torch.equal(wk, K[h, layer.state.window.start : total]):
