@@ -364,3 +364,33 @@ def test_the_summaries_are_one_line_per_method_and_per_context(bench_tables, lat
     paper = {"scaling": {"tpot_ms": {"150000": {"full": 190, "icecache": 228}}}}
     scaling = table_rows(bench_tables.render_scaling_summary(latency_folder, paper))
     assert scaling == [["150k", "30.0", "300.0", "190", "228"]]
+
+
+def test_the_regression_gate_flags_a_newer_file_slower_than_the_best_beyond_noise(bench_tables, tmp_path):
+    # quest: 1.0x full_static at first, then 1.5x (slower, beyond the 20% spread of its rounds); h2o: 1.0x then
+    # 1.1x (inside its noise); a method in one file only has nothing to compare with.
+    write_latency(tmp_path, "latency_gpu_20260101-000000.json", "2026-01-01T00:00:00+00:00", "a", [
+        summary_row("full_static", 1024, 0.010), summary_row("quest", 1024, 0.010), summary_row("h2o", 1024, 0.010),
+    ])
+    write_latency(tmp_path, "latency_gpu_20260201-000000.json", "2026-02-01T00:00:00+00:00", "b", [
+        summary_row("full_static", 1024, 0.020), summary_row("quest", 1024, 0.030), summary_row("h2o", 1024, 0.022),
+        summary_row("snapkv", 1024, 0.020),
+    ])
+    checks = {c["row"]["method"]: c for c in bench_tables.regression_checks(tmp_path)}
+    assert checks["quest"]["verdict"] == "slower" and checks["quest"]["change"] == pytest.approx(0.5)
+    assert checks["h2o"]["verdict"] == "within noise"
+    assert checks["snapkv"]["verdict"] == "first file" and checks["snapkv"]["best"] is None
+    summary = bench_tables.render_regression_summary(tmp_path, {})
+    assert "1 slower beyond noise" in summary and "`quest` at 1k (+50%" in summary
+    rows = {row[1]: row for row in table_rows(bench_tables.render_regression(tmp_path, {}))}
+    assert rows["`quest`"][-1] == "**slower**" and "latency_gpu_20260101-000000.json" in rows["`quest`"][3]
+
+
+def test_the_regression_gate_compares_with_the_best_file_not_the_previous_one(bench_tables, tmp_path):
+    for day, tpot in (("01", 0.010), ("02", 0.020), ("03", 0.012)):
+        write_latency(tmp_path, f"latency_gpu_202601{day}-000000.json", f"2026-01-{day}T00:00:00+00:00", day[-1], [
+            summary_row("full_static", 1024, 0.010), summary_row("quest", 1024, tpot),
+        ])
+    (check,) = [c for c in bench_tables.regression_checks(tmp_path) if c["row"]["method"] == "quest"]
+    assert check["best"][2].name == "latency_gpu_20260101-000000.json"
+    assert check["change"] == pytest.approx(0.2) and check["verdict"] == "within noise"  # spread 0.9-1.1: 20%

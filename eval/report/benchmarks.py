@@ -292,6 +292,91 @@ def render_latency_summary(results: Path, paper: dict[str, Any]) -> str:
     return "\n\n".join([table(header, rows), note])
 
 
+# The least relative change the regression gate calls a slowdown: two rounds of 64 steps rarely agree better.
+MIN_NOISE = 0.05
+
+
+def relative_spread(row: dict[str, Any]) -> float:
+    """(max - min) / median of a summary row's rounds' TPOT; 0 when the row has one round."""
+    median, low, high = row.get("tpot_s_median"), row.get("tpot_s_min"), row.get("tpot_s_max")
+    if not median or low is None or high is None:
+        return 0.0
+    return (high - low) / median
+
+
+def gate_key(row: dict[str, Any], f: Result) -> tuple:
+    """What must match for two latency rows to be compared: model, budget, threads, context and method."""
+    s = f.data.get("settings") or {}
+    return (model_of(f), s.get("budget"), s.get("threads"), row["context"], method_text(row["method"]))
+
+
+def regression_checks(results: Path) -> list[dict[str, Any]]:
+    """For every newest latency row with a ``full_static`` beside it: its TPOT over ``full_static``'s against the
+    best (lowest) such ratio of any earlier file with the same model, budget, threads and context. Ratios, not
+    milliseconds, so that a host running slower on the day moves both sides. ``slower`` when the newest is above the
+    best by more than the larger round spread of the two rows (at least ``MIN_NOISE``)."""
+    ratios: dict[tuple, list[tuple[float, dict[str, Any], Result]]] = {}
+    for f in load(results, "latency_*.json"):
+        if is_scaling(f):
+            continue
+        for row in f.data["summary"]:
+            base = reference_row(f, row["context"], "full_static")
+            if base is None or not base.get("tpot_s_median") or row.get("tpot_s_median") is None:
+                continue
+            ratios.setdefault(gate_key(row, f), []).append((row["tpot_s_median"] / base["tpot_s_median"], row, f))
+    checks = []
+    for row, f in latency_rows(results):
+        if row["method"] == "full_static":  # the reference every ratio is to
+            continue
+        measured = ratios.get(gate_key(row, f), [])
+        newest = next((item for item in measured if item[2].name == f.name), None)
+        if newest is None:
+            continue
+        earlier = [item for item in measured if item[2].order < f.order]
+        best = min(earlier, key=lambda item: item[0]) if earlier else None
+        noise = max(MIN_NOISE, relative_spread(row), relative_spread(best[1]) if best else 0.0)
+        change = newest[0] / best[0] - 1 if best else None
+        verdict = "first file" if best is None else ("slower" if change > noise else
+                                                     ("faster" if change < -noise else "within noise"))
+        checks.append({"row": row, "file": f, "ratio": newest[0], "best": best, "change": change, "noise": noise,
+                       "verdict": verdict})
+    return checks
+
+
+def render_regression(results: Path, paper: dict[str, Any]) -> str:
+    checks = regression_checks(results)
+    rows = []
+    for c in checks:
+        best = c["best"]
+        rows.append([
+            str(c["row"]["context"]), method_cell(c["row"]["method"]), f"{c['ratio']:.2f}",
+            "-" if best is None else f"{best[0]:.2f} (`{best[2].name}`, {best[2].commit_of(best[1])})",
+            "-" if c["change"] is None else f"{c['change'] * 100:+.0f}%", f"{c['noise'] * 100:.0f}%",
+            f"**{c['verdict']}**" if c["verdict"] == "slower" else c["verdict"],
+        ])
+    header = ["context", "method", "newest x full_static", "best earlier x full_static (file, commit)", "change",
+              "noise", "verdict"]
+    slower = [c for c in checks if c["verdict"] == "slower"]
+    note = (f"{len(checks)} rows checked, {len(slower)} slower than their best earlier file beyond noise"
+            + (": " + ", ".join(f"`{method_text(c['row']['method'])}` at {context_label(c['row']['context'])}"
+                                for c in slower) if slower else "")
+            + ". Noise is the larger relative spread (max-min over median) of the two rows' rounds, at least "
+              f"{MIN_NOISE * 100:.0f}%.")
+    return "\n\n".join([table(header, rows), note])
+
+
+def render_regression_summary(results: Path, paper: dict[str, Any]) -> str:
+    """One line: how many rows the regression gate checked, and which ones are slower than their best."""
+    checks = regression_checks(results)
+    slower = [c for c in checks if c["verdict"] == "slower"]
+    listed = ", ".join(f"`{method_text(c['row']['method'])}` at {context_label(c['row']['context'])} "
+                       f"({c['change'] * 100:+.0f}%, noise {c['noise'] * 100:.0f}%)" for c in slower)
+    return (f"Regression gate: {len(checks)} newest latency rows checked against the best earlier file of the same "
+            f"settings (TPOT over `full_static`'s); {len(slower)} slower beyond noise" + (f": {listed}." if listed
+                                                                                         else ".")
+            + " The table: docs/performance.md, \"Regression gate\".")
+
+
 def context_label(tokens: Any) -> str:
     """4096 -> 4k, 7500 -> 7.5k (eval.report.accuracy.length_label)."""
     from eval.report.accuracy import length_label
@@ -891,6 +976,8 @@ RENDERERS: dict[str, Callable[[Path, dict[str, Any]], str]] = {
     "headline": render_headline,
     "latency": render_latency,
     "latency-summary": render_latency_summary,
+    "regression": render_regression,
+    "regression-summary": render_regression_summary,
     "scaling": render_scaling,
     "scaling-summary": render_scaling_summary,
     "capacity": render_capacity,
