@@ -35,11 +35,19 @@ decision on the device:
    skipping resident pages' blocks without a read;
 5. attention with the paged kernel over every resident page, the current page counting its filled slots.
 
-The step has no host decision and is captured on CUDA.
+The step has no host decision and is captured on CUDA. Steps 1 and 3 are the two operations of
+``core.kernels.arkvale_step`` (``page_start``: backup, digest, ring turn and token write; ``recall_plan``: the slot
+table's ring turn, the victims, the copy list, the attention's page table and valid counts, the counters), one
+Triton kernel each on CUDA and their PyTorch references elsewhere, bitwise the same decisions. A layer's step on
+CUDA launches 8 kernels (page_start, page_bounds, the group mean, the sink mask, topk, recall_plan, copy_blocks, the
+attention; topk may take two), counted by reading the code; before, the same step was 166 PyTorch operations on the
+CPU profile (torch.profiler, top-level non-view aten operations of one decode step at budget 256, 8 KV heads),
+of which some 45 are the CPU references of the three kernels and about 20 casts that launch nothing on CUDA: about
+100 launches on CUDA.
 
 **Deviations.** Backups are written by the decode step itself into the mapped host store (ArkVale uses a side
-stream); the bookkeeping is PyTorch tensor operations on the device, replayed from the graph, rather than ArkVale's
-fused CUDA kernels; no prefetch of later layers' selections; the prefill keeps ``n_sink_pages`` sink pages
+stream); the bookkeeping is two Triton kernels of this harness on the device, replayed from the graph, rather than
+ArkVale's own CUDA kernels; no prefetch of later layers' selections; the prefill keeps ``n_sink_pages`` sink pages
 (ArkVale's prefill uses ``max(2, n_sink)``); recall is one block-copy kernel per layer rather than per-page copies.
 """
 
@@ -49,6 +57,7 @@ from dataclasses import dataclass
 
 import torch
 
+from icecache.core.kernels.arkvale_step import ArkValeSlots, home_slot, page_digests, page_start, recall_plan
 from icecache.core.kernels.block_copy import copy_blocks
 from icecache.core.kernels.gqa_scores import page_bounds
 from icecache.core.kernels.paged_decode_attention import PagedAttentionPlan, paged_decode_attention
@@ -79,14 +88,6 @@ class ArkValeConfig(MethodConfig):
     def min_budget_reason(self) -> str:
         return (f"(n_sink_pages={self.n_sink_pages} + n_window_pages={self.n_window_pages} + 1 page) x "
                 f"page_size={self.page_size}")
-
-
-def page_digests(pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cuboid-mean digests of full pages ``[n, Hkv, page_size, D]`` -> ``(hi, lo)``, each ``[n, Hkv, D]``."""
-    upper, lower = pages.amax(dim=2), pages.amin(dim=2)
-    centre = (upper + lower) / 2
-    radius = (pages - centre[:, :, None]).abs().mean(dim=2)
-    return centre + radius, centre - radius
 
 
 def group_page_scores(query: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, n_groups: int,
@@ -126,6 +127,8 @@ class ArkValeKV(DenseKV):
         self.scratch_slot = self.n_slots
         self._attention_plan = PagedAttentionPlan()
         self.kv_heads_per_group = model.n_kv_heads // config.n_groups
+        self.layout = ArkValeSlots(self.page_size, self.n_sink, self.n_window, self.n_slots, self.n_groups,
+                                   self.kv_heads_per_group)
         self.pool_keys: torch.Tensor | None = None  # [B + 1, Hkv, ps, D] on the device
         self.pool_values: torch.Tensor | None = None
         self.slot_page: torch.Tensor | None = None  # [B + 1, G] int64, -1 = empty
@@ -133,11 +136,19 @@ class ArkValeKV(DenseKV):
         self.store_values: torch.Tensor | None = None
         self.digest_hi: torch.Tensor | None = None  # [Hkv, P + 1, D] on the device
         self.digest_lo: torch.Tensor | None = None
+        # The step's device buffers (core.kernels.arkvale_step): one past the last candidate page, the copy list
+        # (pages, slots, KV heads), the attention's page table and valid counts.
+        self._end: torch.Tensor | None = None
+        self._copy_pages: torch.Tensor | None = None
+        self._copy_slots: torch.Tensor | None = None
+        self._copy_heads: torch.Tensor | None = None
+        self._table: torch.Tensor | None = None
+        self._counts: torch.Tensor | None = None
 
     # --- slots ---------------------------------------------------------------------------------------------------
     def home_slot(self, page: torch.Tensor) -> torch.Tensor:
         """Where a sink or window page lives: its sink slot, or its place in the window ring (tensor in, tensor out)."""
-        return torch.where(page < self.n_sink, page, self.n_slots - self.n_window + page % self.n_window)
+        return home_slot(self.layout, page)
 
     @property
     def scratch_page(self) -> int:
@@ -160,6 +171,13 @@ class ArkValeKV(DenseKV):
             keys[:kept], values[:kept] = self.store_keys[:kept], self.store_values[:kept]
             hi[:, :kept], lo[:, :kept] = self.digest_hi[:, :kept], self.digest_lo[:, :kept]
         self.store_keys, self.store_values, self.digest_hi, self.digest_lo = keys, values, hi, lo
+        # The copy list has an entry per (group, top page, KV head of the group); the top-k is at most the pages.
+        n_top = min(self.n_topk, n_pages + 1)
+        shape = (self.n_groups, n_top, self.kv_heads_per_group)
+        heads = torch.arange(n_kv_heads, device=like.device).view(self.n_groups, 1, -1)
+        self._copy_heads = heads.expand(shape).flatten()
+        self._copy_pages = torch.zeros(self._copy_heads.numel(), dtype=torch.long, device=like.device)
+        self._copy_slots = torch.full_like(self._copy_pages, -1)
         # Kernels read and write the store in place; on CPU the store is the view.
         if like.is_cuda:
             self._store_keys_on_device = mapped_device_view(keys, like.device)
@@ -187,11 +205,10 @@ class ArkValeKV(DenseKV):
         self.pool_values = keys.new_zeros(self.n_slots + 1, n_kv_heads, ps, head_dim)
         self.slot_page = torch.full((self.n_slots + 1, self.n_groups), -1, dtype=torch.long, device=device)
         self._allocate_store(-(-storage_capacity(self.seq, n_tokens + 1, 0) // ps), keys)
-        self._heads = torch.arange(n_kv_heads, device=device)
-        self._slot_index = torch.arange(self.n_slots, device=device)
-        self._kv_group = self._heads // self.kv_heads_per_group
-        self._group_heads = self._heads.view(self.n_groups, self.kv_heads_per_group)
-        self._groups = torch.arange(self.n_groups, device=device)
+        self._group_heads = torch.arange(n_kv_heads, device=device).view(self.n_groups, self.kv_heads_per_group)
+        self._end = torch.zeros(1, dtype=torch.long, device=device)
+        self._table = torch.full((n_kv_heads, self.n_slots), -1, dtype=torch.long, device=device)
+        self._counts = torch.zeros(self.n_slots, dtype=torch.long, device=device)
 
         pad = n_pages * ps - n_tokens
         def as_pages(tokens):  # [Hkv, T, D] -> [n_pages, Hkv, ps, D], the partial page zero-padded
@@ -246,84 +263,29 @@ class ArkValeKV(DenseKV):
         if self.seq_len // self.page_size + 1 > self.scratch_page:  # only outside the generation loop
             self._allocate_store(2 * self.scratch_page, key)
         position = self.decode_position(key.device)
-        page, offset = position // self.page_size, position % self.page_size
-        self._start_page(page, offset == 0)
-        slot = self.home_slot(page)
-        self.pool_keys.index_put_((slot, self._heads, offset), key[0, :, 0])
-        self.pool_values.index_put_((slot, self._heads, offset), value[0, :, 0])
-
+        # Page start (backup, digest, ring turn) and the token's write; sets self._end for the scoring.
+        page_start(self.layout, position, key[0, :, 0], value[0, :, 0], self.pool_keys, self.pool_values,
+                   self.slot_page, self._store_keys_on_device, self._store_values_on_device, self.digest_hi,
+                   self.digest_lo, self._end)
         q = query[0, :, 0]
-        self._select_and_recall(q, page)
+        # Each group's top-k pages must be resident. While every candidate fits in the middle slots they all are
+        # resident already (pages leaving the window take free slots), so nothing is ranked for loading.
+        totals = self.seq.counters.device_totals(self.pool_keys.device)
+        with self.seq.timer.phase("select"):
+            scores = self._candidate_scores(q, self._end)
+            top = scores.topk(min(self.n_topk, scores.shape[1]), dim=-1)
+            recall_plan(self.layout, position, self.slot_page, scores, top.values, top.indices, self._copy_pages,
+                        self._copy_slots, self._table, self._counts, totals, 2 * self.pool_keys[0, 0].nbytes)
+        with self.seq.timer.phase("load"):
+            copy_blocks(self._store_keys_on_device, self._store_values_on_device, self._copy_pages, self.pool_keys,
+                        self.pool_values, self._copy_slots, self._copy_heads)
 
         # Attention over every resident page; the current page has offset + 1 valid tokens.
-        counts = torch.where(self._slot_index == slot, offset + 1, self.page_size)  # [B]
-        held = self.slot_page[: self.n_slots] >= 0  # [B, G]
-        table = torch.where(held, self._slot_index[:, None], -1)
-        out = paged_decode_attention(q, self.pool_keys, self.pool_values, table.t()[self._kv_group],
-                                     counts.expand(self.model.n_kv_heads, -1), scaling, self._attention_plan)
-        self.seq.counters.record_on_device((held * counts[:, None]).sum(0).float().mean())
+        out = paged_decode_attention(q, self.pool_keys, self.pool_values, self._table,
+                                     self._counts.expand(self.model.n_kv_heads, -1), scaling, self._attention_plan)
         if self.seq.trace_selection:
-            self.last_attended = self._attended_positions(counts)
+            self.last_attended = self._attended_positions(self._counts)
         return out.view(1, 1, *q.shape)
-
-    def _start_page(self, page: torch.Tensor, starting: torch.Tensor) -> None:
-        """When a page begins (``starting``): back up and digest the page just finished, and turn the window ring.
-        Written every step, to the scratch page and slot when the step starts no page."""
-        finished = page - 1
-        backup = starting & (finished >= 0)
-        source = self.home_slot(finished.clamp(min=0))
-        target = torch.where(backup, finished, self.scratch_page)
-        block_keys = self.pool_keys.index_select(0, source)  # [1, Hkv, ps, D]
-        self._store_keys_on_device.index_copy_(0, target, block_keys)
-        self._store_values_on_device.index_copy_(0, target, self.pool_values.index_select(0, source))
-        hi, lo = page_digests(block_keys)
-        self.digest_hi.index_copy_(1, target, hi.transpose(0, 1))
-        self.digest_lo.index_copy_(1, target, lo.transpose(0, 1))
-
-        # The ring slot of the new page holds the page leaving the window. Keep it on the GPU in a free middle slot
-        # if there is one (heads of all groups have the same free slots); else it is on the CPU only.
-        ring_slot = self.home_slot(page)
-        leaving = page - self.n_window
-        free = self.slot_page[self.middle.start : self.middle.stop, 0] < 0
-        move = starting & (page >= self.n_sink) & (leaving >= self.n_sink) & free.any()
-        move_to = torch.where(move, self.middle.start + free.int().argmax(), self.scratch_slot).reshape(1)
-        self.pool_keys.index_copy_(0, move_to, self.pool_keys.index_select(0, ring_slot))
-        self.pool_values.index_copy_(0, move_to, self.pool_values.index_select(0, ring_slot))
-        self.slot_page.index_copy_(0, move_to, leaving.expand(1, self.n_groups))
-        owner = torch.where(starting, page, self.slot_page.index_select(0, ring_slot))
-        self.slot_page.index_copy_(0, ring_slot, owner.expand(1, self.n_groups))
-
-    def _select_and_recall(self, q: torch.Tensor, page: torch.Tensor) -> None:
-        """Make the top-k pages of each group resident. While every candidate fits in the middle slots they all are
-        resident already (pages leaving the window take free slots), so nothing is ranked for loading."""
-        end = page + 1 - self.n_window  # candidates: [n_sink, end)
-        ranked = end - self.n_sink > len(self.middle)
-        with self.seq.timer.phase("select"):
-            scores = self._candidate_scores(q, end)
-            top = scores.topk(min(self.n_topk, scores.shape[1]), dim=-1)
-            targets, wanted = top.indices, (top.values > float("-inf")) & ranked  # [G, k]
-            middle = self.slot_page[self.middle.start : self.middle.stop].t()  # [G, n_middle]
-            matches = (targets[:, :, None] == middle[:, None, :]) & wanted[:, :, None]  # [G, k, n_middle]
-            missing = wanted & ~matches.any(dim=2)
-            # Victims: empty slots first, then the cached pages with the lowest scores, never a target.
-            held_score = torch.where(middle >= 0, scores.gather(1, middle.clamp(min=0)), float("-inf"))
-            held_score = held_score.masked_fill(matches.any(dim=1), float("inf"))
-            order = held_score.argsort(dim=-1, stable=True)
-            rank = (missing.long().cumsum(dim=-1) - 1).clamp(min=0)
-            victims = torch.where(missing, self.middle.start + order.gather(1, rank), self.scratch_slot)
-            self.slot_page.index_put_((victims.flatten(), self._groups[:, None].expand_as(victims).flatten()),
-                                      targets.flatten())
-        with self.seq.timer.phase("load"):
-            n_heads = self.kv_heads_per_group
-            shape = (*targets.shape, n_heads)  # [G, k, heads of the group]
-            pages = targets[..., None].expand(shape).flatten()
-            slots = torch.where(missing, victims, -1)[..., None].expand(shape).flatten()
-            heads = self._group_heads[:, None, :].expand(shape).flatten()
-            copy_blocks(self._store_keys_on_device, self._store_values_on_device, pages, self.pool_keys,
-                        self.pool_values, slots, heads)
-        n_loaded = missing.sum() * n_heads  # (page, KV head) blocks
-        block_bytes = 2 * self.pool_keys[0, 0].nbytes
-        self.seq.counters.record_on_device(pages_loaded=n_loaded, bytes_to_gpu=n_loaded * block_bytes)
 
     def _attended_positions(self, counts: torch.Tensor) -> torch.Tensor:
         """bool ``[Hq, trace_width()]`` of the positions in resident pages (valid slots only); ``counts [B]`` the

@@ -122,14 +122,20 @@ class DecodeCounters:
         given = [(i, v) for i, v in enumerate(values) if v is not None]
         if not given:
             return
-        device = given[0][1].device
-        totals = self._on_device.get(device)
-        if totals is None:
-            totals = self._on_device[device] = torch.zeros(4, dtype=torch.float64, device=device)
+        totals = self.device_totals(given[0][1].device)
         if mean_tokens_per_head is not None:
             totals[0] += 1
         for index, value in given:  # one-element tensors of any shape
             totals[index] += value.to(torch.float64).reshape(())
+
+    def device_totals(self, device: torch.device) -> torch.Tensor:
+        """The float64 ``[decode_layer_steps, attended_tokens, pages_loaded, bytes_to_gpu]`` that
+        ``record_on_device`` adds to on ``device``, made at first use; a kernel that does its own counting adds to it
+        in place, as ``record_on_device`` would."""
+        totals = self._on_device.get(device)
+        if totals is None:
+            totals = self._on_device[device] = torch.zeros(4, dtype=torch.float64, device=device)
+        return totals
 
     def _totals(self) -> tuple[int, float, int, int]:
         steps, attended, pages, n_bytes = self.decode_layer_steps, self.attended_tokens, self.pages_loaded, \
