@@ -351,8 +351,12 @@ def measure(settings: LatencySettings, out: str | Path, resume: Path | None = No
     if settings.handoff_probe and device.type == "cuda" and prior is None:
         from icecache.core import handoff_probe
 
-        handoff_costs = handoff_probe.measure(device)
-        print(handoff_probe.format_table(handoff_costs), flush=True)
+        try:
+            handoff_costs = handoff_probe.measure(device)
+            print(handoff_probe.format_table(handoff_costs), flush=True)
+        except RuntimeError as error:  # the probe's failure is recorded; the latencies are measured regardless
+            handoff_costs = {"error": str(error)}
+            print(f"hand-off probe failed: {error}", flush=True)
 
     recorded = dataclasses.asdict(settings)
     recorded.update({"model_name": spec.name, "device_resolved": str(device),

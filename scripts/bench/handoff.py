@@ -30,8 +30,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.layers < 1 or args.replays < 1 or any(size < 1 for size in args.copy_bytes):
         parser.error("--layers, --replays and every --copy-bytes must be positive")
-    result = handoff_probe.measure(args.device, layers=args.layers, replays=args.replays,
-                                   copy_bytes=tuple(args.copy_bytes))
+    try:
+        result = handoff_probe.measure(args.device, layers=args.layers, replays=args.replays,
+                                       copy_bytes=tuple(args.copy_bytes))
+    except RuntimeError as error:
+        raise SystemExit(f"error: {error}") from None
     print(handoff_probe.format_table(result))
     if args.out:
         from eval import provenance
