@@ -33,6 +33,7 @@ import ctypes
 import functools
 import os
 import threading
+import time
 import weakref
 from contextlib import contextmanager
 from typing import Callable, Iterator
@@ -57,6 +58,7 @@ _CU_MEMHOSTALLOC_PORTABLE_DEVICEMAP = 0x01 | 0x02
 _CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1 = 92
 _CU_STREAM_CAPTURE_MODE_RELAXED = 2
 _CU_STREAM_NON_BLOCKING = 0x1
+_CUDA_ERROR_NOT_READY = 600
 
 
 def in_host_function() -> bool:
@@ -97,6 +99,7 @@ def _libcuda() -> ctypes.CDLL:
              ctypes.POINTER(u64), ptr, ctypes.c_uint)
     _declare(lib, "cuStreamCreate", ctypes.POINTER(ptr), ctypes.c_uint)
     _declare(lib, "cuStreamSynchronize", ptr)
+    _declare(lib, "cuStreamQuery", ptr)
     _declare(lib, "cuStreamDestroy_v2", ptr)
     _declare(lib, "cuThreadExchangeStreamCaptureMode", pint)
     # Stream memory operations: the _v2 entry points (CUDA 11.7+, always supported there), else the first ones
@@ -227,9 +230,10 @@ class MappedHostMemory:
 def stream_memory_unsupported(device_index: int) -> str | None:
     """None where device ``device_index`` runs the channel's stream memory operations, else why not: the C++ side is
     not built, the driver lacks the calls, the first calls are switched off (no _v2 entry points and
-    CAN_USE_STREAM_MEM_OPS_V1 is 0), or a round trip on a private stream failed (write a word, wait on the value
-    just written, reset it; no wait there can hang). Asked once per sequence (``HostFunctions.prepare``): well
-    under a millisecond."""
+    CAN_USE_STREAM_MEM_OPS_V1 is 0), or a round trip on a private stream failed: the stream writes a word the host
+    must then read, and waits for a value the host writes after it, with a deadline (a device that never saw the
+    host's write would hold only that private stream, and its word, for good). Asked once per sequence
+    (``HostFunctions.prepare``): about a millisecond."""
     if not host_channel.available():
         return "icecache.core._host_channel is not built"
     torch.cuda.init()
@@ -249,6 +253,7 @@ def stream_memory_unsupported(device_index: int) -> str | None:
     except RuntimeError as error:
         return f"no device-mapped host memory: {error}"
     word = ctypes.c_uint32.from_address(memory.host)
+    stuck = False
     try:
         with _unsafe_calls_allowed(), _primary_context(device_index):
             stream = ctypes.c_void_p()
@@ -256,19 +261,39 @@ def stream_memory_unsupported(device_index: int) -> str | None:
             try:
                 stream_write_value32(stream.value, memory.device, 7)
                 _check(lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
-                seen = word.value
-                stream_wait_value32(stream.value, memory.device, 7)
+                if word.value != 7:
+                    return f"a stream's write to mapped host memory did not arrive (read {word.value})"
+                stream_wait_value32(stream.value, memory.device, 9)
                 stream_write_value32(stream.value, memory.device, 0)
-                _check(lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
+                word.value = 9  # what the worker's answer does
+                stuck = not _completes(stream, deadline_s=2.0)
+                if stuck:
+                    return "a stream's wait did not see the host's write to mapped host memory within 2 s"
+                if word.value != 0:
+                    return f"a stream's reset of mapped host memory did not arrive (read {word.value})"
             finally:
-                lib.cuStreamDestroy_v2(stream)
-        if seen != 7 or word.value != 0:
-            return f"a stream's write to mapped host memory did not arrive (read {seen}, then {word.value})"
+                lib.cuStreamDestroy_v2(stream)  # a stuck stream's resources go once its work ends, if ever
     except RuntimeError as error:
         return f"stream memory operations failed: {error}"
     finally:
-        memory.free()
+        if not stuck:  # else the device may still be polling the word
+            memory.free()
     return None
+
+
+def _completes(stream: ctypes.c_void_p, deadline_s: float) -> bool:
+    """Whether ``stream``'s work ends within ``deadline_s`` (polled, so a stream that never ends is no hang here)."""
+    lib = _libcuda()
+    deadline = time.perf_counter() + deadline_s
+    while True:
+        result = lib.cuStreamQuery(stream)
+        if result == 0:
+            return True
+        if result != _CUDA_ERROR_NOT_READY:
+            _check(result, "cuStreamQuery")
+        if time.perf_counter() > deadline:
+            return False
+        time.sleep(0.0001)
 
 
 def _as_host_work(function: Callable[[], None]) -> Callable[[], None]:
