@@ -1,4 +1,6 @@
-"""Builds the DCI index extension ``icecache.dci._dci``; everything else is in pyproject.toml.
+"""Builds the C++ extensions: the DCI index ``icecache.dci._dci`` and the host side of the decode step's hand-off
+channel ``icecache.core._host_channel`` (no CUDA: its driver calls are made from Python); everything else is in
+pyproject.toml.
 
 Flags are portable on purpose (no -march=native): the hot kernels carry their own x86-64-v3 clone that is picked at
 run time, so a wheel built on one host runs on any x86-64 host. Works with build isolation (pip fetches pybind11) and
@@ -23,7 +25,14 @@ ext_modules = [
         cxx_std=17,
         extra_compile_args=["-O3", "-fno-math-errno", *openmp],
         extra_link_args=openmp if sys.platform != "darwin" else ["-lomp"],
-    )
+    ),
+    Pybind11Extension(
+        "icecache.core._host_channel",
+        sorted(glob("icecache/core/src/*.cpp")),
+        cxx_std=17,
+        extra_compile_args=["-O2", "-pthread"],
+        extra_link_args=["-pthread"],
+    ),
 ]
 
 setup(ext_modules=ext_modules, cmdclass={"build_ext": build_ext})

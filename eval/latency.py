@@ -141,6 +141,9 @@ class LatencySettings:
     dtype: str = "auto"
     seed: int = 0  # the random prompt's (seed + context)
     bandwidth_probe_gib: float = 2.0  # GiB read by the host-memory probe run first (0: none)
+    # On CUDA, the hand-off probe first (core.handoff_probe: what one hand-off of host work costs in a captured
+    # step here, per channel), recorded in the settings as handoff_costs
+    handoff_probe: bool = True
 
     @classmethod
     def compose(cls, given: dict[str, Any]) -> "LatencySettings":
@@ -344,11 +347,22 @@ def measure(settings: LatencySettings, out: str | Path, resume: Path | None = No
         print(f"host memory: first touch {touch_gbps:.1f} GB/s, read {read_gbps:.1f} GB/s on "
               f"{torch.get_num_threads()} threads", flush=True)
     vocab = model.config.vocab_size
+    handoff_costs = None
+    if settings.handoff_probe and device.type == "cuda" and prior is None:
+        from icecache.core import handoff_probe
+
+        try:
+            handoff_costs = handoff_probe.measure(device)
+            print(handoff_probe.format_table(handoff_costs), flush=True)
+        except RuntimeError as error:  # the probe's failure is recorded; the latencies are measured regardless
+            handoff_costs = {"error": str(error)}
+            print(f"hand-off probe failed: {error}", flush=True)
 
     recorded = dataclasses.asdict(settings)
     recorded.update({"model_name": spec.name, "device_resolved": str(device),
                      "dtype_resolved": str(spec.resolved_dtype()), "host_read_gbps": read_gbps,
-                     "host_first_touch_gbps": touch_gbps})
+                     "host_first_touch_gbps": touch_gbps,
+                     **({"handoff_costs": handoff_costs} if handoff_costs is not None else {})})
     run_provenance = provenance.collect()
     if prior is None:
         measurements: list[dict[str, Any]] = []
@@ -434,6 +448,7 @@ def measurement(model: str, name: str, method, context: int, process: int, round
         "offloaded_kv_bytes": result.offloaded_kv_bytes, "host_rss_bytes": rss_after,
         "host_rss_added_bytes": None if rss_after is None else rss_after - rss_before,
         "mean_attended_tokens": counters.get("mean_attended_tokens"),
+        **({"host_channel": counters["host_channel"]} if "host_channel" in counters else {}),
         "pages_loaded_per_step": counters.get("pages_loaded", 0) / n_steps,
         "bytes_to_gpu_per_step": counters.get("bytes_to_gpu", 0) / n_steps,
         **{f"search_{stat}_per_step": counters[f"search_{stat}"] / n_steps

@@ -6,8 +6,9 @@ replaying it removes the host from the loop. What changes between steps lives in
 reads on every replay: the input id, the position (RoPE and the cache's write index, through
 ``SequenceContext.position``). Python code in the model and the cache runs once, at capture; so only methods that
 declare ``captures_decode_step`` are captured, and their Python-side counters are advanced here per replay. Host
-work that must run at every step (IceCache's index search) is enqueued by the layer as a host function
-(``cuda_driver``), which the graph records as a node and the driver runs at every replay.
+work that must run at every step (IceCache's index search) is handed off by the layer through the sequence's
+channel (``cuda_driver.HostFunctions``), which the graph records as nodes and which runs the work at every replay;
+``counters`` records which channel carried it.
 """
 
 from __future__ import annotations
@@ -94,13 +95,16 @@ class GraphedDecodeStep:
         self.cache.seq.host_functions.release()
 
     def counters(self) -> dict[str, int | str]:
-        """What a result records of the graph: replays, and why there were none if a capture failed."""
-        return {"graph_replays": self.replays, **({"graph_capture_error": self.capture_error}
-                                                   if self.capture_error else {})}
+        """What a result records of the graph: replays, why there were none if a capture failed, and the channel
+        that carried the step's host work where it had some (``HostFunctions.kind``)."""
+        channel = self.cache.seq.host_functions.kind
+        return {"graph_replays": self.replays,
+                **({"graph_capture_error": self.capture_error} if self.capture_error else {}),
+                **({"host_channel": channel} if channel is not None else {})}
 
     def _replayed(self, advance_layers: bool) -> torch.Tensor:
-        # Host functions in the graph take the GIL on the driver's thread, so wait here with it released (a stream
-        # synchronisation does), then surface any error they raised.
+        # Python host work in the graph takes the GIL on the channel's worker (or the driver's thread), so wait here
+        # with it released (a stream synchronisation does), then surface any error it raised or the channel met.
         torch.cuda.current_stream(self.input_ids.device).synchronize()
         self.cache.seq.host_functions.raise_pending()
         self.replays += 1

@@ -5,16 +5,20 @@ in host memory) declares once, by name, shape and dtype, what its host work read
 (``to_device``), and makes a ``HostExchange``. Every step then does the same three things:
 
 1. ``send(name=tensor, ...)``: the device tensors into one staging buffer, one device-to-host copy of it;
-2. ``run(work)``: ``work()`` on the host once those inputs have arrived; it reads ``host_in`` and writes
-   ``host_out`` (CPU tensors, pinned on CUDA) and must not call CUDA;
+2. ``run(work)`` or ``run_native(function_address, state_address)``: the host work, once those inputs have
+   arrived: a Python callable, or a native ``extern "C" void f(void*)`` with its state, called with no Python.
+   It reads ``host_in`` and writes ``host_out`` (CPU tensors, pinned on CUDA) and must not call CUDA;
 3. ``receive()``: one host-to-device copy of ``host_out``; the returned device views are what the rest of the step
    reads.
 
-Every copy has the same size and address at every step, so a CUDA graph can record them. Captured, the work becomes
-a host function of the graph (``cuda_driver.HostFunctions``), which the driver runs at every replay once the stream
-reaches it, and the copies are the driver's raw copies (``copy_async``); eagerly the step waits for its inputs (one
-synchronisation) and runs the same function, so a replay computes bitwise what the eager step computes. On a CPU
-the "device" tensors are the host buffers themselves and nothing is copied.
+Every copy has the same size and address at every step, so a CUDA graph can record them. Captured, the host work
+becomes a hand-off of the graph through the sequence's channel (``cuda_driver.HostFunctions``): where the device
+supports stream memory operations, the stream raises a request word in mapped host memory, a C++ worker spinning
+on it runs the work and raises an answer word the stream waits for (``core.host_channel``: microseconds per
+hand-off, no driver thread, a bounded wait); elsewhere a driver host function (``cuLaunchHostFunc``). The copies are
+the driver's raw copies (``copy_async``). Eagerly the step waits for its inputs (one synchronisation) and runs the
+same work, so a replay computes bitwise what the eager step computes. On a CPU the "device" tensors are the host
+buffers themselves, nothing is copied and the work runs at once.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Callable
 import torch
 
 from .cuda_driver import HostFunctions, memcpy_async
+from .host_channel import call_native
 
 # Each section starts aligned, so typed views of the one byte buffer are valid and the kernels that read a section
 # of it get vector-aligned rows.
@@ -62,8 +67,8 @@ class HostExchange:
     """Named fixed-shape tensors to the host (``to_host``) and back (``to_device``), each direction one buffer.
 
     ``host_in`` and ``host_out`` are the host views by name (what the host work reads and writes); ``device_out``
-    the device views ``receive`` returns. ``host_functions`` is the sequence's (``SequenceContext.host_functions``),
-    which keeps captured host functions alive as long as a graph may replay them.
+    the device views ``receive`` returns. ``host_functions`` is the sequence's (``SequenceContext.host_functions``):
+    its channel carries the captured hand-offs and keeps their entries alive as long as a graph may replay them.
     """
 
     def __init__(self, to_host: Sections, to_device: Sections, device: torch.device | str,
@@ -83,6 +88,8 @@ class HostExchange:
         self._staged = _views(self._in_device, to_host, in_offsets)
         self.device_out = _views(self._out_device, to_device, out_offsets)
         self._arrived = torch.cuda.Event() if self.on_cuda else None
+        if self.on_cuda:  # the channel's pinned words now, not in the middle of a capture
+            host_functions.prepare(self.device)
 
     def send(self, **tensors: torch.Tensor) -> None:
         """Stage every section of ``to_host`` (each given once, cast to its dtype) and copy them to the host
@@ -94,15 +101,31 @@ class HostExchange:
 
     def run(self, work: Callable[[], None]) -> None:
         """``work()`` once the staged inputs are on the host: now (CPU), after waiting for them (eager CUDA), or as
-        a host function of the stream being captured."""
+        a hand-off of the stream being captured (the channel's worker runs it under the GIL)."""
         if not self.on_cuda:
             work()
         elif torch.cuda.is_current_stream_capturing():
             self.host_functions.launch(work, self.device)
         else:
-            self._arrived.record()
-            self._arrived.synchronize()
+            self._wait_for_inputs()
             work()
+
+    def run_native(self, function_address: int, state_address: int) -> None:
+        """The native entry ``void f(void*)`` at ``function_address`` called with ``state_address`` once the staged
+        inputs are on the host: now (CPU, through ctypes), after waiting for them (eager CUDA), or as a hand-off of
+        the stream being captured (the channel's worker calls it with no Python; the fallback makes it the
+        driver's host function). The entry and its state must live as long as the sequence."""
+        if not self.on_cuda:
+            call_native(function_address, state_address)
+        elif torch.cuda.is_current_stream_capturing():
+            self.host_functions.launch_native(function_address, state_address, self.device)
+        else:
+            self._wait_for_inputs()
+            call_native(function_address, state_address)
+
+    def _wait_for_inputs(self) -> None:
+        self._arrived.record()
+        self._arrived.synchronize()
 
     def receive(self) -> dict[str, torch.Tensor]:
         """Copy ``host_out`` to the device (asynchronously on CUDA) and return the device views."""

@@ -77,7 +77,8 @@ class SequenceContext:
     # and the most tokens the sequence will reach (prompt + suffix + new tokens), for static buffers.
     position: torch.Tensor | None = None
     max_total_tokens: int | None = None
-    # Host work a layer enqueues on the stream (cuda_driver): kept alive with the graphs that replay it.
+    # Host work a layer hands off from the stream (cuda_driver.HostFunctions): the sequence's channel (its worker
+    # starts at the first captured hand-off), with the entries kept alive as long as the graphs that replay them.
     host_functions: HostFunctions = field(default_factory=HostFunctions)
     _states: dict[type, Any] = field(default_factory=dict, repr=False)
 
@@ -97,11 +98,13 @@ class SequenceContext:
         return found
 
     def close(self) -> None:
-        """The sequence has ended: close the states that hold workers or other resources."""
+        """The sequence has ended: close the states that hold workers or other resources, and stop and join the
+        host channel's worker."""
         for found in self._states.values():
             close = getattr(found, "close", None)
             if close is not None:
                 close()
+        self.host_functions.close()
 
 
 def storage_capacity(seq: SequenceContext, needed: int, current: int) -> int:

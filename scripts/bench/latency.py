@@ -50,6 +50,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
     parser.add_argument("--bandwidth-probe-gib", type=float, default=2.0,
                         help="GiB read by the host-memory bandwidth probe run first (0: none)")
+    parser.add_argument("--no-handoff-probe", dest="handoff_probe", action="store_false", default=None,
+                        help="on CUDA, skip the hand-off probe run first (its costs go in the file's settings)")
     parser.add_argument("--out", default=str(REPO / "results" / "bench"), help="output folder")
     parser.add_argument("--resume", type=Path, metavar="FILE",
                         help="a latency file this command left unfinished (complete: false): measure only what it "
