@@ -127,3 +127,26 @@ def test_a_captured_host_exchange_replays_what_its_eager_step_computes():
     assert calls == [1, 2, 1, 2]
     assert exchange.device_out["seen"].tolist() == [2, 4]
     assert exchange.nbytes()[0] == exchange.nbytes()[1] > 0
+
+
+def test_a_raw_c_function_launched_by_address_runs_at_every_replay_with_its_state():
+    """``launch_host_function`` enqueues a C function by its address (here a ctypes thunk's) with a state pointer:
+    captured once, each replay calls it with that pointer."""
+    import ctypes
+
+    from icecache.core.cuda_driver import launch_host_function
+
+    seen = []
+    thunk = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda state: seen.append(state))
+    address = ctypes.cast(thunk, ctypes.c_void_p).value
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    marker = torch.zeros(1, device="cuda")
+    with torch.cuda.graph(graph, stream=stream):
+        marker.add_(1)
+        launch_host_function(address, 1234, marker.device)
+    assert seen == []
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.current_stream().synchronize()
+    assert seen == [1234] * 3

@@ -10,7 +10,9 @@ Both calls go to ``libcuda`` through ``ctypes`` rather than through PyTorch's co
 bookkeeping (events recorded per copy) is not meant for copies inside a capture, and these buffers are owned by
 one layer for the whole sequence anyway. A host function must not call CUDA (no tensor on the device, no event,
 no synchronisation); exceptions raised in it cannot cross the driver, so they are kept and re-raised by
-``HostFunctions.raise_pending`` once the step is done.
+``HostFunctions.raise_pending`` once the step is done. Host work written in C (``void f(void* state)``) is
+enqueued by its raw address instead (``launch_host_function``): no Python trampoline, no GIL on the driver's
+thread; such a function keeps its own errors for its caller to raise.
 """
 
 from __future__ import annotations
@@ -73,6 +75,24 @@ def memcpy_async(destination: torch.Tensor, source: torch.Tensor) -> None:
         _libcuda().cuMemcpyAsync(destination.data_ptr(), source.data_ptr(), source.nbytes, stream_handle(device)),
         "cuMemcpyAsync",
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _native_function(function_address: int):
+    return _HOST_FN(function_address)
+
+
+def call_native(function_address: int, state_address: int) -> None:
+    """Call the C function ``void f(void* state)`` at ``function_address`` on this thread, the GIL released."""
+    _native_function(function_address)(state_address)
+
+
+def launch_host_function(function_address: int, state_address: int, device: torch.device) -> None:
+    """Enqueue the C function ``void f(void* state)`` at ``function_address`` on ``device``'s current stream, with
+    ``state_address``, by its raw pointer: the driver runs it with no Python (nothing to keep alive here; the
+    caller keeps the state alive as long as a graph that captured this may replay). It must not throw."""
+    _check(_libcuda().cuLaunchHostFunc(stream_handle(device), _native_function(function_address),
+                                       ctypes.c_void_p(state_address)), "cuLaunchHostFunc")
 
 
 class HostFunctions:

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from .cuda_driver import HostFunctions, memcpy_async
+from .cuda_driver import HostFunctions, call_native, launch_host_function, memcpy_async
 
 # Each section starts aligned, so typed views of the one byte buffer are valid and the kernels that read a section
 # of it get vector-aligned rows.
@@ -103,6 +103,20 @@ class HostExchange:
             self._arrived.record()
             self._arrived.synchronize()
             work()
+
+    def run_native(self, function_address: int, state_address: int) -> None:
+        """``run`` for host work written in C/C++: the C function ``void f(void* state)`` at ``function_address``
+        called with ``state_address``, with no Python on the way (ctypes releases the GIL; a captured step enqueues
+        the raw function pointer, so a replay runs no Python at all). The function must not throw: it keeps its
+        own error for the caller to raise after the step."""
+        if not self.on_cuda:
+            call_native(function_address, state_address)
+        elif torch.cuda.is_current_stream_capturing():
+            launch_host_function(function_address, state_address, self.device)
+        else:
+            self._arrived.record()
+            self._arrived.synchronize()
+            call_native(function_address, state_address)
 
     def receive(self) -> dict[str, torch.Tensor]:
         """Copy ``host_out`` to the device (asynchronously on CUDA) and return the device views."""
