@@ -2,6 +2,10 @@
 channel ``icecache.core._host_channel`` (no CUDA: its driver calls are made from Python); everything else is in
 pyproject.toml.
 
+The module also holds IceCache's decode step (icecache/method/src/): the step calls the index's searches and
+inserts on raw buffers, so it is compiled against the index's sources into the same module rather than a second
+one that would need the index's C++ types across a module boundary.
+
 Flags are portable on purpose (no -march=native): the hot kernels carry their own x86-64-v3 clone that is picked at
 run time, so a wheel built on one host runs on any x86-64 host. Works with build isolation (pip fetches pybind11) and
 without it (`python setup.py build_ext --inplace` on a host that has pybind11 installed and no registry access).
@@ -20,7 +24,7 @@ openmp = ["-fopenmp"] if sys.platform != "darwin" else ["-Xpreprocessor", "-fope
 ext_modules = [
     Pybind11Extension(
         "icecache.dci._dci",
-        sorted(glob("icecache/dci/src/*.cpp")),
+        sorted(glob("icecache/dci/src/*.cpp")) + sorted(glob("icecache/method/src/*.cpp")),
         include_dirs=["icecache/dci/src"],
         cxx_std=17,
         extra_compile_args=["-O3", "-fno-math-errno", *openmp],

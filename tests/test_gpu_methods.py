@@ -142,6 +142,44 @@ def test_icecache_graph_replays_the_eager_step(architecture, name, lookahead):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cpu_kv_dtype", ["auto", "float16", "float32"])
+def test_icecache_captured_host_step_is_native_and_replays_the_eager_step(monkeypatch, cpu_kv_dtype):
+    """The captured IceCache step enqueues its host work (the step and the look-ahead's start) as raw C functions
+    through ``HostExchange.run_native``, never a Python host function, and replays bitwise its eager step, for
+    every host dtype (float16 keeps the keys in the token store beside a float32 index)."""
+    from icecache.core.cuda_driver import HostFunctions
+    from tests.conftest import tiny_model_on
+
+    launched = []
+    launch = HostFunctions.launch_native
+
+    def counting(self, function_address, state_address, device):
+        launched.append(function_address)
+        launch(self, function_address, state_address, device)
+
+    def no_python(*args, **kwargs):
+        raise AssertionError("IceCache's captured step launched a Python host function")
+
+    monkeypatch.setattr(HostFunctions, "launch_native", counting)
+    monkeypatch.setattr(HostFunctions, "launch", no_python)
+    gpu_model, gpu_info = tiny_model_on("llama", "cuda", torch.bfloat16)
+    ids = torch.randint(0, 500, (300,), generator=torch.Generator().manual_seed(7)).tolist()
+    request = GenerationRequest(ids, 48)
+    values = {"name": "icecache_reuse", **SETTINGS["icecache_reuse"], "lookahead": True, "cpu_kv_dtype": cpu_kv_dtype}
+    graphed = greedy_generate(gpu_model, HarnessCache(build_method(values, gpu_info)), request, keep_logits=True)
+    eager = greedy_generate(gpu_model, HarnessCache(build_method(values, gpu_info)), request, keep_logits=True,
+                            cuda_graph=False)
+    assert graphed.counters["graph_replays"] == 46
+    assert len(set(launched)) == 2 and len(launched) == 3  # two sparsified layers' steps, one owner's look-ahead
+    assert graphed.token_ids == eager.token_ids
+    for key in ("pages_loaded", "bytes_to_gpu", "mean_attended_tokens", "lookahead_searches", "lookahead_misses",
+                "search_rows_read"):
+        assert graphed.counters.get(key) == eager.counters.get(key), key
+    for mine, theirs in zip(graphed.logits, eager.logits):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_failed_capture_falls_back_to_eager_steps_with_the_same_tokens(monkeypatch):
     """A decode step that synchronises (illegal while capturing) makes the capture fail: the generation goes on
     eagerly, gives the eager tokens, and the result says why nothing was replayed."""

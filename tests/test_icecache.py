@@ -485,7 +485,11 @@ def test_host_memory_is_one_copy_of_the_offloaded_tokens(name):
     seq.close()
 
 
-def test_a_keyless_token_store_takes_values_only_and_gathers_rows_by_token_id():
+def test_a_keyless_token_store_takes_values_only_and_points_its_step_at_grown_storage():
+    """A store without keys appends values in place within its capacity; once bound to its layer's C++ step, the
+    step's count is the store's, and a growth points the step at the new storage (the step's gather from it is
+    tested against the NumPy gather in tests/test_decode_step.py)."""
+    from icecache.dci import _dci
     from icecache.method import TokenStore
 
     gen = torch.Generator().manual_seed(1)
@@ -496,14 +500,18 @@ def test_a_keyless_token_store_takes_values_only_and_gathers_rows_by_token_id():
     assert store.values.data_ptr() == address and store.keys is None and store.n_tokens == 72
     with pytest.raises(ValueError, match="keys exactly when"):
         store.append(torch.zeros(2, 1, 8), torch.zeros(2, 1, 8))
-    heads, ids = np.array([1, 0]), np.array([[3, 71] + [-1] * 14, list(range(16))])
-    out = np.zeros((2, 16 * 8 * 4), dtype=np.uint8)
-    store.gather(heads, ids, None, out)
-    rows = torch.from_numpy(out.view(np.float32)).view(2, 16, 8)
-    for r in range(2):
-        for t in range(16):
-            if ids[r, t] >= 0:
-                assert torch.equal(rows[r, t], store.values[heads[r], ids[r, t]])
+    step = _dci.DecodeStep(_dci.NativeSequence(), _dci.ReuseGroup(2, 1), layer=0, n_heads=2, n_kv_heads=2,
+                           head_dim=8, page_size=16, n_sink_pages=0, n_selected=1, n_window_pages=1,
+                           first_window_slot=1, owner=True, keys_in_index=True, host_dtype=0,
+                           query_field_of_view=-1, query_prop_to_retrieve=0.8, insert_field_of_view=20,
+                           insert_prop_to_retrieve=0.6, lookahead_min_cosine=0.9)
+    store.bind(step)
+    assert (step.n_tokens, step.capacity) == (72, 72)
+    kept = store.values.clone()
+    store.reserve(100)
+    assert store.n_tokens == 72 and step.capacity == store.capacity >= 100 and torch.equal(store.values, kept)
+    with pytest.raises(RuntimeError, match="appended to by the step"):
+        store.append(None, torch.zeros(2, 1, 8))
 
 
 def test_decode_buffers_on_cpu_are_the_host_memory_and_stage_inputs_as_float32():
@@ -534,25 +542,3 @@ def test_decode_buffers_on_cpu_are_the_host_memory_and_stage_inputs_as_float32()
     assert buffers.exchange.nbytes()[1] == 0
     traced = DecodeBuffers.make(4, 2, 5, 3, 4, 8, torch.float32, torch.device("cpu"), HostFunctions(), trace_width=9)
     assert traced.attended.shape == (2, 9) and traced.attended.dtype == np.uint8
-
-
-def test_the_window_ring_turns_through_its_slots_and_offloads_its_oldest_page():
-    """Logical page j sits in slot first_slot + (head + j) % n_pages; offloading the oldest page turns the ring."""
-    from icecache.method.window import WindowRing
-
-    with torch.inference_mode():  # the ring's host copy is written only under it (the host step, the prompt job)
-        ring = WindowRing.empty(first_slot=3, n_pages=2, page_size=4, start=100, count=6, n_kv_heads=2, head_dim=1,
-                                dtype=torch.float32)
-        ring.fill_host_copy(torch.arange(6.0).view(1, 6, 1).expand(2, 6, 1), torch.zeros(2, 6, 1))
-        assert ring.slot_counts().tolist() == [4, 2] and not ring.is_full()
-        # pool rows of [slots, Hkv=2, page_size=4]: slot 4 (the second page), offset 2, heads 0 and 1
-        assert ring.append(torch.full((2, 1), 6.0), torch.zeros(2, 1)).tolist() == [4 * 8 + 2, 4 * 8 + 4 + 2]
-        ring.append(torch.full((2, 1), 7.0), torch.zeros(2, 1))
-        assert ring.is_full()
-        page_k, _, positions = ring.pop_oldest_page()
-        assert page_k[0, :, 0].tolist() == [0, 1, 2, 3] and positions.tolist() == [100, 101, 102, 103]
-        assert (ring.start, ring.count, ring.head) == (104, 4, 1)
-        # slot 3 is the newest page now: the next token goes to its offset 0, and it counts only what is written
-        assert ring.slot_counts().tolist() == [0, 4]
-        assert ring.append(torch.zeros(2, 1), torch.zeros(2, 1)).tolist() == [3 * 8, 3 * 8 + 4]
-        assert ring.slot_counts().tolist() == [1, 4] and ring.host_keys[0, :4, 0].tolist() == [4, 5, 6, 7]

@@ -136,18 +136,26 @@ def test_a_held_speculation_uses_the_pages_its_speculative_query_finds(tiny):
     assert result.counters["pages_loaded"] > 0
 
 
-def test_misses_are_the_steps_where_a_head_falls_below_the_bar(tiny, monkeypatch):
+def test_misses_are_the_steps_where_a_head_falls_below_the_bar(tiny):
+    """Each owner step's miss (read from the counters the step adds to) is exactly a step whose speculative and
+    exact queries have a head with cosine below the bar (by the NumPy computation of the cosines)."""
+    from tests.icecache_reference import head_cosines
+
     model, _, info = tiny
     decisions = []
-    real = lookahead_module.is_hit
-
-    def recording(speculative, exact, min_cosine):
-        hit = real(speculative, exact, min_cosine)
-        decisions.append((lookahead_module.head_cosines(speculative, exact).min(), hit))
-        return hit
-
-    monkeypatch.setattr("icecache.method.layer.is_hit", recording)
     with HarnessCache(icecache(info, lookahead_min_cosine=0.9)) as cache:
+        for kv in cache.layer_kvs:
+            if not kv.wants_previous_layer_input:
+                continue
+
+            def recording(query, key, value, scaling, kv=kv, decode=kv.decode):
+                before = cache.seq.counters.extra.get("lookahead_misses", 0)
+                out = decode(query, key, value, scaling)
+                if kv.offloaded and kv.state.native is not None and kv._speculative is not None:
+                    low = head_cosines(kv._speculative.read(), query[0, :, 0].float().numpy()).min()
+                    decisions.append((low, cache.seq.counters.extra.get("lookahead_misses", 0) == before))
+                return out
+            kv.decode = recording
         result = greedy_generate(model, cache, GenerationRequest(prompt(400), NEW_TOKENS))
     assert len(decisions) == result.counters["lookahead_searches"] == 2 * (NEW_TOKENS - 1)
     assert all(hit == (low >= 0.9) for low, hit in decisions)

@@ -63,6 +63,18 @@ class PhaseTimer:
         with self._host_timed(lambda elapsed: self.spans[name].append(elapsed)):
             yield
 
+    def add_host_phase(self, name: str, seconds: float) -> None:
+        """Seconds of a host phase timed elsewhere (native host work keeps its own clock) added to this step."""
+        if self.enabled:
+            with self._lock:
+                self._add_to_step(name, seconds)
+
+    def add_spans(self, name: str, seconds: list[float]) -> None:
+        """Occurrences of a span timed elsewhere, appended to ``spans[name]``."""
+        if self.enabled and seconds:
+            with self._lock:
+                self.spans[name].extend(seconds)
+
     def _add_to_step(self, name: str, seconds: float) -> None:
         self._step[name] += seconds
 

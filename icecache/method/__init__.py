@@ -54,14 +54,21 @@ job, so TT2T includes the builds that the prefill did not hide.
 7. attention: the paged decode kernel over every slot with each slot's valid-token count (sink pages, the selected
    leaves' 8 to 16 tokens, the window ring's fill; 0 for an empty slot).
 
+Steps 2 to 6 and the count writing are one C++ call per layer (``_dci.DecodeStep``, src/decode_step.cpp, compiled
+into the index's extension module so that it calls the index on raw buffers), run with the GIL released on state
+C++ holds (the window ring, positions, resident and stale pages; per reuse group the selection, the index's page
+counts and the pages its last insert changed) and on memory Python allocated once (the pinned decode buffers, the
+window's host copy, the token store, re-pointed when the store grows between steps). Python calls it through
+``HostExchange.run_native`` and afterwards folds what it counted and timed into the sequence's counters and timer;
+an error inside it is kept, every later step of the sequence does nothing, and the layer raises it after the step.
 The counters record the mean over KV heads of the tokens attended, the blocks loaded and their bytes. With
 ``cuda_graph`` (on by default; it acts only on CUDA with Triton) the whole decode step is captured once and
-replayed: steps 2 to 6 and the count writing run as a CUDA host function between the two copies, and the dense
-layers keep their cache in static buffers (``core.static_kv.StaticDenseKV``) so that they are captured too; the
-replayed step is bitwise the eager one. ``dci_score_precision: half`` keeps a half copy of the index's key rows and
-scores them first, re-scoring in float32 whatever its error bound cannot rule out: the same pages bit for bit,
-fewer bytes read per search, a slower build (docs/dci.md). The opt-in look-ahead search (``lookahead: true``, not
-the paper's method) is in ``lookahead.py``.
+replayed: the C++ host step runs as a CUDA host function between the two copies, enqueued by its raw address, so a
+replay runs no Python; the dense layers keep their cache in static buffers (``core.static_kv.StaticDenseKV``) so
+that they are captured too; the replayed step is bitwise the eager one. ``dci_score_precision: half`` keeps a half
+copy of the index's key rows and scores them first, re-scoring in float32 whatever its error bound cannot rule out:
+the same pages bit for bit, fewer bytes read per search, a slower build (docs/dci.md). The opt-in look-ahead search
+(``lookahead: true``, not the paper's method) is in ``lookahead.py``.
 
 **IceCache-reuse** (``icecache_reuse``, ``n_reuse_layers = R``, default 3): the sparsified layers form groups of R
 consecutive layers; the first (the owner) builds the index, inserts window pages and searches; the others keep
@@ -80,14 +87,16 @@ The package:
 
     config.py     the settings and how the budget divides into pages
     method.py     the registered methods (icecache, icecache_reuse): checks, page counts, the owner of a layer
-    layer.py      one sparsified layer: prefill and offload, the prompt job, the window offload, the decode step
-    offloaded.py  what a layer holds once offloaded (pool, window, token store, resident pages), made once
+    layer.py      one sparsified layer: prefill and offload, the prompt job, the decode step's device side and glue
+    offloaded.py  what a layer holds once offloaded (pool, window, token store, its C++ step), made once
     window.py     the window: a ring of pool slots and its host copy, which a full page is offloaded from
     buffers.py    the decode step's fixed buffers: its exchange with the host (core.host_step), as typed arrays
     lookahead.py  the opt-in look-ahead search (lookahead=true): a speculative query, its check, its correction
     selection.py  merging a GQA group's ranked pages, and diffing a selection against the resident pages
-    state.py      what a sequence's layers share (the index and selection of a reuse group, the prompt worker)
+    state.py      what a sequence's layers share (a reuse group's index and selection, the prompt worker, the
+                  C++ steps' search thread and first error)
     stores.py     the host-memory token store
+    src/          the decode step's host work in C++ (decode_step.cpp), built into icecache.dci._dci
 """
 
 from .config import DCI_LEAF_CAPACITY, IceCacheConfig, IceCacheReuseConfig

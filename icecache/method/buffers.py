@@ -70,3 +70,16 @@ class DecodeBuffers:
         )
         buffers.slots.fill(-1)  # nothing to load until the host step says so
         return buffers
+
+    def point(self, native) -> None:
+        """Give the layer's C++ decode step (``_dci.DecodeStep``) the addresses of every host buffer it reads and
+        writes: the buffers live as long as the layer, which holds both."""
+        def address(array: np.ndarray | None) -> int:
+            return 0 if array is None else array.ctypes.data
+
+        native.set_buffers(
+            address(self.query), self.key.data_ptr(), self.value.data_ptr(), address(self.window_rows),
+            address(self.counts), self.counts.shape[1], address(self.slots), address(self.heads), self.slots.shape[0],
+            address(self.keys), address(self.values), address(self.attended),
+            0 if self.attended is None else self.attended.shape[1],
+        )

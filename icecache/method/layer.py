@@ -6,9 +6,11 @@ scored in place), the values (and a reusing layer's own keys) in its ``TokenStor
 the announced length. A page is a list of token ids in the index; loading it gathers those rows.
 
 The layer is in parts: ``OffloadedState`` (offloaded.py) is what it holds once the prompt has left the GPU (the page
-pool, the ``WindowRing`` of window.py, the token store, which page each selected slot holds), made once by
-``offload_prompt``; ``DecodeBuffers`` (buffers.py) are the fixed buffers of its decode step, made at the first one;
-the decode step here reads and updates both."""
+pool, the ``WindowRing`` of window.py, the token store, and the C++ decode step ``_dci.DecodeStep``), made once by
+``offload_prompt``; ``DecodeBuffers`` (buffers.py) are the fixed buffers of its decode step, made at the first one.
+The decode step's host work is one C++ call (icecache/method/src/decode_step.cpp) on those buffers and that state,
+run with no Python; this file makes the state, points it at the memory Python allocates, runs the device side of
+the step, and folds what the C++ step counted and timed into the sequence's counters and timer."""
 
 from __future__ import annotations
 
@@ -21,12 +23,12 @@ from icecache.core.kernels.page_scatter import PageScatterPlan, scatter_pages
 from icecache.core.kernels.paged_decode_attention import PagedAttentionPlan, paged_decode_attention
 from icecache.core.layer import DenseKV, ModelInfo, SequenceContext
 from icecache.core.paged import GpuPagePool
+from icecache.dci import _dci
 
 from .buffers import DecodeBuffers
 from .config import CPU_KV_DTYPES, IceCacheConfig
-from .lookahead import LookaheadResult, SpeculativeQuery, is_hit
+from .lookahead import SpeculativeQuery
 from .offloaded import OffloadedState
-from .selection import diff_selection, merge_group_pages
 from .state import GroupState, IceCacheSequence
 from .stores import TokenStore
 from .window import WindowRing
@@ -37,6 +39,10 @@ STORE_HEADROOM_PAGES = 64
 # Index key dtypes by host KV dtype: the index holds the keys in the store's dtype where it can, and the store then
 # holds no keys. A float16 store keeps its own keys beside the index's float32 ones.
 INDEX_KEY_DTYPES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+# The C++ step's codes of the host dtypes (decode_step.cpp, HostDtype).
+NATIVE_HOST_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# What the C++ step's search counters are called in the results (the index's last_query_stats names).
+SEARCH_COUNTERS = ("rows_read", "bytes_read", "scores", "lists")
 
 
 class IceCacheLayer(DenseKV):
@@ -50,11 +56,12 @@ class IceCacheLayer(DenseKV):
         self.sequence.n_indexed_layers = model.n_layers - self.cfg.n_dense_layers
         self.sequence.n_workers = cfg.prompt_workers
         # The index and selection this layer uses: its own, or its reuse group's owner's.
-        self.group: GroupState = self.sequence.group(cfg.owner_of(layer_idx))
+        self.group: GroupState = self.sequence.group(cfg.owner_of(layer_idx), model.n_kv_heads,
+                                                     cfg.n_selected_pages)
         self.state: OffloadedState | None = None  # made once, when the prompt is offloaded
         self.buffers: DecodeBuffers | None = None  # made at the first decode step: prefill does no pinned allocation
         self._ready: Future | None = None  # the prompt job (index build and token store), on a worker thread
-        self._lookahead: Future | None = None  # this step's look-ahead job (lookahead.py), taken by the host step
+        self._store_bound = False  # the prompt job's token store given to the C++ step (at the first decode step)
         self._speculative: SpeculativeQuery | None = None  # made with the decode buffers, for an owner looking ahead
         self._attention_plan = PagedAttentionPlan()
         self._scatter_plan = PageScatterPlan()
@@ -93,19 +100,19 @@ class IceCacheLayer(DenseKV):
         n_kv_heads, head_dim = self.model.n_kv_heads, self.model.head_dim
         host_dtype = dtype if cfg.cpu_kv_dtype == "auto" else CPU_KV_DTYPES[cfg.cpu_kv_dtype]
         pool = GpuPagePool(cfg.page_budget, n_kv_heads, ps, head_dim, dtype, device)
-        window = WindowRing.empty(cfg.n_sink_pages + cfg.n_selected_pages, cfg.n_window_pages, ps, middle_end,
-                                  window_len, n_kv_heads, head_dim, host_dtype)
-        _fill_slots(pool, 0, keys[:, :sink_len], values[:, :sink_len])
-        _fill_slots(pool, window.first_slot, keys[:, middle_end:], values[:, middle_end:])
         # The owner's index holds the keys (in the store's dtype) unless that dtype has no index form.
         keys_in_index = self.is_owner and host_dtype in INDEX_KEY_DTYPES
+        native = self._make_native_step(host_dtype, keys_in_index)
+        window = WindowRing.empty(cfg.n_sink_pages + cfg.n_selected_pages, cfg.n_window_pages, ps, n_kv_heads,
+                                  head_dim, host_dtype, native)
+        native.set_window(window.host_keys.data_ptr(), window.host_values.data_ptr(), middle_end, window_len)
+        native.set_positions(np.arange(sink_len, middle_end, dtype=np.int64))
+        native.set_sink_len(sink_len)
+        _fill_slots(pool, 0, keys[:, :sink_len], values[:, :sink_len])
+        _fill_slots(pool, window.first_slot, keys[:, middle_end:], values[:, middle_end:])
         empty = torch.empty(n_kv_heads, 0, head_dim, dtype=host_dtype)  # until the prompt job's store replaces it
-        state = OffloadedState(
-            pool, sink_len, window, host_dtype, keys_in_index, TokenStore(None if keys_in_index else empty, empty),
-            positions=np.arange(sink_len, middle_end),
-            resident=np.full((n_kv_heads, cfg.n_selected_pages), -1, dtype=np.int64),
-            stale=np.zeros((n_kv_heads, 0), dtype=bool),
-        )
+        state = OffloadedState(pool, sink_len, window, host_dtype, keys_in_index,
+                               TokenStore(None if keys_in_index else empty, empty), native)
         # The middle goes to the index; the window's host copy is what its pages are offloaded from later.
         pin = device.type == "cuda"
         offloaded_k = keys[:, sink_len:].to("cpu", host_dtype, non_blocking=pin)
@@ -150,9 +157,7 @@ class IceCacheLayer(DenseKV):
                     )
                 index.pop_changed_pages()  # every page is new: none is resident yet
             index.num_threads = self.cfg.index_threads
-            self.group.index = index
-            self.group.changed = None
-            self.group.page_counts = None
+            self.group.set_index(index)
         self.sequence.layer_indexed()
 
     @staticmethod
@@ -160,51 +165,84 @@ class IceCacheLayer(DenseKV):
         """``keys`` in the form ``index`` takes them: bfloat16 tensors as they are, else float32 arrays."""
         return keys if index.key_dtype == "bfloat16" else keys.float().numpy()
 
-    # ------------------------------------------------------------------ the window
-    def _evict_oldest_window_page(self) -> None:
-        with self.seq.timer.host_phase("insert"):
-            self._offload_window_page()
-
-    def _offload_window_page(self) -> None:
-        """Offload the window's oldest page from its host copy (the ring turns): into the token store and the
-        owner's index, whose changed pages are then stale where resident."""
-        state, group = self.state, self.group
-        page_k, page_v, positions = state.window.pop_oldest_page()
-        self.sequence.wait_for_prompt_jobs()
-        state.add_tokens(page_k, page_v, positions)
-        if self.is_owner:
-            cfg = self.cfg
-            group.index.insert(
-                self._index_keys(group.index, page_k), field_of_view=cfg.insert_field_of_view,
-                prop_to_retrieve=cfg.insert_prop_to_retrieve, as_batch=True,
-            )
-            group.changed = group.index.pop_changed_pages()
-            group.page_counts = None
-        state.mark_stale(group.changed)
+    def _make_native_step(self, host_dtype: torch.dtype, keys_in_index: bool):
+        """The layer's C++ decode step (``_dci.DecodeStep``), with the settings it runs with."""
+        cfg, model = self.cfg, self.model
+        return _dci.DecodeStep(
+            self.sequence.native, self.group.native, layer=self.layer_idx, n_heads=model.n_heads,
+            n_kv_heads=model.n_kv_heads, head_dim=model.head_dim, page_size=cfg.page_size,
+            n_sink_pages=cfg.n_sink_pages, n_selected=cfg.n_selected_pages, n_window_pages=cfg.n_window_pages,
+            first_window_slot=cfg.n_sink_pages + cfg.n_selected_pages, owner=self.is_owner,
+            keys_in_index=keys_in_index, host_dtype=NATIVE_HOST_DTYPES[host_dtype],
+            query_field_of_view=-1 if cfg.query_field_of_view is None else cfg.query_field_of_view,
+            query_prop_to_retrieve=cfg.query_prop_to_retrieve, insert_field_of_view=cfg.insert_field_of_view,
+            insert_prop_to_retrieve=cfg.insert_prop_to_retrieve, lookahead_min_cosine=cfg.lookahead_min_cosine,
+        )
 
     # ------------------------------------------------------------------ decode
     #
     # A decode step is split into device work before the host (send the query and the new token to the host), the
-    # host work (``_host_step``: window bookkeeping, search, diff, gather) and device work after it (one copy of
-    # what the host prepared, the new token's write, the scatter, the attention), through the layer's
-    # ``HostExchange`` (``core.host_step``). Eagerly the host waits for its inputs; when the generation loop
-    # captures the step in a CUDA graph the host step is enqueued as a host function instead, and the whole decode
-    # step, every layer's host work included, replays from the graph.
+    # host work (the C++ step: window bookkeeping, search, diff, gather) and device work after it (one copy of what
+    # the host prepared, the new token's write, the scatter, the attention), through the layer's ``HostExchange``
+    # (``core.host_step``, ``run_native``). Eagerly the host waits for its inputs; when the generation loop
+    # captures the step in a CUDA graph the C++ step is enqueued as a host function by its raw address instead,
+    # and the whole decode step, every layer's host work included, replays from the graph with no Python. What
+    # the C++ step needs from Python (room in the token store, every prompt job done before a window offload) is
+    # made ready before the step (``_prepare_native_step``) or between replays (``between_steps``), and what it
+    # counted and timed is folded into the sequence after it (``_after_native_step``).
 
     @property
     def graph_ready(self) -> bool:
         return self.offloaded
 
     def between_steps(self) -> None:
+        """After a replayed step (and before a capture): raise what the C++ steps of the replay failed with, fold
+        what they counted and timed, and keep room in the token store for the next replays."""
+        if self.offloaded:
+            self._after_native_step()
+            self._prepare_native_step()
+            self.sequence.wait_for_prompt_jobs()  # a replay offloads window pages with no Python to wait first
+
+    def _prepare_native_step(self) -> None:
+        """What the C++ step needs before it runs: the prompt job done and its token store given to the step, room
+        in the store, and every prompt job done when a window page is due (an owner's index must not change under
+        a reuser still laying out its pages)."""
+        self._ready.result()  # the token store is the prompt job's until it is done
+        tokens = self.state.tokens
+        if not self._store_bound:
+            tokens.bind(self.state.native)
+            self._store_bound = True
         # Inserts add pages inside the step, where a captured step cannot pin new memory: keep room for a few
         # window offloads ahead (one adds at most page_size pages per head, one every page_size steps).
-        if self.offloaded:
-            self._ready.result()  # the token store is the prompt job's until it is done
-            tokens = self.state.tokens
-            ahead = tokens.n_tokens + STORE_HEADROOM_PAGES * self.cfg.page_size
-            final = (self.seq.max_total_tokens or 0) - self.state.sink_len  # the most the announced length offloads
-            # Room up to the announced length covers every insert the sequence makes; past it, room for several.
-            tokens.reserve(min(ahead, final) if final >= tokens.n_tokens + self.cfg.page_size else ahead)
+        ahead = tokens.n_tokens + STORE_HEADROOM_PAGES * self.cfg.page_size
+        final = (self.seq.max_total_tokens or 0) - self.state.sink_len  # the most the announced length offloads
+        # Room up to the announced length covers every insert the sequence makes; past it, room for several.
+        tokens.reserve(min(ahead, final) if final >= tokens.n_tokens + self.cfg.page_size else ahead)
+        if self.state.native.window_full:
+            self.sequence.wait_for_prompt_jobs()
+
+    def _after_native_step(self) -> None:
+        """Raise the error a C++ step of the sequence kept (every later one did nothing), then fold what this
+        layer's step counted and timed into the sequence's counters and timer, under the names the results use."""
+        error = self.sequence.native.error()
+        if error:
+            raise RuntimeError(f"IceCache's decode step failed on the host: {error}")
+        records = self.state.native.take_records()
+        counters, timer = self.seq.counters, self.seq.timer
+        for mean in records["attended"]:
+            counters.record_attention(mean)
+        counters.pages_loaded += records["pages_loaded"]
+        counters.bytes_to_gpu += records["bytes_to_gpu"]
+        for name in ("lookahead_searches", "lookahead_misses"):
+            if records[name]:
+                counters.add(name, records[name])
+        if records["searches"]:  # what the searches read (a measure of their floor)
+            for name in SEARCH_COUNTERS:
+                counters.add(f"search_{name}", records[name])
+        for name, seconds in records["phases"].items():
+            timer.add_host_phase(name, seconds)
+        timer.add_spans("host_step", records["host_step"])
+        timer.add_spans("lookahead_search", records["lookahead_search"])
 
     def _make_decode_buffers(self, device: torch.device) -> None:
         """The step's fixed buffers (``DecodeBuffers``), with the sink slots' counts, which never change; and the
@@ -219,10 +257,12 @@ class IceCacheLayer(DenseKV):
         )
         sink_starts = np.arange(cfg.n_sink_pages) * ps
         buffers.counts[:, : cfg.n_sink_pages] = np.clip(self.state.sink_len - sink_starts, 0, ps)
+        buffers.point(self.state.native)
         self.buffers = buffers
         if self.wants_previous_layer_input:
             self._speculative = SpeculativeQuery(self.model.n_heads, self.model.head_dim, device,
                                                  self.seq.host_functions)
+            self.state.native.set_speculative(self._speculative.address)
 
     # ------------------------------------------------------------------ look-ahead (lookahead.py; opt-in)
     @property
@@ -230,42 +270,15 @@ class IceCacheLayer(DenseKV):
         return self.cfg.lookahead and self.is_owner and self.layer_idx > 0
 
     def previous_layer_input(self, hidden: torch.Tensor, project_query) -> None:
-        """Start this layer's search from the previous layer's input: its speculative query goes to the host and a
-        worker offloads the due window page and searches, while the previous layer runs."""
+        """Start this layer's search from the previous layer's input: its speculative query goes to the host, where
+        the C++ step's start hands the job (offload the due window page, search) to the sequence's search thread,
+        which runs it while the previous layer runs."""
         if not self.offloaded or hidden.shape[-2] != 1:
             return  # the prompt, or a step before the prompt is offloaded: nothing to search yet
         if self.buffers is None:
             self._make_decode_buffers(self.state.pool.key_pages.device)
-        self._speculative.send(project_query(hidden)[0, :, 0, :], self._start_lookahead)
-
-    def _start_lookahead(self) -> None:
-        self._lookahead = self.sequence.submit_search(self._search_ahead, self._speculative.read())
-
-    @torch.inference_mode()  # a worker thread: the host copies were made under it
-    def _search_ahead(self, query: np.ndarray) -> LookaheadResult:
-        with self.seq.timer.span("lookahead_search"):
-            self._ready.result()
-            if self.state.window.is_full():
-                self._offload_window_page()
-            if self.group.index.num_tokens == 0:
-                return LookaheadResult(query, None)
-            return LookaheadResult(query, *self._search(query))
-
-    def _search(self, query: np.ndarray) -> tuple[np.ndarray, dict]:
-        """The owner's index searched for ``query [Hq, D]``: each query head's ranked pages, and what the search read
-        (``last_query_stats``, which is per thread: read here, on the thread that searched)."""
-        index = self.group.index
-        pages, _ = index.query(query, self.cfg.n_selected_pages, field_of_view=self.cfg.query_field_of_view,
-                               prop_to_retrieve=self.cfg.query_prop_to_retrieve, ratio=self.model.group_size)
-        return pages, index.last_query_stats()
-
-    def _take_lookahead(self) -> LookaheadResult | None:
-        """This step's look-ahead result, once its job is done (None: no job was started for this step)."""
-        if self._lookahead is None:
-            return None
-        job, self._lookahead = self._lookahead, None
-        with self.seq.timer.host_phase("query"):  # what the step still waits for of the search
-            return job.result()
+        self._prepare_native_step()
+        self._speculative.send(project_query(hidden)[0, :, 0, :], self.state.native.lookahead_entry())
 
     # ------------------------------------------------------------------ decode step
     def decode(self, query, key, value, scaling):
@@ -279,8 +292,14 @@ class IceCacheLayer(DenseKV):
         if self.buffers is None:
             self._make_decode_buffers(pool.key_pages.device)
         exchange = self.buffers.exchange
+        self._prepare_native_step()
         exchange.send(query=query[0, :, 0, :], key=key[0, :, 0, :], value=value[0, :, 0, :])
-        exchange.run(self._host_step)
+        # The host's part (decode_step.cpp): make room in the window and place the new token, select, diff against
+        # the slots, gather the pages to load and write the slots' valid counts (and a fixed-width trace), all
+        # into the decode buffers. Timed as the span ``host_step``, its search and its loads as the phases
+        # ``query`` and ``load``, its own window offload as ``insert``.
+        exchange.run_native(*self.state.native.step_entry())
+        self._after_native_step()  # nothing ran yet while capturing: between_steps folds a replay's
         staged = exchange.receive()
         head_dim = self.model.head_dim
         pool.key_pages.view(-1, head_dim).index_copy_(0, staged["window_rows"], key[0, :, 0, :])
@@ -297,117 +316,14 @@ class IceCacheLayer(DenseKV):
         )
         return out[None, None]
 
-    @torch.inference_mode()  # the host copies were made under it, on the index worker's thread
-    def _host_step(self) -> None:
-        """The host's part of a decode step: make room in the window and place the new token, select, diff against
-        the slots, gather the pages to load and write the slots' valid counts, all into the decode buffers. Must
-        not call CUDA (it may run as a host function). Timed as the span ``host_step``, its search and its loads as
-        the phases ``query`` and ``load``."""
-        with self.seq.timer.span("host_step"):
-            self._host_step_parts()
-
-    def _host_step_parts(self) -> None:
-        self._ready.result()
-        ahead = self._take_lookahead()  # before anything else: its job offloads the window page that was due
-        window, buffers = self.state.window, self.buffers
-        if window.is_full():
-            self._evict_oldest_window_page()
-        buffers.window_rows[:] = window.append(buffers.key, buffers.value)
-        selection = self._select(buffers.query, ahead)
-        with self.seq.timer.host_phase("load"):
-            self._stage_pages(selection)
-        self.seq.counters.record_attention(self._write_valid_counts())
-        if buffers.attended is not None:
-            self._trace_on_host(buffers.attended)
-
-    def _select(self, query: np.ndarray, ahead: LookaheadResult | None = None) -> np.ndarray:
-        """K distinct pages per KV head ``[Hkv, K]`` (-1 padded) for ``query [Hq, D]`` (float32, host): the owner
-        searches (or takes its look-ahead's pages when the speculation holds), reusers read its choice."""
-        group = self.group
-        if not self.is_owner:
-            return group.selection
-        k_sel = self.cfg.n_selected_pages
-        if group.index.num_tokens == 0:
-            group.selection = np.full((self.model.n_kv_heads, k_sel), -1, dtype=np.int64)
-            return group.selection
-        counters = self.seq.counters
-        held = False
-        if ahead is not None and ahead.pages is not None:
-            counters.add("lookahead_searches", 1)
-            held = is_hit(ahead.query, query, self.cfg.lookahead_min_cosine)
-            if not held:
-                counters.add("lookahead_misses", 1)
-        if held:
-            pages, stats = ahead.pages, ahead.stats
-        else:
-            with self.seq.timer.host_phase("query"):
-                pages, stats = self._search(query)
-        group.selection = merge_group_pages(pages, self.model.group_size, k_sel)
-        for name, value in stats.items():  # what the search read (a measure of its floor)
-            counters.add(f"search_{name}", value)
-        return group.selection
-
-    def _stage_pages(self, selection: np.ndarray) -> None:
-        """Diff ``selection`` against the slots and gather the pages to load into the decode buffers, with their
-        slot and head; the entries after them are marked unused."""
-        state, buffers = self.state, self.buffers
-        state.cover_pages(self._page_counts().shape[1])
-        slots, pages, heads = diff_selection(state.resident, state.stale, selection)
-        n = pages.size
-        buffers.slots[:n] = slots + self.cfg.n_sink_pages
-        buffers.slots[n:] = -1
-        if n == 0:
-            return
-        buffers.heads[:n] = heads
-        state.stale[heads, pages] = False
-        index = self.group.index
-        state.gather(index, heads, index.pages_items(heads, pages), buffers.keys[:n], buffers.values[:n])
-        self.seq.counters.pages_loaded += n
-        self.seq.counters.bytes_to_gpu += buffers.keys[:n].nbytes + buffers.values[:n].nbytes
-
-    def _page_counts(self) -> np.ndarray:
-        """Valid tokens of every page of the owner's index ``[Hkv, pages]``; read again only after the index
-        changes (a build or an insert clears it: searches leave the pages as they are)."""
-        group = self.group
-        if group.page_counts is None:
-            group.page_counts = group.index.page_valid_counts()
-        return group.page_counts
-
-    def _write_valid_counts(self) -> float:
-        """Write this step's valid tokens per slot (sinks, selected pages, window) into the decode buffers; returns
-        the mean number of tokens a KV head attends."""
-        n_sink, k_sel = self.cfg.n_sink_pages, self.cfg.n_selected_pages
-        state, counts = self.state, self.buffers.counts
-        selected = counts[:, n_sink : n_sink + k_sel]  # a view: written in place
-        held = state.resident >= 0
-        selected.fill(0)
-        selected[held] = self._page_counts()[np.nonzero(held)[0], state.resident[held]]
-        counts[:, n_sink + k_sel :] = state.window.slot_counts()
-        # The float32 mean over KV heads, as the device reduction this replaces computed it.
-        return float(np.float32(counts.sum()) / np.float32(counts.shape[0]))
-
     def _attended_positions(self) -> torch.Tensor:
         """bool ``[Hq, trace_width()]`` of the positions each query head attends, for a trace whose width the
-        sequence does not fix (so not in the decode buffers)."""
+        sequence does not fix (so not in the decode buffers): the sinks, the window up to the new token, and the
+        tokens of each KV head's resident pages, from the C++ step's state after the step's selection."""
         attended = np.zeros((self.model.n_kv_heads, self.trace_width()), dtype=np.uint8)
-        self._trace_on_host(attended)
+        self.state.native.trace_into(attended)
         traced = torch.from_numpy(attended).view(torch.bool).to(self.state.pool.key_pages.device)
         return traced.repeat_interleave(self.model.group_size, dim=0)
-
-    def _trace_on_host(self, attended: np.ndarray) -> None:
-        """This step's trace into ``attended`` (``[Hkv, width]`` bytes, 1: attended) from the host's state after
-        the step's selection: the sinks, the window up to the new token, and the tokens of each KV head's resident
-        pages. Calls no CUDA (it runs in the host step)."""
-        state = self.state
-        attended.fill(0)
-        attended[:, : state.sink_len] = 1
-        attended[:, state.window.start : state.window.start + state.window.count] = 1
-        index = self.group.index
-        for head in range(self.model.n_kv_heads):
-            pages = state.resident[head][state.resident[head] >= 0]
-            if pages.size:
-                tokens = index.page_tokens(head)[pages].reshape(-1)
-                attended[head, state.positions[tokens[tokens >= 0]]] = 1
 
     def gpu_kv_bytes(self) -> int:
         if not self.offloaded:

@@ -15,42 +15,28 @@ attention, loads and MLP run. When layer l's own query arrives the step checks t
 
 The miss check is ours. The counters
 ``lookahead_searches`` and ``lookahead_misses`` say how often each happened. With look-ahead the step's ``query`` phase
-is the time it still waits for the search. The look-ahead's job and its speculative query are captured in the step's
-CUDA graph like the rest of the host work. Only owners look ahead (a reusing layer reads its owner's selection), and
-never layer 0 (there is no layer before it).
+is the time it still waits for the search. The job runs in C++ (``_dci.DecodeStep``, on the sequence's
+``_dci.NativeSequence`` thread, one job at a time): its start is a native entry that copies the speculative query and
+hands the job over, called through the query's ``HostExchange.run_native``, so that the query's copy and the start
+are captured in the step's CUDA graph like the rest of the host work; the layer's host step waits for the job. Only
+owners look ahead (a reusing layer reads its owner's selection), and never layer 0 (there is no layer before it).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
 
 from icecache.core.cuda_driver import HostFunctions
 from icecache.core.host_step import HostExchange
-
-
-@dataclass
-class LookaheadResult:
-    """What a look-ahead job found: its speculative query, the index's ranked pages per query head (None: the index
-    had no tokens), and the search's counters (``DCIIndex.last_query_stats``, read on the worker's thread)."""
-
-    query: np.ndarray
-    pages: np.ndarray | None
-    stats: dict = field(default_factory=dict)
+from icecache.dci import _dci
 
 
 def head_cosines(speculative: np.ndarray, exact: np.ndarray) -> np.ndarray:
-    """Cosine of every query head's speculative and exact query (rows of ``[Hq, D]``), in float64; a zero row
-    against a zero row counts as 1, a zero row against another as 0."""
-    speculative, exact = speculative.astype(np.float64), exact.astype(np.float64)
-    speculative_norms, exact_norms = np.linalg.norm(speculative, axis=1), np.linalg.norm(exact, axis=1)
-    norms = speculative_norms * exact_norms
-    dots = np.einsum("hd,hd->h", speculative, exact)
-    both_zero = (speculative_norms == 0) & (exact_norms == 0)
-    return np.where(norms > 0, dots / np.where(norms > 0, norms, 1.0), np.where(both_zero, 1.0, 0.0))
+    """Cosine of every query head's speculative and exact query (rows of ``[Hq, D]``, float32), in float64; a zero
+    row against a zero row counts as 1, a zero row against another as 0. The decode step's own check (C++)."""
+    return _dci.head_cosines(np.ascontiguousarray(speculative, dtype=np.float32),
+                             np.ascontiguousarray(exact, dtype=np.float32))
 
 
 def is_hit(speculative: np.ndarray, exact: np.ndarray, min_cosine: float) -> bool:
@@ -59,16 +45,21 @@ def is_hit(speculative: np.ndarray, exact: np.ndarray, min_cosine: float) -> boo
 
 class SpeculativeQuery:
     """A speculative query ``[Hq, D]`` on its way to the host (float32) through its own ``HostExchange``, so that
-    its copy and the job launch after it can be captured in a CUDA graph."""
+    its copy and the job start after it can be captured in a CUDA graph."""
 
     def __init__(self, n_heads: int, head_dim: int, device: torch.device, host_functions: HostFunctions):
         self.exchange = HostExchange({"query": ((n_heads, head_dim), torch.float32)}, {}, device, host_functions)
 
-    def send(self, query: torch.Tensor, then: Callable[[], None]) -> None:
-        """Stage ``query [Hq, D]`` for the host and run ``then()`` there once it has arrived (``HostExchange.run``:
-        a host function when captured)."""
+    @property
+    def address(self) -> int:
+        """Where the host reads the staged query (what the look-ahead's start copies)."""
+        return self.exchange.host_in["query"].data_ptr()
+
+    def send(self, query: torch.Tensor, start: tuple[int, int]) -> None:
+        """Stage ``query [Hq, D]`` for the host and call the native entry ``start`` (function and state addresses)
+        there once it has arrived (``HostExchange.run_native``: a host function when captured)."""
         self.exchange.send(query=query)
-        self.exchange.run(then)
+        self.exchange.run_native(*start)
 
     def read(self) -> np.ndarray:
         """A copy of the staged query, which the next step overwrites."""

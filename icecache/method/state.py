@@ -1,6 +1,6 @@
 """What IceCache's layers of one sequence share, typed: per reuse group the index and its selection, and per
-sequence the worker threads that build the prompt's indexes (with their progress bar) and run the look-ahead
-searches, closed when the sequence ends."""
+sequence the worker threads that build the prompt's indexes (with their progress bar) and the C++ side of the
+decode steps (the look-ahead searches' thread, the first error of a step), closed when the sequence ends."""
 
 from __future__ import annotations
 
@@ -11,18 +11,29 @@ from typing import Any, Callable
 
 import numpy as np
 
+from icecache.dci import _dci
+
 
 @dataclass
 class GroupState:
     """The index and the selection of one reuse group, owned by its first layer (every layer is its own group
-    without reuse). The other layers of the group read them; only the owner writes."""
+    without reuse). The other layers of the group read them; only the owner writes.
 
+    ``native`` (``_dci.ReuseGroup``) is what the group's C++ decode steps share: the owner's index (given by
+    ``set_index``), this step's selection, the index's page counts (read again only after it changes) and the pages
+    its last insert changed (resident copies of them are stale)."""
+
+    native: Any
     index: Any = None  # icecache.dci.DCIIndex, built by the owner's prompt job
-    # Pages whose content changed at the last insert, bool [Hkv, pages]: resident copies of them are stale.
-    changed: np.ndarray | None = None
-    # Valid tokens of every page [Hkv, pages], read from the index again only after it changes.
-    page_counts: np.ndarray | None = None
-    selection: np.ndarray | None = None  # this step's pages per KV head [Hkv, K], -1 padded
+
+    def set_index(self, index) -> None:
+        self.index = index
+        self.native.set_forest(index._forest)
+
+    @property
+    def selection(self) -> np.ndarray | None:
+        """This step's pages per KV head ``[Hkv, K]``, -1 padded (a copy; None before the first step)."""
+        return self.native.selection()
 
 
 @dataclass
@@ -33,36 +44,40 @@ class IceCacheSequence:
     reuser's decode comes after its owner's."""
 
     groups: dict[int, GroupState] = field(default_factory=dict)
+    # The C++ decode steps' shared part: the look-ahead searches' thread (one at a time, each with the index's
+    # threads) and the first error a step raised, after which every step of the sequence does nothing.
+    native: Any = field(default_factory=lambda: _dci.NativeSequence())
     prompt_jobs: list[Future] = field(default_factory=list)
     n_indexed_layers: int = 0  # the progress bar's total
     n_layers_done: int = 0
     n_workers: int = 1
     _worker: ThreadPoolExecutor | None = None
-    # One thread for the look-ahead jobs (lookahead.py): they search one at a time, each with the index's threads.
-    _search_worker: ThreadPoolExecutor | None = None
+    _all_prompt_jobs_done: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)  # the progress bar, updated by every worker
     _progress: Any = None
 
-    def group(self, owner: int) -> GroupState:
-        return self.groups.setdefault(owner, GroupState())
+    def group(self, owner: int, n_kv_heads: int, n_selected: int) -> GroupState:
+        found = self.groups.get(owner)
+        if found is None:
+            found = self.groups[owner] = GroupState(_dci.ReuseGroup(n_kv_heads, n_selected))
+        return found
 
     def submit_prompt_job(self, job: Callable[..., None], *args) -> Future:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max(1, self.n_workers), thread_name_prefix="icecache-index")
         future = self._worker.submit(job, *args)
         self.prompt_jobs.append(future)
+        self._all_prompt_jobs_done = False
         return future
-
-    def submit_search(self, job: Callable[..., Any], *args) -> Future:
-        if self._search_worker is None:
-            self._search_worker = ThreadPoolExecutor(1, thread_name_prefix="icecache-lookahead")
-        return self._search_worker.submit(job, *args)
 
     def wait_for_prompt_jobs(self) -> None:
         """Every layer's prompt job done (and its error raised): an owner's index must not change under the feet
-        of a reuser that is still laying its pages out."""
+        of a reuser that is still laying its pages out. Cheap once they are."""
+        if self._all_prompt_jobs_done:
+            return
         for job in self.prompt_jobs:
             job.result()
+        self._all_prompt_jobs_done = bool(self.prompt_jobs)
 
     def layer_indexed(self) -> None:
         """One more layer's prompt indexed: one bar per sequence over its sparsified layers, on a terminal only."""
@@ -80,10 +95,10 @@ class IceCacheSequence:
 
     def close(self) -> None:
         """End the workers (after the jobs they have) and the progress bar; called when the sequence ends."""
-        for worker in (self._worker, self._search_worker):
-            if worker is not None:
-                worker.shutdown(wait=True)
-        self._worker = self._search_worker = None
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+        self._worker = None
+        self.native.stop()
         if self._progress is not None:
             self._progress.close()
             self._progress = None

@@ -47,21 +47,26 @@ def selection_digest(model, info, method_name: str, *, prompt_tokens: int = 1200
 
 
 def _record_selections(layer, digest) -> None:
-    """Wrap the layer's selection so that each step's pages (and the positions they hold) enter ``digest``."""
-    select = layer._select
+    """Wrap the layer's decode step so that each step's pages (and the positions they hold) enter ``digest``: the
+    reuse group's selection after the step, for every step that selected (once the layer is offloaded)."""
+    decode = layer.decode
 
-    def recorded(query, *ahead):
-        pages = select(query, *ahead)
+    def recorded(query, key, value, scaling):
+        out = decode(query, key, value, scaling)
+        if not layer.offloaded:
+            return out
+        pages = layer.group.selection
         digest.update(np.ascontiguousarray(pages, dtype=np.int64).tobytes())
         index = layer.group.index
+        positions_of = layer.state.positions
         for head in range(pages.shape[0]):
             chosen = pages[head][pages[head] >= 0]
             tokens = index.page_tokens(head)[chosen].reshape(-1)
-            positions = np.asarray(layer.state.positions)[tokens[tokens >= 0]]
+            positions = positions_of[tokens[tokens >= 0]]
             digest.update(np.ascontiguousarray(positions, dtype=np.int64).tobytes())
-        return pages
+        return out
 
-    layer._select = recorded
+    layer.decode = recorded
 
 
 def main() -> None:

@@ -1,0 +1,483 @@
+// The Forest class: many DCI instances (one per KV head) behind one object, each operation one call over all of
+// them, threaded across instances and within one (docs/dci.md, threads), with the GIL released. In a header so that
+// the module's other sources (IceCache's decode step, icecache/method/src/) can call its searches on raw buffers;
+// it lives in a named namespace, not an anonymous one, so that every source of the module sees one type.
+#pragma once
+
+#include <omp.h>
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <stdexcept>
+
+#include "dci.hpp"
+
+namespace dci_forest {
+
+namespace py = pybind11;
+using dci::Instance;
+using FArray = py::array_t<float, py::array::c_style>;
+
+class Forest {
+ public:
+  Forest(int dim, int num_instances, int num_comp, int num_simp, double p0, double p1, bool transform,
+         bool deterministic, uint64_t seed, FArray directions, int threads, bool half_scores, bool bf16_keys)
+      : threads_(std::max(1, threads)) {
+    cfg_.dim = dim;
+    cfg_.num_comp = num_comp;
+    cfg_.num_simp = num_simp;
+    cfg_.transform = transform;
+    cfg_.deterministic = deterministic;
+    cfg_.promotion_prob = p0;
+    cfg_.promotion_prob_subseq = p1;
+    cfg_.half_scores = half_scores;
+    cfg_.bf16_keys = bf16_keys;
+    if (num_comp * num_simp > 64) throw std::invalid_argument("at most 64 directions");
+    if (num_simp > 255) throw std::invalid_argument("at most 255 simple indices per composite index");
+    if (half_scores && num_comp * num_simp != 1)
+      throw std::invalid_argument("half scores need num_comp * num_simp == 1");
+    if (directions.ndim() != 2 || directions.shape(0) != cfg_.num_dirs() || directions.shape(1) != cfg_.dir_stride())
+      throw std::invalid_argument("directions must have shape [num_comp*num_simp, dim(+1 with transform)]");
+    dirs_.assign(directions.data(), directions.data() + directions.size());
+    for (int i = 0; i < num_instances; ++i)
+      inst_.emplace_back(std::make_unique<Instance>(&cfg_, dirs_.data(), seed * 1000003ULL + i));
+  }
+
+  void set_threads(int t) { threads_ = std::max(1, t); }
+  int threads() const { return threads_; }
+
+  // Keys [instances, n, dim], C-contiguous: float32, or uint16 holding bfloat16 bits when the index keeps
+  // bfloat16 keys (checked in index.py; here only the element size is).
+  const char* key_base(const py::array& keys) const {
+    if (keys.itemsize() != (cfg_.bf16_keys ? 2 : 4) || !(keys.flags() & py::array::c_style) || keys.ndim() != 3)
+      throw std::invalid_argument(cfg_.bf16_keys ? "keys must be C-contiguous bfloat16 bits (uint16)"
+                                                 : "keys must be C-contiguous float32");
+    return static_cast<const char*>(keys.data());
+  }
+  size_t row_bytes() const { return static_cast<size_t>(cfg_.dim) * (cfg_.bf16_keys ? 2 : 4); }
+
+  void build(py::array keys, int fov, double pr, double pv, int interval, int X, double thr, int brute) {
+    const int I = static_cast<int>(inst_.size());
+    const int64_t n = keys.shape(1);
+    const char* base = key_base(keys);
+    const size_t rb = row_bytes();
+    dci::SearchConfig sc{fov, pr, pv};
+    dci::AnchorConfig ac{interval, X, thr};
+    py::gil_scoped_release nogil;
+    const int outer = std::max(1, std::min(I, threads_));
+    const int inner = std::max(1, threads_ / outer);
+    omp_set_max_active_levels(2);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(outer)
+    for (int i = 0; i < I; ++i) inst_[i]->build(base + static_cast<int64_t>(i) * n * rb, n, sc, ac, brute, inner);
+  }
+
+  void insert(py::array keys, int fov, double pr, double pv, bool as_batch, int brute) {
+    const int I = static_cast<int>(inst_.size());
+    const int64_t m = keys.shape(1);
+    const char* base = key_base(keys);
+    const size_t rb = row_bytes();
+    dci::SearchConfig sc{fov, pr, pv};
+    py::gil_scoped_release nogil;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(std::max(1, std::min(I, threads_)))
+    for (int i = 0; i < I; ++i) inst_[i]->insert(base + static_cast<int64_t>(i) * m * rb, m, sc, as_batch, brute);
+  }
+
+  void reserve(int64_t n) {
+    for (auto& x : inst_) x->reserve(n);
+  }
+
+  // Instance i's stored keys [n, dim] by token id, copied (uint16 bfloat16 bits, or float32).
+  py::array keys(int i) const {
+    const Instance& x = at(i);
+    const py::ssize_t n = x.num_tokens(), dim = cfg_.dim;
+    py::array out = cfg_.bf16_keys ? py::array(py::array_t<uint16_t>({n, dim})) : py::array(py::array_t<float>({n, dim}));
+    char* o = static_cast<char*>(out.mutable_data());
+    const size_t rb = row_bytes();
+    for (py::ssize_t t = 0; t < n; ++t) std::memcpy(o + t * rb, x.key_bytes_of(t), rb);
+    return out;
+  }
+
+  // Instance i's storage row of every token id [n] (tests: a build lays the rows out in leaf order).
+  py::array_t<int64_t> key_storage_rows(int i) const {
+    const Instance& x = at(i);
+    py::array_t<int64_t> out(x.num_tokens());
+    for (int64_t t = 0; t < x.num_tokens(); ++t) out.mutable_data()[t] = x.row(t);
+    return out;
+  }
+
+  // Token ids [n, 16] (-1 padded) of page pages[r] of instance heads[r]: the rows a load of those pages reads.
+  py::array_t<int32_t> pages_items(py::array_t<int64_t, py::array::c_style> heads,
+                                   py::array_t<int64_t, py::array::c_style> pages) const {
+    const int64_t n = heads.size();
+    if (pages.size() != n) throw std::invalid_argument("heads and pages must have the same length");
+    py::array_t<int32_t> out({n, static_cast<int64_t>(dci::kPageSlots)});
+    int32_t* o = out.mutable_data();
+    const int64_t* h = heads.data();
+    const int64_t* p = pages.data();
+    for (int64_t r = 0; r < n; ++r) {
+      const Instance& x = at(static_cast<int>(h[r]));
+      if (p[r] < 0 || p[r] >= x.num_pages()) throw py::index_error("page out of range");
+      const dci::Leaf& lf = x.leaves()[p[r]];
+      const int count = lf.owner == -2 ? 0 : lf.count;
+      for (int t = 0; t < dci::kPageSlots; ++t) o[r * dci::kPageSlots + t] = t < count ? lf.item[t] : -1;
+    }
+    return out;
+  }
+
+  // Copies the key rows of tokens ids[r][t] of instance heads[r] to row r * 16 + t of `out` (bytes, C-contiguous,
+  // at least n * 16 rows); an id of -1 gives a zero row. The rows a load of pages_items(heads, pages) sends.
+  void gather_keys(py::array_t<int64_t, py::array::c_style> heads, py::array_t<int32_t, py::array::c_style> ids,
+                   py::array out) const {
+    const int64_t n = heads.size();
+    const size_t rb = row_bytes();
+    if (ids.ndim() != 2 || ids.shape(0) != n || ids.shape(1) != dci::kPageSlots)
+      throw std::invalid_argument("ids must have shape [len(heads), 16]");
+    if (!(out.flags() & py::array::c_style) || !out.writeable() ||
+        static_cast<size_t>(out.nbytes()) < static_cast<size_t>(n) * dci::kPageSlots * rb)
+      throw std::invalid_argument("out must be a writable C-contiguous buffer of len(heads) * 16 key rows");
+    char* o = static_cast<char*>(out.mutable_data());
+    const int64_t* h = heads.data();
+    const int32_t* id = ids.data();
+    py::gil_scoped_release nogil;  // a look-ahead search may run on another thread meanwhile
+    for (int64_t r = 0; r < n; ++r) {
+      const Instance& x = at(static_cast<int>(h[r]));
+      for (int t = 0; t < dci::kPageSlots; ++t) {
+        const int32_t tok = id[r * dci::kPageSlots + t];
+        char* dst = o + (static_cast<size_t>(r) * dci::kPageSlots + t) * rb;
+        if (tok < 0) std::memset(dst, 0, rb);
+        else if (tok >= x.num_tokens()) throw py::index_error("token id out of range");
+        else std::memcpy(dst, x.key_bytes_of(tok), rb);
+      }
+    }
+  }
+
+  py::dict memory_bytes() const {
+    int64_t keys = 0, structure = static_cast<int64_t>(dirs_.capacity() * sizeof(float));
+    for (const auto& x : inst_) {
+      keys += x->key_bytes();
+      structure += x->structure_bytes();
+    }
+    py::dict d;
+    d["keys"] = keys;
+    d["structure"] = structure;
+    return d;
+  }
+
+  py::tuple query(FArray queries, int K, int fov, double pr, double pv, int ratio) {
+    const int64_t nq = queries.shape(0);
+    const float* q = queries.data();
+    const int dim = cfg_.dim;
+    py::array_t<int32_t> pages({nq, static_cast<int64_t>(K)}), tokens({nq, static_cast<int64_t>(K)});
+    py::array_t<float> pscores({nq, static_cast<int64_t>(K)}), tscores({nq, static_cast<int64_t>(K)});
+    int32_t* P = pages.mutable_data();
+    int32_t* T = tokens.mutable_data();
+    float* PS = pscores.mutable_data();
+    float* TS = tscores.mutable_data();
+    dci::SearchConfig sc{fov, pr, pv};
+    {
+    py::gil_scoped_release nogil;
+    std::atomic<int64_t> rows{0}, bytes{0}, scores{0}, lists{0};
+    if (cfg_.num_dirs() == 1) {
+      query_grouped(q, nq, K, sc, ratio, P, T, PS, TS, rows, bytes, scores, lists);
+    } else {
+      const int nthreads = std::max(1, static_cast<int>(std::min<int64_t>(nq, threads_)));
+      if (static_cast<int>(scratch_.size()) < nthreads) scratch_.resize(nthreads);
+#pragma omp parallel num_threads(nthreads)
+      {
+        // per-thread buffers kept across calls: a query allocates nothing once they have grown
+        dci::Scratch& s = scratch_[omp_get_thread_num()];
+        dci::search_counters() = dci::SearchCounters{};
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t h = 0; h < nq; ++h)
+          inst_[h / ratio]->query(q + h * dim, K, sc, s, P + h * K, T + h * K, PS + h * K, TS + h * K);
+        add_counters(rows, bytes, scores, lists);
+      }
+    }
+    last_query_ = {rows.load(), bytes.load(), scores.load(), lists.load()};
+    }
+    return py::make_tuple(pages, tokens, pscores, tscores);
+  }
+
+  // The query with one direction (IceCache): the query heads of a GQA group search the same tree, and most of the
+  // time goes to scoring the key rows of the level-1 parents they expand, which the heads share. So:
+  //   1. every head descends to the last level (parallel over heads); the runs of children it would scan there are
+  //      recorded instead of scanned;
+  //   2. per instance, the runs of its heads are grouped by parent, and each parent's rows are read once and scored
+  //      against all heads that expand it (parallel over parents of all instances); every thread feeds its own
+  //      per-head accumulators;
+  //   3. per head, the accumulators of the descent and of every thread are merged and written out.
+  // A head is fed exactly the points it is fed alone, with the same scores, and the accumulators keep the best K
+  // in (distance, id) order with unique ids, so the result is the one of the per-head query for any thread count
+  // and any grouping.
+  // This thread's search counters added to a query's totals (once per thread and query).
+  static void add_counters(std::atomic<int64_t>& rows, std::atomic<int64_t>& bytes, std::atomic<int64_t>& scores,
+                           std::atomic<int64_t>& lists) {
+    const dci::SearchCounters& mine = dci::search_counters();
+    rows += mine.rows;
+    bytes += mine.bytes;
+    scores += mine.scores;
+    lists += mine.lists;
+  }
+
+  // What the last query read (SearchCounters summed over its threads), as a dict for Python.
+  py::dict last_query_stats() const {
+    py::dict d;
+    d["rows_read"] = last_query_.rows;
+    d["bytes_read"] = last_query_.bytes;
+    d["scores"] = last_query_.scores;
+    d["lists"] = last_query_.lists;
+    return d;
+  }
+
+  void query_grouped(const float* q, int64_t nq, int K, const dci::SearchConfig& sc, int ratio, int32_t* P,
+                     int32_t* T, float* PS, float* TS, std::atomic<int64_t>& rows, std::atomic<int64_t>& bytes,
+                     std::atomic<int64_t>& scores, std::atomic<int64_t>& lists) {
+    const int dim = cfg_.dim;
+    const int I = num_instances();
+    const int nthreads = std::max(1, threads_);
+    if (static_cast<int>(scratch_.size()) < nthreads) scratch_.resize(nthreads);
+    if (static_cast<int>(acc_.size()) < nthreads) acc_.resize(nthreads);
+    if (static_cast<int64_t>(heads_.size()) < nq) heads_.resize(nq);
+    if (static_cast<int>(jobs_.size()) < I) jobs_.resize(I);
+    if (bars_capacity_ < nq) {
+      bars_.reset(new dci::SharedBars[nq]);
+      bars_capacity_ = nq;
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+      const int tid = omp_get_thread_num();
+      dci::Scratch& s = scratch_[tid];
+      dci::search_counters() = dci::SearchCounters{};
+      ThreadAcc& acc = acc_[tid];
+      // this thread's per-head accumulators, allocated by the thread itself (its own malloc arena)
+      if (static_cast<int64_t>(acc.topk.size()) < 2 * nq) acc.topk.resize(2 * nq);
+      for (int64_t i = 0; i < 2 * nq; ++i) acc.topk[i].reset(K);
+      acc.used = false;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t h = 0; h < nq; ++h) {
+        HeadState& hs = heads_[h];
+        hs.runs.clear();
+        inst_[h / ratio]->descend(q + h * dim, K, sc, s, &hs.runs);
+        std::swap(hs.best_tokens, s.best_tokens);
+        std::swap(hs.best_pages, s.best_pages);
+        hs.probe = dci::Probe{q + h * dim, dci::dot(q + h * dim, q + h * dim, dim), true};
+        // the descent's fed points are part of the head's result: their K-th best is a bar for the half scan
+        bars_[h].tokens.store(hs.best_tokens.bar(), std::memory_order_relaxed);
+        bars_[h].pages.store(hs.best_pages.bar(), std::memory_order_relaxed);
+      }
+      // group each instance's runs by parent: one work item = one parent and up to kMaxGroupHeads heads
+#pragma omp for schedule(dynamic, 1)
+      for (int i = 0; i < I; ++i) {
+        auto& jobs = jobs_[i];
+        jobs.clear();
+        for (int64_t h = static_cast<int64_t>(i) * ratio; h < static_cast<int64_t>(i + 1) * ratio && h < nq; ++h)
+          for (const dci::LastLevelRun& r : heads_[h].runs)
+            jobs.push_back({r.kid_slot, static_cast<int32_t>(h), r.first, r.last});
+        std::sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) {
+          return a.kid_slot < b.kid_slot || (a.kid_slot == b.kid_slot && a.head < b.head);
+        });
+      }
+#pragma omp single
+      {
+        items_.clear();
+        for (int i = 0; i < I; ++i) {
+          const auto& jobs = jobs_[i];
+          size_t b = 0;
+          while (b < jobs.size()) {
+            size_t e = b + 1;
+            int lo = jobs[b].first, hi = jobs[b].last;
+            while (e < jobs.size() && jobs[e].kid_slot == jobs[b].kid_slot && e - b < dci::kMaxGroupHeads) {
+              lo = std::min(lo, jobs[e].first);
+              hi = std::max(hi, jobs[e].last);
+              ++e;
+            }
+            items_.push_back({i, static_cast<int32_t>(b), static_cast<int32_t>(e),
+                              static_cast<int64_t>(hi - lo) * static_cast<int64_t>(e - b + 1)});
+            b = e;
+          }
+        }
+        // largest first, so that the dynamic schedule ends balanced
+        std::sort(items_.begin(), items_.end(), [](const Item& a, const Item& b) {
+          return a.cost > b.cost || (a.cost == b.cost && (a.inst < b.inst || (a.inst == b.inst && a.begin < b.begin)));
+        });
+      }
+      const int64_t n_items = static_cast<int64_t>(items_.size());
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t w = 0; w < n_items; ++w) {
+        const Item& it = items_[w];
+        const Job* jb = jobs_[it.inst].data() + it.begin;
+        const int nh = it.end - it.begin;
+        dci::Probe probes[dci::kMaxGroupHeads];
+        int32_t first[dci::kMaxGroupHeads], last[dci::kMaxGroupHeads];
+        dci::TopK* bt[dci::kMaxGroupHeads];
+        dci::TopK* bp[dci::kMaxGroupHeads];
+        dci::SharedBars* sb[dci::kMaxGroupHeads];
+        for (int j = 0; j < nh; ++j) {
+          sb[j] = &bars_[jb[j].head];
+          probes[j] = heads_[jb[j].head].probe;
+          first[j] = jb[j].first;
+          last[j] = jb[j].last;
+          bt[j] = &acc.topk[2 * static_cast<int64_t>(jb[j].head)];
+          bp[j] = &acc.topk[2 * static_cast<int64_t>(jb[j].head) + 1];
+        }
+        inst_[it.inst]->scan_runs(jb[0].kid_slot, nh, probes, first, last, bt, bp, sb);
+        acc.used = true;
+      }
+#pragma omp for schedule(static)
+      for (int64_t h = 0; h < nq; ++h) {
+        HeadState& hs = heads_[h];
+        for (int t = 0; t < nthreads; ++t) {
+          if (!acc_[t].used) continue;
+          for (const dci::Candidate& c : acc_[t].topk[2 * h].items) hs.best_tokens.push(c);
+          for (const dci::Candidate& c : acc_[t].topk[2 * h + 1].items) hs.best_pages.push(c);
+        }
+        inst_[h / ratio]->emit(hs.best_tokens, hs.best_pages, K, P + h * K, T + h * K, PS + h * K, TS + h * K);
+      }
+      add_counters(rows, bytes, scores, lists);
+    }
+  }
+
+  int num_instances() const { return static_cast<int>(inst_.size()); }
+  const Instance& at(int i) const {
+    if (i < 0 || i >= num_instances()) throw py::index_error("instance out of range");
+    return *inst_[i];
+  }
+  Instance& at(int i) {
+    if (i < 0 || i >= num_instances()) throw py::index_error("instance out of range");
+    return *inst_[i];
+  }
+
+  py::array_t<int32_t> num_pages() const {
+    py::array_t<int32_t> out(num_instances());
+    for (int i = 0; i < num_instances(); ++i) out.mutable_data()[i] = inst_[i]->num_pages();
+    return out;
+  }
+  int max_pages() const {
+    int m = 0;
+    for (auto& x : inst_) m = std::max(m, x->num_pages());
+    return m;
+  }
+  py::array_t<int32_t> page_tokens(int i) const {
+    const Instance& x = at(i);
+    const int64_t P = x.num_pages();
+    py::array_t<int32_t> out({P, static_cast<int64_t>(dci::kPageSlots)});
+    int32_t* o = out.mutable_data();
+    std::fill(o, o + P * dci::kPageSlots, -1);
+    for (int64_t p = 0; p < P; ++p) {
+      const dci::Leaf& lf = x.leaves()[p];
+      if (lf.owner == -2) continue;
+      for (int t = 0; t < lf.count; ++t) o[p * dci::kPageSlots + t] = lf.item[t];
+    }
+    return out;
+  }
+  py::array_t<int32_t> page_valid_counts() const {
+    const int64_t I = num_instances(), P = max_pages();
+    py::array_t<int32_t> out({I, P});
+    int32_t* o = out.mutable_data();
+    std::fill(o, o + I * P, 0);
+    for (int64_t i = 0; i < I; ++i)
+      for (int64_t p = 0; p < inst_[i]->num_pages(); ++p) {
+        const dci::Leaf& lf = inst_[i]->leaves()[p];
+        o[i * P + p] = lf.owner == -2 ? 0 : lf.count;
+      }
+    return out;
+  }
+  py::tuple token_to_page(int i) const {
+    const Instance& x = at(i);
+    const int64_t n = x.num_tokens();
+    py::array_t<int32_t> page(n), slot(n);
+    for (int64_t t = 0; t < n; ++t) {
+      page.mutable_data()[t] = x.nodes()[t].page;
+      slot.mutable_data()[t] = x.nodes()[t].slot;
+    }
+    return py::make_tuple(page, slot);
+  }
+  py::array_t<bool> pop_changed_pages() {
+    const int64_t I = num_instances(), P = max_pages();
+    py::array_t<bool> out({I, P});
+    bool* o = out.mutable_data();
+    std::fill(o, o + I * P, false);
+    for (int64_t i = 0; i < I; ++i) {
+      auto& ch = inst_[i]->changed();
+      for (size_t p = 0; p < ch.size(); ++p) {
+        o[i * P + p] = ch[p] != 0;
+        ch[p] = 0;
+      }
+    }
+    return out;
+  }
+  py::dict node_info(int i) const {
+    const Instance& x = at(i);
+    const int64_t n = x.num_tokens();
+    const int64_t L = cfg_.num_dirs();
+    py::array_t<int32_t> level(n), parent(n);
+    py::array_t<float> pdist(n), sq(n), proj({n, L});
+    py::array_t<double> proj_m(n);
+    for (int64_t t = 0; t < n; ++t) {
+      const dci::Node& nd = x.nodes()[t];
+      level.mutable_data()[t] = nd.level;
+      parent.mutable_data()[t] = nd.parent;
+      pdist.mutable_data()[t] = nd.parent_dist;
+      proj_m.mutable_data()[t] = nd.proj_sq_norm_max;
+      sq.mutable_data()[t] = x.sq_norms()[t];
+      for (int64_t j = 0; j < L; ++j) proj.mutable_data()[t * L + j] = x.projections()[t * L + j];
+    }
+    py::dict d;
+    d["level"] = level;
+    d["parent"] = parent;
+    d["parent_dist"] = pdist;
+    d["sq_norm"] = sq;
+    d["projections"] = proj;
+    d["projection_sq_norm_max"] = proj_m;
+    d["free_pages"] = py::cast(x.free_pages());
+    return d;
+  }
+  py::array_t<double> max_sq_norm() const {
+    py::array_t<double> out(num_instances());
+    for (int i = 0; i < num_instances(); ++i) out.mutable_data()[i] = inst_[i]->max_sq_norm();
+    return out;
+  }
+  py::array_t<float> directions() const {
+    py::array_t<float> out({static_cast<int64_t>(cfg_.num_dirs()), static_cast<int64_t>(cfg_.dir_stride())});
+    std::copy(dirs_.begin(), dirs_.end(), out.mutable_data());
+    return out;
+  }
+
+  dci::IndexConfig cfg_;
+  std::vector<float> dirs_;
+  std::vector<std::unique_ptr<Instance>> inst_;
+  std::vector<dci::Scratch> scratch_;  // one per query thread (a Forest is used from one Python thread at a time)
+  // query_grouped's state, kept across calls so that a query allocates nothing once it has grown
+  struct alignas(64) HeadState {
+    dci::TopK best_tokens, best_pages;
+    std::vector<dci::LastLevelRun> runs;
+    dci::Probe probe;
+  };
+  struct alignas(64) ThreadAcc {
+    std::vector<dci::TopK> topk;  // [2 * nq]: best tokens, best pages of each head
+    bool used = false;
+  };
+  struct Job {
+    int32_t kid_slot, head, first, last;
+  };
+  struct Item {
+    int32_t inst, begin, end;  // jobs_[inst][begin, end): one parent, up to kMaxGroupHeads heads
+    int64_t cost;
+  };
+  std::vector<HeadState> heads_;
+  std::vector<ThreadAcc> acc_;
+  std::vector<std::vector<Job>> jobs_;
+  std::vector<Item> items_;
+  std::unique_ptr<dci::SharedBars[]> bars_;  // [nq], for the half-precision scan
+  int64_t bars_capacity_ = 0;
+  dci::SearchCounters last_query_;
+  int threads_;
+};
+
+
+}  // namespace dci_forest
