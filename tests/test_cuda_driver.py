@@ -294,3 +294,24 @@ def test_a_sequence_that_ends_joins_its_worker():
     assert count.value == 1 and channel.worker_alive
     seq.close()
     assert not channel.worker_alive and seq.host_functions.channel is None
+
+
+def test_the_hand_off_probe_runs_in_a_process_where_pytorch_has_made_no_context_yet():
+    """The probe asks for the channel before any tensor is on the device: the primary context the channel retains
+    must outlive its first use (a retain-then-release there once destroyed the context with the channel's pinned
+    words, and the next write to them crashed)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    code = ("import json; from icecache.core import handoff_probe; "
+            "print(json.dumps(handoff_probe.measure('cuda', layers=4, replays=5, copy_bytes=(8192,), warmup=1)))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    costs = result["us_per_layer_over_floor"]
+    assert {"python_host_function", "native_host_function", "copies_8192"} <= set(costs)
+    if result["channel"] == STREAM_MEMORY:
+        assert {"stream_memory_native", "stream_memory_python", "copies_8192_stream_memory_native"} <= set(costs)

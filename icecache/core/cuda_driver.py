@@ -153,17 +153,24 @@ def _device_index(device: torch.device) -> int:
 def _primary_context(device_index: int) -> Iterator[None]:
     """The device's primary context (PyTorch's) current on this thread for the calls inside, whatever thread and
     device the caller is on."""
+    _check(_libcuda().cuCtxPushCurrent_v2(_retained_primary_context(device_index)), "cuCtxPushCurrent")
+    try:
+        yield
+    finally:
+        _libcuda().cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+
+@functools.lru_cache(maxsize=None)
+def _retained_primary_context(device_index: int) -> ctypes.c_void_p:
+    """The device's primary context, retained once for the life of the process and never released: called before
+    PyTorch has made the context, a retain would create it and its release destroy it again, with every pinned
+    allocation made inside it (the channel's words)."""
     torch.cuda.init()  # the driver initialised (cuInit), as PyTorch does at its first CUDA call
     lib = _libcuda()
     device, context = ctypes.c_int(), ctypes.c_void_p()
     _check(lib.cuDeviceGet(ctypes.byref(device), device_index), "cuDeviceGet")
     _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain")
-    _check(lib.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
-    try:
-        yield
-    finally:
-        lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
-        lib.cuDevicePrimaryCtxRelease_v2(device)
+    return context
 
 
 @contextmanager
