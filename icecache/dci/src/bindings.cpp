@@ -241,6 +241,9 @@ class Forest {
     if (static_cast<int>(acc_.size()) < nthreads) acc_.resize(nthreads);
     if (static_cast<int64_t>(heads_.size()) < nq) heads_.resize(nq);
     if (static_cast<int>(jobs_.size()) < I) jobs_.resize(I);
+    // Items cut into chunks of at most chunk_rows rows (at leaf boundaries) need no global sort to end balanced.
+    const int chunk_rows = dci::scan_tuning().chunk_rows;
+    if (static_cast<int>(inst_items_.size()) < I) inst_items_.resize(I);
     if (bars_capacity_ < nq) {
       bars_.reset(new dci::SharedBars[nq]);
       bars_capacity_ = nq;
@@ -278,11 +281,16 @@ class Forest {
         std::sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) {
           return a.kid_slot < b.kid_slot || (a.kid_slot == b.kid_slot && a.head < b.head);
         });
+        inst_items_[i].clear();
+        if (chunk_rows > 0)
+          inst_[i]->group_items(i, jobs.data(), static_cast<int32_t>(jobs.size()), chunk_rows, inst_items_[i]);
       }
 #pragma omp single
       {
         items_.clear();
-        for (int i = 0; i < I; ++i) {
+        for (int i = 0; i < I && chunk_rows > 0; ++i)
+          items_.insert(items_.end(), inst_items_[i].begin(), inst_items_[i].end());
+        for (int i = 0; i < I && chunk_rows == 0; ++i) {
           const auto& jobs = jobs_[i];
           size_t b = 0;
           while (b < jobs.size()) {
@@ -293,13 +301,13 @@ class Forest {
               hi = std::max(hi, jobs[e].last);
               ++e;
             }
-            items_.push_back({i, static_cast<int32_t>(b), static_cast<int32_t>(e),
+            items_.push_back({i, static_cast<int32_t>(b), static_cast<int32_t>(e), lo, hi,
                               static_cast<int64_t>(hi - lo) * static_cast<int64_t>(e - b + 1)});
             b = e;
           }
         }
         // largest first, so that the dynamic schedule ends balanced
-        std::sort(items_.begin(), items_.end(), [](const Item& a, const Item& b) {
+        if (chunk_rows == 0) std::sort(items_.begin(), items_.end(), [](const Item& a, const Item& b) {
           return a.cost > b.cost || (a.cost == b.cost && (a.inst < b.inst || (a.inst == b.inst && a.begin < b.begin)));
         });
       }
@@ -308,21 +316,25 @@ class Forest {
       for (int64_t w = 0; w < n_items; ++w) {
         const Item& it = items_[w];
         const Job* jb = jobs_[it.inst].data() + it.begin;
-        const int nh = it.end - it.begin;
         dci::Probe probes[dci::kMaxGroupHeads];
         int32_t first[dci::kMaxGroupHeads], last[dci::kMaxGroupHeads];
         dci::TopK* bt[dci::kMaxGroupHeads];
         dci::TopK* bp[dci::kMaxGroupHeads];
         dci::SharedBars* sb[dci::kMaxGroupHeads];
-        for (int j = 0; j < nh; ++j) {
-          sb[j] = &bars_[jb[j].head];
-          probes[j] = heads_[jb[j].head].probe;
-          first[j] = jb[j].first;
-          last[j] = jb[j].last;
-          bt[j] = &acc.topk[2 * static_cast<int64_t>(jb[j].head)];
-          bp[j] = &acc.topk[2 * static_cast<int64_t>(jb[j].head) + 1];
+        int nh = 0;
+        for (int g = 0; g < it.end - it.begin; ++g) {
+          // the head's run within the item's rows [lo, hi); a head with none there is left out
+          const int32_t f = std::max(jb[g].first, it.lo), l = std::min(jb[g].last, it.hi);
+          if (f >= l) continue;
+          sb[nh] = &bars_[jb[g].head];
+          probes[nh] = heads_[jb[g].head].probe;
+          first[nh] = f;
+          last[nh] = l;
+          bt[nh] = &acc.topk[2 * static_cast<int64_t>(jb[g].head)];
+          bp[nh] = &acc.topk[2 * static_cast<int64_t>(jb[g].head) + 1];
+          ++nh;
         }
-        inst_[it.inst]->scan_runs(jb[0].kid_slot, nh, probes, first, last, bt, bp, sb);
+        if (nh > 0) inst_[it.inst]->scan_runs(jb[0].kid_slot, nh, probes, first, last, bt, bp, sb);
         acc.used = true;
       }
 #pragma omp for schedule(static)
@@ -459,17 +471,13 @@ class Forest {
     std::vector<dci::TopK> topk;  // [2 * nq]: best tokens, best pages of each head
     bool used = false;
   };
-  struct Job {
-    int32_t kid_slot, head, first, last;
-  };
-  struct Item {
-    int32_t inst, begin, end;  // jobs_[inst][begin, end): one parent, up to kMaxGroupHeads heads
-    int64_t cost;
-  };
+  using Job = dci::GroupJob;
+  using Item = dci::GroupItem;  // jobs_[inst][begin, end): one parent, up to kMaxGroupHeads heads; rows [lo, hi)
   std::vector<HeadState> heads_;
   std::vector<ThreadAcc> acc_;
   std::vector<std::vector<Job>> jobs_;
   std::vector<Item> items_;
+  std::vector<std::vector<Item>> inst_items_;  // per instance, with ScanTuning::chunk_rows > 0
   std::unique_ptr<dci::SharedBars[]> bars_;  // [nq], for the half-precision scan
   int64_t bars_capacity_ = 0;
   dci::SearchCounters last_query_;
@@ -481,6 +489,66 @@ class Forest {
 PYBIND11_MODULE(_dci, m) {
   m.doc() = "Multi-level Prioritized DCI with M-DCI page leaves and the MIPS transform (see icecache/dci/index.py)";
   m.attr("PAGE_SLOTS") = dci::kPageSlots;
+  // The kernels' instruction set (docs/dci.md, kernels) and the host's read rate.
+  dci::check_isa_environment();
+  m.def("isa", [] { return std::string(dci::isa_name(dci::active_isa())); });
+  m.def("supported_isa", [] { return std::string(dci::isa_name(dci::supported_isa())); });
+  m.def("set_isa", [](const std::string& name) {
+    dci::Isa isa;
+    if (!dci::parse_isa(name, &isa)) throw std::invalid_argument("isa must be portable, avx2 or avx512, not " + name);
+    dci::set_isa(isa);
+  });
+  m.def("measure_read_rate", [](int64_t n_bytes, int threads, int passes) {
+    py::gil_scoped_release nogil;
+    return dci::measure_read_rate(n_bytes, threads, passes);
+  }, py::arg("n_bytes"), py::arg("num_threads"), py::arg("passes") = 5);
+  // The last-level scan's speed knobs (dci::ScanTuning; never a result): benchmarks compare settings with them.
+  m.def("scan_tuning", [] {
+    const dci::ScanTuning t = dci::scan_tuning();
+    py::dict d;
+    d["prefetch_rows"] = t.prefetch_rows;
+    d["chunk_rows"] = t.chunk_rows;
+    return d;
+  });
+  m.def("set_scan_tuning", [](int prefetch_rows, int chunk_rows) {
+    dci::set_scan_tuning(dci::ScanTuning{prefetch_rows, chunk_rows});
+  }, py::arg("prefetch_rows"), py::arg("chunk_rows"));
+  // The scoring kernels called directly (tests compare the instruction sets on them): queries [nq, dim] against
+  // rows[ids] (float32, or uint16 bfloat16 bits) with `kernel` "dot", "rows" (one query at a time) or "multi".
+  m.def("kernel_scores", [](const std::string& kernel, FArray queries, py::array rows,
+                            py::array_t<int32_t, py::array::c_style> ids) {
+    if (queries.ndim() != 2 || rows.ndim() != 2 || rows.shape(1) != queries.shape(1) || ids.ndim() != 1 ||
+        !(rows.flags() & py::array::c_style) || (rows.itemsize() != 2 && rows.itemsize() != 4))
+      throw std::invalid_argument("queries [nq, dim] float32, rows [n, dim] float32 or uint16, ids [m] int32");
+    const int nq = static_cast<int>(queries.shape(0)), dim = static_cast<int>(queries.shape(1));
+    const int m = static_cast<int>(ids.size());
+    for (int r = 0; r < m; ++r)
+      if (ids.data()[r] < 0 || ids.data()[r] >= rows.shape(0)) throw py::index_error("row id out of range");
+    const bool bf16 = rows.itemsize() == 2;
+    if (kernel == "dot" && bf16) throw std::invalid_argument("the dot kernel takes float32 rows");
+    py::array_t<float> out({nq, m});
+    float* o = out.mutable_data();
+    const float* q = queries.data();
+    const int32_t* id = ids.data();
+    std::vector<const float*> qs(nq);
+    for (int j = 0; j < nq; ++j) qs[j] = q + static_cast<int64_t>(j) * dim;
+    if (kernel == "dot") {
+      const float* base = static_cast<const float*>(rows.data());
+      for (int j = 0; j < nq; ++j)
+        for (int r = 0; r < m; ++r) o[j * m + r] = dci::dot(qs[j], base + static_cast<int64_t>(id[r]) * dim, dim);
+    } else if (kernel == "rows") {
+      for (int j = 0; j < nq; ++j) {
+        if (bf16) dci::dot_rows_bf16(qs[j], static_cast<const uint16_t*>(rows.data()), id, m, dim, o + j * m);
+        else dci::dot_rows(qs[j], static_cast<const float*>(rows.data()), id, m, dim, o + j * m);
+      }
+    } else if (kernel == "multi") {
+      if (bf16) dci::dot_rows_multi_ids_bf16(qs.data(), nq, static_cast<const uint16_t*>(rows.data()), id, m, dim, o, m);
+      else dci::dot_rows_multi_ids(qs.data(), nq, static_cast<const float*>(rows.data()), id, m, dim, o, m);
+    } else {
+      throw std::invalid_argument("kernel must be dot, rows or multi, not " + kernel);
+    }
+    return out;
+  });
   py::class_<Forest>(m, "Forest")
       .def(py::init<int, int, int, int, double, double, bool, bool, uint64_t, FArray, int, bool, bool>())
       .def_property_readonly("half_scores", [](const Forest& f) { return f.cfg_.half_scores; })
