@@ -235,6 +235,7 @@ def bench_size(n: int, threads: list[int], repeats: int, seed: int, shared_aim: 
                 "build_s": statistics.median(build_times[precision]),
                 "query_ms": 1e3 * query_s,
                 "query_ms_p90": 1e3 * float(np.percentile(query_times[key], 90)),
+                "query_ms_min": 1e3 * min(query_times[key]),
                 "exact_ms": 1e3 * statistics.median(exact_times),
             }
             row.update(recall_metrics(index, scores, pages, tokens, ratio, exact_tokens))

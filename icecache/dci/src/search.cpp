@@ -297,11 +297,6 @@ void Instance::scan_rows_ahead(const ChildIndex& ci, int nh, const Probe* probes
   counted.bytes += static_cast<int64_t>(total) * dim * (float_rows ? 4 : 2);
   counted.scores += static_cast<int64_t>(total) * nh;
   const int32_t* rows = buf.rows.data();
-  const int row_bytes = dim * (float_rows ? 4 : 2);
-  const char* key_base = static_cast<const char*>(key_data());
-  for (int k = 0; k < std::min(ahead, total); ++k)
-    for (int off = 0; off < row_bytes; off += 64)
-      __builtin_prefetch(key_base + static_cast<int64_t>(rows[k]) * row_bytes + off);
   float dots[kMaxGroupHeads * kPageSlots];
   for (const AheadSpan& sp : buf.spans) {
     const Leaf& lf = leaves_[sp.page];
