@@ -315,6 +315,7 @@ class Instance {
   void free_page(int32_t page);
   // Flags a page as changed, and with half_scores refreshes the half copies and error bounds of its rows.
   void mark(int32_t page);
+  void refresh_page_rows(int32_t page);
   // The half copy of one key row and its error slack (see page_slack_).
   void encode_half_row(const float* key, uint16_t* half, float* slack) const;
   int32_t ensure_kids(int32_t node);
@@ -386,6 +387,9 @@ class Instance {
   // a zero half row) when a value is beyond the half range: that row is always re-scored.
   std::vector<uint16_t> page_half_;
   std::vector<float> page_slack_;
+  // page_rows_[pages][16]: the storage row of each slot's token, row(item), kept by mark() (and rebuilt when a build
+  // lays the rows out), so that a scan lists a page's rows from one cache line instead of one row_of_ entry each.
+  std::vector<int32_t> page_rows_;
   std::vector<int32_t> free_pages_;
   std::vector<uint8_t> changed_;
   double M_ = 0.0;                // running max squared key norm

@@ -287,7 +287,8 @@ void Instance::scan_rows_ahead(const ChildIndex& ci, int nh, const Probe* probes
     pos += lf.count;
     if (s0 >= s1) continue;
     buf.spans.push_back({page, base, s0, s1, static_cast<int32_t>(buf.rows.size())});
-    for (int t = s0; t < s1; ++t) buf.rows.push_back(static_cast<int32_t>(row(lf.item[t])));
+    const int32_t* page_rows = &page_rows_[static_cast<int64_t>(page) * kPageSlots];
+    buf.rows.insert(buf.rows.end(), page_rows + s0, page_rows + s1);
   }
   const int total = static_cast<int>(buf.rows.size());
   const int dim = cfg_->dim;
