@@ -302,6 +302,20 @@ def host_memory_rates(gib: float) -> tuple[float | None, float | None]:
     return touch, data.nbytes / best / 1e9
 
 
+def dci_read_gbps(gib: float) -> float | None:
+    """The host's read rate in GB/s as the index search's OpenMP threads see it: ``icecache.dci.measure_read_rate``
+    (each thread sums its share of a fresh ``gib`` GiB buffer, best of five) on every core this process may run on,
+    the index's default thread count. None for 0."""
+    import os
+
+    from icecache.dci import measure_read_rate
+
+    if gib <= 0:
+        return None
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return measure_read_rate(int(gib * 2**30), threads) / 1e9
+
+
 def resident_bytes() -> int | None:
     """The process's resident memory now (Linux ``/proc/self/statm``; None elsewhere)."""
     import os
@@ -343,9 +357,10 @@ def measure(settings: LatencySettings, out: str | Path, resume: Path | None = No
     model, _ = load_model(spec, ATTENTION_NAME)
     device = spec.resolved_device()
     touch_gbps, read_gbps = host_memory_rates(settings.bandwidth_probe_gib)
+    index_read_gbps = dci_read_gbps(settings.bandwidth_probe_gib)
     if read_gbps is not None:
         print(f"host memory: first touch {touch_gbps:.1f} GB/s, read {read_gbps:.1f} GB/s on "
-              f"{torch.get_num_threads()} threads", flush=True)
+              f"{torch.get_num_threads()} threads, {index_read_gbps:.1f} GB/s on the index's threads", flush=True)
     vocab = model.config.vocab_size
     handoff_costs = None
     if settings.handoff_probe and device.type == "cuda" and prior is None:
@@ -361,7 +376,7 @@ def measure(settings: LatencySettings, out: str | Path, resume: Path | None = No
     recorded = dataclasses.asdict(settings)
     recorded.update({"model_name": spec.name, "device_resolved": str(device),
                      "dtype_resolved": str(spec.resolved_dtype()), "host_read_gbps": read_gbps,
-                     "host_first_touch_gbps": touch_gbps,
+                     "host_first_touch_gbps": touch_gbps, "host_index_read_gbps": index_read_gbps,
                      **({"handoff_costs": handoff_costs} if handoff_costs is not None else {})})
     run_provenance = provenance.collect()
     if prior is None:
@@ -371,13 +386,15 @@ def measure(settings: LatencySettings, out: str | Path, resume: Path | None = No
         measurements = prior["measurements"]
         out_path, first_provenance = Path(out) / Path(resume).name, prior["provenance"]
         processes = [*prior.get("resumed_by", []), {"provenance": run_provenance, "host_read_gbps": read_gbps,
-                                                    "host_first_touch_gbps": touch_gbps}]
+                                                    "host_first_touch_gbps": touch_gbps,
+                                                    "host_index_read_gbps": index_read_gbps}]
         recorded = {**prior["settings"], "resumed": True}
     process = len(processes)  # 0: the first process; n: the n-th resumption
     done = {(m["context"], m["method"], m["round"]) for m in measurements}
 
     # Each process probes its host's read rate; a row is set against the rate of the process that measured it.
     read_rates = [recorded.get("host_read_gbps"), *(p.get("host_read_gbps") for p in processes)]
+    index_read_rates = [recorded.get("host_index_read_gbps"), *(p.get("host_index_read_gbps") for p in processes)]
 
     def payload(complete: bool) -> dict[str, Any]:
         summary = summarise(measurements)
@@ -386,6 +403,8 @@ def measure(settings: LatencySettings, out: str | Path, resume: Path | None = No
                       if (m["context"], m["method"]) == (row["context"], row["method"]))
             rate = read_rates[by]
             row["search_share_of_host_read"] = row["search_gbps"] / rate if row.get("search_gbps") and rate else None
+            rate = index_read_rates[by]  # the same share of the rate the index's own threads reach
+            row["search_share_of_index_read"] = row["search_gbps"] / rate if row.get("search_gbps") and rate else None
         return {"kind": "latency", "settings": recorded, "provenance": first_provenance, "complete": complete,
                 **({"resumed_by": processes} if processes else {}),
                 "measurements": measurements, "summary": summary}

@@ -622,3 +622,164 @@ def test_a_half_precision_pass_counts_its_rows_at_two_bytes_a_value():
     rescored = stats["rows_read"] - 80
     assert 0 < rescored < 80
     assert stats["bytes_read"] == 80 * 32 + rescored * 64
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The kernels' instruction sets (docs/dci.md, kernels)
+
+@pytest.fixture
+def kernel_settings():
+    """Restores the process-wide ISA and scan settings a test changes."""
+    from icecache import dci
+
+    isa, tuning = dci.active_isa(), dci.scan_tuning()
+    yield dci
+    dci.set_isa(isa)
+    dci.set_scan_tuning(**tuning)
+
+
+def _bf16_bits(rows: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(rows).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+
+
+def _kernel_outputs(rng: np.random.Generator, dim: int, nq: int):
+    """Every scoring kernel (one dot, one query per call, several per call) over float32 and bfloat16 rows."""
+    from icecache.dci import _dci
+
+    q = (rng.standard_normal((nq, dim)) * rng.lognormal(0, 2, (nq, 1))).astype(np.float32)
+    rows = (rng.standard_normal((41, dim)) * rng.lognormal(0, 2, (41, 1))).astype(np.float32)
+    ids = rng.integers(0, 41, size=int(rng.integers(1, 30))).astype(np.int32)
+    inputs = [("dot", rows), ("rows", rows), ("multi", rows), ("rows", _bf16_bits(rows)), ("multi", _bf16_bits(rows))]
+    return lambda: [_dci.kernel_scores(kernel, q, r, ids) for kernel, r in inputs]
+
+
+DIMS = [1, 5, 8, 15, 16, 17, 24, 31, 32, 48, 64, 100, 127, 128, 129, 256]
+
+
+@pytest.mark.parametrize("dim", DIMS)
+def test_avx512_kernels_give_the_avx2_scores_bit_for_bit(kernel_settings, dim):
+    """The AVX-512 kernels do the AVX2 kernels' FMAs into the same lanes and sum them in the same order: every score
+    of every kernel, for float32 and bfloat16 rows, odd dims and odd head counts included, is the same float."""
+    if kernel_settings.supported_isa() != "avx512":
+        pytest.skip("this CPU has no AVX-512")
+    rng = np.random.default_rng(dim)
+    for nq in (1, 2, 3, 4, 5, 7, 8, 9, 16):
+        run = _kernel_outputs(rng, dim, nq)
+        kernel_settings.set_isa("avx2")
+        avx2 = run()
+        kernel_settings.set_isa("avx512")
+        avx512 = run()
+        for a, b in zip(avx2, avx512):
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), (dim, nq)
+
+
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+def test_every_kernel_of_one_isa_gives_the_same_scores(kernel_settings, isa):
+    """Within one instruction set a (query, row) score does not depend on the kernel, the row's position in a block
+    or the number of heads scored with it (the index relies on it: a grouped scan equals the per-head one), and
+    it is the float32 dot product up to rounding (the portable build rounds each product: no FMA)."""
+    if kernel_settings.ISAS.index(isa) > kernel_settings.ISAS.index(kernel_settings.supported_isa()):
+        pytest.skip(f"this CPU does not run {isa}")
+    kernel_settings.set_isa(isa)
+    rng = np.random.default_rng(3)
+    for dim in DIMS:
+        for nq in (1, 3, 4, 6):
+            dot, rows, multi, rows_bf16, multi_bf16 = _kernel_outputs(rng, dim, nq)()
+            assert np.array_equal(dot, rows) and np.array_equal(rows, multi), (dim, nq)
+            assert np.array_equal(rows_bf16, multi_bf16), (dim, nq)
+            # bfloat16 rows are the float32 rows rounded: only the kernels' own rounding is compared here
+            assert np.isfinite(dot).all()
+    if isa != "portable":
+        kernel_settings.set_isa("portable")
+        portable = _kernel_outputs(np.random.default_rng(11), 128, 4)()
+        kernel_settings.set_isa(isa)
+        fused = _kernel_outputs(np.random.default_rng(11), 128, 4)()
+        for a, b in zip(portable, fused):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-3 * float(np.abs(b).max()))
+
+
+def test_set_isa_refuses_unknown_names(kernel_settings):
+    with pytest.raises(ValueError, match="isa must be one of"):
+        kernel_settings.set_isa("sse9")
+    with pytest.raises(ValueError, match="must be >= 0"):
+        kernel_settings.set_scan_tuning(-1, 0)
+
+
+def test_the_isa_environment_variable_is_read_at_import():
+    import subprocess
+    import sys
+
+    def run(value: str) -> subprocess.CompletedProcess:
+        code = "import icecache.dci as d; print(d.active_isa())"
+        env = {**__import__("os").environ, "ICECACHE_DCI_ISA": value}
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+    assert run("portable").stdout.strip() == "portable"
+    bad = run("sse9")
+    assert bad.returncode != 0 and "ICECACHE_DCI_ISA=sse9: not one of portable, avx2, avx512" in bad.stderr
+
+
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+def test_each_isa_builds_valid_trees_and_finds_the_exact_results(kernel_settings, isa):
+    """Every instruction set, the portable one too (a CPU without AVX2 runs it): invariants after build and inserts,
+    the exact top tokens when the budgets cover everything, and results independent of the thread count."""
+    if kernel_settings.ISAS.index(isa) > kernel_settings.ISAS.index(kernel_settings.supported_isa()):
+        pytest.skip(f"this CPU does not run {isa}")
+    kernel_settings.set_isa(isa)
+    rng = np.random.default_rng(21)
+    keys = clustered_keys(rng, 2, 900, 32)
+    q = aimed_queries(rng, keys, 3)
+    outs = []
+    for threads in (1, 3):
+        index = DCIIndex(32, 2, num_threads=threads, key_dtype="bfloat16")
+        bf16 = torch.from_numpy(keys).to(torch.bfloat16)
+        index.build(bf16[:, :700])
+        for begin in range(700, 900, 50):
+            index.insert(bf16[:, begin:begin + 50])
+        assert_page_invariants(index)
+        outs.append(index.query(q, 900, field_of_view=10**6, prop_to_retrieve=1.0, ratio=3, return_scores=True))
+    for a, b in zip(*outs):
+        assert np.array_equal(a, b, equal_nan=True)
+    exact = torch.from_numpy(keys).to(torch.bfloat16).float().numpy()
+    tokens, token_scores = outs[0][1], outs[0][3]
+    for h in range(6):
+        scores = exact[h // 3] @ q[h]
+        top = np.sort(scores)[::-1][:20]
+        np.testing.assert_allclose(token_scores[h][:20], top, rtol=1e-5, atol=1e-4)
+        assert np.allclose(scores[tokens[h][:20]], token_scores[h][:20], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["float32", "half"])
+def test_the_scan_settings_and_fma_isas_give_the_same_results(kernel_settings, precision):
+    """Prefetch distance, work-item chunking and the FMA instruction sets change only speed: pages, tokens and
+    scores are bit for bit the same for every setting, with bfloat16 and float32 keys, at 1 and 3 threads."""
+    isas = [i for i in ("avx2", "avx512")
+            if kernel_settings.ISAS.index(i) <= kernel_settings.ISAS.index(kernel_settings.supported_isa())]
+    rng = np.random.default_rng(8)
+    keys = clustered_keys(rng, 3, 3000, 32, n_clusters=4)  # few clusters: parents with long runs, several chunks
+    q = aimed_queries(rng, keys, 4)
+    for key_dtype in ("bfloat16", "float32"):
+        index = DCIIndex(32, 3, num_threads=3, key_dtype=key_dtype, score_precision=precision)
+        k = torch.from_numpy(keys).to(torch.bfloat16) if key_dtype == "bfloat16" else keys
+        index.build(k[:, :2800])
+        for begin in range(2800, 3000, 40):
+            index.insert(k[:, begin:begin + 40])
+        reference = None
+        for isa in isas:
+            for prefetch_rows, chunk_rows in ((0, 0), (32, 256), (5, 16), (1000, 40)):
+                for threads in (1, 3):
+                    kernel_settings.set_isa(isa)
+                    kernel_settings.set_scan_tuning(prefetch_rows, chunk_rows)
+                    index.num_threads = threads
+                    out = index.query(q, 16, field_of_view=60, ratio=4, return_scores=True)
+                    if reference is None:
+                        reference = out
+                    for a, b in zip(out, reference):
+                        assert np.array_equal(a, b, equal_nan=True), (key_dtype, isa, prefetch_rows, chunk_rows)
+
+
+def test_the_host_read_rate_is_measured(kernel_settings):
+    rate = kernel_settings.measure_read_rate(64 << 20, 2, passes=2)
+    assert 1e8 < rate < 1e13
+    assert kernel_settings.search_read_share(2e9, 0.5, 8e9) == 0.5
+    assert kernel_settings.search_read_share(0, 0.5, 8e9) is None

@@ -257,6 +257,7 @@ def test_bench_latency_driver_writes_its_file(tmp_path):
     assert summary["full_static"]["tpot_ratio_to_full_static"] == 1.0
     assert payload["complete"] is True
     assert payload["settings"]["host_read_gbps"] > 0 and payload["settings"]["host_first_touch_gbps"] > 0
+    assert payload["settings"]["host_index_read_gbps"] > 0  # the rate on the index's own OpenMP threads
     for row in summary.values():
         assert row["tpot_s_median"] > 0 and row["tt2t_s_median"] > row["ttft_s_median"]
         assert row["phases_s"]  # measure_phases on: at least the model remainder

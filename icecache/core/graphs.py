@@ -38,6 +38,7 @@ class GraphedDecodeStep:
         self.warmed = False
         self.replays = 0
         self.capture_error: str | None = None  # why the step is not captured, if a capture failed
+        self._finished = torch.cuda.Event(blocking=True)  # a replay's end, waited for without spinning
 
     def _forward(self) -> torch.Tensor:
         self.cache.seq.position = self.positions[0]
@@ -105,7 +106,15 @@ class GraphedDecodeStep:
     def _replayed(self, advance_layers: bool) -> torch.Tensor:
         # Python host work in the graph takes the GIL on the channel's worker (or the driver's thread), so wait here
         # with it released (a stream synchronisation does), then surface any error it raised or the channel met.
-        torch.cuda.current_stream(self.input_ids.device).synchronize()
+        # Where the step has host work the wait sleeps instead of spinning: a spinning waiter holds one of the cores
+        # the host work's threads (the index search's 16) need, and every barrier of theirs then waits for the one
+        # of them the scheduler put off that core.
+        stream = torch.cuda.current_stream(self.input_ids.device)
+        if self.cache.seq.host_functions.kind is not None:
+            self._finished.record(stream)
+            self._finished.synchronize()
+        else:
+            stream.synchronize()
         self.cache.seq.host_functions.raise_pending()
         self.replays += 1
         for layer in self.cache.layer_kvs:

@@ -111,6 +111,13 @@ class IceCacheConfig(MethodConfig):
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
     @property
+    def search_threads(self) -> int:
+        """OpenMP threads of a decode step's search: ``index_threads``, one fewer with the look-ahead, whose search
+        runs on its own thread while the step's host work goes on on another (two busy masters on as many cores as
+        threads make every barrier of the search wait for a descheduled thread). Results do not depend on it."""
+        return max(1, self.index_threads - 1) if self.lookahead else self.index_threads
+
+    @property
     def prompt_build_threads(self) -> int:
         """OpenMP threads of one prompt build: ``build_threads``, or an equal share of ``index_threads``."""
         return self.build_threads or max(1, self.index_threads // max(1, self.prompt_workers))

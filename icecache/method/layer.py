@@ -156,7 +156,7 @@ class IceCacheLayer(DenseKV):
                         anchor_neighbours=cfg.anchor_neighbours, anchor_threshold=cfg.anchor_threshold,
                     )
                 index.pop_changed_pages()  # every page is new: none is resident yet
-            index.num_threads = self.cfg.index_threads
+            index.num_threads = self.cfg.search_threads
             self.group.set_index(index)
         self.sequence.layer_indexed()
 

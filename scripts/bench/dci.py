@@ -18,14 +18,27 @@ Score precision (--score-precision float32 half): one index per precision over t
 queries are timed in alternation (one call each, round robin), so that load from elsewhere hits both alike.
 `same` is the fraction of query heads whose pages, tokens and scores equal the float32 index's bit for bit.
 
+Key dtype (--key-dtype): the index holds float32 keys, or bfloat16 keys as a KV cache does (the keys rounded to
+bfloat16 first; the exact reference scores the same rounded values). Kernels (--variants): each variant
+ISA:PREFETCH_ROWS:CHUNK_ROWS sets the scoring kernels' instruction set (icecache.dci.set_isa) and the scan's speed
+settings (icecache.dci.set_scan_tuning); the variants are timed in alternation on the same indexes, like the
+precisions, and `same` then compares every row with the first variant's float32 result (default: one variant, the
+widest ISA the CPU runs and the default settings).
+
+Read rate: for each thread count the host's read rate is measured first (icecache.dci.measure_read_rate, the same
+OpenMP threads summing a fresh --read-probe-gib buffer), and each row reports the search's own rate (the bytes
+``last_query_stats`` says one query read, over its median time) and its share of the host's.
+
     python scripts/bench/dci.py --sizes 8192 32768 131072 --threads 1 4 16 [--shared-aim] \
-        [--score-precision float32 half] [--out DIR_OR_FILE.json]
+        [--score-precision float32 half] [--key-dtype bfloat16] [--variants avx2:0:0 avx512:32:256] \
+        [--out DIR_OR_FILE.json]
 writes results/bench/dci_<hostname>_<date>.json (or into/at --out) and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import math
@@ -39,11 +52,47 @@ import numpy as np
 import torch
 
 from eval.provenance import machine_label
-from icecache.dci import DCIIndex, default_query_field_of_view
+from icecache.dci import (
+    DCIIndex,
+    active_isa,
+    default_query_field_of_view,
+    measure_read_rate,
+    scan_tuning,
+    search_read_share,
+    set_isa,
+    set_scan_tuning,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
 N_KV_HEADS, N_Q_HEADS, HEAD_DIM, K_PAGES = 8, 32, 128, 12
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelVariant:
+    """The scoring kernels' instruction set and the last-level scan's speed settings, applied process-wide."""
+
+    isa: str
+    prefetch_rows: int
+    chunk_rows: int
+
+    @classmethod
+    def parse(cls, text: str) -> KernelVariant:
+        isa, prefetch_rows, chunk_rows = text.split(":")
+        return cls(isa, int(prefetch_rows), int(chunk_rows))
+
+    @classmethod
+    def current(cls) -> KernelVariant:
+        tuning = scan_tuning()
+        return cls(active_isa(), tuning["prefetch_rows"], tuning["chunk_rows"])
+
+    @property
+    def label(self) -> str:
+        return f"{self.isa}:{self.prefetch_rows}:{self.chunk_rows}"
+
+    def apply(self) -> None:
+        set_isa(self.isa)
+        set_scan_tuning(self.prefetch_rows, self.chunk_rows)
 
 
 def make_keys(rng: np.random.Generator, n: int, n_heads: int = N_KV_HEADS, dim: int = HEAD_DIM,
@@ -117,9 +166,15 @@ def recall_metrics(index: DCIIndex, scores: torch.Tensor, pages: np.ndarray, tok
 
 
 def bench_size(n: int, threads: list[int], repeats: int, seed: int, shared_aim: bool = False,
-               precisions: tuple[str, ...] = ("float32",)) -> list[dict]:
+               precisions: tuple[str, ...] = ("float32",), key_dtype: str = "float32",
+               read_rates: dict[int, float] | None = None,
+               variants: tuple[KernelVariant, ...] | None = None) -> list[dict]:
+    variants = variants or (KernelVariant.current(),)
     rng = np.random.default_rng(seed)
     keys = make_keys(rng, n)
+    if key_dtype == "bfloat16":  # the values a bfloat16 KV cache holds; the reference scores the same values
+        keys = torch.from_numpy(keys).to(torch.bfloat16).float().numpy()
+    index_keys = torch.from_numpy(keys).to(torch.bfloat16) if key_dtype == "bfloat16" else keys
     ratio = N_Q_HEADS // N_KV_HEADS
     queries = make_queries(rng, keys, ratio, shared_aim)
     keys_t, q_t = torch.from_numpy(keys), torch.from_numpy(queries)
@@ -133,48 +188,67 @@ def bench_size(n: int, threads: list[int], repeats: int, seed: int, shared_aim: 
         indexes, build_times = {}, {}
         for precision in precisions:
             index = DCIIndex(HEAD_DIM, N_KV_HEADS, promotion_prob=0.01, promotion_prob_subseq=0.2, transform=True,
-                             deterministic_levels=True, seed=seed, num_threads=t, score_precision=precision)
+                             deterministic_levels=True, seed=seed, num_threads=t, score_precision=precision,
+                             key_dtype=key_dtype)
             times = []
             for _ in range(max(1, repeats // 10)):
                 t0 = time.perf_counter()
-                index.build(keys, field_of_view=30, prop_to_retrieve=1.0, anchor_interval=60, anchor_neighbours=60,
-                            anchor_threshold=1.02)
+                index.build(index_keys, field_of_view=30, prop_to_retrieve=1.0, anchor_interval=60,
+                            anchor_neighbours=60, anchor_threshold=1.02)
                 times.append(time.perf_counter() - t0)
             indexes[precision], build_times[precision] = index, times
             query(index)  # warm-up
-        query_times: dict[str, list[float]] = {p: [] for p in precisions}
-        results = {}
+        timed = [(precision, variant) for variant in variants for precision in precisions]
+        query_times: dict[tuple[str, KernelVariant], list[float]] = {key: [] for key in timed}
+        results, bytes_read = {}, {}
         for _ in range(repeats):
-            for precision, index in indexes.items():
+            for precision, variant in timed:
+                variant.apply()
+                index = indexes[precision]
                 t0 = time.perf_counter()
-                results[precision] = query(index)
-                query_times[precision].append(time.perf_counter() - t0)
+                results[precision, variant] = query(index)
+                query_times[precision, variant].append(time.perf_counter() - t0)
+                bytes_read[precision, variant] = index.last_query_stats()["bytes_read"]
+        variants[0].apply()
         torch.set_num_threads(t)
         exact_times = []
         for _ in range(max(3, repeats // 10)):
             t0 = time.perf_counter()
             scores, exact_tokens = exact_reference(keys_t, q_t, ratio, K_PAGES)
             exact_times.append(time.perf_counter() - t0)
-        for precision, index in indexes.items():
-            pages, tokens = results[precision][:2]
+        reference = results.get(("float32", variants[0]))
+        for precision, variant in timed:
+            index = indexes[precision]
+            key = precision, variant
+            pages, tokens = results[key][:2]
+            query_s = statistics.median(query_times[key])
+            read_rate = (read_rates or {}).get(t)
             row = {
                 "n": n, "threads": t, "shared_aim": shared_aim, "score_precision": precision,
+                "key_dtype": key_dtype, "variant": variant.label, "isa": variant.isa,
+                "prefetch_rows": variant.prefetch_rows, "chunk_rows": variant.chunk_rows,
+                "bytes_read": bytes_read[key], "search_gbps": bytes_read[key] / query_s / 1e9,
+                "host_read_gbps": read_rate / 1e9 if read_rate else None,
+                "read_share": search_read_share(bytes_read[key], query_s, read_rate or 0.0),
                 "levels": index.num_levels(0), "pages_per_head": float(index.num_pages().mean()),
                 "query_fov": fov,
                 "build_s": statistics.median(build_times[precision]),
-                "query_ms": 1e3 * statistics.median(query_times[precision]),
-                "query_ms_p90": 1e3 * float(np.percentile(query_times[precision], 90)),
+                "query_ms": 1e3 * query_s,
+                "query_ms_p90": 1e3 * float(np.percentile(query_times[key], 90)),
+                "query_ms_min": 1e3 * min(query_times[key]),
                 "exact_ms": 1e3 * statistics.median(exact_times),
             }
             row.update(recall_metrics(index, scores, pages, tokens, ratio, exact_tokens))
-            if "float32" in results:
+            if reference is not None:
                 same = np.ones(len(queries), dtype=bool)
-                for mine, ref in zip(results[precision], results["float32"]):
+                for mine, ref in zip(results[key], reference):
                     same &= np.array([np.array_equal(a, b, equal_nan=True) for a, b in zip(mine, ref)])
                 row["same_as_float32"] = float(same.mean())
             rows.append(row)
-            print(f"  n={n:>7} threads={t:>2} {precision:>7}: build {row['build_s']:.3f} s, "
-                  f"query {row['query_ms']:.3f} ms, mass {row['mass_recall']:.3f}", flush=True)
+            share = "-" if row["read_share"] is None else f"{row['read_share']:.2f}"
+            print(f"  n={n:>7} threads={t:>2} {precision:>7} {variant.label}: build {row['build_s']:.3f} s, "
+                  f"query {row['query_ms']:.3f} ms, {row['search_gbps']:.1f} GB/s ({share} of the host's), "
+                  f"mass {row['mass_recall']:.3f}", flush=True)
     return rows
 
 
@@ -201,23 +275,37 @@ def main() -> None:
                     help="the query heads of a GQA group aim at the same keys (default: every head aims on its own)")
     ap.add_argument("--score-precision", nargs="+", choices=["float32", "half"], default=["float32"],
                     help="DCIIndex score_precision values to bench side by side on the same data")
+    ap.add_argument("--key-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the dtype the index holds its keys in (bfloat16: as a KV cache holds them)")
+    ap.add_argument("--variants", type=KernelVariant.parse, nargs="+",
+                    help="ISA:PREFETCH_ROWS:CHUNK_ROWS kernel settings timed in alternation (default: the current)")
+    ap.add_argument("--read-probe-gib", type=float, default=1.0,
+                    help="buffer size of the host read-rate probe, per thread count (0: no probe)")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "bench",
                     help="a directory (gets dci_<host>_<date>.json) or a .json file path")
     args = ap.parse_args()
 
+    variants = tuple(dict.fromkeys(args.variants or [KernelVariant.current()]))
+    read_rates = {t: measure_read_rate(int(args.read_probe_gib * 2**30), t) for t in args.threads} \
+        if args.read_probe_gib > 0 else {}
+    for t, rate in read_rates.items():
+        print(f"host read rate on {t} threads: {rate / 1e9:.1f} GB/s", flush=True)
     rows = []
     for n in args.sizes:
         rows.extend(bench_size(n, args.threads, args.repeats, args.seed, args.shared_aim,
-                               tuple(dict.fromkeys(args.score_precision))))
+                               tuple(dict.fromkeys(args.score_precision)), args.key_dtype, read_rates, variants))
     info = provenance()
     info["threads"] = args.threads
+    info["variants"] = [v.label for v in variants]
+    info["host_read_gbps"] = {str(t): rate / 1e9 for t, rate in read_rates.items()}
     result = {
         "benchmark": "dci", "provenance": info,
         "settings": {"kv_heads": N_KV_HEADS, "query_heads": N_Q_HEADS, "head_dim": HEAD_DIM, "K_pages": K_PAGES,
                      "num_comp_indices": 1, "num_simp_indices": 1, "transform": True, "deterministic_levels": True,
                      "promotion_prob": [0.01, 0.2], "build": {"field_of_view": 30, "prop_to_retrieve": 1.0,
                      "anchors": [60, 60, 1.02]}, "query": {"field_of_view": "max(int(1.5e-3*n), 30)",
-                     "prop_to_retrieve": 0.8, "prop_to_visit": 1.0}, "score_precision": args.score_precision},
+                     "prop_to_retrieve": 0.8, "prop_to_visit": 1.0}, "score_precision": args.score_precision,
+                     "key_dtype": args.key_dtype, "variants": [v.label for v in variants]},
         "rows": rows,
     }
     date = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -225,13 +313,17 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
 
-    head = (f"{'n':>7} {'thr':>3} {'scores':>7} {'lvls':>4} {'build s':>8} {'query ms':>9} {'exact ms':>9} "
-            f"{'page rec':>8} {'tok rec':>8} {'mass rec':>8} {'oracle':>7} {'same':>5}")
+    head = (f"{'n':>7} {'thr':>3} {'scores':>7} {'variant':>16} {'lvls':>4} {'build s':>8} {'query ms':>9} "
+            f"{'exact ms':>9} {'GB/s':>6} {'share':>5} {'page rec':>8} {'tok rec':>8} {'mass rec':>8} {'oracle':>7} "
+            f"{'same':>5}")
     print(head)
     for r in rows:
         same = f"{r['same_as_float32']:>5.2f}" if "same_as_float32" in r else f"{'-':>5}"
-        print(f"{r['n']:>7} {r['threads']:>3} {r['score_precision']:>7} {r['levels']:>4} {r['build_s']:>8.3f} "
-              f"{r['query_ms']:>9.3f} {r['exact_ms']:>9.2f} {r['page_recall']:>8.3f} {r['token_recall']:>8.3f} "
+        print(f"{r['n']:>7} {r['threads']:>3} {r['score_precision']:>7} {r['variant']:>16} {r['levels']:>4} "
+              f"{r['build_s']:>8.3f} "
+              f"{r['query_ms']:>9.3f} {r['exact_ms']:>9.2f} {r['search_gbps']:>6.1f} "
+              f"{'-' if r['read_share'] is None else format(r['read_share'], '.2f'):>5} "
+              f"{r['page_recall']:>8.3f} {r['token_recall']:>8.3f} "
               f"{r['mass_recall']:>8.3f} {r['oracle_mass']:>7.3f} {same}")
     print(f"wrote {out}")
 

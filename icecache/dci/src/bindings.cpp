@@ -13,6 +13,66 @@ void icecache_bind_decode_step(py::module_& m);  // decode_step.cpp
 PYBIND11_MODULE(_dci, m) {
   m.doc() = "Multi-level Prioritized DCI with M-DCI page leaves and the MIPS transform (see icecache/dci/index.py)";
   m.attr("PAGE_SLOTS") = dci::kPageSlots;
+  // The kernels' instruction set (docs/dci.md, kernels) and the host's read rate.
+  dci::check_isa_environment();
+  m.def("isa", [] { return std::string(dci::isa_name(dci::active_isa())); });
+  m.def("supported_isa", [] { return std::string(dci::isa_name(dci::supported_isa())); });
+  m.def("set_isa", [](const std::string& name) {
+    dci::Isa isa;
+    if (!dci::parse_isa(name, &isa)) throw std::invalid_argument("isa must be portable, avx2 or avx512, not " + name);
+    dci::set_isa(isa);
+  });
+  m.def("measure_read_rate", [](int64_t n_bytes, int threads, int passes) {
+    py::gil_scoped_release nogil;
+    return dci::measure_read_rate(n_bytes, threads, passes);
+  }, py::arg("n_bytes"), py::arg("num_threads"), py::arg("passes") = 5);
+  // The last-level scan's speed knobs (dci::ScanTuning; never a result): benchmarks compare settings with them.
+  m.def("scan_tuning", [] {
+    const dci::ScanTuning t = dci::scan_tuning();
+    py::dict d;
+    d["prefetch_rows"] = t.prefetch_rows;
+    d["chunk_rows"] = t.chunk_rows;
+    return d;
+  });
+  m.def("set_scan_tuning", [](int prefetch_rows, int chunk_rows) {
+    dci::set_scan_tuning(dci::ScanTuning{prefetch_rows, chunk_rows});
+  }, py::arg("prefetch_rows"), py::arg("chunk_rows"));
+  // The scoring kernels called directly (tests compare the instruction sets on them): queries [nq, dim] against
+  // rows[ids] (float32, or uint16 bfloat16 bits) with `kernel` "dot", "rows" (one query at a time) or "multi".
+  m.def("kernel_scores", [](const std::string& kernel, FArray queries, py::array rows,
+                            py::array_t<int32_t, py::array::c_style> ids) {
+    if (queries.ndim() != 2 || rows.ndim() != 2 || rows.shape(1) != queries.shape(1) || ids.ndim() != 1 ||
+        !(rows.flags() & py::array::c_style) || (rows.itemsize() != 2 && rows.itemsize() != 4))
+      throw std::invalid_argument("queries [nq, dim] float32, rows [n, dim] float32 or uint16, ids [m] int32");
+    const int nq = static_cast<int>(queries.shape(0)), dim = static_cast<int>(queries.shape(1));
+    const int m = static_cast<int>(ids.size());
+    for (int r = 0; r < m; ++r)
+      if (ids.data()[r] < 0 || ids.data()[r] >= rows.shape(0)) throw py::index_error("row id out of range");
+    const bool bf16 = rows.itemsize() == 2;
+    if (kernel == "dot" && bf16) throw std::invalid_argument("the dot kernel takes float32 rows");
+    py::array_t<float> out({nq, m});
+    float* o = out.mutable_data();
+    const float* q = queries.data();
+    const int32_t* id = ids.data();
+    std::vector<const float*> qs(nq);
+    for (int j = 0; j < nq; ++j) qs[j] = q + static_cast<int64_t>(j) * dim;
+    if (kernel == "dot") {
+      const float* base = static_cast<const float*>(rows.data());
+      for (int j = 0; j < nq; ++j)
+        for (int r = 0; r < m; ++r) o[j * m + r] = dci::dot(qs[j], base + static_cast<int64_t>(id[r]) * dim, dim);
+    } else if (kernel == "rows") {
+      for (int j = 0; j < nq; ++j) {
+        if (bf16) dci::dot_rows_bf16(qs[j], static_cast<const uint16_t*>(rows.data()), id, m, dim, o + j * m);
+        else dci::dot_rows(qs[j], static_cast<const float*>(rows.data()), id, m, dim, o + j * m);
+      }
+    } else if (kernel == "multi") {
+      if (bf16) dci::dot_rows_multi_ids_bf16(qs.data(), nq, static_cast<const uint16_t*>(rows.data()), id, m, dim, o, m);
+      else dci::dot_rows_multi_ids(qs.data(), nq, static_cast<const float*>(rows.data()), id, m, dim, o, m);
+    } else {
+      throw std::invalid_argument("kernel must be dot, rows or multi, not " + kernel);
+    }
+    return out;
+  });
   py::class_<Forest>(m, "Forest")
       .def(py::init<int, int, int, int, double, double, bool, bool, uint64_t, FArray, int, bool, bool>())
       .def_property_readonly("half_scores", [](const Forest& f) { return f.cfg_.half_scores; })

@@ -183,6 +183,29 @@ SearchCounters& search_counters();  // this thread's
 
 constexpr int kMaxGroupHeads = 16;  // query heads scored together in one pass over a parent's rows
 
+// Knobs of the last-level scan that change its speed, never its results (docs/dci.md, kernels), process-wide:
+//   prefetch_rows  how far ahead (in rows of the run) key rows are requested while the current rows are scored;
+//                  0: the next leaf's rows, requested before each leaf is scored;
+//   chunk_rows     the most rows of a parent's run that one work item of a grouped query scans (cut at leaf
+//                  boundaries, so a page is never split); 0: one item per parent, items sorted largest first.
+struct ScanTuning {
+  int prefetch_rows = 32;
+  int chunk_rows = 256;
+};
+ScanTuning scan_tuning();
+void set_scan_tuning(const ScanTuning& tuning);  // throws std::invalid_argument for negative values
+
+// One query head's last-level run over kids_[kid_slot], as Forest::query_grouped groups them.
+struct GroupJob {
+  int32_t kid_slot, head, first, last;
+};
+// One work item of a grouped query: jobs [begin, end) of instance `inst` (one parent, up to kMaxGroupHeads heads),
+// scanned over positions [lo, hi) of the parent's sorted children only.
+struct GroupItem {
+  int32_t inst, begin, end, lo, hi;
+  int64_t cost;
+};
+
 struct QueryResult {
   std::vector<int32_t> pages, tokens;
   std::vector<float> page_scores, token_scores;
@@ -225,6 +248,16 @@ class Instance {
   // With half_scores the rows are scored by scan_runs_half, which reads and lowers `bars` (per head; may be null).
   void scan_runs(int32_t kid_slot, int nh, const Probe* probes, const int32_t* first, const int32_t* last,
                  TopK* const* best_tokens, TopK* const* best_pages, SharedBars* const* bars = nullptr) const;
+  // The work items of this instance's jobs (sorted by parent, then head), appended to `out`: consecutive jobs of one
+  // parent, at most kMaxGroupHeads, are one group; a group whose run is longer than chunk_rows (> 0) is cut at leaf
+  // boundaries into items of at most max(chunk_rows, kPageSlots) rows. Each head is then fed, over all of a group's
+  // items, exactly the pages and rows it is fed by one item.
+  void group_items(int32_t inst, const GroupJob* jobs, int32_t n_jobs, int chunk_rows,
+                   std::vector<GroupItem>& out) const;
+  // scan_runs' float32 scan with rows prefetched `ahead` rows ahead of the one being scored (ScanTuning).
+  void scan_rows_ahead(const ChildIndex& ci, int nh, const Probe* probes, const float* const* qs, const int32_t* first,
+                       const int32_t* last, int lo, int hi, int ahead, TopK* const* best_tokens,
+                       TopK* const* best_pages) const;
   // scan_runs with the half-precision rows: the same fed points with the same scores, as far as they can matter.
   void scan_runs_half(int32_t kid_slot, int nh, const Probe* probes, const int32_t* first, const int32_t* last,
                       TopK* const* best_tokens, TopK* const* best_pages, SharedBars* const* bars) const;
@@ -282,6 +315,7 @@ class Instance {
   void free_page(int32_t page);
   // Flags a page as changed, and with half_scores refreshes the half copies and error bounds of its rows.
   void mark(int32_t page);
+  void refresh_page_rows(int32_t page);
   // The half copy of one key row and its error slack (see page_slack_).
   void encode_half_row(const float* key, uint16_t* half, float* slack) const;
   int32_t ensure_kids(int32_t node);
@@ -353,6 +387,9 @@ class Instance {
   // a zero half row) when a value is beyond the half range: that row is always re-scored.
   std::vector<uint16_t> page_half_;
   std::vector<float> page_slack_;
+  // page_rows_[pages][16]: the storage row of each slot's token, row(item), kept by mark() (and rebuilt when a build
+  // lays the rows out), so that a scan lists a page's rows from one cache line instead of one row_of_ entry each.
+  std::vector<int32_t> page_rows_;
   std::vector<int32_t> free_pages_;
   std::vector<uint8_t> changed_;
   double M_ = 0.0;                // running max squared key norm
@@ -361,6 +398,21 @@ class Instance {
 };
 
 // kernels.cpp
+// The instruction set the dot-product kernels run with (docs/dci.md, kernels): portable x86-64, x86-64-v3 (AVX2 +
+// FMA) or AVX-512 (x86-64-v4). AVX2 and AVX-512 give bit-identical values; the portable build rounds each product
+// before adding it (no FMA). By default the widest the CPU runs; ICECACHE_DCI_ISA (read once) or set_isa choose.
+enum class Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+Isa supported_isa();  // the widest this CPU runs
+Isa active_isa();
+void set_isa(Isa isa);  // throws std::invalid_argument when the CPU cannot run it
+// Throws std::invalid_argument when ICECACHE_DCI_ISA names an unknown set or one the CPU cannot run.
+void check_isa_environment();
+const char* isa_name(Isa isa);
+bool parse_isa(const std::string& name, Isa* isa);
+// Bytes per second that `threads` OpenMP threads read from a fresh buffer of n_bytes (each thread sums its share),
+// the best of `passes` passes.
+double measure_read_rate(int64_t n_bytes, int threads, int passes);
+
 void dot_rows(const float* q, const float* rows, const int32_t* ids, int m, int dim, float* out);
 // dot_rows over bfloat16 rows (bit patterns), widened exactly: the values of dot_rows over their float32 copies.
 void dot_rows_bf16(const float* q, const uint16_t* rows, const int32_t* ids, int m, int dim, float* out);
@@ -368,12 +420,18 @@ float dot(const float* a, const float* b, int dim);
 // out[j * out_stride + r] = qs[j] . rows[r] for j < nq (any nq), reading each row once; every value is bit-identical
 // to dot_rows' value for the same query and row.
 void dot_rows_multi(const float* const* qs, int nq, const float* rows, int m, int dim, float* out, int out_stride);
+// Rows of the same array to be scored next: their cache lines are requested while the current rows are scored (one
+// row's lines per row scored; what is left after the last one).
+struct RowsAhead {
+  const int32_t* ids = nullptr;
+  int n = 0;
+};
 // dot_rows_multi over rows ids[0..m) of `rows` (float32 or bfloat16 bit patterns): the same values as dot_rows_multi
-// over those rows copied out contiguously.
+// over those rows copied out contiguously. Rows ahead.ids[0..n) are prefetched meanwhile.
 void dot_rows_multi_ids(const float* const* qs, int nq, const float* rows, const int32_t* ids, int m, int dim,
-                        float* out, int out_stride);
+                        float* out, int out_stride, const RowsAhead& ahead = RowsAhead{});
 void dot_rows_multi_ids_bf16(const float* const* qs, int nq, const uint16_t* rows, const int32_t* ids, int m, int dim,
-                             float* out, int out_stride);
+                             float* out, int out_stride, const RowsAhead& ahead = RowsAhead{});
 // bfloat16 bit patterns to float32 (exact).
 void bf16_to_float(const uint16_t* src, int n, float* dst);
 // IEEE binary16 conversions (round to nearest even; overflow gives infinity) and dot_rows_multi over half rows.

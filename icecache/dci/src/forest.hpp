@@ -244,6 +244,9 @@ class Forest {
     if (static_cast<int>(acc_.size()) < nthreads) acc_.resize(nthreads);
     if (static_cast<int64_t>(heads_.size()) < nq) heads_.resize(nq);
     if (static_cast<int>(jobs_.size()) < I) jobs_.resize(I);
+    // Items cut into chunks of at most chunk_rows rows (at leaf boundaries) need no global sort to end balanced.
+    const int chunk_rows = dci::scan_tuning().chunk_rows;
+    if (static_cast<int>(inst_items_.size()) < I) inst_items_.resize(I);
     if (bars_capacity_ < nq) {
       bars_.reset(new dci::SharedBars[nq]);
       bars_capacity_ = nq;
@@ -281,11 +284,16 @@ class Forest {
         std::sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) {
           return a.kid_slot < b.kid_slot || (a.kid_slot == b.kid_slot && a.head < b.head);
         });
+        inst_items_[i].clear();
+        if (chunk_rows > 0)
+          inst_[i]->group_items(i, jobs.data(), static_cast<int32_t>(jobs.size()), chunk_rows, inst_items_[i]);
       }
 #pragma omp single
       {
         items_.clear();
-        for (int i = 0; i < I; ++i) {
+        for (int i = 0; i < I && chunk_rows > 0; ++i)
+          items_.insert(items_.end(), inst_items_[i].begin(), inst_items_[i].end());
+        for (int i = 0; i < I && chunk_rows == 0; ++i) {
           const auto& jobs = jobs_[i];
           size_t b = 0;
           while (b < jobs.size()) {
@@ -296,13 +304,13 @@ class Forest {
               hi = std::max(hi, jobs[e].last);
               ++e;
             }
-            items_.push_back({i, static_cast<int32_t>(b), static_cast<int32_t>(e),
+            items_.push_back({i, static_cast<int32_t>(b), static_cast<int32_t>(e), lo, hi,
                               static_cast<int64_t>(hi - lo) * static_cast<int64_t>(e - b + 1)});
             b = e;
           }
         }
         // largest first, so that the dynamic schedule ends balanced
-        std::sort(items_.begin(), items_.end(), [](const Item& a, const Item& b) {
+        if (chunk_rows == 0) std::sort(items_.begin(), items_.end(), [](const Item& a, const Item& b) {
           return a.cost > b.cost || (a.cost == b.cost && (a.inst < b.inst || (a.inst == b.inst && a.begin < b.begin)));
         });
       }
@@ -311,21 +319,25 @@ class Forest {
       for (int64_t w = 0; w < n_items; ++w) {
         const Item& it = items_[w];
         const Job* jb = jobs_[it.inst].data() + it.begin;
-        const int nh = it.end - it.begin;
         dci::Probe probes[dci::kMaxGroupHeads];
         int32_t first[dci::kMaxGroupHeads], last[dci::kMaxGroupHeads];
         dci::TopK* bt[dci::kMaxGroupHeads];
         dci::TopK* bp[dci::kMaxGroupHeads];
         dci::SharedBars* sb[dci::kMaxGroupHeads];
-        for (int j = 0; j < nh; ++j) {
-          sb[j] = &bars_[jb[j].head];
-          probes[j] = heads_[jb[j].head].probe;
-          first[j] = jb[j].first;
-          last[j] = jb[j].last;
-          bt[j] = &acc.topk[2 * static_cast<int64_t>(jb[j].head)];
-          bp[j] = &acc.topk[2 * static_cast<int64_t>(jb[j].head) + 1];
+        int nh = 0;
+        for (int g = 0; g < it.end - it.begin; ++g) {
+          // the head's run within the item's rows [lo, hi); a head with none there is left out
+          const int32_t f = std::max(jb[g].first, it.lo), l = std::min(jb[g].last, it.hi);
+          if (f >= l) continue;
+          sb[nh] = &bars_[jb[g].head];
+          probes[nh] = heads_[jb[g].head].probe;
+          first[nh] = f;
+          last[nh] = l;
+          bt[nh] = &acc.topk[2 * static_cast<int64_t>(jb[g].head)];
+          bp[nh] = &acc.topk[2 * static_cast<int64_t>(jb[g].head) + 1];
+          ++nh;
         }
-        inst_[it.inst]->scan_runs(jb[0].kid_slot, nh, probes, first, last, bt, bp, sb);
+        if (nh > 0) inst_[it.inst]->scan_runs(jb[0].kid_slot, nh, probes, first, last, bt, bp, sb);
         acc.used = true;
       }
 #pragma omp for schedule(static)
@@ -462,17 +474,13 @@ class Forest {
     std::vector<dci::TopK> topk;  // [2 * nq]: best tokens, best pages of each head
     bool used = false;
   };
-  struct Job {
-    int32_t kid_slot, head, first, last;
-  };
-  struct Item {
-    int32_t inst, begin, end;  // jobs_[inst][begin, end): one parent, up to kMaxGroupHeads heads
-    int64_t cost;
-  };
+  using Job = dci::GroupJob;
+  using Item = dci::GroupItem;  // jobs_[inst][begin, end): one parent, up to kMaxGroupHeads heads; rows [lo, hi)
   std::vector<HeadState> heads_;
   std::vector<ThreadAcc> acc_;
   std::vector<std::vector<Job>> jobs_;
   std::vector<Item> items_;
+  std::vector<std::vector<Item>> inst_items_;  // per instance, with ScanTuning::chunk_rows > 0
   std::unique_ptr<dci::SharedBars[]> bars_;  // [nq], for the half-precision scan
   int64_t bars_capacity_ = 0;
   dci::SearchCounters last_query_;

@@ -1,25 +1,116 @@
-// Dot-product kernels. Built for the portable x86-64 baseline plus an x86-64-v3 (AVX2 + FMA) clone that the loader
-// picks at run time, so one wheel runs on any x86-64 host and uses AVX2 where it exists. GCC vector types give
-// 8-lane arithmetic without -ffast-math; lanes are summed in a fixed order, so a result never depends on the
-// thread count.
+// Dot-product kernels, in three builds of the same source picked at run time (`active_isa`): the portable x86-64
+// baseline, x86-64-v3 (AVX2 + FMA) and AVX-512 (docs/dci.md, kernels). GCC vector types give 8-lane arithmetic
+// without -ffast-math; lanes are summed in a fixed order, so a result never depends on the thread count.
+//
+// The AVX2 and AVX-512 builds compute bit-identical values: GCC contracts `x += a * b` into one FMA in the AVX2
+// build (-ffp-contract=fast is its default for C++), and the AVX-512 kernels do the same FMAs into the same lanes
+// (one 16-lane register holds the two 8-lane accumulators of the AVX2 kernels side by side) and sum them in the
+// same order. The portable build has no FMA: it rounds each product before adding it, so its values can differ
+// from the other two in the last bits (and with them a near-tie between two keys).
+#include <omp.h>
+
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "dci.hpp"
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #include <immintrin.h>
-#define DCI_HAVE_V3_HALF 1
+#define DCI_X86 1
+#define DCI_TARGET_AVX2 __attribute__((target("arch=x86-64-v3")))
+#define DCI_TARGET_AVX512 __attribute__((target("arch=x86-64-v4")))
 #endif
 
 namespace dci {
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define DCI_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+// ---------------------------------------------------------------------------------------------------------------
+// The instruction set the kernels run with.
+
+namespace {
+
+Isa widest_supported() {
+#ifdef DCI_X86
+  __builtin_cpu_init();
+  const bool v3 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                  __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2");
+  const bool v4 = v3 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                  __builtin_cpu_supports("avx512cd");
+  return v4 ? Isa::kAvx512 : v3 ? Isa::kAvx2 : Isa::kPortable;
 #else
-#define DCI_CLONES
+  return Isa::kPortable;
 #endif
+}
+
+// ICECACHE_DCI_ISA (portable | avx2 | avx512) when set, else the widest the CPU runs. A name that is unknown, or
+// that the CPU cannot run, is remembered and raised by check_isa_environment (the module's import).
+struct IsaState {
+  std::atomic<int> active;
+  std::string error;
+  IsaState() : active(static_cast<int>(supported_isa())) {
+    const char* env = std::getenv("ICECACHE_DCI_ISA");
+    if (env == nullptr || *env == '\0') return;
+    Isa isa;
+    if (!parse_isa(env, &isa))
+      error = std::string("ICECACHE_DCI_ISA=") + env + ": not one of portable, avx2, avx512";
+    else if (static_cast<int>(isa) > static_cast<int>(supported_isa()))
+      error = std::string("ICECACHE_DCI_ISA=") + env + ": this CPU runs at most " + isa_name(supported_isa());
+    else
+      active.store(static_cast<int>(isa));
+  }
+};
+
+IsaState& isa_state() {
+  static IsaState state;
+  return state;
+}
+
+}  // namespace
+
+Isa supported_isa() {
+  static const Isa widest = widest_supported();
+  return widest;
+}
+
+Isa active_isa() { return static_cast<Isa>(isa_state().active.load(std::memory_order_relaxed)); }
+
+void set_isa(Isa isa) {
+  if (static_cast<int>(isa) > static_cast<int>(supported_isa()))
+    throw std::invalid_argument(std::string("this CPU runs the DCI kernels at most as ") + isa_name(supported_isa()) +
+                                ", not " + isa_name(isa));
+  isa_state().active.store(static_cast<int>(isa), std::memory_order_relaxed);
+}
+
+void check_isa_environment() {
+  if (!isa_state().error.empty()) throw std::invalid_argument(isa_state().error);
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    default: return "portable";
+  }
+}
+
+bool parse_isa(const std::string& name, Isa* isa) {
+  for (Isa i : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512})
+    if (name == isa_name(i)) {
+      *isa = i;
+      return true;
+    }
+  return false;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The generic kernels: one source, compiled once per instruction set below.
 
 typedef float v8 __attribute__((vector_size(32)));
 
@@ -51,7 +142,7 @@ static inline float widen(uint16_t x) {
   return f;
 }
 
-static inline float hsum(v8 a, v8 b, float tail) {
+__attribute__((always_inline)) static inline float hsum(v8 a, v8 b, float tail) {
   const v8 s = a + b;
   return (((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]))) + tail;
 }
@@ -68,14 +159,6 @@ __attribute__((always_inline)) static inline float dot_impl(const float* a, cons
   float tail = 0.0f;
   for (; i < dim; ++i) tail += a[i] * widen(b[i]);
   return hsum(x, y, tail);
-}
-
-DCI_CLONES
-float dot(const float* a, const float* b, int dim) { return dot_impl(a, b, dim); }
-
-DCI_CLONES
-void bf16_to_float(const uint16_t* src, int n, float* dst) {
-  for (int i = 0; i < n; ++i) dst[i] = widen(src[i]);
 }
 
 // Four rows at a time share the query loads and give the FMA units independent chains. Each row's sum is the same
@@ -105,14 +188,19 @@ __attribute__((always_inline)) static inline void dot_rows_t(const float* q, con
   for (; r < m; ++r) out[r] = dot_impl(q, row(r), dim);
 }
 
-DCI_CLONES
-void dot_rows(const float* q, const float* rows, const int32_t* ids, int m, int dim, float* out) {
-  dot_rows_t(q, rows, ids, m, dim, out);
+// The cache lines of row ids[r] of `rows` requested (software prefetch), for r < n: the rows a scan scores next,
+// requested one per row scored now, so that their loads overlap this arithmetic and no burst of requests stalls it.
+template <typename R>
+__attribute__((always_inline)) static inline void prefetch_ahead(const R* rows, int dim, const RowsAhead& ahead,
+                                                                 int r) {
+  if (r >= ahead.n) return;
+  const char* p = reinterpret_cast<const char*>(rows + static_cast<int64_t>(ahead.ids[r]) * dim);
+  const int bytes = dim * static_cast<int>(sizeof(R));
+  for (int off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
 }
-
-DCI_CLONES
-void dot_rows_bf16(const float* q, const uint16_t* rows, const int32_t* ids, int m, int dim, float* out) {
-  dot_rows_t(q, rows, ids, m, dim, out);
+template <typename R>
+__attribute__((always_inline)) static inline void prefetch_rest(const R* rows, int dim, const RowsAhead& ahead, int m) {
+  for (int r = m; r < ahead.n; ++r) prefetch_ahead(rows, dim, ahead, r);
 }
 
 // NH queries against one row at a time: the row is loaded once for all of them (the heads of a GQA group share the
@@ -121,8 +209,9 @@ void dot_rows_bf16(const float* q, const uint16_t* rows, const int32_t* ids, int
 template <int NH, typename R>
 __attribute__((always_inline)) static inline void dot_rows_heads(const float* const* qs, const R* rows,
                                                                  const int32_t* ids, int m, int dim, float* out,
-                                                                 int out_stride) {
+                                                                 int out_stride, const RowsAhead& ahead) {
   for (int r = 0; r < m; ++r) {
+    prefetch_ahead(rows, dim, ahead, r);
     const R* p = rows + static_cast<int64_t>(ids ? ids[r] : r) * dim;
     v8 x[NH], y[NH];
     for (int j = 0; j < NH; ++j) x[j] = y[j] = v8{0};
@@ -135,43 +224,304 @@ __attribute__((always_inline)) static inline void dot_rows_heads(const float* co
     }
     for (int j = 0; j < NH; ++j) out[j * out_stride + r] = hsum(x[j], y[j], 0.0f);
   }
+  prefetch_rest(rows, dim, ahead, m);
 }
 
 template <typename R>
 __attribute__((always_inline)) static inline void dot_rows_multi_t(const float* const* qs, int nq, const R* rows,
                                                                    const int32_t* ids, int m, int dim, float* out,
-                                                                   int out_stride) {
+                                                                   int out_stride, const RowsAhead& ahead) {
   if ((dim & 15) != 0) {
+    prefetch_rest(rows, dim, ahead, 0);
     for (int j = 0; j < nq; ++j)
       for (int r = 0; r < m; ++r)
         out[j * out_stride + r] = dot_impl(qs[j], rows + static_cast<int64_t>(ids ? ids[r] : r) * dim, dim);
     return;
   }
+  // the rows ahead are requested during the first pass over the rows only
   int j = 0;
-  for (; j + 4 <= nq; j += 4) dot_rows_heads<4>(qs + j, rows, ids, m, dim, out + j * out_stride, out_stride);
+  for (; j + 4 <= nq; j += 4)
+    dot_rows_heads<4>(qs + j, rows, ids, m, dim, out + j * out_stride, out_stride, j == 0 ? ahead : RowsAhead{});
+  const RowsAhead rest = j == 0 ? ahead : RowsAhead{};
   switch (nq - j) {
-    case 3: dot_rows_heads<3>(qs + j, rows, ids, m, dim, out + j * out_stride, out_stride); break;
-    case 2: dot_rows_heads<2>(qs + j, rows, ids, m, dim, out + j * out_stride, out_stride); break;
-    case 1: dot_rows_heads<1>(qs + j, rows, ids, m, dim, out + j * out_stride, out_stride); break;
+    case 3: dot_rows_heads<3>(qs + j, rows, ids, m, dim, out + j * out_stride, out_stride, rest); break;
+    case 2: dot_rows_heads<2>(qs + j, rows, ids, m, dim, out + j * out_stride, out_stride, rest); break;
+    case 1: dot_rows_heads<1>(qs + j, rows, ids, m, dim, out + j * out_stride, out_stride, rest); break;
     default: break;
   }
 }
 
-DCI_CLONES
+// One build of the generic kernels per instruction set: `kernels_<suffix>::...`, compiled with `target`.
+#define DCI_GENERIC_KERNELS(NS, TARGET)                                                                             \
+  namespace NS {                                                                                                    \
+  TARGET float dot(const float* a, const float* b, int dim) { return dot_impl(a, b, dim); }                         \
+  TARGET void bf16_to_float(const uint16_t* src, int n, float* dst) {                                               \
+    for (int i = 0; i < n; ++i) dst[i] = widen(src[i]);                                                             \
+  }                                                                                                                 \
+  TARGET void dot_rows(const float* q, const float* rows, const int32_t* ids, int m, int dim, float* out) {         \
+    dot_rows_t(q, rows, ids, m, dim, out);                                                                          \
+  }                                                                                                                 \
+  TARGET void dot_rows_bf16(const float* q, const uint16_t* rows, const int32_t* ids, int m, int dim, float* out) { \
+    dot_rows_t(q, rows, ids, m, dim, out);                                                                          \
+  }                                                                                                                 \
+  TARGET void dot_rows_multi(const float* const* qs, int nq, const float* rows, const int32_t* ids, int m, int dim, \
+                             float* out, int out_stride, const RowsAhead& ahead) {                                  \
+    dot_rows_multi_t(qs, nq, rows, ids, m, dim, out, out_stride, ahead);                                            \
+  }                                                                                                                 \
+  TARGET void dot_rows_multi_bf16(const float* const* qs, int nq, const uint16_t* rows, const int32_t* ids, int m,  \
+                                  int dim, float* out, int out_stride, const RowsAhead& ahead) {                    \
+    dot_rows_multi_t(qs, nq, rows, ids, m, dim, out, out_stride, ahead);                                            \
+  }                                                                                                                 \
+  }
+
+#define DCI_NO_TARGET
+DCI_GENERIC_KERNELS(portable, DCI_NO_TARGET)
+#ifdef DCI_X86
+DCI_GENERIC_KERNELS(avx2, DCI_TARGET_AVX2)
+#endif
+
+// ---------------------------------------------------------------------------------------------------------------
+// AVX-512 kernels for dims that are a multiple of 16 (every other dim goes to the AVX2 build, whose arithmetic
+// they repeat). Lanes 0-7 of a 16-lane accumulator are the AVX2 kernels' x, lanes 8-15 their y: element i of a
+// row goes to lane i mod 16 in both, with one FMA per element, and hsum16 then adds x + y and sums the 8 lanes as
+// hsum does, so every value is the AVX2 build's bit for bit.
+
+#ifdef DCI_X86
+namespace avx512 {
+
+DCI_TARGET_AVX512 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+DCI_TARGET_AVX512 static inline __m512 load16(const uint16_t* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+// hsum(x, y, 0.0f) of the AVX2 kernels, for z = [x, y].
+DCI_TARGET_AVX512 static inline float hsum16(__m512 z) {
+  const __m256 s = _mm256_add_ps(_mm512_castps512_ps256(z), _mm512_extractf32x8_ps(z, 1));  // s_k = x_k + y_k
+  const __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));      // t_k = s_k + s_k+4
+  const __m128 u = _mm_add_ps(t, _mm_movehdup_ps(t));                                      // t0 + t1, t2 + t3
+  return _mm_cvtss_f32(_mm_add_ss(u, _mm_movehl_ps(u, u))) + 0.0f;                         // (..) + (..) + 0
+}
+
+// hsum16 of four accumulators at once, in the same order of additions: [z0, z1, z2, z3] -> 4 sums.
+DCI_TARGET_AVX512 static inline __m128 hsum16x4(__m512 z0, __m512 z1, __m512 z2, __m512 z3) {
+  // s01 = [s(z0), s(z1)], s23 = [s(z2), s(z3)]: the low 8 lanes plus the high 8 of each
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, 0x44), _mm512_shuffle_f32x4(z0, z1, 0xee));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(z2, z3, 0x44), _mm512_shuffle_f32x4(z2, z3, 0xee));
+  // t = [t(z0), t(z1), t(z2), t(z3)], 4 lanes each: the low 4 lanes of each s plus its high 4
+  const __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xdd));
+  const __m512 u = _mm512_add_ps(t, _mm512_movehdup_ps(t));                // per 4 lanes: t0 + t1, ., t2 + t3, .
+  const __m512 v = _mm512_add_ps(u, _mm512_permute_ps(u, 0x02));           // lane 0 of each 4: (t0+t1) + (t2+t3)
+  const __m512i pick = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0);
+  return _mm_add_ps(_mm512_castps512_ps128(_mm512_permutexvar_ps(pick, v)), _mm_setzero_ps());
+}
+
+template <typename R>
+DCI_TARGET_AVX512 static inline float dot16(const float* q, const R* p, int dim) {
+  __m512 z = _mm512_setzero_ps();
+  for (int i = 0; i < dim; i += 16) z = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(p + i), z);
+  return hsum16(z);
+}
+
+template <typename R>
+DCI_TARGET_AVX512 static void dot_rows16(const float* q, const R* rows, const int32_t* ids, int m, int dim,
+                                         float* out) {
+  auto row = [&](int r) { return rows + static_cast<int64_t>(ids ? ids[r] : r) * dim; };
+  int r = 0;
+  for (; r + 4 <= m; r += 4) {
+    const R *p0 = row(r), *p1 = row(r + 1), *p2 = row(r + 2), *p3 = row(r + 3);
+    __m512 z0 = _mm512_setzero_ps(), z1 = z0, z2 = z0, z3 = z0;
+    for (int i = 0; i < dim; i += 16) {
+      const __m512 qa = _mm512_loadu_ps(q + i);
+      z0 = _mm512_fmadd_ps(qa, load16(p0 + i), z0);
+      z1 = _mm512_fmadd_ps(qa, load16(p1 + i), z1);
+      z2 = _mm512_fmadd_ps(qa, load16(p2 + i), z2);
+      z3 = _mm512_fmadd_ps(qa, load16(p3 + i), z3);
+    }
+    _mm_storeu_ps(out + r, hsum16x4(z0, z1, z2, z3));
+  }
+  for (; r < m; ++r) out[r] = dot16(q, row(r), dim);
+}
+
+// NH queries against each row; rows taken two at a time so that each query load serves two FMAs.
+template <int NH, typename R>
+DCI_TARGET_AVX512 static void heads16(const float* const* qs, const R* rows, const int32_t* ids, int m, int dim,
+                                      float* out, int out_stride, const RowsAhead& ahead) {
+  auto row = [&](int r) { return rows + static_cast<int64_t>(ids ? ids[r] : r) * dim; };
+  int r = 0;
+  for (; r + 2 <= m; r += 2) {
+    prefetch_ahead(rows, dim, ahead, r);
+    prefetch_ahead(rows, dim, ahead, r + 1);
+    const R *p0 = row(r), *p1 = row(r + 1);
+    __m512 a[NH], b[NH];
+    for (int j = 0; j < NH; ++j) a[j] = b[j] = _mm512_setzero_ps();
+    for (int i = 0; i < dim; i += 16) {
+      const __m512 r0 = load16(p0 + i), r1 = load16(p1 + i);
+      for (int j = 0; j < NH; ++j) {
+        const __m512 qj = _mm512_loadu_ps(qs[j] + i);
+        a[j] = _mm512_fmadd_ps(qj, r0, a[j]);
+        b[j] = _mm512_fmadd_ps(qj, r1, b[j]);
+      }
+    }
+    if constexpr (NH == 4) {
+      const __m128 sa = hsum16x4(a[0], a[1], a[2], a[3]), sb = hsum16x4(b[0], b[1], b[2], b[3]);
+      alignas(16) float va[4], vb[4];
+      _mm_store_ps(va, sa);
+      _mm_store_ps(vb, sb);
+      for (int j = 0; j < 4; ++j) {
+        out[j * out_stride + r] = va[j];
+        out[j * out_stride + r + 1] = vb[j];
+      }
+    } else {
+      for (int j = 0; j < NH; ++j) {
+        out[j * out_stride + r] = hsum16(a[j]);
+        out[j * out_stride + r + 1] = hsum16(b[j]);
+      }
+    }
+  }
+  for (; r < m; ++r) {
+    prefetch_ahead(rows, dim, ahead, r);
+    for (int j = 0; j < NH; ++j) out[j * out_stride + r] = dot16(qs[j], row(r), dim);
+  }
+  prefetch_rest(rows, dim, ahead, m);
+}
+
+template <typename R>
+DCI_TARGET_AVX512 static void multi16(const float* const* qs, int nq, const R* rows, const int32_t* ids, int m,
+                                      int dim, float* out, int out_stride, const RowsAhead& ahead) {
+  int j = 0;
+  for (; j + 4 <= nq; j += 4)
+    heads16<4>(qs + j, rows, ids, m, dim, out + j * out_stride, out_stride, j == 0 ? ahead : RowsAhead{});
+  const RowsAhead rest = j == 0 ? ahead : RowsAhead{};
+  switch (nq - j) {
+    case 3: heads16<3>(qs + j, rows, ids, m, dim, out + j * out_stride, out_stride, rest); break;
+    case 2: heads16<2>(qs + j, rows, ids, m, dim, out + j * out_stride, out_stride, rest); break;
+    case 1: heads16<1>(qs + j, rows, ids, m, dim, out + j * out_stride, out_stride, rest); break;
+    default: break;
+  }
+}
+
+DCI_TARGET_AVX512 float dot(const float* a, const float* b, int dim) {
+  return (dim & 15) == 0 ? dot16(a, b, dim) : avx2::dot(a, b, dim);
+}
+DCI_TARGET_AVX512 void dot_rows(const float* q, const float* rows, const int32_t* ids, int m, int dim, float* out) {
+  if ((dim & 15) == 0) dot_rows16(q, rows, ids, m, dim, out);
+  else avx2::dot_rows(q, rows, ids, m, dim, out);
+}
+DCI_TARGET_AVX512 void dot_rows_bf16(const float* q, const uint16_t* rows, const int32_t* ids, int m, int dim, float* out) {
+  if ((dim & 15) == 0) dot_rows16(q, rows, ids, m, dim, out);
+  else avx2::dot_rows_bf16(q, rows, ids, m, dim, out);
+}
+DCI_TARGET_AVX512 void dot_rows_multi(const float* const* qs, int nq, const float* rows, const int32_t* ids, int m,
+                                      int dim, float* out, int out_stride, const RowsAhead& ahead) {
+  if ((dim & 15) == 0) multi16(qs, nq, rows, ids, m, dim, out, out_stride, ahead);
+  else avx2::dot_rows_multi(qs, nq, rows, ids, m, dim, out, out_stride, ahead);
+}
+DCI_TARGET_AVX512 void dot_rows_multi_bf16(const float* const* qs, int nq, const uint16_t* rows, const int32_t* ids,
+                                           int m, int dim, float* out, int out_stride, const RowsAhead& ahead) {
+  if ((dim & 15) == 0) multi16(qs, nq, rows, ids, m, dim, out, out_stride, ahead);
+  else avx2::dot_rows_multi_bf16(qs, nq, rows, ids, m, dim, out, out_stride, ahead);
+}
+DCI_TARGET_AVX512 void bf16_to_float(const uint16_t* src, int n, float* dst) {
+  int i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, load16(src + i));
+  for (; i < n; ++i) dst[i] = widen(src[i]);
+}
+
+}  // namespace avx512
+#endif
+
+// ---------------------------------------------------------------------------------------------------------------
+// The kernels the index calls: the build of the active instruction set.
+
+#ifdef DCI_X86
+#define DCI_DISPATCH(CALL)                               \
+  switch (active_isa()) {                                \
+    case Isa::kAvx512: return avx512::CALL;              \
+    case Isa::kAvx2: return avx2::CALL;                  \
+    default: return portable::CALL;                      \
+  }
+#else
+#define DCI_DISPATCH(CALL) return portable::CALL;
+#endif
+
+float dot(const float* a, const float* b, int dim) { DCI_DISPATCH(dot(a, b, dim)) }
+
+void bf16_to_float(const uint16_t* src, int n, float* dst) { DCI_DISPATCH(bf16_to_float(src, n, dst)) }
+
+void dot_rows(const float* q, const float* rows, const int32_t* ids, int m, int dim, float* out) {
+  DCI_DISPATCH(dot_rows(q, rows, ids, m, dim, out))
+}
+
+void dot_rows_bf16(const float* q, const uint16_t* rows, const int32_t* ids, int m, int dim, float* out) {
+  DCI_DISPATCH(dot_rows_bf16(q, rows, ids, m, dim, out))
+}
+
 void dot_rows_multi(const float* const* qs, int nq, const float* rows, int m, int dim, float* out, int out_stride) {
-  dot_rows_multi_t(qs, nq, rows, static_cast<const int32_t*>(nullptr), m, dim, out, out_stride);
+  DCI_DISPATCH(dot_rows_multi(qs, nq, rows, nullptr, m, dim, out, out_stride, RowsAhead{}))
 }
 
-DCI_CLONES
 void dot_rows_multi_ids(const float* const* qs, int nq, const float* rows, const int32_t* ids, int m, int dim,
-                        float* out, int out_stride) {
-  dot_rows_multi_t(qs, nq, rows, ids, m, dim, out, out_stride);
+                        float* out, int out_stride, const RowsAhead& ahead) {
+  DCI_DISPATCH(dot_rows_multi(qs, nq, rows, ids, m, dim, out, out_stride, ahead))
 }
 
-DCI_CLONES
 void dot_rows_multi_ids_bf16(const float* const* qs, int nq, const uint16_t* rows, const int32_t* ids, int m, int dim,
-                             float* out, int out_stride) {
-  dot_rows_multi_t(qs, nq, rows, ids, m, dim, out, out_stride);
+                             float* out, int out_stride, const RowsAhead& ahead) {
+  DCI_DISPATCH(dot_rows_multi_bf16(qs, nq, rows, ids, m, dim, out, out_stride, ahead))
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// The host's read rate: every thread sums its share of one large buffer (first touched by that thread, so that its
+// pages lie near it), the best of a few passes. What the last-level scan's rate is set against.
+
+namespace {
+#ifdef DCI_X86
+__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
+uint64_t sum_words(const uint64_t* p, int64_t n) {
+  uint64_t a = 0, b = 0, c = 0, d = 0;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    a += p[i];
+    b += p[i + 1];
+    c += p[i + 2];
+    d += p[i + 3];
+  }
+  for (; i < n; ++i) a += p[i];
+  return (a + b) + (c + d);
+}
+}  // namespace
+
+double measure_read_rate(int64_t n_bytes, int threads, int passes) {
+  threads = std::max(1, threads);
+  const int64_t words = std::max<int64_t>(n_bytes / 8, 8 * threads);
+  std::unique_ptr<uint64_t[]> buf(new uint64_t[words]);
+  uint64_t* data = buf.get();
+  uint64_t sink = 0;
+  double best = INFINITY;
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t begin = words * t / nt, end = words * (t + 1) / nt;
+    for (int64_t i = begin; i < end; ++i) data[i] = static_cast<uint64_t>(i);
+    for (int pass = 0; pass < std::max(1, passes); ++pass) {
+#pragma omp barrier
+      std::chrono::steady_clock::time_point start;
+#pragma omp master
+      start = std::chrono::steady_clock::now();
+#pragma omp barrier
+      const uint64_t s = sum_words(data + begin, end - begin);
+#pragma omp atomic
+      sink += s;
+#pragma omp barrier
+#pragma omp master
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+  }
+  volatile uint64_t keep = sink;  // the sums are used
+  (void)keep;
+  return static_cast<double>(words) * 8.0 / best;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -244,7 +594,7 @@ static void dot_rows_multi_half_portable(const float* const* qs, int nq, const u
   }
 }
 
-#ifdef DCI_HAVE_V3_HALF
+#ifdef DCI_X86
 #define DCI_V3 __attribute__((target("avx2,fma,f16c")))
 
 DCI_V3 static inline float hsum256(__m256 a) {
@@ -304,17 +654,12 @@ DCI_V3 static void encode_half_v3(const float* src, int n, uint16_t* dst, float*
   sums[2] = hsum256(hsq) + tail[2];
 }
 
-static bool cpu_has_v3_half() {
-  static const bool yes = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  }();
-  return yes;
-}
+// The F16C kernels run with the AVX2 and the AVX-512 kernels (x86-64-v3 includes F16C).
+static bool cpu_has_v3_half() { return active_isa() != Isa::kPortable; }
 #endif
 
 void encode_half(const float* src, int n, uint16_t* dst, float* sums) {
-#ifdef DCI_HAVE_V3_HALF
+#ifdef DCI_X86
   if (cpu_has_v3_half()) {
     encode_half_v3(src, n, dst, sums);
     return;
@@ -325,7 +670,7 @@ void encode_half(const float* src, int n, uint16_t* dst, float* sums) {
 
 void dot_rows_multi_half(const float* const* qs, int nq, const uint16_t* rows, int m, int dim, float* out,
                          int out_stride) {
-#ifdef DCI_HAVE_V3_HALF
+#ifdef DCI_X86
   if ((dim & 15) == 0 && cpu_has_v3_half()) {
     dot_rows_multi_half_v3(qs, nq, rows, m, dim, out, out_stride);
     return;

@@ -21,6 +21,7 @@ void Instance::reset() {
   leaves_.clear();
   page_half_.clear();
   page_slack_.clear();
+  page_rows_.clear();
   free_pages_.clear();
   changed_.clear();
   M_ = 0.0;
@@ -153,6 +154,14 @@ void Instance::lay_out_rows_by_leaf() {
   for (int64_t r = 0; r < n; ++r) row_of_[order[r]] = static_cast<int32_t>(r);
   if (cfg_->bf16_keys) permute_rows(keys_bf16_, order, cfg_->dim);
   else permute_rows(keys_, order, cfg_->dim);
+  for (size_t p = 0; p < leaves_.size(); ++p) refresh_page_rows(static_cast<int32_t>(p));
+}
+
+void Instance::refresh_page_rows(int32_t page) {
+  const Leaf& lf = leaves_[page];
+  if (lf.owner == -2) return;
+  int32_t* rows = &page_rows_[static_cast<int64_t>(page) * kPageSlots];
+  for (int t = 0; t < lf.count; ++t) rows[t] = static_cast<int32_t>(row(lf.item[t]));
 }
 
 void Instance::reserve(int64_t n) {
@@ -174,7 +183,7 @@ int64_t Instance::structure_bytes() const {
                                    nodes_.capacity() * sizeof(Node) + leaves_.capacity() * sizeof(Leaf) +
                                    page_half_.capacity() * sizeof(uint16_t) + page_slack_.capacity() * sizeof(float) +
                                    free_pages_.capacity() * sizeof(int32_t) + changed_.capacity() +
-                                   row_of_.capacity() * sizeof(int32_t) +
+                                   row_of_.capacity() * sizeof(int32_t) + page_rows_.capacity() * sizeof(int32_t) +
                                    kids_.capacity() * sizeof(ChildIndex));
   for (const ChildIndex& ci : kids_) {
     b += static_cast<int64_t>(ci.leaves.capacity() * sizeof(int32_t));
@@ -219,6 +228,7 @@ void Instance::correct_projection(int32_t id) {
 
 void Instance::mark(int32_t page) {
   changed_[page] = 1;
+  refresh_page_rows(page);
   if (!cfg_->half_scores) return;
   const Leaf& lf = leaves_[page];
   const int dim = cfg_->dim;
@@ -256,6 +266,7 @@ int32_t Instance::alloc_page() {
     page = static_cast<int32_t>(leaves_.size());
     leaves_.emplace_back();
     changed_.push_back(1);
+    page_rows_.resize(leaves_.size() * kPageSlots);
     if (cfg_->half_scores) {
       page_half_.resize(leaves_.size() * kPageSlots * cfg_->dim);
       page_slack_.resize(leaves_.size() * kPageSlots);
@@ -540,6 +551,9 @@ std::string Instance::check() const {
         if (nd.parent != ci.node) { err << "token " << it << " parent mismatch"; return err.str(); }
         if (lf.key[t] < prev) { err << "page order broken at token " << it; return err.str(); }
         if (lf.key[t] != proj_[static_cast<int64_t>(it) * L]) { err << "stale leaf key of " << it; return err.str(); }
+        if (page_rows_[static_cast<int64_t>(p) * kPageSlots + t] != row(it)) {
+          err << "stale storage row of token " << it << " in page " << p; return err.str();
+        }
         if (cfg_->half_scores) {
           const int64_t row = static_cast<int64_t>(p) * kPageSlots + t;
           std::vector<uint16_t> half(cfg_->dim);

@@ -2,8 +2,10 @@
 // multi-level page query (docs/dci.md: MIPS transform, children search, page query) and the parent search used by
 // construction and insertion (bulk build, insertion).
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cmath>
+#include <stdexcept>
 
 #include "dci.hpp"
 
@@ -12,6 +14,22 @@ namespace dci {
 SearchCounters& search_counters() {
   thread_local SearchCounters counters;
   return counters;
+}
+
+namespace {
+std::atomic<int> tuned_prefetch_rows{ScanTuning{}.prefetch_rows}, tuned_chunk_rows{ScanTuning{}.chunk_rows};
+}  // namespace
+
+ScanTuning scan_tuning() {
+  return ScanTuning{tuned_prefetch_rows.load(std::memory_order_relaxed),
+                    tuned_chunk_rows.load(std::memory_order_relaxed)};
+}
+
+void set_scan_tuning(const ScanTuning& tuning) {
+  if (tuning.prefetch_rows < 0 || tuning.chunk_rows < 0)
+    throw std::invalid_argument("prefetch_rows and chunk_rows must be >= 0");
+  tuned_prefetch_rows.store(tuning.prefetch_rows, std::memory_order_relaxed);
+  tuned_chunk_rows.store(tuning.chunk_rows, std::memory_order_relaxed);
 }
 
 // transform_compute_dist: M - a.b - sqrt((M - |a|^2)(M - |b|^2)) = |a' - b'|^2 / 2; squared Euclidean otherwise.
@@ -203,6 +221,11 @@ void Instance::scan_runs(int32_t kid_slot, int nh, const Probe* probes, const in
   const float* qs[kMaxGroupHeads];
   for (int j = 0; j < nh; ++j) qs[j] = probes[j].vec;
   float dots[kMaxGroupHeads * kPageSlots];
+  const int ahead_rows = scan_tuning().prefetch_rows;
+  if (ahead_rows > 0) {
+    scan_rows_ahead(ci, nh, probes, qs, first, last, lo, hi, ahead_rows, best_tokens, best_pages);
+    return;
+  }
   int pos = 0;
   const size_t nleaves = ci.leaves.size();
   for (size_t li = 0; li < nleaves; ++li) {
@@ -230,6 +253,106 @@ void Instance::scan_runs(int32_t kid_slot, int nh, const Probe* probes, const in
       }
       best_pages[j]->push(best);
     }
+  }
+}
+
+namespace {
+// The storage rows of one scan's run, and its pages' spans over them.
+struct AheadSpan {
+  int32_t page, base, s0, s1, k0;  // slots [s0, s1) of `page`, at position base + slot; rows[k0 + slot - s0]
+};
+struct AheadScanBuffers {
+  std::vector<int32_t> rows;
+  std::vector<AheadSpan> spans;
+};
+thread_local AheadScanBuffers ahead_scan_buffers;
+}  // namespace
+
+// scan_runs with the storage rows of the whole run listed first, so that while the rows of one page are scored the
+// kernel requests those `ahead` rows further on (one row's lines per row scored): the loads of the next pages run
+// under the arithmetic of this one, whichever pages they are, and no burst of requests stalls the scan. The scores
+// and the points fed are scan_runs' own (the same kernel, the same rows, in the same order).
+void Instance::scan_rows_ahead(const ChildIndex& ci, int nh, const Probe* probes, const float* const* qs,
+                               const int32_t* first, const int32_t* last, int lo, int hi, int ahead,
+                               TopK* const* best_tokens, TopK* const* best_pages) const {
+  AheadScanBuffers& buf = ahead_scan_buffers;
+  buf.rows.clear();
+  buf.spans.clear();
+  int pos = 0;
+  for (const int32_t page : ci.leaves) {
+    if (pos >= hi) break;
+    const Leaf& lf = leaves_[page];
+    const int s0 = std::max(lo - pos, 0), s1 = std::min(hi - pos, static_cast<int>(lf.count));
+    const int base = pos;
+    pos += lf.count;
+    if (s0 >= s1) continue;
+    buf.spans.push_back({page, base, s0, s1, static_cast<int32_t>(buf.rows.size())});
+    const int32_t* page_rows = &page_rows_[static_cast<int64_t>(page) * kPageSlots];
+    buf.rows.insert(buf.rows.end(), page_rows + s0, page_rows + s1);
+  }
+  const int total = static_cast<int>(buf.rows.size());
+  const int dim = cfg_->dim;
+  const bool float_rows = !keys_.empty();
+  SearchCounters& counted = search_counters();
+  counted.rows += total;
+  counted.bytes += static_cast<int64_t>(total) * dim * (float_rows ? 4 : 2);
+  counted.scores += static_cast<int64_t>(total) * nh;
+  const int32_t* rows = buf.rows.data();
+  float dots[kMaxGroupHeads * kPageSlots];
+  for (const AheadSpan& sp : buf.spans) {
+    const Leaf& lf = leaves_[sp.page];
+    const int m = sp.s1 - sp.s0;
+    const RowsAhead next{rows + sp.k0 + ahead, std::max(0, std::min(m, total - (sp.k0 + ahead)))};
+    if (float_rows) dot_rows_multi_ids(qs, nh, keys_.data(), rows + sp.k0, m, dim, dots, kPageSlots, next);
+    else dot_rows_multi_ids_bf16(qs, nh, keys_bf16_.data(), rows + sp.k0, m, dim, dots, kPageSlots, next);
+    for (int j = 0; j < nh; ++j) {
+      // head j's own rows of this page, as scan_last_level would take them
+      const int t0 = std::max(first[j] - sp.base, sp.s0), t1 = std::min(last[j] - sp.base, sp.s1);
+      if (t0 >= t1) continue;
+      const float* dj = dots + j * kPageSlots - sp.s0;
+      TopK& bt = *best_tokens[j];
+      Candidate best{INFINITY, -1};
+      for (int t = t0; t < t1; ++t) {
+        const int32_t id = lf.item[t];
+        const Candidate cand{query_distance(probes[j], id, dj[t]), id};
+        bt.push(cand);
+        if (best.id < 0 || cand < best) best = cand;
+      }
+      best_pages[j]->push(best);
+    }
+  }
+}
+
+void Instance::group_items(int32_t inst, const GroupJob* jobs, int32_t n_jobs, int chunk_rows,
+                           std::vector<GroupItem>& out) const {
+  const int max_rows = chunk_rows > 0 ? std::max(chunk_rows, kPageSlots) : 0;
+  int32_t b = 0;
+  while (b < n_jobs) {
+    int32_t e = b + 1;
+    int lo = jobs[b].first, hi = jobs[b].last;
+    while (e < n_jobs && jobs[e].kid_slot == jobs[b].kid_slot && e - b < kMaxGroupHeads) {
+      lo = std::min(lo, jobs[e].first);
+      hi = std::max(hi, jobs[e].last);
+      ++e;
+    }
+    const int64_t heads = e - b + 1;
+    if (max_rows == 0 || hi - lo <= max_rows) {
+      out.push_back({inst, b, e, lo, hi, static_cast<int64_t>(hi - lo) * heads});
+    } else {
+      // cut at the leaf boundaries of [lo, hi): an item ends before the leaf that would take it past max_rows
+      int pos = 0, cut = lo;
+      for (const int32_t page : kids_[jobs[b].kid_slot].leaves) {
+        if (pos >= hi) break;
+        const int end = std::min(pos + static_cast<int>(leaves_[page].count), hi);
+        if (end > cut && end - cut > max_rows && pos > cut) {
+          out.push_back({inst, b, e, cut, pos, static_cast<int64_t>(pos - cut) * heads});
+          cut = pos;
+        }
+        pos += leaves_[page].count;
+      }
+      out.push_back({inst, b, e, cut, hi, static_cast<int64_t>(hi - cut) * heads});
+    }
+    b = e;
   }
 }
 
