@@ -148,7 +148,7 @@ def test_dci_keeps_the_newest_row_per_host_size_threads_and_precision(bench_tabl
     dci_file("dci_box_20260102-000000.json", "2026-01-02T00:00:00+00:00",
              [dci_row(100, 2, 2.0, "float32"), dci_row(100, 2, 1.5, "half")])
     rows = table_rows(bench_tables.render_dci(tmp_path, {}))
-    assert [(r[0], r[2], r[3], r[4], r[6]) for r in rows] == [
+    assert [(r[0], r[3], r[4], r[5], r[8]) for r in rows] == [
         ("box", "1", "false", "float32", "5.000"), ("box", "2", "false", "float32", "2.000"),
         ("box", "2", "false", "half", "1.500")]
 
@@ -158,8 +158,16 @@ def test_dci_keeps_the_newest_row_per_host_size_threads_and_precision(bench_tabl
                "rows": [dci_row(100, 2, 1.8, "float32")]}
     (tmp_path / "dci_box_20260103-000000.json").write_text(json.dumps(payload))
     rows = table_rows(bench_tables.render_dci(tmp_path, {}))
-    assert [(r[3], r[6]) for r in rows if r[2] == "2" and r[4] == "float32"] == [
+    assert [(r[4], r[8]) for r in rows if r[3] == "2" and r[5] == "float32"] == [
         ("close (cores)", "1.800"), ("false", "2.000")]
+
+    # kernel variants measured side by side in one file are rows of their own, with their share of the read rate
+    variants = [{**dci_row(100, 2, ms, "float32"), "key_dtype": "bfloat16", "variant": variant, "read_share": share}
+                for variant, ms, share in (("avx2:0:0", 2.5, 0.35), ("avx512:32:256", 1.9, 0.48))]
+    dci_file("dci_box_20260104-000000.json", "2026-01-04T00:00:00+00:00", variants)
+    rows = table_rows(bench_tables.render_dci(tmp_path, {}))
+    assert [(r[2], r[6], r[8], r[9]) for r in rows if r[2] == "bfloat16"] == [
+        ("bfloat16", "`avx2:0:0`", "2.500", "0.35"), ("bfloat16", "`avx512:32:256`", "1.900", "0.48")]
 
 
 def run_record(method: str, date: str, command: str, score: float, budget=256) -> dict:
@@ -394,3 +402,24 @@ def test_the_regression_gate_compares_with_the_best_file_not_the_previous_one(be
     (check,) = [c for c in bench_tables.regression_checks(tmp_path) if c["row"]["method"] == "quest"]
     assert check["best"][2].name == "latency_gpu_20260101-000000.json"
     assert check["change"] == pytest.approx(0.2) and check["verdict"] == "within noise"  # spread 0.9-1.1: 20%
+
+
+def test_the_icecache_floor_adds_the_searches_at_the_read_rate_and_the_hand_offs_to_full_static(bench_tables,
+                                                                                                 tmp_path):
+    # Llama-3.1-8B has 32 layers, IceCache keeps 2 dense: 30 indexed layers. 1 GB read at 100 GB/s is 10 ms; 30
+    # hand-offs of 10 us and 30 exchanges of 50 us are 0.3 and 1.5 ms; full_static's step is 8 ms.
+    probe = {"layers": 30, "us_per_layer_over_floor": {"stream_memory_native": 10.0, "copies_1048576": 50.0}}
+    settings = {"model": "llama31_8b", "source": "random", "budget": 256, "threads": 16, "repeats": 1, "warmup": 0,
+                "decode_steps": 64, "dtype_resolved": "torch.bfloat16", "host_read_gbps": 100.0,
+                "handoff_costs": probe}
+    rows = [summary_row("full_static", 32768, 0.008),
+            summary_row("icecache", 32768, 0.040, search_bytes_read_per_step=1e9,
+                        phases_s={"query": 0.02, "load": 0.005, "model": 0.015})]
+    payload = {"kind": "latency", "settings": settings, "summary": rows,
+               "provenance": provenance("2026-01-01T00:00:00+00:00", "a")}
+    (tmp_path / "latency_gpu_20260101-000000.json").write_text(json.dumps(payload))
+    (row,) = table_rows(bench_tables.render_floor(tmp_path, {}))
+    assert row[:4] == ["32768", "`icecache`", "40.0", "5.00"]
+    assert row[4] == "20.0 / 5.0 / 15.0"
+    assert row[5:10] == ["8.0", "10.0", "0.30", "1.5", "19.8"]
+    assert row[10:12] == [f"{19.8 / 8:.2f}", f"{40 / 19.8:.2f}"] and row[-1] == "same file"

@@ -77,7 +77,7 @@ class Result:
     @property
     def host(self) -> str:
         """The label between the kind and the date in ``<kind>_<host>_<date>.json``."""
-        match = re.fullmatch(r"(?:latency|dci|kernels|prompt_index|host_step|page_quality)_(.+?)_\d{8}(?:-\d+)?\.json",
+        match = re.fullmatch(r"(?:latency|dci|kernels|prompt_index|host_step|page_quality|handoff)_(.+?)_\d{8}(?:-\d+)?\.json",
                              self.name)
         return match.group(1) if match else "?"
 
@@ -592,6 +592,71 @@ def model_weight_bytes(settings: dict[str, Any]) -> int | None:
     return None if n_bytes is None else n_bytes * (layers * per_layer + embeddings + hidden)
 
 
+def model_layers(settings: dict[str, Any]) -> int | None:
+    """The model's layer count from its config (configs/model/<model>.yaml)."""
+    path = REPO / "configs" / "model" / f"{settings.get('model')}.yaml"
+    if not path.is_file():
+        return None
+    import yaml
+
+    return ((yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("config") or {}).get("num_hidden_layers")
+
+
+def handoff_costs(f: Result, results: Path) -> tuple[dict[str, Any] | None, str]:
+    """The hand-off probe's costs a latency file recorded in its settings, else the newest probe file of its host;
+    with where they come from."""
+    costs = (f.data.get("settings") or {}).get("handoff_costs")
+    if costs and "us_per_layer_over_floor" in costs:
+        return costs, "same file"
+    probes = [g for g in load(results, "handoff_*.json") if g.host == f.host]
+    return (probes[-1].data, f"`{probes[-1].name}`") if probes else (None, "-")
+
+
+def render_floor(results: Path, paper: dict[str, Any]) -> str:
+    """IceCache's measured step beside what its design needs on the same host: the transformer (``full_static``'s
+    step in the same file), the searches reading their bytes at the host's read rate (same file), and one hand-off
+    through the channel with a 1 MB exchange each way per indexed layer (the hand-off probe)."""
+    from icecache.method.config import IceCacheConfig
+
+    rows = []
+    for row, f in latency_rows(results):
+        if split_method(row["method"])[0] not in ICECACHE_METHODS or not row.get("tpot_s_median"):
+            continue
+        base = reference_row(f, row["context"], "full_static")
+        settings = f.data.get("settings") or {}
+        layers = model_layers(settings)
+        read_gbps = settings.get("host_read_gbps")
+        search_bytes = row.get("search_bytes_read_per_step")
+        costs, source = handoff_costs(f, results)
+        if base is None or layers is None or not read_gbps or not search_bytes or costs is None:
+            continue
+        indexed = layers - IceCacheConfig.n_dense_layers
+        over = costs["us_per_layer_over_floor"]
+        handoff_s = indexed * over.get("stream_memory_native", float("nan")) * 1e-6
+        exchange_s = indexed * over.get("copies_1048576", float("nan")) * 1e-6
+        search_s = search_bytes / (read_gbps * 1e9)
+        floor = base["tpot_s_median"] + search_s + handoff_s + exchange_s
+        phases = row.get("phases_s") or {}
+        rows.append([
+            str(row["context"]), method_cell(row["method"]), fmt(row["tpot_s_median"], 1000),
+            f"{row['tpot_s_median'] / base['tpot_s_median']:.2f}",
+            " / ".join(fmt(phases.get(name), 1000) for name in ("query", "load", "model")),
+            fmt(base["tpot_s_median"], 1000), fmt(search_s, 1000), fmt(handoff_s, 1000, 2), fmt(exchange_s, 1000),
+            fmt(floor, 1000), f"{floor / base['tpot_s_median']:.2f}",
+            f"{row['tpot_s_median'] / floor:.2f}", f"`{f.name}`", source,
+        ])
+    header = ["context", "method", "TPOT ms", "x full_static", "query / load / model ms", "transformer ms",
+              "search at host read rate ms", "hand-offs ms", "1 MB exchanges ms", "floor ms", "floor x full_static",
+              "TPOT / floor", "file", "hand-off probe"]
+    note = ("The floor adds, to `full_static`'s step in the same file, the step's searches reading the bytes they "
+            "read (`search MB / step` in the breakdown) at the host's read rate measured in the same run (a 2 GiB "
+            "sum on the same threads), and per indexed layer (the model's layers less the dense ones) one hand-off "
+            "through the stream-memory channel and a 1 MB copy each way (the hand-off probe: IceCache's exchange "
+            "sends about 20 KB to the host and 0.8 MB back, so this is an upper bound). It leaves out the page "
+            "gather on the host and the window's inserts, which are part of the design too.")
+    return "\n\n".join([table(header, rows), note])
+
+
 def render_breakdown(results: Path, paper: dict[str, Any]) -> str:
     rows = []
     for row, f in latency_rows(results):
@@ -689,21 +754,24 @@ def binding(f: Result) -> str:
 
 def render_dci(results: Path, paper: dict[str, Any]) -> str:
     files = load(results, "dci_*.json")
-    newest = newest_by([((f.host, row["n"], row["threads"], row.get("score_precision") or "float32", binding(f)),
-                         f.order, (row, f)) for f in files for row in f.data["rows"]])
+    # Files before the kernel variants searched float32 keys with the build's one kernel set.
+    newest = newest_by([((f.host, row["n"], row["threads"], row.get("score_precision") or "float32", binding(f),
+                          row.get("key_dtype", "float32"), row.get("variant", "-")), f.order, (row, f))
+                        for f in files for row in f.data["rows"]])
     rows = []
-    for (host, n, threads, precision, bound), (row, f) in sorted(newest.items()):
-        rows.append([host, str(n), str(threads), bound, precision, fmt(row["build_s"], digits=3),
-                     fmt(row["query_ms"], digits=3), fmt(row["exact_ms"], digits=2), fmt(row["page_recall"], digits=3),
+    for (host, n, threads, precision, bound, key_dtype, variant), (row, f) in sorted(newest.items()):
+        rows.append([host, str(n), key_dtype, str(threads), bound, precision, f"`{variant}`" if variant != "-" else "-",
+                     fmt(row["build_s"], digits=3), fmt(row["query_ms"], digits=3), fmt(row.get("read_share"), digits=2),
+                     fmt(row["exact_ms"], digits=2), fmt(row["page_recall"], digits=3),
                      fmt(row["token_recall"], digits=3), fmt(row["mass_recall"], digits=3), f"`{f.name}`", f.commit])
     figure = paper.get("breakdown")
     if figure:
         per_layer = figure["ms"]["query"] / 30
-        rows.append([f"paper ({figure['hardware']})", f"~{figure['context_tokens']}", "64", "-", "-", "-",
+        rows.append([f"paper ({figure['hardware']})", f"~{figure['context_tokens']}", "-", "64", "-", "-", "-", "-",
                      f"~{per_layer:.1f} ({figure['ms']['query']} ms per token over 30 layers)", "-", "-", "-", "-",
-                     "-", "-"])
-    header = ["host", "keys", "threads", "threads bound", "first pass", "build s / layer", "query ms / layer",
-              "exact top-k ms (torch)",
+                     "-", "-", "-"])
+    header = ["host", "keys", "key dtype", "threads", "threads bound", "first pass", "kernels (ISA:prefetch:chunk)",
+              "build s / layer", "query ms / layer", "search / host read", "exact top-k ms (torch)",
               "page recall", "token recall", "mass recall", "file", "commit"]
     return table(header, rows)
 
@@ -982,6 +1050,7 @@ RENDERERS: dict[str, Callable[[Path, dict[str, Any]], str]] = {
     "scaling-summary": render_scaling_summary,
     "capacity": render_capacity,
     "breakdown": render_breakdown,
+    "icecache-floor": render_floor,
     "host-step": render_host_step,
     "prompt-index": render_prompt_index,
     "dci": render_dci,
