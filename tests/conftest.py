@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from icecache.core.cache import ATTENTION_NAME
+from icecache.core.kernels import triton_runtime
 from icecache.core.models import ModelSpec, load_model, model_info
 
 ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3"]
@@ -59,3 +60,12 @@ def tiny(request):
 @pytest.fixture
 def rng():
     return torch.Generator().manual_seed(1234)
+
+
+def kernel_device() -> torch.device:
+    """CUDA when the Triton kernels can run there, CPU under Triton's interpreter, otherwise skip."""
+    if triton_runtime.available():
+        return torch.device("cuda")
+    if triton_runtime.interpreted():
+        return torch.device("cpu")
+    pytest.skip("needs CUDA and Triton (or TRITON_INTERPRET=1 with Triton installed)")

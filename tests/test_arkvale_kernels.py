@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from icecache.core.kernels import arkvale_step, triton_runtime
+from icecache.core.kernels import arkvale_step
 from icecache.core.kernels.arkvale_step import (
     ArkValeSlots,
     page_start_reference,
@@ -23,15 +23,7 @@ from icecache.core.kernels.arkvale_step import (
     recall_plan_triton,
 )
 from icecache.core.method import ModelInfo, SequenceContext
-
-
-def kernel_device() -> torch.device:
-    """CUDA when the Triton kernels can run there, CPU under Triton's interpreter, otherwise skip."""
-    if triton_runtime.available():
-        return torch.device("cuda")
-    if triton_runtime.interpreted():
-        return torch.device("cpu")
-    pytest.skip("needs CUDA and Triton (or TRITON_INTERPRET=1 with Triton installed)")
+from tests.conftest import kernel_device
 
 
 def random_keys(shape, gen, dtype, device) -> torch.Tensor:

@@ -28,6 +28,7 @@ from icecache.core.kernels.paged_decode_attention import (
     paged_decode_attention_reference,
     paged_decode_attention_triton,
 )
+from tests.conftest import kernel_device
 
 # ---------------------------------------------------------------------------------------------------------------
 # Helpers: a paged layout of random tokens, IceCache style (each KV head cuts its tokens into pages differently)
@@ -190,15 +191,6 @@ def test_triton_module_imports_and_reports_availability():
 # ---------------------------------------------------------------------------------------------------------------
 # GPU (or Triton interpreter): kernels against the references
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def kernel_device() -> torch.device:
-    """CUDA when the Triton kernels can run there, CPU under Triton's interpreter, otherwise skip."""
-    if triton_runtime.available():
-        return torch.device("cuda")
-    if triton_runtime.interpreted():
-        return torch.device("cpu")
-    pytest.skip("needs CUDA and Triton (or TRITON_INTERPRET=1 with Triton installed)")
 
 
 def random_pages_and_selection(gen, n_kv_heads, group, head_dim, page_size, n_entries, n_pool_pages, dtype, device):

@@ -254,6 +254,10 @@ class Instance {
   // items, exactly the pages and rows it is fed by one item.
   void group_items(int32_t inst, const GroupJob* jobs, int32_t n_jobs, int chunk_rows,
                    std::vector<GroupItem>& out) const;
+  // Each head's own rows of one page's scored slots [s0, s1) (the page starts at run position `base`; dots[j * 16 +
+  // slot - s0] is head j's score of that slot), fed to its accumulators as scan_last_level would feed them.
+  void feed_page(const Leaf& lf, int base, int s0, int s1, int nh, const Probe* probes, const int32_t* first,
+                 const int32_t* last, const float* dots, TopK* const* best_tokens, TopK* const* best_pages) const;
   // scan_runs' float32 scan with rows prefetched `ahead` rows ahead of the one being scored (ScanTuning).
   void scan_rows_ahead(const ChildIndex& ci, int nh, const Probe* probes, const float* const* qs, const int32_t* first,
                        const int32_t* last, int lo, int hi, int ahead, TopK* const* best_tokens,

@@ -238,6 +238,13 @@ void Instance::scan_runs(int32_t kid_slot, int nh, const Probe* probes, const in
     pos += lf.count;
     if (s0 >= s1) continue;
     dot_keys_multi(qs, nh, lf.item + s0, s1 - s0, dots, kPageSlots);
+    feed_page(lf, base, s0, s1, nh, probes, first, last, dots, best_tokens, best_pages);
+  }
+}
+
+void Instance::feed_page(const Leaf& lf, int base, int s0, int s1, int nh, const Probe* probes, const int32_t* first,
+                         const int32_t* last, const float* dots, TopK* const* best_tokens,
+                         TopK* const* best_pages) const {
     for (int j = 0; j < nh; ++j) {
       // head j's own rows of this page, as scan_last_level would take them
       const int t0 = std::max(first[j] - base, s0), t1 = std::min(last[j] - base, s1);
@@ -253,7 +260,6 @@ void Instance::scan_runs(int32_t kid_slot, int nh, const Probe* probes, const in
       }
       best_pages[j]->push(best);
     }
-  }
 }
 
 namespace {
@@ -305,21 +311,7 @@ void Instance::scan_rows_ahead(const ChildIndex& ci, int nh, const Probe* probes
     const RowsAhead next{rows + sp.k0 + ahead, std::max(0, std::min(m, total - (sp.k0 + ahead)))};
     if (float_rows) dot_rows_multi_ids(qs, nh, keys_.data(), rows + sp.k0, m, dim, dots, kPageSlots, next);
     else dot_rows_multi_ids_bf16(qs, nh, keys_bf16_.data(), rows + sp.k0, m, dim, dots, kPageSlots, next);
-    for (int j = 0; j < nh; ++j) {
-      // head j's own rows of this page, as scan_last_level would take them
-      const int t0 = std::max(first[j] - sp.base, sp.s0), t1 = std::min(last[j] - sp.base, sp.s1);
-      if (t0 >= t1) continue;
-      const float* dj = dots + j * kPageSlots - sp.s0;
-      TopK& bt = *best_tokens[j];
-      Candidate best{INFINITY, -1};
-      for (int t = t0; t < t1; ++t) {
-        const int32_t id = lf.item[t];
-        const Candidate cand{query_distance(probes[j], id, dj[t]), id};
-        bt.push(cand);
-        if (best.id < 0 || cand < best) best = cand;
-      }
-      best_pages[j]->push(best);
-    }
+    feed_page(lf, sp.base, sp.s0, sp.s1, nh, probes, first, last, dots, best_tokens, best_pages);
   }
 }
 
