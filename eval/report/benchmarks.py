@@ -77,8 +77,8 @@ class Result:
     @property
     def host(self) -> str:
         """The label between the kind and the date in ``<kind>_<host>_<date>.json``."""
-        match = re.fullmatch(r"(?:latency|dci|kernels|prompt_index|host_step|page_quality|handoff)_(.+?)_\d{8}(?:-\d+)?\.json",
-                             self.name)
+        kinds = "latency|dci|kernels|prompt_index|host_step|page_quality|handoff"
+        match = re.fullmatch(rf"(?:{kinds})_(.+?)_\d{{8}}(?:-\d+)?\.json", self.name)
         return match.group(1) if match else "?"
 
     @property
@@ -760,8 +760,9 @@ def render_dci(results: Path, paper: dict[str, Any]) -> str:
                         for f in files for row in f.data["rows"]])
     rows = []
     for (host, n, threads, precision, bound, key_dtype, variant), (row, f) in sorted(newest.items()):
-        rows.append([host, str(n), key_dtype, str(threads), bound, precision, f"`{variant}`" if variant != "-" else "-",
-                     fmt(row["build_s"], digits=3), fmt(row["query_ms"], digits=3), fmt(row.get("read_share"), digits=2),
+        kernels = f"`{variant}`" if variant != "-" else "-"
+        rows.append([host, str(n), key_dtype, str(threads), bound, precision, kernels, fmt(row["build_s"], digits=3),
+                     fmt(row["query_ms"], digits=3), fmt(row.get("read_share"), digits=2),
                      fmt(row["exact_ms"], digits=2), fmt(row["page_recall"], digits=3),
                      fmt(row["token_recall"], digits=3), fmt(row["mass_recall"], digits=3), f"`{f.name}`", f.commit])
     figure = paper.get("breakdown")
