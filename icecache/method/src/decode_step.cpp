@@ -49,6 +49,7 @@ namespace icestep {
 enum HostDtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 constexpr int kBruteForceThreshold = 3000;  // index.py's BRUTE_FORCE_THRESHOLD
+constexpr int kBlocksPerGatherThread = 8;  // a gather thread with fewer blocks does not repay waking it
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -778,13 +779,20 @@ class DecodeStep {
     for (int i = 0; i < max_blocks_; ++i) slots_[i] = i < n ? load_slots_[i] + cfg_.n_sink_pages : -1;
     if (n == 0) return;
     const int64_t store_rows = (cfg_.n_kv_heads - 1) * store_stride_ + n_tokens_;
-    int32_t ids[dci::kPageSlots];
+    for (int r = 0; r < n; ++r) {
+      heads_[r] = load_heads_[r];
+      if (load_pages_[r] < stale_width_) stale_[load_heads_[r] * stale_width_ + load_pages_[r]] = 0;
+    }
+    // Each block's 2 x 16 rows are scattered 256-byte reads, so one thread waits on memory latency (~0.25 ms for a
+    // layer's ~95 blocks); a share of the index's threads, each with at least kBlocksPerGatherThread blocks, hides
+    // it. Blocks are independent and each is written by one thread, so the bytes do not depend on the split.
+    const int threads = std::max(1, std::min(std::max(1, f.threads() / 2), n / kBlocksPerGatherThread));
+    std::atomic<bool> out_of_range{false};
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int r = 0; r < n; ++r) {
       const int h = load_heads_[r];
-      const int64_t page = load_pages_[r];
-      heads_[r] = h;
-      if (page < stale_width_) stale_[h * stale_width_ + page] = 0;
-      forest_page_items(f, h, page, ids);
+      int32_t ids[dci::kPageSlots];
+      forest_page_items(f, h, load_pages_[r], ids);
       char* out_k = block_keys_ + static_cast<size_t>(r) * ps * rb;
       char* out_v = block_values_ + static_cast<size_t>(r) * ps * rb;
       for (int t = 0; t < ps; ++t) {
@@ -798,11 +806,15 @@ class DecodeStep {
           std::memset(out_k + t * rb, 0, rb);
         } else {
           const Instance& x = *f.inst_[h];
-          if (ids[t] >= x.num_tokens()) throw std::out_of_range("token id out of range");
+          if (ids[t] >= x.num_tokens()) {
+            out_of_range.store(true, std::memory_order_relaxed);  // thrown below: nothing leaves a parallel region
+            continue;
+          }
           std::memcpy(out_k + t * rb, x.key_bytes_of(ids[t]), rb);
         }
       }
     }
+    if (out_of_range.load()) throw std::out_of_range("token id out of range");
     std::lock_guard<std::mutex> lock(records_mutex_);
     records_.pages_loaded += n;
     records_.bytes_to_gpu += 2 * static_cast<int64_t>(n) * ps * static_cast<int64_t>(rb);
