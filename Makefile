@@ -101,3 +101,48 @@ accuracy-tables: $(STAMP)
 	$(PY) scripts/sweep.py $(ACCURACY_SWEEPS) --no-run --curate accuracy --out results/bench --bench results/bench
 	$(PY) scripts/collect.py results/runs --bench results/bench --out results/summary
 	$(PY) scripts/bench/tables.py
+
+.PHONY: reproduce-accuracy-long accuracy-long-tables
+## The long-context accuracy grid (docs/reproduce.md, "The long-context accuracy grid"): Qwen2.5-Coder-0.5B at 16k
+## and 32k, one part per call: PART=ruler|passkey|gsm8k, LENGTH=16k|32k (RULER and passkey; empty: both lengths).
+## Every method at budgets 128-1024 (GSM8K: 128, 256) beside full and full_static, IceCache with its look-ahead as
+## a second sweep; JOBS, SHARDS and DEADLINE as for reproduce-accuracy. The finished runs of the curated files in
+## results/bench come back first (with their samples, so the paired differences need no earlier host's disk), and
+## every call ends by curating the whole grid: the newest accuracy_<model>_<date>.json holds every finished run.
+LONG_MODEL = model=$(or $(MODEL),qwen25_coder_05b)
+# Passkey's length is in units of 3.8 filler characters, RULER's in tokens: both 32k lengths fit 32768 positions
+# (configs/experiment/accuracy_long_*.yaml say why these values).
+RULER_LENGTH_16k = 16384
+RULER_LENGTH_32k = 32000
+PASSKEY_LENGTH_16k = 16384
+PASSKEY_LENGTH_32k = 31500
+# The GSM8K test file, read where it lies (never copied into the repository); its sha256 goes into each result.
+GSM8K ?= $(firstword $(wildcard shared/data/gsm8k/test.jsonl ../shared/data/gsm8k/test.jsonl) \
+	../shared/data/gsm8k/test.jsonl)
+LONG_LENGTH = $(if $(LENGTH),task.lengths=[$($(1)_LENGTH_$(LENGTH))])
+LONG_SWEEPS_ruler = --sweep "experiment=accuracy_long_ruler $(LONG_MODEL) $(call LONG_LENGTH,RULER)" \
+	--sweep "experiment=accuracy_long_ruler $(LONG_MODEL) method=icecache method.lookahead=true $(call LONG_LENGTH,RULER)"
+LONG_SWEEPS_passkey = --sweep "experiment=accuracy_long_passkey $(LONG_MODEL) $(call LONG_LENGTH,PASSKEY)" \
+	--sweep "experiment=accuracy_long_passkey $(LONG_MODEL) method=icecache method.lookahead=true $(call LONG_LENGTH,PASSKEY)"
+LONG_SWEEPS_gsm8k = --sweep "experiment=accuracy_gsm8k $(LONG_MODEL) task.path=$(GSM8K)" \
+	--sweep "experiment=accuracy_gsm8k $(LONG_MODEL) task.path=$(GSM8K) method=icecache method.lookahead=true"
+# The whole grid, every length: what each call curates (LENGTH is emptied for it below).
+LONG_GRID = $(LONG_SWEEPS_ruler) $(LONG_SWEEPS_passkey) $(LONG_SWEEPS_gsm8k)
+RESTORE_CURATED = $(foreach file,$(wildcard results/bench/accuracy_*.json),--restore $(file))
+
+reproduce-accuracy-long: $(STAMP)
+	@test -n "$(LONG_SWEEPS_$(PART))" || { echo "error: PART=ruler, passkey or gsm8k" >&2; exit 2; }
+	@test -z "$(LENGTH)" -o -n "$(RULER_LENGTH_$(LENGTH))" || { echo "error: LENGTH=16k or 32k (or empty)" >&2; exit 2; }
+	-$(PY) scripts/sweep.py $(LONG_SWEEPS_$(PART)) $(RESTORE_CURATED) --workers $(JOBS) --shards $(SHARDS) \
+		$(if $(DEADLINE),--deadline $(DEADLINE))
+	$(MAKE) accuracy-long-tables
+
+accuracy-long-tables: override LENGTH =
+## The long grid's curated file and figures from the runs on disk (results/bench/accuracy_<model>_<date>.json).
+accuracy-long-tables: $(STAMP)
+	$(PY) scripts/sweep.py $(LONG_GRID) --no-run --curate accuracy --out results/bench --bench results/bench
+
+.PHONY: accuracy-figures
+## The accuracy figures again from a curated file alone (CURATED=results/bench/accuracy_<model>_<date>.json).
+accuracy-figures: $(STAMP)
+	$(PY) scripts/accuracy_figures.py $(CURATED) --bench results/bench --out results/bench

@@ -297,6 +297,9 @@ def finish(config: RunConfig, task, samples, holds_run_lock: bool) -> dict[str, 
             "settings": config.identity(),
             "provenance": provenance.collect(),
         }
+        data = task.data_record()
+        if data is not None:  # only for tasks that read a data file: other results keep their keys
+            metrics["data"] = data
         selection = summarise_selection(records, by_length=by_length)
         if selection is not None:
             metrics["selection"] = selection

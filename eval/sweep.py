@@ -38,14 +38,15 @@ waits for every task and reports each that did not finish, as ``run.py -m`` does
 the run's error line, ``crashed`` (an exception, or the task left the queue without a result: killed, out of
 memory), each with its log file. Exit status: 0 all finished, 2 some failed, 1 some crashed.
 
-``--restore CURATED`` first puts back the finished runs of an earlier curated file (their metrics.json), so that
-a host without the runs' directories skips them, and curating carries them into the next file. ``--curate NAME``
-then writes ``<out>/<NAME>_<model>_<date>.json``: every finished run of the sweeps (its metrics.json and
-directory, and where its predictions and the full cache's over the same samples are on disk, its paired
-difference with the full cache: eval/report/paired.py), the runs not finished, the sweeps and this machine's
-provenance, with the accuracy table's figures beside it (``accuracy_vs_budget_<model>.png``,
-``accuracy_vs_tpot_<model>.png`` with TPOT from the latency files in ``--bench``, ``mass_by_layer_<model>.png``),
-from which BENCHMARKS.md's accuracy table is rendered. ``--no-run`` runs nothing (with ``--curate``: curate only).
+``--restore CURATED`` first puts back the finished runs of an earlier curated file (their metrics.json, with the
+samples' scores the file carries), so that a host without the runs' directories skips them, and curating carries
+them into the next file. ``--curate NAME`` then writes ``<out>/<NAME>_<model>_<date>.json``: every finished run of
+the sweeps (its metrics.json and directory, each sample's scores, meta and generation hash, and its paired
+difference with the full cache over the same samples, from the predictions on disk or the samples put back:
+eval/report/paired.py), the runs not finished, the sweeps and this machine's provenance, with the accuracy table's
+figures beside it (``accuracy_vs_budget_<model>.png``, ``accuracy_vs_tpot_<model>.png`` with TPOT from the latency
+files in ``--bench``, ``mass_by_layer_<model>.png``), from which BENCHMARKS.md's accuracy table is rendered.
+``--no-run`` runs nothing (with ``--curate``: curate only).
 
 Run directories contain a hash of the settings, device and dtype included; ``--device cuda`` computes them as a
 GPU host will (the default is this machine's device, or cuda for a Slurm launcher that asks for GPUs).
@@ -432,8 +433,9 @@ def check_tasks(jobs: list[Job]) -> list[str]:
 def restore(jobs: list[Job], curated: Path) -> int:
     """Put back the finished runs a curated file holds (``--curate``'s output) that are jobs of these sweeps and
     not finished on this disk: each gets its metrics.json, which marks it done and is all that curating and the
-    tables read, so a host that has lost the runs' directories (a fresh one) does not run them again. Returns how
-    many it put back."""
+    tables read (its ``samples`` included: the paired differences of the runs still to come need the reference's),
+    so a host that has lost the runs' directories (a fresh one) does not run them again. Returns how many it put
+    back."""
     from eval.rundir import write_json_atomic
 
     try:
@@ -672,7 +674,7 @@ def curate(jobs: list[Job], sweeps: list[list[str]], name: str, out: Path, bench
     from eval import provenance
     from eval.report import accuracy as A
     from eval.report.collect import latest_bench, load_bench, safe_name
-    from eval.report.paired import attach_paired
+    from eval.report.paired import attach_paired, attach_samples
     from eval.report.summary import accuracy_figures
 
     by_model: dict[str, dict[str, list]] = {}
@@ -687,6 +689,8 @@ def curate(jobs: list[Job], sweeps: list[list[str]], name: str, out: Path, bench
         else:
             entry["missing"].append(str(job.run_dir))
     for entry in by_model.values():
+        # each run's samples go into the file, so that a later host without this disk still pairs with them
+        attach_samples(entry["runs"], lambda payload: paths[payload["run_dir"]])
         attach_paired(entry["runs"], lambda payload: paths[payload["run_dir"]])
     out.mkdir(parents=True, exist_ok=True)
     bench_rows = []

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -509,3 +510,77 @@ def test_the_queue_hands_out_the_runs_with_the_most_work_left_first(tmp_path):
     # With nothing on disk to go on, the grouping by task and length stands (a stable order).
     blank = [job("a", 128, 8000), job("b", 128, 4096), job("c", 128, 8000)]
     assert [j.values["method"]["name"] for j in launcher.longest_first(blank)] == ["b", "a", "c"]
+
+
+def test_every_cell_of_a_grid_run_over_two_fresh_hosts_gets_its_paired_interval(tmp_path):
+    """The reference runs go first, so on a grid that takes several hosts they finish on an early one whose disk
+    the last host never sees: its curated file, put back with --restore, must carry what pairing needs."""
+    from eval.report import accuracy as A
+    from eval.report import benchmarks as bench_tables
+
+    common = (f"experiment=accuracy_long_passkey model=tiny_llama output_root={tmp_path / 'runs'} "
+              "task.lengths=[400] task.num_depths=3 budget=128")
+    grid = [f"{common} method=full,full_static,quest,icecache", f"{common} method=icecache method.lookahead=true"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    # host one: the reference alone (as a deadline leaves it), curated; its disk is then gone
+    assert launcher.main(["--sweep", f"{common} method=full", "--curate", "accuracy", "--out", str(first),
+                          "--no-plots"]) == 0
+    [curated] = first.glob("accuracy_*.json")
+    [reference] = json.loads(curated.read_text())["runs"]
+    assert len(reference["samples"]) == 3 and {"score", "meta", "generated_sha256"} <= set(reference["samples"][0])
+    import shutil
+
+    shutil.rmtree(tmp_path / "runs")
+    # host two: the rest, with the first host's file put back
+    argv = [arg for sweep in grid for arg in ("--sweep", sweep)]
+    assert launcher.main([*argv, "--restore", str(curated), "--curate", "accuracy", "--out", str(second),
+                          "--no-plots"]) == 0
+    [last] = second.glob("accuracy_*.json")
+    runs = json.loads(last.read_text())["runs"]
+    labels = sorted(r["method_label"] for r in runs)
+    assert labels == ["full", "full_static", "icecache", "icecache+lookahead", "quest"]
+    assert not list((tmp_path / "runs" / "passkey" / "tiny-llama" / "full").rglob("predictions.jsonl"))
+    rows = [row for row in A.accuracy_rows(runs) if row.method != "full"]
+    assert len(rows) == 4 and all(row.difference_interval is not None for row in rows)
+    static = next(row for row in rows if row.method == "full_static")
+    assert static.difference == 0.0  # the same tokens as the full cache: no difference on any sample
+    # the page's table: a Δ full cell with its interval on every row but the reference's
+    rendered = bench_tables.render_accuracy(second, {})
+    table = [line for line in rendered.splitlines() if line.startswith("| `")]
+    assert len(table) == 5 and all(re.search(r"[+-]\d+\.\d \[", line) for line in table if "| `full` |" not in line)
+
+
+def test_the_same_sweep_run_twice_generates_the_same_and_a_changed_sample_is_counted_per_method(tmp_path):
+    from eval.report.compare import compare, render_by_method
+
+    def sweep(root: str) -> list[str]:
+        common = (f"experiment=accuracy_long_passkey model=tiny_llama output_root={tmp_path / root} "
+                  "task.lengths=[300],[400] task.num_depths=2 budget=128")
+        return ["--sweep", f"{common} method=full,quest", "--sweep", f"{common} method=icecache method.lookahead=true"]
+
+    for root in ("a", "b"):
+        assert launcher.main([*sweep(root), "--curate", "accuracy", "--out", str(tmp_path / f"curated_{root}"),
+                              "--no-plots"]) == 0
+    same = compare(tmp_path / "a", tmp_path / "b")
+    # two runs of each (method, budget), one per length: paired by their directories, none left over
+    assert len(same["pairs"]) == 6 and same["unpaired"] == []
+    assert {m: (t["runs"], t["samples"], t["share_differ"]) for m, t in same["by_method"].items()} == {
+        "full": (2, 4, 0.0), "icecache+lookahead": (2, 4, 0.0), "quest": (2, 4, 0.0)}
+
+    # one of quest's samples generated otherwise on side b
+    [predictions] = [p for p in (tmp_path / "b").rglob("predictions.jsonl") if "/quest/" in str(p)][:1]
+    lines = [json.loads(line) for line in predictions.read_text().splitlines()]
+    lines[0]["prediction"] += " and more"
+    predictions.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    changed = compare(tmp_path / "a", tmp_path / "b")
+    assert changed["by_method"]["quest"]["share_differ"] == 0.25
+    assert changed["by_method"]["full"]["share_differ"] == 0.0
+    assert "quest" in render_by_method(changed) and "25.0%" in render_by_method(changed)
+    # the curated files carry each sample's generation hash: the same comparison without the runs' directories
+    [file_a], [file_b] = (list((tmp_path / f"curated_{root}").glob("accuracy_*.json")) for root in ("a", "b"))
+    curated = compare(file_a, file_b)
+    assert len(curated["pairs"]) == 6 and all(t["share_differ"] == 0.0 for t in curated["by_method"].values())
+    # two run directories given directly
+    [run_a] = [p.parent for p in (tmp_path / "a").rglob("predictions.jsonl")
+               if p.parent.name == predictions.parent.name]
+    assert compare(run_a, predictions.parent)["by_method"]["quest"]["differ"] == 1

@@ -127,3 +127,39 @@ def test_hub_source(monkeypatch):
     (sample,) = task.samples(PromptContext(tokenizer=byte_tokenizer()))
     assert calls == [("openai/gsm8k", "main", "test")]
     assert sample.answers == ["2 + 2 = 4\n#### 4"]
+
+
+# --- the data a result records ------------------------------------------------------------------------------------
+
+
+def test_a_run_records_the_file_it_read_and_a_changed_file_gets_another_sha256(tmp_path):
+    import hashlib
+    import json
+
+    from eval.runner import run
+    from tests.test_runner import TINY_RUN
+
+    data = tmp_path / "test.jsonl"
+    data.write_bytes(FIXTURE.read_bytes())
+    task = build_task({"name": "gsm8k", "path": str(data), "limit": 2})
+    record = task.data_record()
+    assert record["path"] == str(data) and record["sha256"] == hashlib.sha256(data.read_bytes()).hexdigest()
+    assert record["n_problems"] == 2
+
+    values = json.loads(json.dumps(TINY_RUN))
+    values["model"]["config"]["max_position_embeddings"] = 8192  # the 8-shot head is ~4k bytes
+    values["model"]["max_length"] = 8192
+    values.update(output_root=str(tmp_path / "runs"), task={"name": "gsm8k", "path": str(data), "limit": 1})
+    from eval.config import RunConfig
+
+    metrics = run(RunConfig.from_dict(values))
+    assert metrics["data"]["sha256"] == record["sha256"] and metrics["data"]["n_problems"] == 1
+    written = json.loads((RunConfig.from_dict(values).output_dir() / "metrics.json").read_text())
+    assert written["data"] == metrics["data"]
+
+    # One more problem at the end: the file's hash changes, the first problem's (what limit=1 scored) does not.
+    data.write_text(data.read_text() + json.dumps({"question": "What is 1 + 1?", "answer": "#### 2"}) + "\n")
+    changed = build_task({"name": "gsm8k", "path": str(data), "limit": 1}).data_record()
+    assert changed["sha256"] != record["sha256"]
+    assert changed["problems_sha256"] == metrics["data"]["problems_sha256"]
+    assert build_task({"name": "gsm8k", "path": str(data)}).data_record()["n_problems"] == 4

@@ -28,6 +28,10 @@ TINY_TASKS = {
     "accuracy_passkey": ["task.lengths=[400]", "task.num_depths=1"],
     "accuracy_ruler": [f"task.data_dir={FIXTURES / 'ruler'}", "task.tasks=[fwe]", "task.lengths=[1024]",
                        "task.num_samples=1"],  # fwe: 50 new tokens, the fewest of the tasks that fit at 1024
+    "accuracy_long_passkey": ["task.lengths=[400]", "task.num_depths=1"],
+    "accuracy_long_ruler": [f"task.data_dir={FIXTURES / 'ruler'}", "task.tasks=[fwe]", "task.lengths=[1024]",
+                            "task.num_samples=1"],
+    "accuracy_gsm8k": [f"task.path={FIXTURES / 'gsm8k' / 'test.jsonl'}", "task.limit=1"],
 }
 SWEPT = sorted(TINY_TASKS)
 

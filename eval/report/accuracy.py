@@ -158,6 +158,69 @@ def tpot_for(row: AccuracyRow, bench: list[dict[str, Any]]) -> dict[str, Any] | 
     return min(candidates, key=rank)
 
 
+@dataclass
+class TradeoffPoint:
+    """One point of the trade-off figure: a cell's score as a share of the full cache's with its interval, and its
+    TPOT over full_static's measured beside it."""
+
+    row: AccuracyRow
+    tpot_ratio: float  # the method's TPOT / full_static's, same latency model and context
+    share: float  # % of the full cache's score
+    low: float | None
+    high: float | None
+    paired: bool  # the interval is the paired difference's (else the run's own, the full cache's spread ignored)
+    timed_model: str | None = None
+
+
+def share_interval(row: AccuracyRow, full_score: float | None) -> tuple[float | None, float | None, bool]:
+    """The interval of ``row``'s share of the full cache's score: the paired difference's interval over the full
+    score where the cell has one (the full cache's own spread cancels in it), else the run's own interval over it."""
+    if not full_score:
+        return None, None, False
+    if row.difference_interval is not None:
+        low, high = row.difference_interval
+        return 100.0 * (full_score + low) / full_score, 100.0 * (full_score + high) / full_score, True
+    if row.interval is not None:
+        return 100.0 * row.interval[0] / full_score, 100.0 * row.interval[1] / full_score, False
+    return None, None, False
+
+
+STATIC = "full_static"  # the trade-off figure's TPOT is a multiple of this method's
+
+
+def _static_tpot(timed: dict[str, Any], bench: list[dict[str, Any]]) -> float | None:
+    """full_static's TPOT beside a latency row: the same model and context, the same file first, then newest."""
+    beside = [b for b in bench if b.get("method") == STATIC and b.get("tpot_s_median") is not None
+              and str(b.get("model") or "").lower() == str(timed.get("model") or "").lower()
+              and _length(b.get("context")) == _length(timed.get("context"))]
+    if not beside:
+        return None
+    best = min(beside, key=lambda b: (b.get("file") != timed.get("file"), _negated(str(b.get("date") or ""))))
+    return float(best["tpot_s_median"])
+
+
+def tradeoff_points(rows: list[AccuracyRow], bench: list[dict[str, Any]]) -> list[TradeoffPoint]:
+    """Every cell with a score, a full cache's score at its length and a latency row of its method (``tpot_for``)
+    with full_static's beside it: its share of full with its interval against its TPOT as a multiple of
+    full_static's."""
+    full = {(r.task, r.model.lower(), r.length): r.score for r in rows if r.method == REFERENCE}
+    points = []
+    for row in rows:
+        timed = tpot_for(row, bench)
+        share = row.share_of_full if row.method != REFERENCE else (100.0 if row.score else None)
+        if timed is None or share is None:
+            continue
+        static = _static_tpot(timed, bench)
+        if not static:
+            continue
+        low, high, paired = share_interval(row, full.get((row.task, row.model.lower(), row.length)))
+        if row.method == REFERENCE:
+            low = high = None  # the reference against itself
+        points.append(TradeoffPoint(row, float(timed["tpot_s_median"]) / static, share, low, high, paired,
+                                    str(timed.get("model")) if timed.get("model") else None))
+    return points
+
+
 def _negated(text: str) -> tuple:
     return tuple(-ord(c) for c in text)
 

@@ -932,8 +932,9 @@ ACCURACY_DEFINITIONS = (
     "A cell is the task's score in percent (passkey: keys retrieved; RULER: the mean of its tasks' string-match "
     "scores) with the 2.5th-97.5th percentile of a bootstrap that resamples the samples within each (length, task); "
     "Δ full is the score minus the full cache's on the same samples, with a paired bootstrap's interval (where both "
-    "runs' predictions were on disk when the file was curated). The tokens attended and the attention mass they hold "
-    "are in the curated file and in `scripts/collect.py`'s accuracy.md.")
+    "runs' samples were on disk or in the file when it was curated; files curated before runs carried their samples "
+    "have it only where both runs' predictions were on the curating host's disk). The tokens attended and the "
+    "attention mass they hold are in the curated file and in `scripts/collect.py`'s accuracy.md.")
 
 
 def accuracy_table(rows: list) -> str:

@@ -2,14 +2,21 @@
 
 Two runs' own intervals overlapping says little about their difference: both carry the spread of the samples'
 difficulty, which a difference over the same samples cancels. So at curating time (``scripts/sweep.py
---curate``), for every finished run whose predictions are on disk and whose reference run (``full``, the same task
-settings and model) holds the same samples on disk, the payload gets ``paired``: the difference of every number
-its task's aggregate reports, with the interval of ``bootstrap.paired_difference``. A payload that already has one
-(put back from an earlier curated file, its predictions gone) keeps it; the table renders it as "Δ full".
+--curate``), for every finished run whose samples are known and whose reference run (``full``, the same task
+settings and model) holds the same samples, the payload gets ``paired``: the difference of every number its task's
+aggregate reports, with the interval of ``bootstrap.paired_difference``; the table renders it as "Δ full".
+
+A run's samples are its predictions on disk or, where those are not on this disk, the ``samples`` its payload
+carries: every curated payload holds each sample's scores and meta (``sample_summaries``), and ``--restore`` puts
+them back with its metrics.json. A grid run over several hosts, each with a fresh disk, ends with the reference
+runs (which run first) on an early host and the slow methods on the last: pairing on the disk alone left those
+cells without a difference. A payload that already has ``paired`` and whose samples are nowhere (a file curated
+before payloads carried them) keeps it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any, Callable
@@ -24,10 +31,55 @@ def _pairing_key(payload: dict[str, Any]) -> str:
                        settings.get("model")], sort_keys=True, default=str)
 
 
+# The fields of a predictions line that are not the task's per-sample scores.
+_NOT_SCORES = ("sample_id", "prediction", "output_ids", "answers", "meta", "gen", "selection")
+
+
+def generated_sha256(record: dict[str, Any]) -> str:
+    """A short hash of what a sample generated (its text and token ids): two runs' samples with equal hashes
+    generated the same, without the curated file holding every text."""
+    text = json.dumps([record.get("prediction"), record.get("output_ids")], default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def sample_summaries(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What a curated payload keeps of each sample: its id, its scores and meta (all a task's aggregate and the
+    bootstrap read) and the hash of what it generated."""
+    out = []
+    for record in records:
+        scores = {key: value for key, value in record.items() if key not in _NOT_SCORES
+                  and isinstance(value, (int, float)) and not isinstance(value, bool)}
+        out.append({"sample_id": record["sample_id"], **scores, "meta": record.get("meta") or {},
+                    "generated_sha256": generated_sha256(record)})
+    return out
+
+
+def run_samples(payload: dict[str, Any], run_dir: Path | None) -> list[dict[str, Any]]:
+    """The run's samples, all of them or none: its predictions on disk, else the ``samples`` of its payload."""
+    from eval.rundir import run_records
+
+    found = list(run_records(run_dir).values()) if run_dir is not None and run_dir.is_dir() else []
+    if len(found) == payload.get("n_samples"):
+        return found
+    carried = payload.get("samples") or []
+    return carried if len(carried) == payload.get("n_samples") else []
+
+
+def attach_samples(payloads: list[dict[str, Any]], run_dir_of: Callable[[dict[str, Any]], Path]) -> int:
+    """Give every payload its ``samples`` (``sample_summaries``) from its predictions on disk, keeping those it
+    carries where its predictions are gone; returns how many payloads have them."""
+    held = 0
+    for payload in payloads:
+        records = run_samples(payload, run_dir_of(payload))
+        if records:
+            payload["samples"] = sample_summaries(records) if "prediction" in records[0] else records
+            held += 1
+    return held
+
+
 def attach_paired(payloads: list[dict[str, Any]], run_dir_of: Callable[[dict[str, Any]], Path]) -> int:
     """Add ``paired`` to every payload that can be paired with its reference run (module docstring); returns how
     many got one now."""
-    from eval.rundir import run_records
     from eval.tasks.base import build_task
 
     references = {_pairing_key(p): p for p in payloads if p.get("method") == REFERENCE}
@@ -35,8 +87,7 @@ def attach_paired(payloads: list[dict[str, Any]], run_dir_of: Callable[[dict[str
 
     def records(payload: dict[str, Any]) -> list[dict[str, Any]]:
         if id(payload) not in loaded:
-            found = run_records(run_dir_of(payload))
-            loaded[id(payload)] = list(found.values()) if len(found) == payload.get("n_samples") else []
+            loaded[id(payload)] = run_samples(payload, run_dir_of(payload))
         return loaded[id(payload)]
 
     attached = 0

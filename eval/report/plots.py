@@ -442,12 +442,16 @@ def accuracy_vs_budget_panels(rows: list, stem: str | Path, title: str = "") -> 
     keys = sorted({(r.task, r.length) for r in rows}, key=lambda k: (k[0], k[1] or 0))
     if not keys:
         return []
-    fig, axes = _panels(keys)
+    fig, axes = _panels(keys, width=5.6, height=4.0)
     drawn: set[str] = set()
+    ends: list[tuple] = []  # per panel: (axes, the right edge of the lines, [(score at the line's end, method)])
     for ax, (task, length) in zip(axes, keys):
         here = [r for r in rows if (r.task, r.length) == (task, length)]
         budgets = sorted({r.budget for r in here if r.budget is not None})
         budgeted = sorted({r.method for r in here if r.budget is not None}, key=sort_key)
+        ends.append((ax, budgets[-1] * 2 ** 0.45 if budgets else None,
+                     [(max((r for r in here if r.method == m), key=lambda r: r.budget or 0).score, m)
+                      for m in sorted({r.method for r in here}, key=sort_key)]))
         for method in sorted({r.method for r in here}, key=sort_key):
             points = sorted((r for r in here if r.method == method), key=lambda r: r.budget or 0)
             # each method a little to the side of the budget it ran at (a fraction of the step to the next
@@ -469,55 +473,209 @@ def accuracy_vs_budget_panels(rows: list, stem: str | Path, title: str = "") -> 
             ax.set_xscale("log", base=2)
             ax.set_xticks(budgets, [str(b) for b in budgets])
             ax.xaxis.set_minor_locator(NullLocator())
-            ax.set_xlim(budgets[0] / 2 ** 0.4, budgets[-1] * 2 ** 0.4)
+            # room on the right for each line's name at its end
+            ax.set_xlim(budgets[0] / 2 ** 0.4, budgets[-1] * 2 ** 1.9)
         ax.set_xlabel("KV budget per query head (tokens)")
         ax.set_ylabel("score (%)")
         ax.set_title(_panel_title(task, length), fontsize=9)
         ax.grid(alpha=0.3)
     _method_legend(fig, drawn, "dashed: budget-free (full caches); bars and band: 95% bootstrap interval")
     fig.suptitle(title or "Accuracy against the budget", fontsize=10)
+    _laid_out(fig)
+    for ax, right, members in ends:
+        if right is not None:
+            _label_line_ends(fig, ax, right, members)
     return save(fig, stem)
 
 
-def accuracy_vs_tpot_panels(points: list[tuple], stem: str | Path, title: str = "") -> list[Path]:
-    """Score (with its interval) against TPOT on a log axis, one panel per task and length: a method's colour, a
-    budget's marker, a thin line through a method's budgets; legends for both, no labels on the points.
-    ``points``: (row, tpot_s) pairs."""
-    points = [(r, t) for r, t in points if r.score is not None and t is not None]
-    keys = sorted({(r.task, r.length) for r, _ in points}, key=lambda k: (k[0], k[1] or 0))
+def _label_line_ends(fig: Figure, ax, right: float, ends: list[tuple[float, str]]) -> None:
+    """Each line's name right of its last point, moved up or down only as far as keeps the names apart
+    (``spread_vertically``), a thin line back to the end it names where it moved."""
+    size = 6.5
+    box = ax.get_window_extent()
+    ys = [ax.transData.transform((right, score))[1] for score, _ in ends]
+    heights = [_text_size(fig, method_label(method), size)[1] for _, method in ends]
+    placed = spread_vertically(ys, heights, box.y0, box.y1)
+    to_points = 72.0 / fig.dpi
+    for (score, method), y, target in zip(ends, ys, placed):
+        moved = abs(target - y) > 1.0
+        ax.annotate(method_label(method), (right, score), xytext=(8 * to_points, (target - y) * to_points),
+                    textcoords="offset points", ha="left", va="center", fontsize=size, color=ink(color(method)),
+                    annotation_clip=False,
+                    arrowprops=dict(arrowstyle="-", color=color(method), linewidth=0.5, shrinkA=0, shrinkB=0)
+                    if moved else None).set_in_layout(False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Labels beside points that overlap neither each other nor the points: a greedy, deterministic search
+
+
+Box = tuple[float, float, float, float]  # x0, y0, x1, y1 in display pixels
+
+# Where a label may go around its point, in the order tried: right, then above-right, below-right, left, ...
+_DIRECTIONS = [(1, 0), (1, 1), (1, -1), (-1, 0), (-1, 1), (-1, -1), (0, 1), (0, -1)]
+_RADII = (6.0, 12.0, 20.0, 32.0, 48.0)  # pixels between a point and the nearest edge of its label
+
+
+def _overlap(a: Box, b: Box) -> float:
+    width = min(a[2], b[2]) - max(a[0], b[0])
+    height = min(a[3], b[3]) - max(a[1], b[1])
+    return width * height if width > 0 and height > 0 else 0.0
+
+
+def place_labels(anchors: list[tuple[float, float]], sizes: list[tuple[float, float]], obstacles: list[Box],
+                 bounds: Box) -> list[tuple[float, float]]:
+    """The centre of each label (display pixels): for each anchor in the order given, the first position around
+    it (``_DIRECTIONS`` at each of ``_RADII``) whose box lies inside ``bounds`` and overlaps no label placed before
+    it and no obstacle (the points, their interval bars); where none is free, the one overlapping least. The
+    same input gives the same layout; no dependency beyond the boxes' arithmetic."""
+    placed: list[Box] = []
+    centres = []
+    for (x, y), (width, height) in zip(anchors, sizes):
+        best, best_cost = None, math.inf
+        for radius in _RADII:
+            for dx, dy in _DIRECTIONS:
+                cx = x + dx * (radius + width / 2)
+                cy = y + dy * (radius + height / 2)
+                box = (cx - width / 2, cy - height / 2, cx + width / 2, cy + height / 2)
+                outside = (max(0.0, bounds[0] - box[0]) + max(0.0, box[2] - bounds[2])
+                           + max(0.0, bounds[1] - box[1]) + max(0.0, box[3] - bounds[3]))
+                cost = sum(_overlap(box, other) for other in placed + obstacles) + 1e3 * outside
+                if cost < best_cost:
+                    best, best_cost = (cx, cy, box), cost
+                if cost == 0:
+                    break
+            if best_cost == 0:
+                break
+        cx, cy, box = best
+        placed.append(box)
+        centres.append((cx, cy))
+    return centres
+
+
+def spread_vertically(ys: list[float], heights: list[float], low: float, high: float) -> list[float]:
+    """Label centres (display pixels) as near ``ys`` as they can be without overlapping one another, within
+    [low, high]: sorted, pushed up past the one below, then the stack pushed back down from the top."""
+    order = sorted(range(len(ys)), key=lambda i: (ys[i], i))
+    placed = [0.0] * len(ys)
+    floor = low
+    for i in order:
+        placed[i] = max(ys[i], floor + heights[i] / 2)
+        floor = placed[i] + heights[i] / 2
+    ceiling = high
+    for i in reversed(order):
+        placed[i] = min(placed[i], ceiling - heights[i] / 2)
+        ceiling = placed[i] - heights[i] / 2
+    return placed
+
+
+def _text_size(fig: Figure, text: str, size: float) -> tuple[float, float]:
+    from matplotlib.font_manager import FontProperties
+
+    width, height, _ = fig.canvas.get_renderer().get_text_width_height_descent(text, FontProperties(size=size),
+                                                                                ismath=False)
+    return width + 2.0, height + 2.0
+
+
+def _laid_out(fig: Figure) -> None:
+    """The figure's final layout (constrained), so that data coordinates map to the pixels it will be drawn at."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    if not isinstance(fig.canvas, FigureCanvasAgg):
+        FigureCanvasAgg(fig)
+    fig.draw_without_rendering()
+    fig.set_layout_engine("none")  # labels placed in these pixels must not move the axes again
+
+
+def _short_label(method: str, budget: int | None, with_budget: bool = True) -> str:
+    return method_label(method) + ("" if budget is None or not with_budget else f" {budget}")
+
+
+def ink(colour: str) -> str:
+    """A method's colour darkened for text: the light shades of the palette (ShadowKV's, IceCache(r)'s) are
+    marks a reader sees, not small letters a reader can read."""
+    from matplotlib.colors import to_hex, to_rgb
+
+    return to_hex(tuple(0.62 * channel for channel in to_rgb(colour)))
+
+
+def accuracy_vs_tpot_panels(points: list, stem: str | Path, title: str = "") -> list[Path]:
+    """Each cell's score as a share of the full cache's (with its interval) against its TPOT as a multiple of
+    full_static's (log axis), one panel per task and length, one point per method and budget: the method's colour,
+    the budget's marker, and a label (name and budget) placed where it hides no other label or point.
+    ``points``: report.accuracy.TradeoffPoint."""
+    points = [p for p in points if p.share is not None and p.tpot_ratio]
+    keys = sorted({(p.row.task, p.row.length) for p in points}, key=lambda k: (k[0], k[1] or 0))
     if not keys:
         return []
-    budgets = sorted({r.budget for r, _ in points if r.budget is not None})
+    budgets = sorted({p.row.budget for p in points if p.row.budget is not None})
 
     def marker(budget: int | None) -> str:
         return "o" if budget is None else BUDGET_MARKERS[budgets.index(budget) % len(BUDGET_MARKERS)]
 
-    fig, axes = _panels(keys)
+    fig, axes = _panels(keys, width=6.0, height=4.6)
     drawn: set[str] = set()
+    panels = []
     for ax, (task, length) in zip(axes, keys):
-        here = [p for p in points if (p[0].task, p[0].length) == (task, length)]
-        for method in sorted({r.method for r, _ in here}, key=sort_key):
-            mine = sorted(((r, t) for r, t in here if r.method == method), key=lambda p: p[0].budget or 0)
-            if len(mine) > 1:
-                ax.plot([1000 * t for _, t in mine], [r.score for r, _ in mine], color=color(method), linewidth=0.8,
-                        alpha=0.5, linestyle="--" if "+" in method else "-")
-            for row, tpot in mine:
-                ax.errorbar([1000 * tpot], [row.score], yerr=_error(row), color=color(method),
-                            marker=marker(row.budget), markersize=5, capsize=2, linestyle="none", elinewidth=0.8)
-            drawn.add(method)
+        here = sorted((p for p in points if (p.row.task, p.row.length) == (task, length)),
+                      key=lambda p: (sort_key(p.row.method), p.row.budget or 0))
+        ax.axhline(100, color="#888888", linestyle="--", linewidth=0.8)
+        ax.axvline(1, color="#888888", linestyle=":", linewidth=0.8)
+        for p in here:
+            error = None if p.low is None else [[max(0.0, p.share - p.low)], [max(0.0, p.high - p.share)]]
+            ax.errorbar([p.tpot_ratio], [p.share], yerr=error, color=color(p.row.method), marker=marker(p.row.budget),
+                        markersize=5, capsize=2, linestyle="none", elinewidth=0.9 if p.paired else 0.6,
+                        alpha=1.0 if p.paired or p.low is None else 0.55)
+            drawn.add(p.row.method)
         ax.set_xscale("log")
-        _plain_log_ticks(ax, [1000 * t for _, t in here])
-        ax.set_xlabel("time per output token, TPOT (ms, log scale)")
-        ax.set_ylabel("score (%)")
+        ratios = [p.tpot_ratio for p in here]
+        ax.set_xlim(min(ratios) / 1.35, max(ratios) * 1.35)
+        _plain_log_ticks(ax, ratios)
+        shares = [v for p in here for v in (p.share, p.low, p.high) if v is not None]
+        ax.set_ylim(min(0.0, min(shares)) - 4, max(105.0, max(shares)) + 6)
+        ax.set_xlabel("TPOT relative to full_static (x, log scale)")
+        ax.set_ylabel("score, % of the full cache's")
         ax.set_title(_panel_title(task, length), fontsize=9)
-        ax.grid(alpha=0.3, which="both")
+        ax.grid(alpha=0.3, which="major")
+        panels.append((ax, here))
     extra = [Line2D([], [], color="k", marker=marker(b), linestyle="none", label=f"budget {b}") for b in budgets]
     extra += [Line2D([], [], color="k", marker="o", linestyle="none", label="full caches (no budget)")]
-    joined = len(budgets) > 1  # a line joins a method's budgets only where there are several
-    _method_legend(fig, drawn, "bars: 95% bootstrap interval" + ("; line: one method's budgets" if joined else ""),
-                   extra)
+    _method_legend(fig, drawn, "bars: 95% paired bootstrap interval of the difference with the full cache (faded: "
+                   "the run's own interval, where the two runs were not paired)", extra)
     fig.suptitle(title or "Accuracy against decode latency", fontsize=10)
+    _laid_out(fig)
+    for ax, here in panels:
+        _label_points(fig, ax, [(p.tpot_ratio, p.share, p.low, p.high,
+                                 _short_label(p.row.method, p.row.budget, len(budgets) > 1), ink(color(p.row.method)))
+                                for p in here])
     return save(fig, stem)
+
+
+def _label_points(fig: Figure, ax, points: list[tuple]) -> None:
+    """Name each point (x, y, low, high, text, colour) beside it (``place_labels``), with a thin leader line when
+    the label had to go further than the nearest ring."""
+    size = 6.0
+    anchors = [tuple(ax.transData.transform((x, y))) for x, y, *_ in points]
+    obstacles: list[Box] = [(px - 5, py - 5, px + 5, py + 5) for px, py in anchors]  # the markers
+    for (x, _, low, high, *_), (px, _) in zip(points, anchors):
+        if low is not None:
+            bottom, top = ax.transData.transform((x, low))[1], ax.transData.transform((x, high))[1]
+            obstacles.append((px - 1.5, bottom, px + 1.5, top))
+    sizes = [_text_size(fig, text, size) for *_, text, _ in points]
+    box = ax.get_window_extent()
+    # from the top right down: the crowded full-cache corner is labelled first, nearest its points
+    order = sorted(range(len(points)), key=lambda i: (-anchors[i][1], -anchors[i][0], i))
+    centres = place_labels([anchors[i] for i in order], [sizes[i] for i in order], obstacles,
+                           (box.x0, box.y0, box.x1, box.y1))
+    to_points = 72.0 / fig.dpi
+    for i, (cx, cy) in zip(order, centres):
+        x, y, _, _, text, tint = points[i]
+        dx, dy = cx - anchors[i][0], cy - anchors[i][1]
+        far = math.hypot(dx, dy) > sizes[i][0] / 2 + 12
+        ax.annotate(text, (x, y), xytext=(dx * to_points, dy * to_points), textcoords="offset points",
+                    ha="center", va="center", fontsize=size, color=tint, annotation_clip=False,
+                    arrowprops=dict(arrowstyle="-", color=tint, linewidth=0.5, shrinkA=0, shrinkB=2) if far else None
+                    ).set_in_layout(False)
 
 
 def mass_by_layer_panels(rows: list, stem: str | Path, title: str = "") -> list[Path]:

@@ -291,12 +291,11 @@ def accuracy_figures(rows: list[A.AccuracyRow], bench: list[dict], folder: Path,
         name = prefix + safe_name(canonical_model(model))
         files += P.accuracy_vs_budget_panels(mine, folder / f"accuracy_vs_budget_{name}",
                                              title=f"Accuracy against the budget, {model}")
-        matched = [(r, A.tpot_for(r, bench)) for r in mine]
-        points = [(r, b["tpot_s_median"]) for r, b in matched if b is not None]
+        points = A.tradeoff_points(mine, bench)
         # The title says whose decode time it is; the files it comes from are BENCHMARKS.md's (a list of them
         # would bury the title).
-        timed = sorted({str(b.get("model")) for _, b in matched if b is not None})
-        title = (f"{model}: score against decode time (TPOT of {', '.join(timed)}, nearest context measured)"
+        timed = sorted({p.timed_model for p in points if p.timed_model})
+        title = (f"{model}: score as % of the full cache's against TPOT / full_static's (timed on {', '.join(timed)})"
                  if timed else "")
         files += P.accuracy_vs_tpot_panels(points, folder / f"accuracy_vs_tpot_{name}", title=title)
         files += P.mass_by_layer_panels(mine, folder / f"mass_by_layer_{name}",

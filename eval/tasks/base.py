@@ -91,6 +91,11 @@ class Task(ABC):
     def score(self, sample: Sample, prediction: str, output_ids: list[int]) -> dict[str, float]:
         """Per-sample metrics; must contain ``score`` in [0, 1]."""
 
+    def data_record(self) -> dict[str, Any] | None:
+        """What the run's result records about the data the samples came from (a file's path and sha256), so that
+        two results say whether they read the same data; None for a task whose settings alone make its samples."""
+        return None
+
     def aggregate(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         """Task metrics from the per-sample records (each has ``score`` and ``meta``). Default: mean x 100."""
         if not records:

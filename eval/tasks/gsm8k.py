@@ -16,10 +16,15 @@ Data: ``source: local`` reads a JSONL with fields ``question`` and ``answer`` fr
 ``$ICECACHE_GSM8K``, else ``~/.cache/icecache-harness/gsm8k/test.jsonl``; a relative path is from the repository
 root); ``source: hub`` reads ``openai/gsm8k`` (``main``, ``test``). A line that is not JSON, a row without a
 ``question`` or ``answer`` string, or a file without rows stops the run before the model loads, file and row named.
+``limit: N`` takes the first N problems. The run's result records the data it read (``data``: the file's path and
+sha256, or the hub's repository, config and split, and the sha256 of the problems used), so that a result says
+which copy of the test set it scored, and a changed file is told apart from the same one at another path.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -80,6 +85,14 @@ def resolve_path(path: str | None) -> Path:
     return chosen if chosen.is_absolute() else (REPO_ROOT / chosen).resolve()
 
 
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 @TASKS.register("gsm8k")
 class GSM8K(Task):
     """8-shot chain-of-thought GSM8K test accuracy."""
@@ -105,6 +118,17 @@ class GSM8K(Task):
             if missing:
                 raise ConfigError(f"GSM8K row {index + 1} of {where} has no {' or '.join(missing)} (a string); each "
                                   f"row needs question and answer")
+
+    def data_record(self) -> dict[str, Any]:
+        rows = self.rows()
+        # the problems scored, whatever file or hub copy they came from
+        used = hashlib.sha256("".join(json.dumps([row["question"], row["answer"]]) + "\n" for row in rows).encode())
+        if self.config.source == "local":
+            path = resolve_path(self.config.path)
+            where = {"path": str(path), "sha256": file_sha256(path)}
+        else:
+            where = {"hub_repo": self.config.hub_repo, "hub_config": self.config.hub_config, "split": self.config.split}
+        return {**where, "n_problems": len(rows), "problems_sha256": used.hexdigest()}
 
     def rows(self) -> list[dict[str, Any]]:
         if self._rows is None:

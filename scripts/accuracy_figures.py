@@ -1,0 +1,45 @@
+#!/usr/bin/env python
+"""The accuracy table's figures drawn again from curated files alone (no run directories needed):
+accuracy_vs_budget_<model>.png, accuracy_vs_tpot_<model>.png (TPOT from the latency files in --bench) and
+mass_by_layer_<model>.png, as ``scripts/sweep.py --curate`` draws them beside the file.
+
+    python scripts/accuracy_figures.py results/bench/accuracy_smollm2-135m_20261202-152952.json
+    make accuracy-figures CURATED=results/bench/accuracy_smollm2-135m_20261202-152952.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("curated", type=Path, nargs="+", help="curated accuracy files (results/bench/accuracy_*.json)")
+    parser.add_argument("--bench", type=Path, default=REPO / "results" / "bench", help="latency_*.json folder")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "bench", help="folder of the figures")
+    args = parser.parse_args(argv)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from eval.report import accuracy as A
+    from eval.report.collect import latest_bench, load_bench
+    from eval.report.summary import accuracy_figures
+
+    runs = [run for path in args.curated for run in json.loads(path.read_text(encoding="utf-8"))["runs"]]
+    bench = latest_bench(load_bench(args.bench)) if args.bench.exists() else None
+    rows = A.accuracy_rows(runs)
+    for figure in accuracy_figures(rows, bench.to_dict("records") if bench is not None and not bench.empty else [],
+                                   args.out):
+        if figure.suffix == ".png":
+            print(f"wrote {figure}")
+        else:
+            figure.unlink()  # the PNG is what the page shows, as curating keeps it
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
