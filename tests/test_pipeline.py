@@ -53,8 +53,9 @@ def test_experiment_composes(experiment, launcher):
         assert cfg.bench.decode_steps >= 64 and cfg.measure_phases
         return
     params = cfg.hydra.sweeper.params
-    # an experiment is named after its task (the accuracy experiments: accuracy_<task>)
-    assert "method" in params and cfg.task.name == experiment.replace("table2", "longbench").removeprefix("accuracy_")
+    # an experiment is named after its task (the accuracy experiments: accuracy_<task>, accuracy_long_<task>)
+    task = experiment.replace("table2", "longbench").removeprefix("accuracy_").removeprefix("long_")
+    assert "method" in params and cfg.task.name == task
     # deterministic sweep dir (no ${now:}), so a resubmitted sweep reuses it
     assert "now" not in str(cfg.hydra.sweep.dir)
     for method in str(params.method).split(","):
