@@ -117,15 +117,16 @@ RULER_LENGTH_32k = 32000
 PASSKEY_LENGTH_16k = 16384
 PASSKEY_LENGTH_32k = 31500
 # The GSM8K test file, read where it lies (never copied into the repository); its sha256 goes into each result.
-GSM8K ?= $(firstword $(wildcard shared/data/gsm8k/test.jsonl ../shared/data/gsm8k/test.jsonl) \
-	../shared/data/gsm8k/test.jsonl)
+# Unset: the task's own default ($$ICECACHE_GSM8K, else ~/.cache/icecache-harness/gsm8k/test.jsonl).
+GSM8K ?=
+GSM8K_PATH = $(if $(GSM8K),task.path=$(GSM8K))
 LONG_LENGTH = $(if $(LENGTH),task.lengths=[$($(1)_LENGTH_$(LENGTH))])
 LONG_SWEEPS_ruler = --sweep "experiment=accuracy_long_ruler $(LONG_MODEL) $(call LONG_LENGTH,RULER)" \
 	--sweep "experiment=accuracy_long_ruler $(LONG_MODEL) method=icecache method.lookahead=true $(call LONG_LENGTH,RULER)"
 LONG_SWEEPS_passkey = --sweep "experiment=accuracy_long_passkey $(LONG_MODEL) $(call LONG_LENGTH,PASSKEY)" \
 	--sweep "experiment=accuracy_long_passkey $(LONG_MODEL) method=icecache method.lookahead=true $(call LONG_LENGTH,PASSKEY)"
-LONG_SWEEPS_gsm8k = --sweep "experiment=accuracy_gsm8k $(LONG_MODEL) task.path=$(GSM8K)" \
-	--sweep "experiment=accuracy_gsm8k $(LONG_MODEL) task.path=$(GSM8K) method=icecache method.lookahead=true"
+LONG_SWEEPS_gsm8k = --sweep "experiment=accuracy_gsm8k $(LONG_MODEL) $(GSM8K_PATH)" \
+	--sweep "experiment=accuracy_gsm8k $(LONG_MODEL) $(GSM8K_PATH) method=icecache method.lookahead=true"
 # The whole grid, every length: what each call curates (LENGTH is emptied for it below).
 LONG_GRID = $(LONG_SWEEPS_ruler) $(LONG_SWEEPS_passkey) $(LONG_SWEEPS_gsm8k)
 RESTORE_CURATED = $(foreach file,$(wildcard results/bench/accuracy_*.json),--restore $(file))
