@@ -32,6 +32,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterator
 
+from icecache.core.models import file_sha256
 from icecache.errors import ConfigError
 
 from .base import TASKS, PromptContext, Sample, Task, TaskConfig, read_jsonl
@@ -83,14 +84,6 @@ def resolve_path(path: str | None) -> Path:
     """``path``, else ``$ICECACHE_GSM8K``, else ``DEFAULT_PATH``; a relative path is from the repository root."""
     chosen = Path(path or os.environ.get("ICECACHE_GSM8K") or DEFAULT_PATH).expanduser()
     return chosen if chosen.is_absolute() else (REPO_ROOT / chosen).resolve()
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 @TASKS.register("gsm8k")

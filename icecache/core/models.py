@@ -270,13 +270,19 @@ def verify_sha256(file: Path, expected: str | None) -> None:
     key = (str(file), file.stat().st_mtime)
     if key in _VERIFIED:
         return
+    found = file_sha256(file)
+    if found != expected:
+        raise ConfigError(f"{file} has sha256 {found}, expected {expected}: delete it and reinstall")
+    _VERIFIED.add(key)
+
+
+def file_sha256(file: Path) -> str:
+    """The hex sha256 of a file's bytes, read in 16 MiB blocks."""
     digest = hashlib.sha256()
     with open(file, "rb") as handle:
         while block := handle.read(1 << 24):
             digest.update(block)
-    if digest.hexdigest() != expected:
-        raise ConfigError(f"{file} has sha256 {digest.hexdigest()}, expected {expected}: delete it and reinstall")
-    _VERIFIED.add(key)
+    return digest.hexdigest()
 
 
 def check_model(spec: ModelSpec) -> None:
