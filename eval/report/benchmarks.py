@@ -572,14 +572,21 @@ def render_capacity(results: Path, paper: dict[str, Any]) -> str:
 # IceCache's decode breakdown and memory
 
 
-def model_weight_bytes(settings: dict[str, Any]) -> int | None:
-    """Bytes of a Llama- or Mistral-architecture model's weights from its config (configs/model/<model>.yaml)."""
+def model_spec(settings: dict[str, Any]) -> dict[str, Any] | None:
+    """The model config a latency file names (configs/model/<model>.yaml), None where there is none."""
     path = REPO / "configs" / "model" / f"{settings.get('model')}.yaml"
     if not path.is_file():
         return None
     import yaml
 
-    spec = yaml.safe_load(path.read_text(encoding="utf-8"))
+    return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+
+
+def model_weight_bytes(settings: dict[str, Any]) -> int | None:
+    """Bytes of a Llama- or Mistral-architecture model's weights from its config (configs/model/<model>.yaml)."""
+    spec = model_spec(settings)
+    if spec is None:
+        return None
     c = spec.get("config") or {}
     if spec.get("architecture") not in ("llama", "mistral") or "hidden_size" not in c:
         return None
@@ -594,12 +601,8 @@ def model_weight_bytes(settings: dict[str, Any]) -> int | None:
 
 def model_layers(settings: dict[str, Any]) -> int | None:
     """The model's layer count from its config (configs/model/<model>.yaml)."""
-    path = REPO / "configs" / "model" / f"{settings.get('model')}.yaml"
-    if not path.is_file():
-        return None
-    import yaml
-
-    return ((yaml.safe_load(path.read_text(encoding="utf-8")) or {}).get("config") or {}).get("num_hidden_layers")
+    spec = model_spec(settings)
+    return None if spec is None else (spec.get("config") or {}).get("num_hidden_layers")
 
 
 def handoff_costs(f: Result, results: Path) -> tuple[dict[str, Any] | None, str]:
