@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 
@@ -50,18 +49,7 @@ class WindowRing:
     def head(self) -> int:
         return self.native.window_head
 
-    @property
-    def capacity(self) -> int:
-        return self.n_pages * self.page_size
-
-    def is_full(self) -> bool:
-        return self.native.window_full
-
     def fill_host_copy(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """The prompt's window tokens ``[Hkv, count, D]`` into the host copy."""
         self.host_keys[:, : keys.shape[1]] = keys
         self.host_values[:, : values.shape[1]] = values
-
-    def slot_counts(self) -> np.ndarray:
-        """Valid tokens of each of the window's slots ``[n_pages]``, in slot order."""
-        return self.native.window_slot_counts()
