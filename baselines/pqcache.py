@@ -59,9 +59,10 @@ from dataclasses import dataclass
 import torch
 
 from icecache.core.kernels.block_copy import copy_blocks
+from icecache.core.kernels.pq_votes import pq_votes
 from icecache.core.method import METHODS, Method, MethodConfig, storage_capacity
 from icecache.core.paged import mapped_device_view
-from icecache.core.product_quantization import code_rows, pq_build, pq_encode, pq_scores
+from icecache.core.product_quantization import code_rows, pq_build, pq_encode
 from icecache.core.token_slots import RingSlotsKV
 from icecache.errors import ConfigError
 
@@ -70,15 +71,24 @@ _HELD = torch.iinfo(torch.int64).max
 
 
 class PQCacheSequence:
-    """What a sequence's PQCache layers share: the worker thread of their clusterings, ended with the sequence."""
+    """What a sequence's PQCache layers share: on the CPU the worker thread of their clusterings, ended with the
+    sequence; on CUDA two side streams, one for the host store's fill and one for the clusterings (each runs the
+    layers' work in layer order, beside the prefill of the later layers on the model's stream)."""
 
     def __init__(self):
         self._worker: ThreadPoolExecutor | None = None
+        self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
 
     def worker(self) -> ThreadPoolExecutor:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="pqcache-kmeans")
         return self._worker
+
+    def side_streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        """``(fill, clustering)`` streams of ``device``."""
+        if device not in self._streams:
+            self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return self._streams[device]
 
     def close(self) -> None:
         if self._worker is not None:
@@ -119,15 +129,28 @@ def budget_split(config: PQCacheConfig) -> tuple[int, int]:
     return n_local, rest - n_local
 
 
-def selection_votes(query: torch.Tensor, centroids: torch.Tensor, rows: torch.Tensor, candidate: torch.Tensor,
-                    scaling: float) -> torch.Tensor:
-    """PQCache's ranking: per query head the softmax of the approximate scores times ``scaling`` over the
-    candidate tokens (``candidate [T]`` bool), summed over each KV head's query heads -> ``[Hkv, T]``, ``-1`` off
-    the candidates (so no candidate at all gives ``-1`` everywhere rather than NaN)."""
-    n_kv_heads = centroids.shape[0]
-    logits = (pq_scores(query, centroids, rows) * scaling).masked_fill(~candidate, float("-inf"))
-    votes = torch.softmax(logits, dim=-1).view(n_kv_heads, -1, logits.shape[-1]).sum(dim=1)
-    return torch.where(candidate, votes, -1.0)
+def first_of_stable_sort(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of the ``k`` largest of each row of float32 ``scores [R, N]`` (no NaN, no ``-0.0``), best first,
+    equal scores in index order: ``scores.sort(descending=True, stable=True).indices[:, :k]``, by ``topk``.
+
+    ``topk`` leaves the order of equal values open, so it runs on int64 keys that are all different: the score's
+    bits made order-preserving as a signed int32 (a negative float's magnitude bits flipped) in the high half, and
+    ``2**32 - 1 - index`` in the low half. Key order is then the stable sort's order (a higher score first, then a
+    lower index), no two keys are equal, so the ``k`` largest keys, best first, are exactly the stable sort's first
+    ``k`` on every device. ``N < 2**32``."""
+    bits = scores.view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
+    index_key = (2**32 - 1) - torch.arange(scores.shape[-1], device=scores.device)
+    return (ordered * 2**32 + index_key).topk(k, dim=-1).indices
+
+
+@dataclass
+class _PendingCodebooks:
+    """A CUDA layer's codebooks on their way: the clustering and the host store's fill were queued on side streams,
+    each ending with its event, which the layer's first decode step makes the model's stream wait for."""
+
+    clustered: torch.cuda.Event
+    filled: torch.cuda.Event
 
 
 @torch.inference_mode()  # inference mode is per thread: the worker's tensors are made under it too
@@ -155,7 +178,7 @@ class PQCacheKV(RingSlotsKV):
         self.block_size = config.cache_block_size
         self.n_cache_blocks = config.cache_tokens // config.cache_block_size
         self.capacity = 0
-        self._codebooks: Future | None = None
+        self._codebooks: Future | _PendingCodebooks | None = None
         self._prompt_length = 0
 
     # --- prompt -----------------------------------------------------------------------------------------------
@@ -169,19 +192,51 @@ class PQCacheKV(RingSlotsKV):
         super().on_prompt_placed(kept, slots)
         keys, values = self.keys[0], self.values[0]
         n_prompt = keys.shape[1]
+        self._prompt_length = n_prompt
+        begin = min(self.config.n_sink_tokens, n_prompt)
+        seed = self.config.seed + self.layer_idx
         with self.seq.timer.phase("offload"):
             self._allocate(storage_capacity(self.seq, n_prompt + 1, 0), keys)
-            pin = keys.is_cuda
-            self.host_keys[:, :n_prompt].copy_(keys, non_blocking=pin)
-            self.host_values[:, :n_prompt].copy_(values, non_blocking=pin)
-            copied = None
-            if pin:
-                copied = torch.cuda.Event()
-                copied.record()
-            self._prompt_length = n_prompt
-            begin = min(self.config.n_sink_tokens, n_prompt)
-            self._codebooks = self._worker().submit(_build_codebooks, self.host_keys, begin, n_prompt, self.config,
-                                                    self.config.seed + self.layer_idx, copied)
+            if not keys.is_cuda:
+                self.host_keys[:, :n_prompt].copy_(keys)
+                self.host_values[:, :n_prompt].copy_(values)
+                self._codebooks = self._worker().submit(_build_codebooks, self.host_keys, begin, n_prompt,
+                                                        self.config, seed, None)
+        if keys.is_cuda:
+            # Queued outside the timed phase: the phase's closing synchronisation would wait for the side streams.
+            self._codebooks = self._queue_on_side_streams(keys, values, begin, seed)
+
+    def _queue_on_side_streams(self, keys: torch.Tensor, values: torch.Tensor, begin: int,
+                               seed: int) -> _PendingCodebooks:
+        """The prompt's host-store fill and its k-means (on the device, from the device's keys) on the sequence's
+        two side streams, each after the model's stream has produced the keys: layer ``l``'s copy and clustering
+        run while layer ``l + 1``'s prefill runs. The dense prompt goes when the layer is done with it; the caching
+        allocator reuses its memory only once the side streams are past their use of it (``record_stream``)."""
+        n_prompt = keys.shape[1]
+        fill, clustering = self.seq.state(PQCacheSequence).side_streams(keys.device)
+        produced = torch.cuda.current_stream(keys.device)
+        pending = _PendingCodebooks(torch.cuda.Event(), torch.cuda.Event())
+        fill.wait_stream(produced)
+        with torch.cuda.stream(fill):
+            # One copy per KV head: each head's rows are contiguous in the store, so each copy is one asynchronous
+            # DMA into pinned memory (a copy into the strided [Hkv, :n] view would go through a pageable
+            # temporary, which blocks the host until the model's stream has caught up, then copies on the CPU).
+            for head in range(keys.shape[0]):
+                self.host_keys[head, :n_prompt].copy_(keys[head], non_blocking=True)
+                self.host_values[head, :n_prompt].copy_(values[head], non_blocking=True)
+            pending.filled.record(fill)
+        clustering.wait_stream(produced)
+        with torch.cuda.stream(clustering):
+            generator = torch.Generator().manual_seed(seed)  # the CPU's draw: the CPU path's initial centroids
+            centroids, codes = pq_build(keys[:, begin:n_prompt], self.config.n_subspaces, self.config.n_bits,
+                                        self.config.kmeans_iters, generator)
+            self.centroids.copy_(centroids)
+            self.code_rows[..., begin:n_prompt] = code_rows(codes, self.n_centroids)
+            pending.clustered.record(clustering)
+        for tensor, stream in ((keys, fill), (values, fill), (keys, clustering), (self.centroids, clustering),
+                               (self.code_rows, clustering)):
+            tensor.record_stream(stream)
+        return pending
 
     def _worker(self) -> ThreadPoolExecutor:
         # One worker per sequence: the layers' clusterings run in layer order, beside the prefill of later layers.
@@ -238,9 +293,15 @@ class PQCacheKV(RingSlotsKV):
         self._block_ends = (torch.arange(n_blocks, device=device) + 1) * self.block_size
 
     def _install_codebooks(self) -> None:
-        """The first decode step of the layer: wait for its k-means and put codes and centroids on the device."""
-        centroids, codes = self._codebooks.result()
-        self._codebooks = None
+        """The first decode step of the layer: wait for its k-means and put codes and centroids on the device (on
+        CUDA they are there: the model's stream waits for the side streams, without a host synchronisation)."""
+        pending, self._codebooks = self._codebooks, None
+        if isinstance(pending, _PendingCodebooks):
+            stream = torch.cuda.current_stream(self.centroids.device)
+            stream.wait_event(pending.clustered)
+            stream.wait_event(pending.filled)
+            return
+        centroids, codes = pending.result()
         self.centroids.copy_(centroids)
         begin = min(self.config.n_sink_tokens, self._prompt_length)
         self.code_rows[..., begin : self._prompt_length] = code_rows(codes, self.n_centroids).to(self.code_rows.device)
@@ -276,13 +337,13 @@ class PQCacheKV(RingSlotsKV):
     def select(self, q: torch.Tensor, position: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``(picks, chosen)``, both ``[Hkv, n_topk]``: the top tokens of each KV head by summed approximate
         probability, best first, and whether each pick is a real candidate (fewer candidates than ``n_topk``)."""
-        positions = torch.arange(self.capacity, device=q.device)
-        candidate = (positions >= self.config.n_sink_tokens) & (positions < position + 1 - self.n_local)
-        votes = selection_votes(q, self.centroids, self.code_rows, candidate, scaling)
-        # Keys with the same codes tie; a stable sort breaks ties by position, the same way on every device.
-        ranked = votes.sort(dim=-1, descending=True, stable=True)
-        k = min(self.n_topk, self.capacity)
-        return ranked.indices[:, :k], ranked.values[:, :k] >= 0
+        # The candidates: after the sinks, before the local window.
+        votes = pq_votes(q, self.centroids, self.code_rows, self.config.n_sink_tokens, position + 1 - self.n_local,
+                         scaling)
+        # Keys with the same codes tie; ties go to the earlier position, the same way on every device. A top-k
+        # rather than a sort of all the tokens: only the first n_topk are kept.
+        picks = first_of_stable_sort(votes, min(self.n_topk, self.capacity))
+        return picks, votes.gather(1, picks) >= 0
 
     def _fetch(self, picks: torch.Tensor, chosen: torch.Tensor, position: torch.Tensor) -> None:
         """The chosen tokens' keys and values into the selection slots: from the block cache where it holds them,
@@ -327,9 +388,9 @@ class PQCacheKV(RingSlotsKV):
         counts.scatter_add_(0, torch.where(chosen, blocks, scratch_block).flatten(), chosen.flatten().float())
         complete = self._block_ends <= position + 1  # every token of the block is in the store
         counts = torch.where(complete, counts[:n_blocks], 0.0)
-        ranked = counts.sort(descending=True, stable=True)  # ties to the lower block, on every device
         n_offered = min(self.config.cache_topk_blocks, n_blocks)
-        offered, wanted = ranked.indices[:n_offered], ranked.values[:n_offered] > 0
+        offered = first_of_stable_sort(counts[None], n_offered)[0]  # ties to the lower block, on every device
+        wanted = counts.gather(0, offered) > 0
         offered_slot = self.block_slot.index_select(0, offered)
         hit = wanted & (offered_slot >= 0)
         missing = wanted & (offered_slot < 0)
