@@ -23,13 +23,19 @@ PQCache sizes its parts as fractions of the prompt; here they are the budget's. 
 
 **This code.** The window is a ``RingSlotsKV`` of ``budget`` slots per KV head: the sinks pinned, the local window a
 ring, and the last ``n_topk`` slots holding the step's selection. After the prompt, every token's key and value is in a
-host store (pinned on CUDA, read in place through ``core.paged.mapped_device_view``) and a worker thread of the sequence
-runs the layer's k-means on the CPU, layer after layer, while the prefill goes on; the first decode step waits for its
-layer's codebooks (TT2T includes the wait) and puts the codes on the device as int32 rows ``(h * m + j) * C + code`` of
-the query-centroid table. The k-means is seeded with distinct keys drawn with ``seed + layer``. Each step, on the
-device: the new token goes to the ring and the host store and is encoded; ``core.product_quantization.pq_scores`` scores
-every token; the candidates (after the sinks, before the window) get a softmax per query head, summed per KV head, and a
-stable sort keeps ``n_topk`` tokens per KV head (tokens with the same codes tie; ties go to the earlier position on
+host store (pinned on CUDA, read in place through ``core.paged.mapped_device_view``). On CUDA, a layer's prompt is
+copied into the store (one asynchronous copy per KV head) on one side stream of the sequence and clustered on the
+device from the device's keys on another, each waiting for the model's stream only for the keys, so that layer
+``l``'s copy and k-means run beside layer ``l + 1``'s prefill; the layer's first decode step makes the model's stream
+wait for both (no host synchronisation; TT2T includes what is left of the wait). On the CPU a worker thread of the
+sequence runs the layers' k-means, layer after layer, while the prefill goes on, and the first decode step waits for
+its layer's codebooks. The codes are kept on the device as int32 rows ``(h * m + j) * C + code`` of the query-centroid
+table. The k-means is seeded with distinct keys drawn on the CPU with ``seed + layer`` (the same draw on every
+device). Each step, on the device: the new token goes to the ring and the host store and is encoded;
+``core.kernels.pq_votes`` scores every token through the table (``core.product_quantization.pq_scores``) and gives the
+candidates (after the sinks, before the window) a softmax per query head, summed per KV head (on CUDA two Triton
+kernels); a top-k on keys that order by vote, then by position (``first_of_stable_sort``), keeps the ``n_topk`` tokens
+per KV head that a stable sort would put first (tokens with the same codes tie; ties go to the earlier position on
 every device); the chosen tokens held by the block cache are gathered from it and the others are read from the host
 store with ``copy_blocks`` (``core.kernels.block_copy``) (one kernel, skipped entries read nothing); then the cache
 update: the ``cache_topk_blocks`` complete blocks with the most selected tokens (all KV heads counted; ties to the lower
@@ -40,10 +46,16 @@ and copied in from the host store. The step reads no host value, so on CUDA it r
 **Deviations.** The number of k-means iterations is fixed (``kmeans_iters``, default 10); PQCache's code picks it
 per layer from a timing model so that clustering ends within the GPU's work on the following layers (3 to 300
 iterations), which would make results depend on the machine. An empty cluster keeps its centroid (scikit-learn
-moves it to a far point). The clustering overlaps the prefill through one Python worker thread whose PyTorch
-operations use the process's CPU threads (PQCache runs a pool of processes pinned to cores). A token's code is
-computed when it arrives rather than when it leaves the window (the same code: the centroids are fixed after the
-prompt). The block cache takes a step's blocks as one batch (PQCache's LFU inserts them one by one, so a block of a
+moves it to a far point). On CUDA the clustering runs on the model's GPU, on a side stream (PQCache runs it on CPU
+processes pinned to cores; the CPU path here keeps one Python worker thread whose PyTorch operations use the
+process's CPU threads). The GPU's k-means is the CPU's code on CUDA tensors from the same draw, with the clusters'
+sums taken as a one-hot product (the same bits at every run, where CUDA's ``scatter_add_`` is not), so its codebooks
+equal the CPU's up to float32 rounding: a key whose two nearest centroids are equal to rounding may take the other
+one, and then both centroids move a little. On PQCache's sizes (bfloat16 keys, 6 bits, 10 iterations) no code of
+65,536 differed between float32 and float64 k-means on the CPU (``tests/test_pqcache.py`` bounds the GPU's share at
+one in a thousand); GPU and CPU runs may therefore choose different tokens where the CPU's are near a tie. A token's
+code is computed when it arrives rather than when it leaves the window (the same code: the centroids are fixed after
+the prompt). The block cache takes a step's blocks as one batch (PQCache's LFU inserts them one by one, so a block of a
 step can evict another of the same step), only complete blocks are cached, and its update runs in the step's
 stream after the fetch (PQCache overlaps it on a side stream). ``pages_loaded`` counts (token, KV head) entries
 read from host memory plus (block, KV head) blocks copied into the cache; ``bytes_to_gpu`` their bytes. A prompt
