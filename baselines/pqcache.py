@@ -151,9 +151,10 @@ def first_of_stable_sort(scores: torch.Tensor, k: int) -> torch.Tensor:
     lower index), no two keys are equal, so the ``k`` largest keys, best first, are exactly the stable sort's first
     ``k`` on every device. ``N < 2**32``."""
     bits = scores.view(torch.int32)
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     index_key = (2**32 - 1) - torch.arange(scores.shape[-1], device=scores.device)
-    return (ordered * 2**32 + index_key).topk(k, dim=-1).indices
+    # One kernel: index_key + ordered * 2**32, in int64 (the int32 ordered bits are promoted first).
+    return torch.add(index_key, ordered, alpha=2**32).topk(k, dim=-1).indices
 
 
 @dataclass
@@ -290,6 +291,10 @@ class PQCacheKV(RingSlotsKV):
             self.slot_stamp = torch.zeros(n_slots + 1, dtype=torch.long, device=device)
         self.host_keys, self.host_values, self.code_rows, self.block_slot = host_keys, host_values, rows, block_slot
         self.capacity = capacity
+        # The KV head of each flattened (head, pick) and (offered block, head) entry of copy_blocks, made once.
+        heads = torch.arange(n_kv_heads, device=device)
+        self._pick_heads = heads.repeat_interleave(min(self.n_topk, capacity))
+        self._offer_heads = heads.repeat(min(self.config.cache_topk_blocks, n_blocks))
         if pin:
             keys_on_device = mapped_device_view(host_keys, device)
             values_on_device = mapped_device_view(host_values, device)
@@ -371,7 +376,7 @@ class PQCacheKV(RingSlotsKV):
         miss = chosen & ~hit
         targets = torch.where(miss, self._picks[:k], -1)
         copy_blocks(self._token_keys, self._token_values, picks.flatten(), self.fetch_keys, self.fetch_values,
-                    targets.flatten(), heads.flatten())
+                    targets.flatten(), self._pick_heads)
         keys = self.fetch_keys[:k, :, 0].transpose(0, 1)  # [Hkv, k, D]
         values = self.fetch_values[:k, :, 0].transpose(0, 1)
         if self.n_cache_blocks:
@@ -421,7 +426,9 @@ class PQCacheKV(RingSlotsKV):
         self.block_slot.index_fill_(0, torch.where(missing & (evicted >= 0), evicted, scratch_block), -1)
         self.block_slot[torch.where(missing, offered, scratch_block)] = victims
         self.slot_block[victims] = torch.where(missing, offered, -1)
-        self.slot_uses.index_put_((torch.where(hit, offered_slot, scratch_slot),), hit.long(), accumulate=True)
+        # Whole numbers, so the adds' order does not matter; a scatter_add_ is one kernel where an accumulating
+        # index_put_ sorts its indices first.
+        self.slot_uses.scatter_add_(0, torch.where(hit, offered_slot, scratch_slot), hit.long())
         self.slot_uses[victims] = missing.long()
         touched = torch.where(hit, offered_slot, victims)
         self.slot_stamp[touched] = position.expand_as(touched)
@@ -429,7 +436,7 @@ class PQCacheKV(RingSlotsKV):
         shape = (offered.shape[0], n_heads)
         copy_blocks(self._block_keys, self._block_values, offered[:, None].expand(shape).flatten(), self.cache_keys,
                     self.cache_values, torch.where(missing, victims, -1)[:, None].expand(shape).flatten(),
-                    self._heads[None, :].expand(shape).flatten())
+                    self._offer_heads)
         return missing.sum()
 
     def gpu_kv_bytes(self) -> int:
