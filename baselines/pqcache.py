@@ -43,24 +43,24 @@ block; only blocks with one at least) are inserted in LFU order (a hit adds one 
 takes an empty slot or evicts the slot with the lowest count, the oldest among equals, never one of the step's blocks)
 and copied in from the host store. The step reads no host value, so on CUDA it replays from a CUDA graph.
 
-**Deviations.** The number of k-means iterations is fixed (``kmeans_iters``, default 10); PQCache's code picks it
-per layer from a timing model so that clustering ends within the GPU's work on the following layers (3 to 300
-iterations), which would make results depend on the machine. An empty cluster keeps its centroid (scikit-learn
-moves it to a far point). On CUDA the clustering runs on the model's GPU, on a side stream (PQCache runs it on CPU
-processes pinned to cores; the CPU path here keeps one Python worker thread whose PyTorch operations use the
-process's CPU threads). The GPU's k-means is the CPU's code on CUDA tensors from the same draw, with the clusters'
-sums taken as a one-hot product (the same bits at every run, where CUDA's ``scatter_add_`` is not), so its codebooks
-equal the CPU's up to float32 rounding: a key whose two nearest centroids are equal to rounding may take the other
-one, and then both centroids move a little. On PQCache's sizes (bfloat16 keys, 6 bits, 10 iterations) no code of
-65,536 differed between float32 and float64 k-means on the CPU (``tests/test_pqcache.py`` bounds the GPU's share at
-one in a thousand); GPU and CPU runs may therefore choose different tokens where the CPU's are near a tie. A token's
-code is computed when it arrives rather than when it leaves the window (the same code: the centroids are fixed after
-the prompt). The block cache takes a step's blocks as one batch (PQCache's LFU inserts them one by one, so a block of a
-step can evict another of the same step), only complete blocks are cached, and its update runs in the step's
-stream after the fetch (PQCache overlaps it on a side stream). ``pages_loaded`` counts (token, KV head) entries
-read from host memory plus (block, KV head) blocks copied into the cache; ``bytes_to_gpu`` their bytes. A prompt
-with fewer middle tokens than centroids makes every middle token a centroid (exact scores); one with none leaves
-all centroids at zero, so later tokens score alike until they are the middle.
+**Deviations.** The number of k-means iterations is fixed (``kmeans_iters``, default 10); PQCache's code picks it per
+layer from a timing model so that clustering ends within the GPU's work on the following layers (3 to 300 iterations),
+which would make results depend on the machine. An empty cluster keeps its centroid (scikit-learn moves it to a far
+point). On CUDA the clustering runs on the model's GPU, on a side stream (PQCache runs it on CPU processes pinned to
+cores; the CPU path here keeps one Python worker thread whose PyTorch operations use the process's CPU threads). The
+GPU's k-means is the CPU's code on CUDA tensors from the same draw, with the clusters' sums taken as a one-hot product
+(the same bits at every run, where CUDA's ``scatter_add_`` is not), so its codebooks equal the CPU's up to float32
+rounding: a key whose two nearest centroids are equal to rounding may take the other one, and then both centroids move
+a little. On PQCache's sizes (bfloat16 keys, 6 bits, 10 iterations) no code of 65,536 differed between float32 and
+float64 k-means on the CPU, none of 96,000 between an H200 and the CPU (``tests/test_pqcache.py`` bounds the GPU's
+share at one in a thousand); GPU and CPU runs may therefore choose different tokens where a key is that close to a
+tie. A token's code is computed when it arrives rather than when it leaves the window (the same code: the centroids
+are fixed after the prompt). The block cache takes a step's blocks as one batch (PQCache's LFU inserts them one by
+one, so a block of a step can evict another of the same step), only complete blocks are cached, and its update runs in
+the step's stream after the fetch (PQCache overlaps it on a side stream). ``pages_loaded`` counts (token, KV head)
+entries read from host memory plus (block, KV head) blocks copied into the cache; ``bytes_to_gpu`` their bytes. A
+prompt with fewer middle tokens than centroids makes every middle token a centroid (exact scores); one with none
+leaves all centroids at zero, so later tokens score alike until they are the middle.
 """
 
 from __future__ import annotations

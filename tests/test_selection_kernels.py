@@ -1,6 +1,7 @@
-"""The selection kernels of the shared core (``core.kernels``: gqa_scores, causal_column_sums, block_copy, h2o_step)
-against direct computations, and on a CUDA host (``make test-gpu``) their Triton versions against the PyTorch
-references: fresh random inputs, partial blocks and masked tails included, outputs poisoned before each run."""
+"""The selection kernels of the shared core (``core.kernels``: gqa_scores, causal_column_sums, block_copy, h2o_step,
+pq_votes) against direct computations, and on a CUDA host (``make test-gpu``) their Triton versions against the
+PyTorch references: fresh random inputs, partial blocks and masked tails included, outputs poisoned before each
+run."""
 
 from __future__ import annotations
 
