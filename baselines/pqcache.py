@@ -23,13 +23,19 @@ PQCache sizes its parts as fractions of the prompt; here they are the budget's. 
 
 **This code.** The window is a ``RingSlotsKV`` of ``budget`` slots per KV head: the sinks pinned, the local window a
 ring, and the last ``n_topk`` slots holding the step's selection. After the prompt, every token's key and value is in a
-host store (pinned on CUDA, read in place through ``core.paged.mapped_device_view``) and a worker thread of the sequence
-runs the layer's k-means on the CPU, layer after layer, while the prefill goes on; the first decode step waits for its
-layer's codebooks (TT2T includes the wait) and puts the codes on the device as int32 rows ``(h * m + j) * C + code`` of
-the query-centroid table. The k-means is seeded with distinct keys drawn with ``seed + layer``. Each step, on the
-device: the new token goes to the ring and the host store and is encoded; ``core.product_quantization.pq_scores`` scores
-every token; the candidates (after the sinks, before the window) get a softmax per query head, summed per KV head, and a
-stable sort keeps ``n_topk`` tokens per KV head (tokens with the same codes tie; ties go to the earlier position on
+host store (pinned on CUDA, read in place through ``core.paged.mapped_device_view``). On CUDA, a layer's prompt is
+copied into the store (one asynchronous copy per KV head) on one side stream of the sequence and clustered on the
+device from the device's keys on another, each waiting for the model's stream only for the keys, so that layer
+``l``'s copy and k-means run beside layer ``l + 1``'s prefill; the layer's first decode step makes the model's stream
+wait for both (no host synchronisation; TT2T includes what is left of the wait). On the CPU a worker thread of the
+sequence runs the layers' k-means, layer after layer, while the prefill goes on, and the first decode step waits for
+its layer's codebooks. The codes are kept on the device as int32 rows ``(h * m + j) * C + code`` of the query-centroid
+table. The k-means is seeded with distinct keys drawn on the CPU with ``seed + layer`` (the same draw on every
+device). Each step, on the device: the new token goes to the ring and the host store and is encoded;
+``core.kernels.pq_votes`` scores every token through the table (``core.product_quantization.pq_scores``) and gives the
+candidates (after the sinks, before the window) a softmax per query head, summed per KV head (on CUDA two Triton
+kernels); a top-k on keys that order by vote, then by position (``first_of_stable_sort``), keeps the ``n_topk`` tokens
+per KV head that a stable sort would put first (tokens with the same codes tie; ties go to the earlier position on
 every device); the chosen tokens held by the block cache are gathered from it and the others are read from the host
 store with ``copy_blocks`` (``core.kernels.block_copy``) (one kernel, skipped entries read nothing); then the cache
 update: the ``cache_topk_blocks`` complete blocks with the most selected tokens (all KV heads counted; ties to the lower
@@ -37,18 +43,24 @@ block; only blocks with one at least) are inserted in LFU order (a hit adds one 
 takes an empty slot or evicts the slot with the lowest count, the oldest among equals, never one of the step's blocks)
 and copied in from the host store. The step reads no host value, so on CUDA it replays from a CUDA graph.
 
-**Deviations.** The number of k-means iterations is fixed (``kmeans_iters``, default 10); PQCache's code picks it
-per layer from a timing model so that clustering ends within the GPU's work on the following layers (3 to 300
-iterations), which would make results depend on the machine. An empty cluster keeps its centroid (scikit-learn
-moves it to a far point). The clustering overlaps the prefill through one Python worker thread whose PyTorch
-operations use the process's CPU threads (PQCache runs a pool of processes pinned to cores). A token's code is
-computed when it arrives rather than when it leaves the window (the same code: the centroids are fixed after the
-prompt). The block cache takes a step's blocks as one batch (PQCache's LFU inserts them one by one, so a block of a
-step can evict another of the same step), only complete blocks are cached, and its update runs in the step's
-stream after the fetch (PQCache overlaps it on a side stream). ``pages_loaded`` counts (token, KV head) entries
-read from host memory plus (block, KV head) blocks copied into the cache; ``bytes_to_gpu`` their bytes. A prompt
-with fewer middle tokens than centroids makes every middle token a centroid (exact scores); one with none leaves
-all centroids at zero, so later tokens score alike until they are the middle.
+**Deviations.** The number of k-means iterations is fixed (``kmeans_iters``, default 10); PQCache's code picks it per
+layer from a timing model so that clustering ends within the GPU's work on the following layers (3 to 300 iterations),
+which would make results depend on the machine. An empty cluster keeps its centroid (scikit-learn moves it to a far
+point). On CUDA the clustering runs on the model's GPU, on a side stream (PQCache runs it on CPU processes pinned to
+cores; the CPU path here keeps one Python worker thread whose PyTorch operations use the process's CPU threads). The
+GPU's k-means is the CPU's code on CUDA tensors from the same draw, with the clusters' sums taken as a one-hot product
+(the same bits at every run, where CUDA's ``scatter_add_`` is not), so its codebooks equal the CPU's up to float32
+rounding: a key whose two nearest centroids are equal to rounding may take the other one, and then both centroids move
+a little. On PQCache's sizes (bfloat16 keys, 6 bits, 10 iterations) no code of 65,536 differed between float32 and
+float64 k-means on the CPU, none of 96,000 between an H200 and the CPU (``tests/test_pqcache.py`` bounds the GPU's
+share at one in a thousand); GPU and CPU runs may therefore choose different tokens where a key is that close to a
+tie. A token's code is computed when it arrives rather than when it leaves the window (the same code: the centroids
+are fixed after the prompt). The block cache takes a step's blocks as one batch (PQCache's LFU inserts them one by
+one, so a block of a step can evict another of the same step), only complete blocks are cached, and its update runs in
+the step's stream after the fetch (PQCache overlaps it on a side stream). ``pages_loaded`` counts (token, KV head)
+entries read from host memory plus (block, KV head) blocks copied into the cache; ``bytes_to_gpu`` their bytes. A
+prompt with fewer middle tokens than centroids makes every middle token a centroid (exact scores); one with none
+leaves all centroids at zero, so later tokens score alike until they are the middle.
 """
 
 from __future__ import annotations
@@ -59,9 +71,10 @@ from dataclasses import dataclass
 import torch
 
 from icecache.core.kernels.block_copy import copy_blocks
+from icecache.core.kernels.pq_votes import pq_votes
 from icecache.core.method import METHODS, Method, MethodConfig, storage_capacity
 from icecache.core.paged import mapped_device_view
-from icecache.core.product_quantization import code_rows, pq_build, pq_encode, pq_scores
+from icecache.core.product_quantization import code_rows, pq_build, pq_encode
 from icecache.core.token_slots import RingSlotsKV
 from icecache.errors import ConfigError
 
@@ -70,15 +83,24 @@ _HELD = torch.iinfo(torch.int64).max
 
 
 class PQCacheSequence:
-    """What a sequence's PQCache layers share: the worker thread of their clusterings, ended with the sequence."""
+    """What a sequence's PQCache layers share: on the CPU the worker thread of their clusterings, ended with the
+    sequence; on CUDA two side streams, one for the host store's fill and one for the clusterings (each runs the
+    layers' work in layer order, beside the prefill of the later layers on the model's stream)."""
 
     def __init__(self):
         self._worker: ThreadPoolExecutor | None = None
+        self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
 
     def worker(self) -> ThreadPoolExecutor:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="pqcache-kmeans")
         return self._worker
+
+    def side_streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        """``(fill, clustering)`` streams of ``device``."""
+        if device not in self._streams:
+            self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return self._streams[device]
 
     def close(self) -> None:
         if self._worker is not None:
@@ -119,15 +141,29 @@ def budget_split(config: PQCacheConfig) -> tuple[int, int]:
     return n_local, rest - n_local
 
 
-def selection_votes(query: torch.Tensor, centroids: torch.Tensor, rows: torch.Tensor, candidate: torch.Tensor,
-                    scaling: float) -> torch.Tensor:
-    """PQCache's ranking: per query head the softmax of the approximate scores times ``scaling`` over the
-    candidate tokens (``candidate [T]`` bool), summed over each KV head's query heads -> ``[Hkv, T]``, ``-1`` off
-    the candidates (so no candidate at all gives ``-1`` everywhere rather than NaN)."""
-    n_kv_heads = centroids.shape[0]
-    logits = (pq_scores(query, centroids, rows) * scaling).masked_fill(~candidate, float("-inf"))
-    votes = torch.softmax(logits, dim=-1).view(n_kv_heads, -1, logits.shape[-1]).sum(dim=1)
-    return torch.where(candidate, votes, -1.0)
+def first_of_stable_sort(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices of the ``k`` largest of each row of float32 ``scores [R, N]`` (no NaN, no ``-0.0``), best first,
+    equal scores in index order: ``scores.sort(descending=True, stable=True).indices[:, :k]``, by ``topk``.
+
+    ``topk`` leaves the order of equal values open, so it runs on int64 keys that are all different: the score's
+    bits made order-preserving as a signed int32 (a negative float's magnitude bits flipped) in the high half, and
+    ``2**32 - 1 - index`` in the low half. Key order is then the stable sort's order (a higher score first, then a
+    lower index), no two keys are equal, so the ``k`` largest keys, best first, are exactly the stable sort's first
+    ``k`` on every device. ``N < 2**32``."""
+    bits = scores.view(torch.int32)
+    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    index_key = (2**32 - 1) - torch.arange(scores.shape[-1], device=scores.device)
+    # One kernel: index_key + ordered * 2**32, in int64 (the int32 ordered bits are promoted first).
+    return torch.add(index_key, ordered, alpha=2**32).topk(k, dim=-1).indices
+
+
+@dataclass
+class _PendingCodebooks:
+    """A CUDA layer's codebooks on their way: the clustering and the host store's fill were queued on side streams,
+    each ending with its event, which the layer's first decode step makes the model's stream wait for."""
+
+    clustered: torch.cuda.Event
+    filled: torch.cuda.Event
 
 
 @torch.inference_mode()  # inference mode is per thread: the worker's tensors are made under it too
@@ -155,7 +191,7 @@ class PQCacheKV(RingSlotsKV):
         self.block_size = config.cache_block_size
         self.n_cache_blocks = config.cache_tokens // config.cache_block_size
         self.capacity = 0
-        self._codebooks: Future | None = None
+        self._codebooks: Future | _PendingCodebooks | None = None
         self._prompt_length = 0
 
     # --- prompt -----------------------------------------------------------------------------------------------
@@ -169,19 +205,51 @@ class PQCacheKV(RingSlotsKV):
         super().on_prompt_placed(kept, slots)
         keys, values = self.keys[0], self.values[0]
         n_prompt = keys.shape[1]
+        self._prompt_length = n_prompt
+        begin = min(self.config.n_sink_tokens, n_prompt)
+        seed = self.config.seed + self.layer_idx
         with self.seq.timer.phase("offload"):
             self._allocate(storage_capacity(self.seq, n_prompt + 1, 0), keys)
-            pin = keys.is_cuda
-            self.host_keys[:, :n_prompt].copy_(keys, non_blocking=pin)
-            self.host_values[:, :n_prompt].copy_(values, non_blocking=pin)
-            copied = None
-            if pin:
-                copied = torch.cuda.Event()
-                copied.record()
-            self._prompt_length = n_prompt
-            begin = min(self.config.n_sink_tokens, n_prompt)
-            self._codebooks = self._worker().submit(_build_codebooks, self.host_keys, begin, n_prompt, self.config,
-                                                    self.config.seed + self.layer_idx, copied)
+            if not keys.is_cuda:
+                self.host_keys[:, :n_prompt].copy_(keys)
+                self.host_values[:, :n_prompt].copy_(values)
+                self._codebooks = self._worker().submit(_build_codebooks, self.host_keys, begin, n_prompt,
+                                                        self.config, seed, None)
+        if keys.is_cuda:
+            # Queued outside the timed phase: the phase's closing synchronisation would wait for the side streams.
+            self._codebooks = self._queue_on_side_streams(keys, values, begin, seed)
+
+    def _queue_on_side_streams(self, keys: torch.Tensor, values: torch.Tensor, begin: int,
+                               seed: int) -> _PendingCodebooks:
+        """The prompt's host-store fill and its k-means (on the device, from the device's keys) on the sequence's
+        two side streams, each after the model's stream has produced the keys: layer ``l``'s copy and clustering
+        run while layer ``l + 1``'s prefill runs. The dense prompt goes when the layer is done with it; the caching
+        allocator reuses its memory only once the side streams are past their use of it (``record_stream``)."""
+        n_prompt = keys.shape[1]
+        fill, clustering = self.seq.state(PQCacheSequence).side_streams(keys.device)
+        produced = torch.cuda.current_stream(keys.device)
+        pending = _PendingCodebooks(torch.cuda.Event(), torch.cuda.Event())
+        fill.wait_stream(produced)
+        with torch.cuda.stream(fill):
+            # One copy per KV head: each head's rows are contiguous in the store, so each copy is one asynchronous
+            # DMA into pinned memory (a copy into the strided [Hkv, :n] view would go through a pageable
+            # temporary, which blocks the host until the model's stream has caught up, then copies on the CPU).
+            for head in range(keys.shape[0]):
+                self.host_keys[head, :n_prompt].copy_(keys[head], non_blocking=True)
+                self.host_values[head, :n_prompt].copy_(values[head], non_blocking=True)
+            pending.filled.record(fill)
+        clustering.wait_stream(produced)
+        with torch.cuda.stream(clustering):
+            generator = torch.Generator().manual_seed(seed)  # the CPU's draw: the CPU path's initial centroids
+            centroids, codes = pq_build(keys[:, begin:n_prompt], self.config.n_subspaces, self.config.n_bits,
+                                        self.config.kmeans_iters, generator)
+            self.centroids.copy_(centroids)
+            self.code_rows[..., begin:n_prompt] = code_rows(codes, self.n_centroids)
+            pending.clustered.record(clustering)
+        for tensor, stream in ((keys, fill), (values, fill), (keys, clustering), (self.centroids, clustering),
+                               (self.code_rows, clustering)):
+            tensor.record_stream(stream)
+        return pending
 
     def _worker(self) -> ThreadPoolExecutor:
         # One worker per sequence: the layers' clusterings run in layer order, beside the prefill of later layers.
@@ -223,6 +291,10 @@ class PQCacheKV(RingSlotsKV):
             self.slot_stamp = torch.zeros(n_slots + 1, dtype=torch.long, device=device)
         self.host_keys, self.host_values, self.code_rows, self.block_slot = host_keys, host_values, rows, block_slot
         self.capacity = capacity
+        # The KV head of each flattened (head, pick) and (offered block, head) entry of copy_blocks, made once.
+        heads = torch.arange(n_kv_heads, device=device)
+        self._pick_heads = heads.repeat_interleave(min(self.n_topk, capacity))
+        self._offer_heads = heads.repeat(min(self.config.cache_topk_blocks, n_blocks))
         if pin:
             keys_on_device = mapped_device_view(host_keys, device)
             values_on_device = mapped_device_view(host_values, device)
@@ -238,9 +310,15 @@ class PQCacheKV(RingSlotsKV):
         self._block_ends = (torch.arange(n_blocks, device=device) + 1) * self.block_size
 
     def _install_codebooks(self) -> None:
-        """The first decode step of the layer: wait for its k-means and put codes and centroids on the device."""
-        centroids, codes = self._codebooks.result()
-        self._codebooks = None
+        """The first decode step of the layer: wait for its k-means and put codes and centroids on the device (on
+        CUDA they are there: the model's stream waits for the side streams, without a host synchronisation)."""
+        pending, self._codebooks = self._codebooks, None
+        if isinstance(pending, _PendingCodebooks):
+            stream = torch.cuda.current_stream(self.centroids.device)
+            stream.wait_event(pending.clustered)
+            stream.wait_event(pending.filled)
+            return
+        centroids, codes = pending.result()
         self.centroids.copy_(centroids)
         begin = min(self.config.n_sink_tokens, self._prompt_length)
         self.code_rows[..., begin : self._prompt_length] = code_rows(codes, self.n_centroids).to(self.code_rows.device)
@@ -276,13 +354,13 @@ class PQCacheKV(RingSlotsKV):
     def select(self, q: torch.Tensor, position: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         """``(picks, chosen)``, both ``[Hkv, n_topk]``: the top tokens of each KV head by summed approximate
         probability, best first, and whether each pick is a real candidate (fewer candidates than ``n_topk``)."""
-        positions = torch.arange(self.capacity, device=q.device)
-        candidate = (positions >= self.config.n_sink_tokens) & (positions < position + 1 - self.n_local)
-        votes = selection_votes(q, self.centroids, self.code_rows, candidate, scaling)
-        # Keys with the same codes tie; a stable sort breaks ties by position, the same way on every device.
-        ranked = votes.sort(dim=-1, descending=True, stable=True)
-        k = min(self.n_topk, self.capacity)
-        return ranked.indices[:, :k], ranked.values[:, :k] >= 0
+        # The candidates: after the sinks, before the local window.
+        votes = pq_votes(q, self.centroids, self.code_rows, self.config.n_sink_tokens, position + 1 - self.n_local,
+                         scaling)
+        # Keys with the same codes tie; ties go to the earlier position, the same way on every device. A top-k
+        # rather than a sort of all the tokens: only the first n_topk are kept.
+        picks = first_of_stable_sort(votes, min(self.n_topk, self.capacity))
+        return picks, votes.gather(1, picks) >= 0
 
     def _fetch(self, picks: torch.Tensor, chosen: torch.Tensor, position: torch.Tensor) -> None:
         """The chosen tokens' keys and values into the selection slots: from the block cache where it holds them,
@@ -298,7 +376,7 @@ class PQCacheKV(RingSlotsKV):
         miss = chosen & ~hit
         targets = torch.where(miss, self._picks[:k], -1)
         copy_blocks(self._token_keys, self._token_values, picks.flatten(), self.fetch_keys, self.fetch_values,
-                    targets.flatten(), heads.flatten())
+                    targets.flatten(), self._pick_heads)
         keys = self.fetch_keys[:k, :, 0].transpose(0, 1)  # [Hkv, k, D]
         values = self.fetch_values[:k, :, 0].transpose(0, 1)
         if self.n_cache_blocks:
@@ -327,9 +405,9 @@ class PQCacheKV(RingSlotsKV):
         counts.scatter_add_(0, torch.where(chosen, blocks, scratch_block).flatten(), chosen.flatten().float())
         complete = self._block_ends <= position + 1  # every token of the block is in the store
         counts = torch.where(complete, counts[:n_blocks], 0.0)
-        ranked = counts.sort(descending=True, stable=True)  # ties to the lower block, on every device
         n_offered = min(self.config.cache_topk_blocks, n_blocks)
-        offered, wanted = ranked.indices[:n_offered], ranked.values[:n_offered] > 0
+        offered = first_of_stable_sort(counts[None], n_offered)[0]  # ties to the lower block, on every device
+        wanted = counts.gather(0, offered) > 0
         offered_slot = self.block_slot.index_select(0, offered)
         hit = wanted & (offered_slot >= 0)
         missing = wanted & (offered_slot < 0)
@@ -348,7 +426,9 @@ class PQCacheKV(RingSlotsKV):
         self.block_slot.index_fill_(0, torch.where(missing & (evicted >= 0), evicted, scratch_block), -1)
         self.block_slot[torch.where(missing, offered, scratch_block)] = victims
         self.slot_block[victims] = torch.where(missing, offered, -1)
-        self.slot_uses.index_put_((torch.where(hit, offered_slot, scratch_slot),), hit.long(), accumulate=True)
+        # Whole numbers, so the adds' order does not matter; a scatter_add_ is one kernel where an accumulating
+        # index_put_ sorts its indices first.
+        self.slot_uses.scatter_add_(0, torch.where(hit, offered_slot, scratch_slot), hit.long())
         self.slot_uses[victims] = missing.long()
         touched = torch.where(hit, offered_slot, victims)
         self.slot_stamp[touched] = position.expand_as(touched)
@@ -356,7 +436,7 @@ class PQCacheKV(RingSlotsKV):
         shape = (offered.shape[0], n_heads)
         copy_blocks(self._block_keys, self._block_values, offered[:, None].expand(shape).flatten(), self.cache_keys,
                     self.cache_values, torch.where(missing, victims, -1)[:, None].expand(shape).flatten(),
-                    self._heads[None, :].expand(shape).flatten())
+                    self._offer_heads)
         return missing.sum()
 
     def gpu_kv_bytes(self) -> int:

@@ -11,10 +11,10 @@ import dataclasses
 import pytest
 import torch
 
-from baselines.pqcache import budget_split
+from baselines.pqcache import budget_split, first_of_stable_sort
 from eval.plugins import build_method
 from icecache.core.method import ModelInfo, SequenceContext
-from icecache.core.product_quantization import code_rows, kmeans, pq_build, pq_scores
+from icecache.core.product_quantization import cluster_sums, code_rows, kmeans, pq_build, pq_scores
 
 INFO = ModelInfo(n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8)
 GROUP = INFO.n_heads // INFO.n_kv_heads
@@ -85,6 +85,31 @@ def test_pq_scores_are_the_sum_of_subspace_products_with_the_codes_centroids():
     exact_centroids, exact_codes = pq_build(keys[:, :6], 2, 3, 2, torch.Generator().manual_seed(7))
     exact = pq_scores(query, exact_centroids, code_rows(exact_codes, 8))
     torch.testing.assert_close(exact, torch.einsum("hd,htd->ht", query, keys[:, :6].repeat_interleave(GROUP, 0)))
+
+
+def test_cluster_sums_by_product_are_the_scattered_sums():
+    """The one-hot product (what CUDA runs, for the same bits at every run) against the CPU's scatter_add_, over
+    more points than one chunk and with an empty cluster."""
+    gen = torch.Generator().manual_seed(13)
+    points = torch.randn(3, 17000, 4, generator=gen)
+    codes = torch.randint(0, 7, (3, 17000), generator=gen)  # cluster 7 of 8 stays empty
+    scattered = cluster_sums(points, codes, 8)
+    torch.testing.assert_close(cluster_sums(points, codes, 8, by_product=True), scattered, rtol=1e-5, atol=1e-3)
+    assert (scattered[:, 7] == 0).all()
+
+
+def test_first_of_stable_sort_is_the_stable_descending_sort_with_its_ties():
+    gen = torch.Generator().manual_seed(14)
+    # Few distinct values (many ties), negatives, zeros and -1 (the non-candidates' vote).
+    scores = torch.randint(-3, 4, (5, 300), generator=gen).float() / 4
+    scores[:, :40] = -1.0
+    scores[0] = 0.0
+    for k in (1, 17, 300):
+        expected = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+        assert torch.equal(first_of_stable_sort(scores, k), expected)
+    spread = torch.randn(3, 1000, generator=gen)
+    expected = spread.sort(dim=-1, descending=True, stable=True).indices[:, :50]
+    assert torch.equal(first_of_stable_sort(spread, 50), expected)
 
 
 # --------------------------------------------------------------------------------------------------------- the layer
@@ -265,8 +290,9 @@ def test_settings_that_cannot_work_are_refused(setting, message):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_gpu_layer_chooses_and_attends_what_the_cpu_layer_does():
-    """float32 on both: the same codebooks (built on the CPU from the same keys), so the same tokens, read on the
-    GPU from the pinned store in place and from the block cache."""
+    """float32 on both: each layer clusters the same keys from the same initial draw on its own device (the GPU's
+    on a side stream), which gives the same codebooks up to float32 rounding on these keys (no point near a tie),
+    so the same tokens, read on the GPU from the pinned store in place and from the block cache."""
     # Head dim 16: the paged kernel's tile product needs at least 16 (every real model has 64 or more).
     cpu_info = ModelInfo(n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16)
     gpu_info = dataclasses.replace(cpu_info, device=torch.device("cuda"))
@@ -283,3 +309,28 @@ def test_the_gpu_layer_chooses_and_attends_what_the_cpu_layer_does():
         torch.testing.assert_close(outs["cuda"].cpu(), outs["cpu"], atol=1e-5, rtol=1e-5)
     counters = {device: layer.seq.counters.as_dict() for device, layer in layers.items()}
     assert counters["cuda"] == counters["cpu"]
+
+    torch.testing.assert_close(layers["cuda"].centroids.cpu(), layers["cpu"].centroids, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_kmeans_gives_the_cpu_codebooks_up_to_near_ties_and_the_same_bits_at_every_run():
+    """A prompt's k-means on the GPU against the CPU's from the same draw (PQCache's sizes: 6 bits, 10 iterations,
+    8 KV heads of 128 channels, bfloat16 keys): at most one code in a thousand differs (a point whose two nearest
+    centroids are equal to float32 rounding can take either; every one it takes then moves its centroids a little),
+    every GPU code is the nearest of its GPU centroids up to rounding (checked in float64), and two GPU runs give
+    the same bits."""
+    gen = torch.Generator().manual_seed(15)
+    keys = torch.randn(8, 6000, 128, generator=gen).to(torch.bfloat16)
+    cpu_centroids, cpu_codes = pq_build(keys, 2, 6, 10, torch.Generator().manual_seed(3))
+    runs = [pq_build(keys.cuda(), 2, 6, 10, torch.Generator().manual_seed(3)) for _ in range(2)]
+    (centroids, codes), (again_centroids, again_codes) = [(c.cpu(), k.cpu()) for c, k in runs]
+    assert torch.equal(centroids, again_centroids) and torch.equal(codes, again_codes)
+    assert (codes != cpu_codes).float().mean().item() <= 1e-3
+    sub = keys.double().view(8, 6000, 2, 64).permute(0, 2, 1, 3)  # [Hkv, m, N, d]
+    exact = centroids.double()  # |x - c|^2 in float64, [Hkv, m, N, C]
+    distances = ((sub * sub).sum(-1)[..., None] - 2 * sub @ exact.transpose(-1, -2)
+                 + (exact * exact).sum(-1)[:, :, None, :])
+    chosen = distances.gather(-1, codes[..., None]).squeeze(-1)
+    assert (chosen <= distances.min(-1).values * (1 + 1e-5) + 1e-6).all()

@@ -1,6 +1,7 @@
-"""The selection kernels of the shared core (``core.kernels``: gqa_scores, causal_column_sums, block_copy, h2o_step)
-against direct computations, and on a CUDA host (``make test-gpu``) their Triton versions against the PyTorch
-references: fresh random inputs, partial blocks and masked tails included, outputs poisoned before each run."""
+"""The selection kernels of the shared core (``core.kernels``: gqa_scores, causal_column_sums, block_copy, h2o_step,
+pq_votes) against direct computations, and on a CUDA host (``make test-gpu``) their Triton versions against the
+PyTorch references: fresh random inputs, partial blocks and masked tails included, outputs poisoned before each
+run."""
 
 from __future__ import annotations
 
@@ -175,3 +176,60 @@ def test_page_bounds_reference_is_the_per_channel_box_bound():
             box = torch.maximum(query[head] * page_max[head // 2, page], query[head] * page_min[head // 2, page])
             expected = float(box.sum()) if page < 4 else float("-inf")
             assert bounds[head, page].item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def pq_votes_inputs(gen, n_tokens: int, group: int, device: torch.device):
+    """Random query and codebooks of 2 KV heads (2 sub-spaces of 8 centroids, head_dim 16) and random codes, a
+    run of tokens copying one token's codes (exact ties)."""
+    from icecache.core.product_quantization import code_rows
+
+    query = torch.randn(2 * group, 16, generator=gen)
+    centroids = torch.randn(2, 2, 8, 8, generator=gen)
+    codes = torch.randint(0, 8, (2, 2, n_tokens), generator=gen)
+    codes[..., 10:20] = codes[..., 9:10]
+    return query.to(device), centroids.to(device), code_rows(codes, 8).to(device)
+
+
+def test_pq_votes_reference_is_the_group_sum_of_per_head_softmaxes_over_the_candidates():
+    from icecache.core.kernels.pq_votes import pq_votes_reference
+    from icecache.core.product_quantization import pq_scores
+
+    gen = torch.Generator().manual_seed(6)
+    query, centroids, rows = pq_votes_inputs(gen, 40, 3, torch.device("cpu"))
+    votes = pq_votes_reference(query, centroids, rows, 4, torch.tensor([30]), 0.5)
+    scores = pq_scores(query, centroids, rows) * 0.5
+    for kv in range(2):
+        expected = sum(torch.softmax(scores[kv * 3 + g, 4:30], dim=0) for g in range(3))
+        torch.testing.assert_close(votes[kv, 4:30], expected)
+    assert (votes[:, :4] == -1).all() and (votes[:, 30:] == -1).all()
+    none = pq_votes_reference(query, centroids, rows, 4, torch.tensor([4]), 0.5)  # no candidate: -1, not NaN
+    assert (none == -1).all()
+
+
+def pq_votes_device() -> torch.device:
+    """CUDA when the Triton kernels can run there, CPU under Triton's interpreter, otherwise skip."""
+    if triton_runtime.available():
+        return torch.device("cuda")
+    if triton_runtime.interpreted():
+        return torch.device("cpu")
+    pytest.skip("needs CUDA and Triton (or TRITON_INTERPRET=1 with Triton installed)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_tokens,first,end,group", [(1, 0, 1, 1), (40, 4, 30, 3), (2500, 4, 2300, 4),
+                                                      (3000, 32, 3000, 8), (2100, 5, 5, 4)])
+def test_triton_pq_votes_match_the_reference(n_tokens, first, end, group):
+    """Partial and candidate-free blocks, groups that are no power of two, no candidate at all; tokens with the
+    same codes get the same vote bits (their scores are the reference's bits)."""
+    from icecache.core.kernels.pq_votes import pq_votes_reference, pq_votes_triton
+
+    device = pq_votes_device()
+    gen = torch.Generator().manual_seed(n_tokens + group)
+    query, centroids, rows = pq_votes_inputs(gen, n_tokens, group, device)
+    end_tensor = torch.tensor([end], device=device)
+    votes = pq_votes_triton(query, centroids, rows, first, end_tensor, 0.3)
+    expected = pq_votes_reference(query, centroids, rows, first, end_tensor, 0.3)
+    torch.testing.assert_close(votes, expected, rtol=2e-5, atol=1e-7)
+    assert torch.equal(votes == -1, expected == -1)
+    if first <= 9 and end >= 20:
+        assert (votes[:, 10:20] == votes[:, 9:10]).all()

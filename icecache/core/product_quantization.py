@@ -6,8 +6,16 @@ the keys it will encode, and a key is stored as the ``m`` indices of its nearest
 query with an encoded key is approximated by ``sum_j q_j . c_j[code_j]``: one ``[m, C]`` table of query-centroid
 products per query head, then one table lookup per sub-space and key.
 
-Everything here is plain PyTorch and runs on any device. PQCache builds its codebooks on the CPU (``pq_build``,
-beside the GPU's prefill) and encodes later keys and scores on the model's device (``pq_encode``, ``pq_scores``).
+Everything here is plain PyTorch and runs on any device. PQCache builds its codebooks (``pq_build``) on the
+model's device, on a side stream beside the prefill (on the CPU for a model on the CPU), and encodes later keys and
+scores there too (``pq_encode``, ``pq_scores``).
+
+k-means gives the same result wherever it runs, up to float32 rounding: the random initial draw is made on the CPU
+from the caller's generator and only its indices are moved, and a cluster's sum is order-independent up to rounding.
+On CUDA the sums are one product with the one-hot assignment matrix, not ``scatter_add_``, whose float atomics
+add in a different order at every run: the product is the same at every run, so the codebooks and every token
+chosen from them are too. A point whose two nearest centroids are equal to rounding may take the other one on the
+other device, and a point that changes cluster moves both centroids.
 """
 
 from __future__ import annotations
@@ -45,19 +53,41 @@ def kmeans(points: torch.Tensor, n_centroids: int, n_iters: int,
     n_sets, n_points, dim = points.shape
     points = points.float()
     if n_points == 0:
-        return points.new_zeros(n_sets, n_centroids, dim), torch.zeros(n_sets, 0, dtype=torch.long)
+        return (points.new_zeros(n_sets, n_centroids, dim),
+                torch.zeros(n_sets, 0, dtype=torch.long, device=points.device))
+    # The draw is made on the CPU whatever the points' device, so that a seed picks the same initial centroids on
+    # every device; only the chosen indices move (through pinned memory: no wait for the device's queued work).
     if n_points >= n_centroids:
         order = torch.rand(n_sets, n_points, generator=generator).argsort(dim=-1)[:, :n_centroids]
     else:
         order = (torch.arange(n_centroids) % n_points).expand(n_sets, -1)
-    centroids = points.gather(1, order.to(points.device)[..., None].expand(-1, -1, dim))
+    if points.is_cuda:
+        order = order.contiguous().pin_memory().to(points.device, non_blocking=True)
+    centroids = points.gather(1, order[..., None].expand(-1, -1, dim))
     ones = points.new_ones(n_sets, n_points)
     for _ in range(n_iters):
         codes = nearest_centroids(points, centroids)
-        sums = points.new_zeros(n_sets, n_centroids, dim).scatter_add_(1, codes[..., None].expand(-1, -1, dim), points)
-        counts = points.new_zeros(n_sets, n_centroids).scatter_add_(1, codes, ones)
+        counts = points.new_zeros(n_sets, n_centroids).scatter_add_(1, codes, ones)  # whole numbers: exact
+        sums = cluster_sums(points, codes, n_centroids)
         centroids = torch.where(counts[..., None] > 0, sums / counts.clamp(min=1)[..., None], centroids)
     return centroids, nearest_centroids(points, centroids)
+
+
+def cluster_sums(points: torch.Tensor, codes: torch.Tensor, n_centroids: int,
+                 by_product: bool | None = None) -> torch.Tensor:
+    """``[G, C, d]``: the sum of the points ``[G, N, d]`` of each cluster (``codes [G, N]``). On the CPU a
+    ``scatter_add_``; on CUDA (or with ``by_product``) the product of the one-hot assignment ``[G, C, n]`` with
+    the points, chunk by chunk in a fixed order, which gives the same bits at every run (CUDA's ``scatter_add_``
+    adds with atomics, in an order that changes from run to run)."""
+    n_sets, n_points, dim = points.shape
+    if not (points.is_cuda if by_product is None else by_product):
+        return points.new_zeros(n_sets, n_centroids, dim).scatter_add_(1, codes[..., None].expand(-1, -1, dim), points)
+    labels = torch.arange(n_centroids, device=points.device)[None, :, None]
+    sums = points.new_zeros(n_sets, n_centroids, dim)
+    for begin in range(0, n_points, _ASSIGN_CHUNK):
+        one_hot = (codes[:, None, begin : begin + _ASSIGN_CHUNK] == labels).float()  # [G, C, chunk]
+        sums = torch.baddbmm(sums, one_hot, points[:, begin : begin + _ASSIGN_CHUNK])
+    return sums
 
 
 def split_subspaces(vectors: torch.Tensor, n_subspaces: int) -> torch.Tensor:
@@ -97,10 +127,18 @@ def pq_scores(query: torch.Tensor, centroids: torch.Tensor, rows: torch.Tensor) 
     """Approximate ``q_h . k_t`` for ``query [Hq, D]`` and keys encoded as ``rows [Hkv, m, T]`` (``code_rows``)
     against ``centroids [Hkv, m, C, d]`` -> float32 ``[Hq, T]``: ``sum_j q_hj . c_j[code_j(t)]``. Query head ``h``
     reads KV head ``h // (Hq / Hkv)``."""
+    n_heads = query.shape[0]
+    n_kv_heads, n_subspaces = centroids.shape[:2]
+    table = pq_table(query, centroids)
+    looked_up = table.index_select(0, rows.reshape(-1)).view(n_kv_heads, n_subspaces, -1, table.shape[1])
+    return looked_up.sum(dim=1).permute(0, 2, 1).reshape(n_heads, -1)
+
+
+def pq_table(query: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """The float32 lookup table of ``pq_scores``: ``[Hkv * m * C, g]``, row ``(h * m + j) * C + c`` holding
+    ``q . c_j[c]`` for the ``g`` query heads of KV head ``h``."""
     n_heads, dim = query.shape
     n_kv_heads, n_subspaces, n_centroids, sub_dim = centroids.shape
     group = n_heads // n_kv_heads
     q = query.float().view(n_kv_heads, group, n_subspaces, sub_dim)
-    table = torch.einsum("hgmd,hmcd->hmcg", q, centroids.float()).reshape(-1, group)  # [Hkv * m * C, g]
-    looked_up = table.index_select(0, rows.reshape(-1)).view(n_kv_heads, n_subspaces, -1, group)
-    return looked_up.sum(dim=1).permute(0, 2, 1).reshape(n_heads, -1)
+    return torch.einsum("hgmd,hmcd->hmcg", q, centroids.float()).reshape(-1, group)
