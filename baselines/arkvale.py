@@ -18,9 +18,11 @@ cache, window), not only the top-k.
 **This code.** All state is sized for the announced sequence when the prompt ends: the pool ``[B + 1, Hkv, 16, D]``
 (one scratch slot, never attended), the slot table ``slot_page [B + 1, n_groups]`` (the page each slot holds per
 group, -1 empty) and the digests ``[Hkv, P + 1, D]`` on the device, and the host page store
-``[P + 1, Hkv, 16, D]`` (pinned on CUDA; ``P`` pages plus a scratch page). After the prompt (prefill phase
-``offload``) all full pages are backed up and digested, sinks and the last pages go to their slots, and the middle
-slots take the other pages if they fit, else the top pages by the last prompt token's query. A decode step, every
+``[P + 1, Hkv, 16, D]`` (``P`` pages plus a scratch page; a buffer of the core's host pool, ``core.host_memory``:
+pinned on CUDA and kept from one sequence to the next). After the prompt (prefill phase ``offload``) all full pages
+are digested, sinks and the last pages go to their slots, and the middle slots take the other pages if they fit,
+else the top pages by the last prompt token's query; the full pages' backups are queued on the sequence's
+prompt-copy stream, beside the next layers' prefill. A decode step, every
 decision on the device:
 
 1. page start: the page just finished is backed up and digested, and the ring turns: the page leaving the window moves
@@ -45,11 +47,11 @@ CPU profile (torch.profiler, top-level non-view aten operations of one decode st
 of which some 45 are the CPU references of the three kernels and about 20 casts that launch nothing on CUDA: about
 100 launches on CUDA.
 
-**Deviations.** Backups are written by the decode step itself into the mapped host store (ArkVale uses a side
-stream); the bookkeeping is two Triton kernels of this harness on the device, replayed from the graph, rather than
-ArkVale's own CUDA kernels; no prefetch of later layers' selections; the prefill keeps ``n_sink_pages`` sink pages
-(ArkVale's prefill uses ``max(2, n_sink)``); recall is one block-copy kernel per layer rather than per-page copies.
-"""
+**Deviations.** A decode step's backup of its finished page is written by the step itself into the mapped host store
+(ArkVale uses a side stream; the prompt's backups here do too); the bookkeeping is two Triton kernels of this harness on
+the device, replayed from the graph, rather than ArkVale's own CUDA kernels; no prefetch of later layers' selections;
+the prefill keeps ``n_sink_pages`` sink pages (ArkVale's prefill uses ``max(2, n_sink)``); recall is one block-copy
+kernel per layer rather than per-page copies."""
 
 from __future__ import annotations
 
@@ -158,10 +160,10 @@ class ArkValeKV(DenseKV):
     def _allocate_store(self, n_pages: int, like: torch.Tensor) -> None:
         """CPU store and digests for ``n_pages`` pages plus the scratch page, keeping what is there."""
         n_kv_heads, head_dim, ps = self.model.n_kv_heads, like.shape[-1], self.page_size
-        # Not zeroed (at 128k tokens that is 0.5 GB a layer): a page is read only once it has been written.
-        pin = like.is_cuda
-        keys = torch.empty(n_pages + 1, n_kv_heads, ps, head_dim, dtype=like.dtype, pin_memory=pin)
-        values = torch.empty(n_pages + 1, n_kv_heads, ps, head_dim, dtype=like.dtype, pin_memory=pin)
+        # From the host pool (kept across sequences), not cleared: a page is read only once it has been written.
+        shape = (n_pages + 1, n_kv_heads, ps, head_dim)
+        keys = self.seq.prompt_copies.take(shape, like.dtype, like.device)
+        values = self.seq.prompt_copies.take(shape, like.dtype, like.device)
         hi = like.new_zeros(n_kv_heads, n_pages + 1, head_dim)
         lo = like.new_zeros(n_kv_heads, n_pages + 1, head_dim)
         if self.store_keys is not None:  # grown outside the generation loop (which announces the length)
@@ -192,12 +194,19 @@ class ArkValeKV(DenseKV):
         out = super().prefill(query, key, value, attention_mask, scaling)
         if not self.seq.more_prefill_chunks:
             with self.seq.timer.phase("offload"):
-                self._offload_prompt(query[0, :, -1], self.keys[0], self.values[0])
+                key_pages, value_pages, n_full = self._place_prompt(query[0, :, -1], self.keys[0], self.values[0])
+            # The backups, on the side stream beside the next layers' prefill (outside the timed phase, whose
+            # closing synchronisation would wait for them).
+            if n_full:
+                self.seq.prompt_copies.copy(self.store_keys[:n_full], key_pages[:n_full])
+                self.seq.prompt_copies.copy(self.store_values[:n_full], value_pages[:n_full])
             self._keys = self._values = None
             self.length = 0
         return out
 
-    def _offload_prompt(self, last_query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _place_prompt(self, last_query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+        """Sized state, digests and the resident pages of the prompt: ``(key_pages, value_pages, n_full)``, the
+        prompt as pages and how many are full (what the host store backs up)."""
         n_kv_heads, n_tokens, head_dim = keys.shape
         ps, device = self.page_size, keys.device
         n_pages, n_full = -(-n_tokens // ps), n_tokens // ps
@@ -216,9 +225,7 @@ class ArkValeKV(DenseKV):
             return padded.view(n_kv_heads, n_pages, ps, head_dim).permute(1, 0, 2, 3)
 
         key_pages, value_pages = as_pages(keys), as_pages(values)
-        if n_full:  # back up and digest the finished pages
-            self.store_keys[:n_full].copy_(key_pages[:n_full])
-            self.store_values[:n_full].copy_(value_pages[:n_full])
+        if n_full:  # digest the finished pages
             hi, lo = page_digests(key_pages[:n_full])
             self.digest_hi[:, :n_full] = hi.transpose(0, 1)
             self.digest_lo[:, :n_full] = lo.transpose(0, 1)
@@ -234,7 +241,7 @@ class ArkValeKV(DenseKV):
             self.pool_values[slot] = value_pages[page]
         n_candidates = n_pages - self.n_window - self.n_sink
         if n_candidates <= 0:
-            return
+            return key_pages, value_pages, n_full
         if n_candidates <= len(self.middle):
             chosen = torch.arange(self.n_sink, self.n_sink + n_candidates, device=device).expand(self.n_groups, -1)
         else:
@@ -249,6 +256,7 @@ class ArkValeKV(DenseKV):
             page_index = (chosen[group][:, None], heads[None, :])
             self.pool_keys[index] = key_pages[page_index]
             self.pool_values[index] = value_pages[page_index]
+        return key_pages, value_pages, n_full
 
     def _candidate_scores(self, query: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
         """``[G, P + 1]`` group scores of the candidate pages ``[n_sink, end)``, ``-inf`` elsewhere."""
@@ -260,6 +268,7 @@ class ArkValeKV(DenseKV):
     def decode(self, query, key, value, scaling):
         if query.shape[0] != 1:
             raise ValueError("sparse KV methods run with batch size 1")
+        self.seq.prompt_copies.join()
         if self.seq_len // self.page_size + 1 > self.scratch_page:  # only outside the generation loop
             self._allocate_store(2 * self.scratch_page, key)
         position = self.decode_position(key.device)

@@ -31,10 +31,11 @@ the window with the ``gqa_scores`` kernel, takes the maximum over query heads (`
 each head's softmax, ``softmax_last``, OmniKV's ``softmax_before_last``) and writes the ``topk`` of fixed size into a
 device tensor of the sequence (``SequenceContext.shared``), which its layers read at the same step. A sparsified layer
 keeps its window and the step's selection in ``budget`` token slots on the device (a ``RingSlotsKV``: the window is the
-ring, the selection the slots after it) and every token's key and value in a host store (pinned on CUDA) written at
-every step; it gathers the selected tokens from the store with one ``index_select`` that reads the pinned memory in
-place (``core.paged.mapped_device_view``) and attends over the slots. ``pages_loaded`` counts the (token, KV head)
-entries read. No step reads a host value, so on CUDA it replays from a CUDA graph.
+ring, the selection the slots after it) and every token's key and value in a host store (a buffer of the core's host
+pool, pinned on CUDA; the prompt's copy into it runs on a side stream beside the next layers' prefill) written at every
+step; it gathers the selected tokens from the store with one ``index_select`` that reads the pinned memory in place
+(``core.paged.mapped_device_view``) and attends over the slots. ``pages_loaded`` counts the (token, KV head) entries
+read. No step reads a host value, so on CUDA it replays from a CUDA graph.
 
 **Deviations.** Loads are issued by each sparsified layer in its own step rather than by the filter layer for its
 whole span (so the wait layers hide no transfer here; they still attend fully, which is what they change in the
@@ -179,9 +180,10 @@ class OmniKVSparseKV(RingSlotsKV):
         keys, values = self.keys[0], self.values[0]
         with self.seq.timer.phase("offload"):
             self._allocate(storage_capacity(self.seq, keys.shape[1] + 1, 0), keys)
-            pin = keys.is_cuda
-            self.host_keys[: keys.shape[1]].copy_(keys.transpose(0, 1), non_blocking=pin)
-            self.host_values[: keys.shape[1]].copy_(values.transpose(0, 1), non_blocking=pin)
+        # On the side stream, beside the next layers' prefill (outside the timed phase, whose closing
+        # synchronisation would wait for the copies).
+        self.seq.prompt_copies.copy(self.host_keys[: keys.shape[1]], keys.transpose(0, 1))
+        self.seq.prompt_copies.copy(self.host_values[: keys.shape[1]], values.transpose(0, 1))
 
     def _allocate(self, capacity: int, like: torch.Tensor) -> None:
         """The host store for ``capacity`` tokens, keeping what is there (it grows only outside the generation
@@ -189,8 +191,8 @@ class OmniKVSparseKV(RingSlotsKV):
         n_kv_heads, head_dim = self.model.n_kv_heads, like.shape[-1]
         pin = like.is_cuda
         # Token-major: a selected token's keys of every head are one contiguous row for the gather.
-        keys = torch.empty(capacity, n_kv_heads, head_dim, dtype=like.dtype, pin_memory=pin)
-        values = torch.empty(capacity, n_kv_heads, head_dim, dtype=like.dtype, pin_memory=pin)
+        keys = self.seq.prompt_copies.take((capacity, n_kv_heads, head_dim), like.dtype, like.device)
+        values = self.seq.prompt_copies.take((capacity, n_kv_heads, head_dim), like.dtype, like.device)
         if self.capacity:
             if pin:
                 torch.cuda.synchronize(like.device)
@@ -210,6 +212,7 @@ class OmniKVSparseKV(RingSlotsKV):
     def decode(self, query, key, value, scaling):
         if query.shape[0] != 1:
             raise ValueError("sparse KV methods run with batch size 1")
+        self.seq.prompt_copies.join()
         if self.seq_len + 1 > self.capacity:  # only outside the generation loop
             self._allocate(2 * self.capacity, key[0])
         position = self.decode_position(key.device)

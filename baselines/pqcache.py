@@ -24,11 +24,12 @@ PQCache sizes its parts as fractions of the prompt; here they are the budget's. 
 **This code.** The window is a ``RingSlotsKV`` of ``budget`` slots per KV head: the sinks pinned, the local window a
 ring, and the last ``n_topk`` slots holding the step's selection. After the prompt, every token's key and value is in a
 host store (pinned on CUDA, read in place through ``core.paged.mapped_device_view``). On CUDA, a layer's prompt is
-copied into the store (one asynchronous copy per KV head) on one side stream of the sequence and clustered on the
-device from the device's keys on another, each waiting for the model's stream only for the keys, so that layer
-``l``'s copy and k-means run beside layer ``l + 1``'s prefill; the layer's first decode step makes the model's stream
-wait for both (no host synchronisation; TT2T includes what is left of the wait). On the CPU a worker thread of the
-sequence runs the layers' k-means, layer after layer, while the prefill goes on, and the first decode step waits for
+copied into the store (one asynchronous copy per KV head, the core's prompt copies: ``core.host_memory``, into
+buffers the method keeps from one sequence to the next) on the sequence's copy stream and clustered on the device
+from the device's keys on a side stream of its own, each waiting for the model's stream only for the keys, so that
+layer ``l``'s copy and k-means run beside layer ``l + 1``'s prefill; the layer's first decode step makes the model's
+stream wait for both (no host synchronisation; TT2T includes what is left of the wait). On the CPU a worker thread of
+the sequence runs the layers' k-means, layer after layer, while the prefill goes on, and the first decode step waits for
 its layer's codebooks. The codes are kept on the device as int32 rows ``(h * m + j) * C + code`` of the query-centroid
 table. The k-means is seeded with distinct keys drawn on the CPU with ``seed + layer`` (the same draw on every
 device). Each step, on the device: the new token goes to the ring and the host store and is encoded;
@@ -84,22 +85,21 @@ _HELD = torch.iinfo(torch.int64).max
 
 class PQCacheSequence:
     """What a sequence's PQCache layers share: on the CPU the worker thread of their clusterings, ended with the
-    sequence; on CUDA two side streams, one for the host store's fill and one for the clusterings (each runs the
-    layers' work in layer order, beside the prefill of the later layers on the model's stream)."""
+    sequence; on CUDA the side stream of the clusterings (it runs the layers' k-means in layer order, beside the
+    prefill of the later layers on the model's stream; the host store's fill is the sequence's prompt copies)."""
 
     def __init__(self):
         self._worker: ThreadPoolExecutor | None = None
-        self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def worker(self) -> ThreadPoolExecutor:
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="pqcache-kmeans")
         return self._worker
 
-    def side_streams(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-        """``(fill, clustering)`` streams of ``device``."""
+    def clustering_stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
-            self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+            self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
     def close(self) -> None:
@@ -159,11 +159,10 @@ def first_of_stable_sort(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 @dataclass
 class _PendingCodebooks:
-    """A CUDA layer's codebooks on their way: the clustering and the host store's fill were queued on side streams,
-    each ending with its event, which the layer's first decode step makes the model's stream wait for."""
+    """A CUDA layer's codebooks on their way: the clustering was queued on a side stream, ending with this event,
+    which the layer's first decode step makes the model's stream wait for (and for the prompt copies)."""
 
     clustered: torch.cuda.Event
-    filled: torch.cuda.Event
 
 
 @torch.inference_mode()  # inference mode is per thread: the worker's tensors are made under it too
@@ -221,23 +220,20 @@ class PQCacheKV(RingSlotsKV):
 
     def _queue_on_side_streams(self, keys: torch.Tensor, values: torch.Tensor, begin: int,
                                seed: int) -> _PendingCodebooks:
-        """The prompt's host-store fill and its k-means (on the device, from the device's keys) on the sequence's
-        two side streams, each after the model's stream has produced the keys: layer ``l``'s copy and clustering
-        run while layer ``l + 1``'s prefill runs. The dense prompt goes when the layer is done with it; the caching
-        allocator reuses its memory only once the side streams are past their use of it (``record_stream``)."""
+        """The prompt's host-store fill (the sequence's prompt copies) and its k-means (on the device, from the
+        device's keys, on the clustering stream), each after the model's stream has produced the keys: layer ``l``'s
+        copy and clustering run while layer ``l + 1``'s prefill runs. The dense prompt goes when the layer is done
+        with it; the caching allocator reuses its memory only once the side streams are past their use of it
+        (``record_stream``)."""
         n_prompt = keys.shape[1]
-        fill, clustering = self.seq.state(PQCacheSequence).side_streams(keys.device)
+        # One copy per KV head: each head's rows are contiguous in the store, so each copy is one asynchronous DMA
+        # into pinned memory (the strided [Hkv, :n] view is not one block).
+        for head in range(keys.shape[0]):
+            self.seq.prompt_copies.copy(self.host_keys[head, :n_prompt], keys[head])
+            self.seq.prompt_copies.copy(self.host_values[head, :n_prompt], values[head])
+        clustering = self.seq.state(PQCacheSequence).clustering_stream(keys.device)
         produced = torch.cuda.current_stream(keys.device)
-        pending = _PendingCodebooks(torch.cuda.Event(), torch.cuda.Event())
-        fill.wait_stream(produced)
-        with torch.cuda.stream(fill):
-            # One copy per KV head: each head's rows are contiguous in the store, so each copy is one asynchronous
-            # DMA into pinned memory (a copy into the strided [Hkv, :n] view would go through a pageable
-            # temporary, which blocks the host until the model's stream has caught up, then copies on the CPU).
-            for head in range(keys.shape[0]):
-                self.host_keys[head, :n_prompt].copy_(keys[head], non_blocking=True)
-                self.host_values[head, :n_prompt].copy_(values[head], non_blocking=True)
-            pending.filled.record(fill)
+        pending = _PendingCodebooks(torch.cuda.Event())
         clustering.wait_stream(produced)
         with torch.cuda.stream(clustering):
             generator = torch.Generator().manual_seed(seed)  # the CPU's draw: the CPU path's initial centroids
@@ -246,9 +242,8 @@ class PQCacheKV(RingSlotsKV):
             self.centroids.copy_(centroids)
             self.code_rows[..., begin:n_prompt] = code_rows(codes, self.n_centroids)
             pending.clustered.record(clustering)
-        for tensor, stream in ((keys, fill), (values, fill), (keys, clustering), (self.centroids, clustering),
-                               (self.code_rows, clustering)):
-            tensor.record_stream(stream)
+        for tensor in (keys, self.centroids, self.code_rows):
+            tensor.record_stream(clustering)
         return pending
 
     def _worker(self) -> ThreadPoolExecutor:
@@ -262,8 +257,8 @@ class PQCacheKV(RingSlotsKV):
         n_kv_heads, head_dim, device = self.model.n_kv_heads, like.shape[-1], like.device
         pin = like.is_cuda
         # Not zeroed: a position is read only once written (skipped reads of copy_blocks read nothing).
-        host_keys = torch.empty(n_kv_heads, capacity, head_dim, dtype=like.dtype, pin_memory=pin)
-        host_values = torch.empty(n_kv_heads, capacity, head_dim, dtype=like.dtype, pin_memory=pin)
+        host_keys = self.seq.prompt_copies.take((n_kv_heads, capacity, head_dim), like.dtype, device)
+        host_values = self.seq.prompt_copies.take((n_kv_heads, capacity, head_dim), like.dtype, device)
         rows = torch.zeros(n_kv_heads, self.config.n_subspaces, capacity, dtype=torch.int32, device=device)
         n_blocks = capacity // self.block_size
         block_slot = torch.full((n_blocks + 1,), -1, dtype=torch.long, device=device)  # + a scratch block
@@ -316,7 +311,7 @@ class PQCacheKV(RingSlotsKV):
         if isinstance(pending, _PendingCodebooks):
             stream = torch.cuda.current_stream(self.centroids.device)
             stream.wait_event(pending.clustered)
-            stream.wait_event(pending.filled)
+            self.seq.prompt_copies.join()
             return
         centroids, codes = pending.result()
         self.centroids.copy_(centroids)

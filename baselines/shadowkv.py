@@ -28,7 +28,8 @@ and 256 selected chunks; at budget 256, 4 window, 4 outlier and 24 selected chun
 prompt are factorised (``rank`` at or above ``n_kv_heads * head_dim``: the factorisation is the identity, and rebuilt
 keys are exact); the chunks before the window are candidates, their landmarks computed and their outliers chosen per KV
 head; everything goes into one device pool of chunk slots (outliers, selected, window ring, one scratch slot) and the
-candidates' values into the host store (pinned on CUDA, read in place by the copy kernel). The factor kept per token is
+candidates' values into the host store (a buffer of the core's host pool, pinned on CUDA and read in place by
+the copy kernel; the copy runs on a side stream beside the next layers' prefill). The factor kept per token is
 its coefficients on the rank-``r`` basis (``pre-RoPE key @ basis^T``, which is ``U S`` of the SVD for a prompt token),
 so a chunk that leaves the window later gets its coefficients, landmark and host copy of its values the same way and
 becomes a candidate (outliers are chosen once, at the prompt, as in ShadowKV). A decode step, every decision on the
@@ -207,11 +208,16 @@ class ShadowKVKV(StaticDenseKV):
             announced = self.seq.max_total_tokens
             if (announced if announced is not None else n_tokens + 1) > self.budget:
                 with self.seq.timer.phase("offload"):
-                    self._enter_sparse(n_tokens)
+                    values_copy = self._enter_sparse(n_tokens)
+                # On the side stream, beside the next layers' prefill (outside the timed phase, whose closing
+                # synchronisation would wait for it).
+                if values_copy is not None:
+                    self.seq.prompt_copies.copy(*values_copy)
         return out
 
-    def _enter_sparse(self, n_tokens: int) -> None:
-        """Factorise, pick landmarks and outliers, lay out the pool and the host store; the dense buffers go."""
+    def _enter_sparse(self, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Factorise, pick landmarks and outliers, lay out the pool and the host store; the dense buffers go.
+        Returns the host store's fill for the caller to queue, ``(destination, source)`` (None: no candidates)."""
         cs, n_local = self.chunk_size, self.n_local
         keys, values = self._keys[:, :n_tokens], self._values[:, :n_tokens]
         n_kv_heads, _, head_dim = keys.shape
@@ -225,6 +231,7 @@ class ShadowKVKV(StaticDenseKV):
         # Capacity in chunks, plus one scratch chunk (and its rows) that fixed-shape writes go to when idle.
         n_chunks = -(-storage_capacity(self.seq, n_tokens + 1, 0) // cs)
         self._allocate_sparse(n_chunks, n_kv_heads, head_dim, basis.shape[0], device, dtype)
+        self.store_values[max(0, (n_tokens - 1) // cs - self.n_local + 1):].zero_()  # past the prompt's candidates
         self.coefficients[:n_tokens] = key_coefficients(pre_rope, basis).to(dtype)
 
         # The window of the last prompt token; the chunks before it are candidates.
@@ -233,7 +240,7 @@ class ShadowKVKV(StaticDenseKV):
         if n_candidates:
             self.landmarks[:, :n_candidates] = chunk_landmarks(keys[:, :split], cs).to(dtype)
             chunk_values = values[:, :split].reshape(n_kv_heads, n_candidates, cs, head_dim).transpose(0, 1)
-            self.store_values[:n_candidates].copy_(chunk_values)
+            values_copy = (self.store_values[:n_candidates], chunk_values)
             outliers = outlier_chunks(keys[:, :split], cs, self.n_outlier)  # [Hkv, n]
             n = outliers.shape[1]
             self.outlier_ids[:, :n] = outliers
@@ -249,6 +256,7 @@ class ShadowKVKV(StaticDenseKV):
         self.pool_values[ring, :, window % cs] = values[:, split:].transpose(0, 1)
         self._keys = self._values = None  # the dense copy goes
         self.sparse = True
+        return values_copy if n_candidates else None
 
     def _allocate_sparse(self, n_chunks, n_kv_heads, head_dim, rank, device, dtype) -> None:
         cs = self.chunk_size
@@ -263,7 +271,8 @@ class ShadowKVKV(StaticDenseKV):
         # The chunk each selected slot holds per KV head (-1: empty); the last column takes writes with no target.
         self.slot_chunk = torch.full((n_kv_heads, self.n_selected + 1), -1, dtype=torch.long, device=device)
         pin = device.type == "cuda"
-        self.store_values = torch.zeros(n_chunks + 1, n_kv_heads, cs, head_dim, dtype=dtype, pin_memory=pin)
+        # From the host pool (kept across sequences): the prompt's candidates are copied in, the rest is cleared.
+        self.store_values = self.seq.prompt_copies.take((n_chunks + 1, n_kv_heads, cs, head_dim), dtype, device)
         self._store_on_device = mapped_device_view(self.store_values, device) if pin else self.store_values
         self._heads = torch.arange(n_kv_heads, device=device)
         self._chunk_ids = torch.arange(n_chunks + 1, device=device)
@@ -287,6 +296,7 @@ class ShadowKVKV(StaticDenseKV):
         self.landmarks[:, :kept], self.is_outlier[:, :kept] = old[0][:, :kept], old[1][:, :kept]
         self.coefficients[: kept * cs] = old[2][: kept * cs]
         self.store_values[:kept] = old[3][:kept]
+        self.store_values[kept:].zero_()
         self.pool_keys.copy_(old[4])
         self.pool_values.copy_(old[5])
         self.outlier_ids.copy_(old[6])
@@ -300,7 +310,10 @@ class ShadowKVKV(StaticDenseKV):
             if self.seq_len + 1 <= self.budget:
                 self.seq.counters.record_on_device((self.decode_position(key.device) + 1).float())
                 return super().decode(query, key, value, scaling)
-            self._enter_sparse(self.seq_len)  # an unannounced sequence outgrew the budget (never captured)
+            values_copy = self._enter_sparse(self.seq_len)  # an unannounced sequence outgrew the budget (never
+            if values_copy is not None:  # captured)
+                self.seq.prompt_copies.copy(*values_copy)
+        self.seq.prompt_copies.join()
         if self.seq_len + 1 > self.n_chunks * self.chunk_size:
             self._grow(self.seq_len + 1)
         position = self.decode_position(key.device)

@@ -222,7 +222,7 @@ def summarise(measurements: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row["prefill_phases_s"] = {p: statistics.median(g.get("prefill_phases_s", {}).get(p, 0.0) for g in group)
                                    for p in prefill}
         for key in ("gpu_kv_bytes", "cpu_kv_bytes", "offloaded_kv_bytes", "peak_gpu_bytes", "host_rss_bytes",
-                    "host_rss_added_bytes"):  # the most any repeat held
+                    "host_rss_added_bytes", "host_buffers_allocated_bytes"):  # the most any repeat held
             values = [g[key] for g in group if g.get(key) is not None]
             row[key] = max(values) if values else None
         for key in ("mean_attended_tokens", "pages_loaded_per_step", "bytes_to_gpu_per_step",
@@ -342,6 +342,7 @@ def measure(settings: LatencySettings, out: str | Path, resume: Path | None = No
     from eval import provenance
     from eval.plugins import build_method
     from icecache.core.cache import ATTENTION_NAME, HarnessCache
+    from icecache.core.host_memory import HostPool
     from icecache.core.method import method_label
     from icecache.core.models import load_model, model_info
     from icecache.core.timing import PhaseTimer
@@ -352,6 +353,10 @@ def measure(settings: LatencySettings, out: str | Path, resume: Path | None = No
     info = model_info(spec)
     methods = {name: build_method(method_values(name, settings.budget, settings.set), info)
                for name in settings.methods}
+    # One pool of host buffers for every method: their sequences run one at a time, so a buffer pinned for one
+    # method's store serves the next method's (a run pins its host memory once, in its first rounds). Each
+    # measurement records the bytes its sequence had to allocate (0: all reused).
+    host_pool = HostPool(max_cached_bytes=host_pool_limit())
     print(f"building {spec.name} ({spec.source}) on {spec.resolved_device()} / {spec.resolved_dtype()} ...",
           flush=True)
     model, _ = load_model(spec, ATTENTION_NAME)
@@ -428,7 +433,8 @@ def measure(settings: LatencySettings, out: str | Path, resume: Path | None = No
                 if (context, name, round_index - warmups) in done or (not measured and all(
                         (context, name, r) in done for r in range(settings.repeats))):
                     continue
-                cache = HarnessCache(method, PhaseTimer(device, enabled=True))
+                cache = HarnessCache(method, PhaseTimer(device, enabled=True), host_pool=host_pool)
+                pool_bytes_before = host_pool.allocated_bytes
                 rss_before = resident_bytes()
                 result = generation.greedy_generate(model, cache, request,
                                                     prefill_chunk_size=settings.prefill_chunk_size,
@@ -438,7 +444,8 @@ def measure(settings: LatencySettings, out: str | Path, resume: Path | None = No
                 if measured:
                     measurements.append(measurement(spec.name, name, method, context, process,
                                                     round_index - warmups, result, rss_before, rss_after,
-                                                    method_label(dataclasses.asdict(method.config))))
+                                                    method_label(dataclasses.asdict(method.config)),
+                                                    host_pool.allocated_bytes - pool_bytes_before))
                     # Each finished measurement is on disk at once: a run killed at its time limit keeps the rest.
                     provenance.write_result(out, "latency", payload(complete=False), path=out_path, quiet=True)
                 cache.close()
@@ -453,9 +460,22 @@ def measure(settings: LatencySettings, out: str | Path, resume: Path | None = No
     return provenance.write_result(out, "latency", final, path=out_path)
 
 
+def host_pool_limit() -> int | None:
+    """The free host buffers the latency engine's pool keeps: two fifths of the host's memory (None where the
+    size is unknown), so that methods of different layouts cannot pin the host full between them."""
+    import os
+
+    try:
+        return int(0.4 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def measurement(model: str, name: str, method, context: int, process: int, round_index: int, result,
-                rss_before: int | None, rss_after: int | None, label: str) -> dict[str, Any]:
-    """One measured run of method ``name`` as the latency file records it."""
+                rss_before: int | None, rss_after: int | None, label: str,
+                host_buffers_allocated: int = 0) -> dict[str, Any]:
+    """One measured run of method ``name`` as the latency file records it; ``host_buffers_allocated``: the bytes of
+    host buffers its sequence allocated (``core.host_memory``; the rest it reused)."""
     n_steps = max(1, len(result.step_times_s))
     counters = result.counters
     return {
@@ -466,6 +486,7 @@ def measurement(model: str, name: str, method, context: int, process: int, round
         "cpu_kv_bytes": result.cpu_kv_bytes, "peak_gpu_bytes": result.peak_gpu_bytes,
         "offloaded_kv_bytes": result.offloaded_kv_bytes, "host_rss_bytes": rss_after,
         "host_rss_added_bytes": None if rss_after is None else rss_after - rss_before,
+        "host_buffers_allocated_bytes": host_buffers_allocated,
         "mean_attended_tokens": counters.get("mean_attended_tokens"),
         **({"host_channel": counters["host_channel"]} if "host_channel" in counters else {}),
         "pages_loaded_per_step": counters.get("pages_loaded", 0) / n_steps,

@@ -228,8 +228,6 @@ def run_sample(config: RunConfig, task, method, model, tokenizer, sample, defaul
     from icecache.core.generation import GenerationRequest, greedy_generate
     from icecache.core.timing import PhaseTimer
 
-    cache = HarnessCache(method, PhaseTimer(config.model.resolved_device(), config.measure_phases),
-                         measure_selection=config.measure_selection)
     request = GenerationRequest(
         input_ids=sample.input_ids,
         max_new_tokens=sample.max_new_tokens,
@@ -238,10 +236,14 @@ def run_sample(config: RunConfig, task, method, model, tokenizer, sample, defaul
         stop_strings=sample.stop_strings,
         suffix_ids=sample.suffix_ids,
     )
-    result = greedy_generate(
-        model, cache, request, prefill_chunk_size=config.prefill_chunk_size, tokenizer=tokenizer,
-        layer_by_layer=config.layer_by_layer_prefill, residual_on_host=config.prefill_residual_on_host,
-    )
+    # Closed when the generation ends (an error included): its workers end now, not when the garbage collector
+    # runs, and its host buffers go back to the method's pool.
+    with HarnessCache(method, PhaseTimer(config.model.resolved_device(), config.measure_phases),
+                      measure_selection=config.measure_selection) as cache:
+        result = greedy_generate(
+            model, cache, request, prefill_chunk_size=config.prefill_chunk_size, tokenizer=tokenizer,
+            layer_by_layer=config.layer_by_layer_prefill, residual_on_host=config.prefill_residual_on_host,
+        )
     prediction = tokenizer.decode(result.token_ids, skip_special_tokens=True)
     record = {
         "sample_id": sample.sample_id,
@@ -254,7 +256,6 @@ def run_sample(config: RunConfig, task, method, model, tokenizer, sample, defaul
     }
     if result.selection is not None:
         record["selection"] = result.selection
-    cache.close()  # ends the method's workers now, not when the garbage collector runs
     return record
 
 

@@ -15,6 +15,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention import dense_attention
+from .host_memory import HostPool, PromptCopies
 from .method import LayerKV, Method, SequenceContext
 from .selection_quality import SelectionMeter
 from .timing import PhaseTimer
@@ -67,10 +68,11 @@ class HarnessCache(Cache):
     (``close``, or ``with HarnessCache(...) as cache:``), which ends the workers a method's layers share."""
 
     def __init__(self, method: Method, timer: PhaseTimer | None = None, trace_selection: bool = False,
-                 measure_selection: bool = False):
+                 measure_selection: bool = False, host_pool: HostPool | None = None):
         self.method = method
         self.seq = SequenceContext(
-            timer=timer or PhaseTimer(method.model.device), trace_selection=trace_selection or measure_selection
+            timer=timer or PhaseTimer(method.model.device), trace_selection=trace_selection or measure_selection,
+            prompt_copies=PromptCopies(host_pool if host_pool is not None else method.host_pool),
         )
         if measure_selection:  # the layers' traces are what it measures (core.selection_quality)
             self.seq.selection_meter = SelectionMeter(self.seq, method.model.n_layers, method.config.n_dense_layers)

@@ -234,6 +234,27 @@ class MappedHostMemory:
             self.host = 0
 
 
+def pinned_host_allocation(nbytes: int, device: torch.device) -> tuple[int, Callable[[], None]]:
+    """``(address, free)``: ``nbytes`` of pinned host memory, mapped into every device (``cuMemHostAlloc`` with
+    PORTABLE | DEVICEMAP; with unified addressing a kernel reads it at its host address), not zeroed, and the call
+    that frees it. Exactly ``nbytes``, where PyTorch's pinned allocator rounds up to a power of two."""
+    device_index = _device_index(device)
+    lib = _libcuda()
+    host = ctypes.c_void_p()
+    with _unsafe_calls_allowed(), _primary_context(device_index):
+        _check(lib.cuMemHostAlloc(ctypes.byref(host), nbytes, _CU_MEMHOSTALLOC_PORTABLE_DEVICEMAP), "cuMemHostAlloc")
+    address = int(host.value)
+
+    def free() -> None:
+        try:
+            with _unsafe_calls_allowed(), _primary_context(device_index):
+                _libcuda().cuMemFreeHost(ctypes.c_void_p(address))
+        except (RuntimeError, OSError):  # the process is ending and the driver with it
+            pass
+
+    return address, free
+
+
 def stream_memory_unsupported(device_index: int) -> str | None:
     """None where device ``device_index`` runs the channel's stream memory operations, else why not: the C++ side is
     not built, the driver lacks the calls, the first calls are switched off (no _v2 entry points and

@@ -218,6 +218,9 @@ def _generate(model, cache: HarnessCache, request: GenerationRequest, device: to
         logits_kept.append(logits.float().cpu())
     generated = [pick(logits, 0)]
     ttft = time.perf_counter() - start
+    # The first token needs none of the prompt's copies to host memory; the first decode step does (a wait on the
+    # device, after the first token: the copies' tail, if any, counts in TT2T).
+    cache.seq.prompt_copies.join()
 
     step_times: list[float] = []
     step_phases: list[dict[str, float]] = []

@@ -15,6 +15,7 @@ import torch
 
 from .attention import dense_attention
 from .cuda_driver import HostFunctions
+from .host_memory import PromptCopies
 from .rope import Rotary
 from .timing import DecodeCounters, PhaseTimer
 
@@ -80,6 +81,9 @@ class SequenceContext:
     # Host work a layer hands off from the stream (cuda_driver.HostFunctions): the sequence's channel (its worker
     # starts at the first captured hand-off), with the entries kept alive as long as the graphs that replay them.
     host_functions: HostFunctions = field(default_factory=HostFunctions)
+    # The prompt's copies to host memory and the host buffers the sequence holds (core.host_memory): buffers come
+    # from the pool of the method (or of the harness, shared across methods) and go back to it at ``close``.
+    prompt_copies: PromptCopies = field(default_factory=PromptCopies)
     _states: dict[type, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -105,6 +109,7 @@ class SequenceContext:
             if close is not None:
                 close()
         self.host_functions.close()
+        self.prompt_copies.close()  # last: a state's worker may still read the buffers until it is closed
 
 
 def storage_capacity(seq: SequenceContext, needed: int, current: int) -> int:

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from icecache.errors import ConfigError, dataclass_from_dict
 from icecache.registry import Registry
 
+from .host_memory import HostPool
 from .layer import DenseKV, LayerKV, ModelInfo, SequenceContext, storage_capacity
 from .static_kv import StaticDenseKV
 
@@ -125,6 +126,9 @@ class Method(ABC):
     def __init__(self, config: MethodConfig, model: ModelInfo):
         self.config = config
         self.model = model
+        # Host buffers this method's sequences reuse, one after the other (core.host_memory); a harness that runs
+        # several methods may give their caches one shared pool instead.
+        self.host_pool = HostPool()
 
     def check(self) -> None:
         """Raise ``ConfigError`` if the settings cannot work for this model (called before any weights load)."""

@@ -114,12 +114,13 @@ class IceCacheLayer(DenseKV):
         state = OffloadedState(pool, sink_len, window, host_dtype, keys_in_index,
                                TokenStore(None if keys_in_index else empty, empty), native)
         # The middle goes to the index; the window's host copy is what its pages are offloaded from later.
-        pin = device.type == "cuda"
-        offloaded_k = keys[:, sink_len:].to("cpu", host_dtype, non_blocking=pin)
-        offloaded_v = values[:, sink_len:].to("cpu", host_dtype, non_blocking=pin)
-        copied = torch.cuda.Event() if pin else None
-        if copied is not None:
-            copied.record()
+        # Into host buffers the method keeps across sequences, on the side stream beside the next layers' prefill
+        # (core.host_memory); the index job waits for the copy's event.
+        copies = self.seq.prompt_copies
+        offloaded_k = copies.take((n_kv_heads, total - sink_len, head_dim), host_dtype, device)
+        offloaded_v = copies.take((n_kv_heads, total - sink_len, head_dim), host_dtype, device)
+        copies.copy(offloaded_k, keys[:, sink_len:])
+        copied = copies.copy(offloaded_v, values[:, sink_len:])
         self._keys = self._values = None  # the full prompt leaves the GPU
         self.state = state
         self._ready = self.sequence.submit_prompt_job(self._index_prompt, state, offloaded_k, offloaded_v,

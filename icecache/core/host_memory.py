@@ -1,0 +1,191 @@
+"""The host memory of offloading methods: buffers kept from one sequence to the next, and the prompt's copy to them
+beside the prefill.
+
+Every method that keeps KV in host memory (ArkVale, ShadowKV, PQCache, OmniKV, MagicPIG, IceCache) does the same two
+things at the end of a layer's prompt: it takes host buffers sized for the sequence, and it copies the layer's keys
+and values into them. Done naively, both sit on the prompt's critical path: pinning fresh memory runs at about
+2 GB/s (8 GB a sequence at 32k tokens of Llama-3.1-8B, four seconds, more than the prefill itself), and a copy on
+the model's stream holds up the next layer's prefill. Here:
+
+* ``HostPool`` hands out host buffers (pinned, device-mapped, on CUDA) and takes them back when the sequence ends,
+  keeping them for the next sequence: a run allocates its host memory once. A request takes the smallest free buffer
+  that holds it, if that buffer is at most ``REUSE_SLACK`` times the request (so that sequences of one length, and
+  methods of like layouts, share the same memory); otherwise a new buffer of exactly the requested size. Free buffers
+  beyond ``max_cached_bytes`` are released, largest first. One pool serves any number of methods whose sequences do
+  not overlap (the latency engine shares one across the methods it interleaves); a method has its own by default.
+* ``PromptCopies`` (one per sequence, ``SequenceContext.prompt_copies``) queues a device-to-host copy on a side
+  stream after the model's stream has produced its source, so that layer ``l``'s copy runs while layer ``l + 1``'s
+  prefill does. The model's stream waits for the copies (a device-side wait, no host synchronisation) before the
+  first decode step (``join``, called by the generation loop and by the layers' decode); host code that reads a
+  buffer first waits for the copy's event.
+
+A buffer's contents are whatever the previous sequence left: a method reads a position only once it has written it,
+or clears what it needs cleared (the same rule its ``torch.empty`` stores followed before).
+
+On a CPU there is no pinning and no stream: buffers are plain tensors and copies run at once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+# A free buffer is reused for a request of at least 1 / REUSE_SLACK of its size.
+REUSE_SLACK = 1.25
+
+
+def _pinned_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
+    """``nbytes`` of pinned host memory, mapped into the device's address space, as a uint8 tensor that frees it when
+    the last view goes. Exactly ``nbytes`` (PyTorch's pinned allocator rounds a request up to a power of two)."""
+    from .cuda_driver import pinned_host_allocation
+
+    address, free = pinned_host_allocation(nbytes, device)
+    array = (ctypes.c_uint8 * nbytes).from_address(address)
+    weakref.finalize(array, free)
+    return torch.frombuffer(array, dtype=torch.uint8, count=nbytes)
+
+
+@dataclass
+class _Buffer:
+    data: torch.Tensor  # uint8, the whole allocation
+    pinned: bool
+    leased: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+@dataclass
+class HostPool:
+    """Host buffers kept across sequences (see the module's docstring). Not thread-safe: layers take buffers from
+    the thread that runs the model."""
+
+    max_cached_bytes: int | None = None  # free buffers kept at most (None: every one)
+    _buffers: list[_Buffer] = field(default_factory=list, repr=False)
+    _leases: dict[int, tuple[torch.Tensor, _Buffer]] = field(default_factory=dict, repr=False)
+    allocated_bytes: int = 0  # held now, leased or free
+    allocations: int = 0  # buffers made so far (a reused request makes none)
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """A host tensor of ``shape`` and ``dtype`` (pinned and device-mapped where ``device`` is CUDA), leased until
+        ``give_back`` of it; its contents are undefined."""
+        device = torch.device(device)
+        pinned = device.type == "cuda"
+        nbytes = dtype.itemsize
+        for extent in shape:
+            nbytes *= int(extent)
+        wanted = max(nbytes, 1)
+        fitting = [b for b in self._buffers if not b.leased and b.pinned == pinned
+                   and wanted <= b.nbytes <= REUSE_SLACK * wanted]
+        if fitting:
+            buffer = min(fitting, key=lambda b: b.nbytes)
+        else:
+            data = _pinned_bytes(wanted, device) if pinned else torch.empty(wanted, dtype=torch.uint8)
+            buffer = _Buffer(data, pinned)
+            self._buffers.append(buffer)
+            self.allocated_bytes += wanted
+            self.allocations += 1
+        buffer.leased = True
+        tensor = buffer.data[:nbytes].view(dtype).view(shape)
+        self._leases[id(tensor)] = (tensor, buffer)
+        return tensor
+
+    def give_back(self, tensor: torch.Tensor) -> None:
+        """End the lease of a tensor ``take`` returned (its buffer serves the next request that fits)."""
+        lease = self._leases.get(id(tensor))
+        if lease is None or lease[0] is not tensor:
+            raise ValueError("give_back: the tensor is not a leased buffer of this pool")
+        del self._leases[id(tensor)]
+        lease[1].leased = False
+        self._trim()
+
+    def _trim(self) -> None:
+        if self.max_cached_bytes is None:
+            return
+        free = sorted((b for b in self._buffers if not b.leased), key=lambda b: -b.nbytes)
+        cached = sum(b.nbytes for b in free)
+        for buffer in free:
+            if cached <= self.max_cached_bytes:
+                break
+            self._buffers.remove(buffer)
+            self.allocated_bytes -= buffer.nbytes
+            cached -= buffer.nbytes
+
+    def clear(self) -> None:
+        """Release every free buffer."""
+        for buffer in [b for b in self._buffers if not b.leased]:
+            self._buffers.remove(buffer)
+            self.allocated_bytes -= buffer.nbytes
+
+    @property
+    def leased_bytes(self) -> int:
+        return sum(b.nbytes for b in self._buffers if b.leased)
+
+
+@dataclass
+class PromptCopies:
+    """One sequence's prompt copies to host memory and its leases of pool buffers (see the module's docstring)."""
+
+    pool: HostPool = field(default_factory=HostPool)
+    _leases: list[torch.Tensor] = field(default_factory=list, repr=False)
+    _streams: dict[int, torch.cuda.Stream] = field(default_factory=dict, repr=False)
+    _pending: set[int] = field(default_factory=set, repr=False)  # devices with copies the model's stream awaits
+
+    def __post_init__(self) -> None:
+        # A sequence dropped without ``close`` still gives its buffers back when it is collected.
+        self._release = weakref.finalize(self, _release_leases, self.pool, self._leases, self._streams)
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """A pool buffer for this sequence (``HostPool.take``), given back when the sequence closes."""
+        tensor = self.pool.take(shape, dtype, device)
+        self._leases.append(tensor)
+        return tensor
+
+    def copy(self, destination: torch.Tensor, source: torch.Tensor) -> torch.cuda.Event | None:
+        """Copy ``source`` (on the device) into the contiguous host tensor ``destination``: on CUDA, queued on the
+        sequence's side stream after the model's stream has produced ``source``, returning the event a host reader
+        waits for; on a CPU at once (None)."""
+        if not destination.is_contiguous():
+            raise ValueError("PromptCopies.copy needs a contiguous destination (copy row blocks one by one)")
+        if not source.is_cuda:
+            destination.copy_(source)
+            return None
+        index = source.device.index if source.device.index is not None else torch.cuda.current_device()
+        stream = self._streams.get(index)
+        if stream is None:
+            stream = self._streams[index] = torch.cuda.Stream(source.device)
+        stream.wait_stream(torch.cuda.current_stream(source.device))
+        with torch.cuda.stream(stream):
+            destination.copy_(source, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        # The source's memory is reused by the model's stream only once the side stream is past it.
+        source.record_stream(stream)
+        self._pending.add(index)
+        return done
+
+    def join(self) -> None:
+        """The current streams wait (on the device) for every copy queued so far: what a decode step needs before
+        it reads the host buffers. Free when nothing is pending, so every decode step may call it."""
+        if not self._pending:
+            return
+        for index in self._pending:
+            torch.cuda.current_stream(index).wait_stream(self._streams[index])
+        self._pending.clear()
+
+    def close(self) -> None:
+        """The sequence has ended: wait for its copies, then give its buffers back to the pool."""
+        self._pending.clear()
+        _release_leases(self.pool, self._leases, self._streams)
+
+
+def _release_leases(pool: HostPool, leases: list[torch.Tensor], streams: dict[int, torch.cuda.Stream]) -> None:
+    for stream in streams.values():
+        stream.synchronize()
+    for tensor in leases:
+        pool.give_back(tensor)
+    leases.clear()

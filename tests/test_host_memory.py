@@ -1,0 +1,151 @@
+"""The host buffers offloading methods keep across sequences (core.host_memory): the pool's reuse, fit and trim
+rules, the leases a sequence gives back, and every offloading method generating the same tokens on reused (stale)
+buffers as on fresh ones. On a CUDA host, the prompt's copies on the side stream against the same run on the CPU are
+in tests/test_gpu_methods.py (every method's GPU path against its CPU path)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from eval.plugins import build_method, method_class
+from icecache.core.cache import HarnessCache
+from icecache.core.generation import GenerationRequest, greedy_generate
+from icecache.core.host_memory import REUSE_SLACK, HostPool, PromptCopies
+from tests.conftest import tiny_model
+
+CPU = torch.device("cpu")
+
+
+def test_a_buffer_given_back_serves_the_next_request_of_its_size():
+    pool = HostPool()
+    first = pool.take((4, 100, 8), torch.bfloat16, CPU)
+    address = first.data_ptr()
+    pool.give_back(first)
+    again = pool.take((4, 100, 8), torch.bfloat16, CPU)
+    assert again.data_ptr() == address and pool.allocations == 1
+    assert again.shape == (4, 100, 8) and again.dtype == torch.bfloat16
+    # A leased buffer is never handed out twice.
+    other = pool.take((4, 100, 8), torch.bfloat16, CPU)
+    assert other.data_ptr() != address and pool.allocations == 2 and pool.leased_bytes == 2 * 6400
+
+
+def test_a_request_takes_the_smallest_free_buffer_that_fits_within_the_slack():
+    pool = HostPool()
+    big, small = pool.take((1000,), torch.uint8, CPU), pool.take((500,), torch.uint8, CPU)
+    big_address, small_address = big.data_ptr(), small.data_ptr()
+    pool.give_back(big)
+    pool.give_back(small)
+    assert pool.take((450,), torch.uint8, CPU).data_ptr() == small_address  # the smaller of the two that fit
+    assert pool.take((900,), torch.uint8, CPU).data_ptr() == big_address
+    # A free buffer far larger than the request is not spent on it.
+    pool = HostPool()
+    pool.give_back(pool.take((1000,), torch.uint8, CPU))
+    pool.take((int(1000 / REUSE_SLACK) - 1,), torch.uint8, CPU)
+    assert pool.allocations == 2
+
+
+def test_free_buffers_beyond_the_cap_are_released_largest_first():
+    pool = HostPool(max_cached_bytes=1500)
+    buffers = [pool.take((size,), torch.uint8, CPU) for size in (1000, 800, 600)]
+    for tensor in buffers:
+        pool.give_back(tensor)
+    # 2400 bytes free > 1500: the 1000-byte buffer goes, 1400 stay.
+    assert pool.allocated_bytes == 1400
+    pool.clear()
+    assert pool.allocated_bytes == 0 and pool.take((600,), torch.uint8, CPU) is not None and pool.allocations == 4
+
+
+def test_give_back_refuses_a_tensor_the_pool_did_not_lease():
+    pool = HostPool()
+    with pytest.raises(ValueError, match="not a leased buffer"):
+        pool.give_back(torch.zeros(4))
+    tensor = pool.take((4,), torch.float32, CPU)
+    pool.give_back(tensor)
+    with pytest.raises(ValueError, match="not a leased buffer"):
+        pool.give_back(tensor)  # twice
+
+
+def test_a_sequence_gives_its_buffers_back_at_close_or_when_dropped():
+    pool = HostPool()
+    copies = PromptCopies(pool)
+    destination = copies.take((3, 5), torch.float32, CPU)
+    source = torch.randn(3, 5)
+    assert copies.copy(destination, source) is None  # on a CPU the copy is done at once
+    assert torch.equal(destination, source) and pool.leased_bytes == 60
+    copies.close()
+    assert pool.leased_bytes == 0
+    dropped = PromptCopies(pool)
+    dropped.take((3, 5), torch.float32, CPU)
+    del dropped
+    gc.collect()
+    assert pool.leased_bytes == 0 and pool.allocations == 1
+    with pytest.raises(ValueError, match="contiguous destination"):
+        PromptCopies(pool).copy(torch.zeros(5, 3).t(), source)
+
+
+def test_a_zero_length_buffer_is_a_valid_empty_tensor():
+    pool = HostPool()
+    empty = pool.take((2, 0, 4), torch.bfloat16, CPU)
+    assert empty.shape == (2, 0, 4) and empty.numel() == 0
+    pool.give_back(empty)
+
+
+OFFLOADING = ["arkvale", "omnikv", "shadowkv", "pqcache", "icecache", "icecache_reuse"]
+
+
+@pytest.mark.parametrize("name", OFFLOADING)
+def test_reused_buffers_give_the_tokens_of_fresh_ones(name):
+    """A method's second sequence runs on the host buffers its first left behind (not cleared): its tokens must be
+    those of the same sequence on a fresh method, and it must allocate nothing."""
+    model, _, info = tiny_model("llama")
+    settings = {"name": name, "budget": 64, "n_dense_layers": 1, **method_class(name).test_settings}
+
+    def prompt(seed: int) -> list[int]:
+        return torch.randint(0, 500, (300,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+    def generate(method, ids) -> list[int]:
+        with HarnessCache(method) as cache:
+            return greedy_generate(model, cache, GenerationRequest(ids, 12)).token_ids
+
+    method = build_method(settings, info)
+    generate(method, prompt(1))
+    allocated, allocations = method.host_pool.allocated_bytes, method.host_pool.allocations
+    assert allocated > 0, f"{name} keeps no host buffers from the pool"
+    second = generate(method, prompt(2))
+    assert method.host_pool.allocations == allocations and method.host_pool.allocated_bytes == allocated
+    assert second == generate(build_method(settings, info), prompt(2))
+
+
+@pytest.mark.parametrize("shape", [(3, 1000, 64), (1, 0, 8)])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pinned_buffers_are_exact_mapped_and_filled_beside_the_model_stream(shape):
+    """A pinned pool buffer is exactly the requested size, pinned and readable in place by a kernel; the prompt's copy
+    runs on the side stream, survives its source being freed and reused by the model's stream at once, and is what a
+    kernel on the model's stream reads after ``join``."""
+    from icecache.core.paged import mapped_device_view
+
+    device = torch.device("cuda")
+    pool = HostPool()
+    copies = PromptCopies(pool)
+    destination = copies.take(shape, torch.bfloat16, device)
+    assert pool.allocated_bytes == max(1, destination.numel() * 2)
+    assert destination.is_pinned() or not destination.numel()
+    source = torch.randn(shape, device=device).to(torch.bfloat16)
+    expected = source.cpu()
+    torch.cuda._sleep(50_000_000)  # the model's stream is busy: the side stream must wait for the source
+    done = copies.copy(destination, source.transpose(0, 1).contiguous().transpose(0, 1))
+    del source
+    clobber = torch.full(shape, 7.0, device=device, dtype=torch.bfloat16)  # may take the source's memory
+    copies.join()
+    on_device = mapped_device_view(destination, device) if destination.numel() else destination.to(device)
+    read = (on_device.float() * 1).cpu()
+    done.synchronize()
+    assert torch.equal(destination, expected) and torch.equal(read.to(torch.bfloat16), expected)
+    assert clobber.float().mean().item() == 7.0
+    copies.close()
+    again = PromptCopies(pool).take(shape, torch.bfloat16, device)
+    assert again.data_ptr() == destination.data_ptr() and pool.allocations == 1
