@@ -296,6 +296,25 @@ def test_the_native_host_step_computes_what_the_torch_reference_computes(case):
         assert 0 < sampled_steps < n_steps
 
 
+def test_the_host_step_gives_the_same_bits_with_any_thread_count():
+    """Each query head is computed by one thread in a fixed order, so the step's results do not depend on how many
+    threads share the heads (the H200 host runs 16, the tests' machine fewer)."""
+    runs = []
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 3):
+            torch.set_num_threads(n_threads)
+            gen = torch.Generator().manual_seed(9)
+            layer, _, _ = layer_after_prompt(gen, n_prompt=300, K=3, L=10)
+            assert layer.native.threads == n_threads
+            runs.append([(step(layer, gen)[-1], layer.last_attended.clone(), layer.last_log_weights.clone())
+                         for _ in range(10)])
+    finally:
+        torch.set_num_threads(threads)
+    for one, several in zip(*runs):
+        assert all(torch.equal(a, b) for a, b in zip(one, several))
+
+
 def test_a_host_step_past_the_store_keeps_its_error_and_the_layer_raises_it():
     """The C++ step never throws through the hand-off: a position past the store (which only Python grows, between
     steps) is kept as the step's error, later steps do nothing, and the layer raises it after the step."""
