@@ -50,7 +50,7 @@ ruler-data: $(STAMP)
 	$(PY) scripts/fetch_ruler_data.py
 
 clean-build:
-	rm -rf build icecache/dci/*.so icecache/core/*.so
+	rm -rf build icecache/dci/*.so icecache/core/*.so icecache/core/kernels/*.so
 
 .PHONY: reproduce-table2 reproduce-ruler reproduce-latency reproduce-scaling collect
 # MODEL on the command line overrides the experiment's own model; LAUNCHER=local|slurm

@@ -1,5 +1,6 @@
-"""Builds the C++ extensions: the DCI index ``icecache.dci._dci`` and the host side of the decode step's hand-off
-channel ``icecache.core._host_channel`` (no CUDA: its driver calls are made from Python); everything else is in
+"""Builds the C++ extensions: the DCI index ``icecache.dci._dci``, MagicPIG's host step
+``icecache.core.kernels._magicpig_host`` and the host side of the decode step's hand-off channel
+``icecache.core._host_channel`` (no CUDA: its driver calls are made from Python); everything else is in
 pyproject.toml.
 
 The module also holds IceCache's decode step (icecache/method/src/): the step calls the index's searches and
@@ -26,6 +27,14 @@ ext_modules = [
         "icecache.dci._dci",
         sorted(glob("icecache/dci/src/*.cpp")) + sorted(glob("icecache/method/src/*.cpp")),
         include_dirs=["icecache/dci/src"],
+        cxx_std=17,
+        extra_compile_args=["-O3", "-fno-math-errno", *openmp],
+        extra_link_args=openmp if sys.platform != "darwin" else ["-lomp"],
+    ),
+    # MagicPIG's host step (baselines/magicpig.py): its row kernels carry their own AVX2 and AVX-512 clones.
+    Pybind11Extension(
+        "icecache.core.kernels._magicpig_host",
+        ["icecache/core/kernels/src/magicpig_host.cpp"],
         cxx_std=17,
         extra_compile_args=["-O3", "-fno-math-errno", *openmp],
         extra_link_args=openmp if sys.platform != "darwin" else ["-lomp"],

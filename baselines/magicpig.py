@@ -21,12 +21,18 @@ memory, with the norm of its centred key. The device hashes the middle of the pr
 bucket's span). A decode step writes the new token into the window ring (slot ``4 + (t - 4) % 64``; the token it
 overwrites is in host memory already and joins the middle), hashes the query and the new key on the device (phase
 ``hash``), and sends them to the host with the new key and value in one fixed-size copy
-(``core.host_step.HostExchange``); the host stores the token, counts for each query head the tables in which each middle
-token shares its bucket (the prompt's through the tables, later tokens directly), samples the tokens with at least two
-collisions (phase ``select``; the angle in float64) and computes (phase ``cpu_attention``), in vectorised float32 torch
-on its threads, their attention with the log-weights ``-log(u + 1e-4)`` (the public code's floor) and its log-sum-exp;
-the device attends the sinks and window, and merges the two parts. The step is captured in a CUDA graph on CUDA: the
-host work is a host function of the graph (``core.host_step``), as IceCache's search is.
+(``core.host_step.HostExchange``). The host's part is one C++ call with the GIL released
+(``icecache/core/kernels/src/magicpig_host.cpp``, ``_magicpig_host.HostStep``, on buffers Python allocates once and
+the C++ step reads in place): it stores the token (key and value in the store's dtype, the norm of its centred key,
+its codes), counts for each query head the tables in which each middle token shares its bucket (the prompt's through
+the tables, later tokens directly), samples the tokens with at least two collisions and weighs them (phase
+``select``; the angle's chance in float64), and computes their attention with the log-weights ``-log(u + 1e-4)`` (the
+public code's floor) and its log-sum-exp (phase ``cpu_attention``), the query heads spread over torch's CPU threads
+(OpenMP); the device attends the sinks and window, and merges the two parts. The step is captured in a CUDA graph on
+CUDA: the C++ call is a hand-off of the graph (``HostExchange.run_native``), as IceCache's step is; on a CPU it is
+called at once, so the CPU tests run the code the GPU path runs. What the C++ step counted and timed is folded into
+the sequence after each step (after each replay, ``between_steps``, which also grows the host store: the C++ step
+never resizes it).
 
 Budget. ``budget`` slots per query head: the sinks, the window (the new token included) and at most ``budget -
 n_sink_tokens - n_local_tokens`` sampled tokens; a budget the sinks and window would fill shrinks the window to a
@@ -34,8 +40,10 @@ quarter of what the sinks leave (4 + 15 + 45 at budget 64; the public code's 64 
 records that setting. While the middle fits in the sampled slots, every middle token is attended with weight 1, so
 attention is exact (a sequence that fits the budget is attended in full, as for every method). Beyond, the tokens the
 hash tables sample are attended; if a head samples more than fit (``capped: true``), a uniformly random subset of them
-of the allowed size is kept (the smallest of one uniform draw per position, from a generator seeded by seed, layer and
-position) and the weights of that head's kept tokens grow by the inverse of the fraction kept, so the estimator stays
+of the allowed size is kept (those of the smallest draws, one uniform draw in [0, 1) per position shared by the
+heads: the top 53 bits of splitmix64 chained over seed, layer, position and token, so the same on every device, thread
+count and replay; it replaced draws of torch's CPU generator seeded per step, which C++ cannot reproduce) and the
+weights of that head's kept tokens grow by the inverse of the fraction kept, so the estimator stays
 importance-weighted. The number attended varies from step to step and head to head; runs record the mean
 (``mean_attended_tokens``), the effective budget. ``capped: false`` runs the paper's uncapped sampling (the budget then
 only decides when attention is exact) for comparisons with its tables.
@@ -48,9 +56,11 @@ this is a weighted estimate rather than a softmax over a subset, the additive lo
 Differences from the paper's code: the first ``n_dense_layers`` layers (default 2) keep the full cache, where the public
 code keeps layers 0 and 16 of Llama-3.1-8B dense; tokens generated after the prompt join the hash tables when they leave
 the window (the public code keeps every generated token on the GPU); the tables are built when a layer's prompt is done
-rather than beside the next layer's prefill; the CPU attention is torch (float32) rather than AVX-512 kernels (bf16 keys
-converted on the fly); the cap above is ours (the paper has no token budget). Rule tests (codes, table counts, the
-two-collision rule, the weights, thinning, the exact mode): ``tests/test_magicpig.py``.
+rather than beside the next layer's prefill; the CPU part is one C++ call in float32 arithmetic (rows of the bf16 store
+widened as they are read, as the public code's AVX-512 kernels convert bf16 keys on the fly), its row kernels built
+for the x86-64 baseline, AVX2 and AVX-512 and picked at load time; the cap above is ours (the paper has no token
+budget). Rule tests (codes, table counts, the two-collision rule, the weights, thinning, the exact mode) and the C++
+step against its torch definition (``tests/magicpig_reference.py``): ``tests/test_magicpig.py``.
 """
 
 from __future__ import annotations
@@ -63,6 +73,7 @@ from typing import Any
 import torch
 
 from icecache.core.host_step import HostExchange
+from icecache.core.kernels import _magicpig_host
 from icecache.core.method import METHODS, DenseKV, Method, MethodConfig, storage_capacity
 from icecache.errors import ConfigError
 
@@ -76,6 +87,8 @@ MAX_HASH_BITS = 16
 # The prompt is hashed this many tokens at a time (the public code's chunk): at 128k tokens and K * L = 1500
 # projections a layer's projections at once would take 6 GB.
 HASH_BLOCK_TOKENS = 8192
+# The dtypes the C++ host step stores tokens in, by the code it takes.
+_STORE_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @dataclass
@@ -155,62 +168,29 @@ def collision_counts_reference(query_codes: torch.Tensor, key_codes: torch.Tenso
 class HashTables:
     """One layer's hash tables over a run of positions: per KV head and table the positions sorted by bucket
     (``positions [Hkv, L, T]``) and where each bucket starts (``offsets [Hkv, L, 2^K + 1]``), on the CPU.
-    ``counts`` gives what ``collision_counts_reference`` gives, reading only the query's buckets."""
+    The host step reads both in place; ``counts`` gives what ``collision_counts_reference`` gives, reading only the
+    query's buckets, as the host step counts."""
 
     def __init__(self, key_codes: torch.Tensor, first_position: int, K: int):
         n_kv_heads, n_tokens, n_tables = key_codes.shape
         by_table = key_codes.transpose(1, 2).contiguous()  # [Hkv, L, T]
         sorted_codes, order = torch.sort(by_table, dim=-1, stable=True)
         buckets = torch.arange(2**K + 1, dtype=sorted_codes.dtype, device=key_codes.device)
-        self.offsets = torch.searchsorted(sorted_codes, buckets.expand(n_kv_heads, n_tables, -1).contiguous()).cpu()
-        self.positions = (order + first_position).to(torch.int32).cpu()
+        offsets = torch.searchsorted(sorted_codes, buckets.expand(n_kv_heads, n_tables, -1).contiguous())
+        self.offsets = offsets.cpu().contiguous()  # int64, read in place by the host step
+        self.positions = (order + first_position).to(torch.int32).cpu().contiguous()
         self.n_tables = n_tables
         self.end = first_position + n_tokens  # the positions the tables hold are below this
 
     def counts(self, query_codes: torch.Tensor, group: int, n_positions: int) -> torch.Tensor:
-        """``[Hq, n_positions]`` int64: collisions of each position below ``n_positions`` with each query head."""
-        n_heads, n_tables = query_codes.shape
-        n_buckets, n_tokens = self.offsets.shape[-1], self.positions.shape[-1]
-        # Everything through flat indices into offsets [Hkv * L * (2^K + 1)] and positions [Hkv * L * T]: one
-        # gather per tensor instead of multi-dimensional indexing, a quarter of the time at 8k tokens (the host
-        # runs this at every layer and step).
-        rows = ((torch.arange(n_heads) // group)[:, None] * n_tables + torch.arange(n_tables)).flatten()  # [Hq*L]
-        flat_offsets = self.offsets.view(-1)
-        bucket = rows * n_buckets + query_codes.long().flatten()
-        starts = flat_offsets[bucket]
-        lengths = flat_offsets[bucket + 1] - starts
-        per_head = lengths.view(n_heads, n_tables).sum(1)
-        total = int(per_head.sum())
-        if total == 0 or n_positions == 0:
-            return torch.zeros(n_heads, n_positions, dtype=torch.int64)
-        # The query's buckets as one flat list of indices into positions: bucket i's run starts at its first entry.
-        first = starts + rows * n_tokens
-        source = torch.repeat_interleave(first - (torch.cumsum(lengths, 0) - lengths), lengths) + torch.arange(total)
-        positions = self.positions.view(-1)[source].long()
-        cells = torch.repeat_interleave(torch.arange(n_heads) * n_positions, per_head) + positions
-        if n_positions < self.end:
-            cells = cells[positions < n_positions]
-        return torch.bincount(cells, minlength=n_heads * n_positions).view(n_heads, n_positions)
+        """``[Hq, n_positions]`` int64: collisions of each position below ``n_positions`` with each query head, as
+        the host step counts them (``_magicpig_host.table_collision_counts``)."""
+        counts = _magicpig_host.table_collision_counts(self.offsets.numpy(), self.positions.numpy(),
+                                                       query_codes.cpu().numpy(), group, n_positions)
+        return torch.from_numpy(counts)
 
     def nbytes(self) -> int:
         return self.positions.nbytes + self.offsets.nbytes
-
-
-def sampled_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                      valid: torch.Tensor, log_weights: torch.Tensor, scaling: float, group: int):
-    """The host's part: ``query [Hq, D]`` over ``positions [Hq, M]`` (``valid`` marks the used entries) of
-    ``keys``/``values [Hkv, T, D]``, each score shifted by its ``log_weights``. Returns float32 ``(out [Hq, D],
-    lse [Hq])``: the weighted softmax's output and the log of its normaliser (``-inf`` with nothing attended)."""
-    n_heads, head_dim = query.shape
-    kv = (torch.arange(n_heads) // group)[:, None]
-    picked_keys = keys[kv, positions].float()  # [Hq, M, D]
-    scores = torch.einsum("hd,hmd->hm", query, picked_keys) * scaling + log_weights
-    scores = scores.masked_fill(~valid, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    finite = torch.isfinite(lse)
-    probs = torch.where(valid, torch.exp(scores - torch.where(finite, lse, 0.0)[:, None]), 0.0)
-    out = torch.einsum("hm,hmd->hd", probs, values[kv, positions].float())
-    return out, lse
 
 
 # --- the layer -----------------------------------------------------------------------------------------------------
@@ -227,7 +207,7 @@ class MagicPIGKV(DenseKV):
         self.cap = config.budget - self.n_sink - self.n_local  # sampled tokens a head may attend
         self.group = model.n_heads // model.n_kv_heads
         self.offloaded = False
-        self._last_sample = None
+        self.native = None  # the C++ host step, made once the prompt is offloaded
 
     # --- prompt ----------------------------------------------------------------------------------------------------
     def prefill(self, query, key, value, attention_mask, scaling):
@@ -252,8 +232,9 @@ class MagicPIGKV(DenseKV):
         self.gpu_keys = keys.new_zeros(n_kv_heads, n_slots, head_dim)
         self.gpu_values = values.new_zeros(n_kv_heads, n_slots, head_dim)
         self.gpu_positions = torch.full((n_slots,), -1, dtype=torch.long, device=device)
-        placed = torch.cat([torch.arange(min(self.n_sink, n_tokens), device=device),
-                            torch.arange(max(self.n_sink, n_tokens - self.n_local), n_tokens, device=device)])
+        n_sinks_placed = min(self.n_sink, n_tokens)  # a prompt shorter than the sinks has no window yet
+        placed = torch.cat([torch.arange(n_sinks_placed, device=device),
+                            torch.arange(max(n_sinks_placed, n_tokens - self.n_local), n_tokens, device=device)])
         slots = self._ring_slot(placed)
         self.gpu_keys[:, slots], self.gpu_values[:, slots] = keys[:, placed], values[:, placed]
         self.gpu_positions[slots] = placed
@@ -296,10 +277,46 @@ class MagicPIGKV(DenseKV):
             device=device, host_functions=self.seq.host_functions,
         )
         self.scaling = 1.0
+        self.native = self._make_native_step(keys.dtype)
         self.offloaded = True
 
+    def _make_native_step(self, store_dtype: torch.dtype):
+        """The layer's C++ host step (``_magicpig_host.HostStep``), pointed at the tables, the mean key and the
+        exchange's host buffers, which live as long as the layer (the store is pointed at by ``_point_at_store``).
+        Its threads: torch's CPU threads, which the torch step this replaced ran on."""
+        cfg, model = self.cfg, self.model
+        if store_dtype not in _STORE_DTYPES or self.store_values.dtype != store_dtype:
+            raise ValueError(f"magicpig: no host step for keys of {store_dtype} and values of "
+                             f"{self.store_values.dtype}")
+        native = _magicpig_host.HostStep(
+            layer=self.layer_idx, n_heads=model.n_heads, n_kv_heads=model.n_kv_heads, head_dim=model.head_dim,
+            K=cfg.K, L=cfg.L, n_sink=self.n_sink, n_local=self.n_local, cap=self.cap, capped=cfg.capped,
+            seed=cfg.seed, prompt_len=self.prompt_len, store_dtype=_STORE_DTYPES[store_dtype],
+            threads=torch.get_num_threads(),
+        )
+        if self.tables is not None:
+            native.set_tables(self.tables.offsets.data_ptr(), self.tables.positions.data_ptr(),
+                              self.tables.positions.shape[-1])
+        native.set_mean_key(self.mean_key_host.data_ptr())
+        inputs, outputs = self.exchange.host_in, self.exchange.host_out
+        traced = "attended" in outputs
+        native.set_exchange(
+            query=inputs["query"].data_ptr(), key=inputs["key"].data_ptr(), value=inputs["value"].data_ptr(),
+            query_codes=inputs["query_codes"].data_ptr(), key_codes=inputs["key_codes"].data_ptr(),
+            position=inputs["position"].data_ptr(), out=outputs["out"].data_ptr(), lse=outputs["lse"].data_ptr(),
+            attended=outputs["attended"].data_ptr() if traced else 0,
+            log_weights=outputs["log_weights"].data_ptr() if traced else 0,
+            trace_width=outputs["attended"].shape[1] if traced else 0,
+        )
+        self._point_at_store(native)
+        return native
+
+    def _point_at_store(self, native) -> None:
+        native.set_store(self.store_keys.data_ptr(), self.store_values.data_ptr(), self.store_norms.data_ptr(),
+                         self.tail_codes.data_ptr(), self.store_keys.shape[1])
+
     def _grow_store(self, needed: int) -> None:
-        """Room for ``needed`` tokens (only outside the generation loop, which announces the length)."""
+        """Room for ``needed`` tokens, between steps (the C++ step writes into the store but never resizes it)."""
         capacity = self.store_keys.shape[1]
         if needed <= capacity:
             return
@@ -316,8 +333,16 @@ class MagicPIGKV(DenseKV):
         self.store_values = grow(self.store_values, grown, 1)
         self.store_norms = grow(self.store_norms, grown, 1)
         self.tail_codes = grow(self.tail_codes, grown - self.prompt_len, 1)
+        self._point_at_store(self.native)
 
     # --- decode ----------------------------------------------------------------------------------------------------
+    #
+    # The device writes the new token into the ring, hashes the query and the key, sends them to the host
+    # (``HostExchange``) and attends the sinks and window; the host's part is one C++ call
+    # (``exchange.run_native``): called at once eagerly, a hand-off of the graph when the step is captured. What
+    # it needs from Python (room in the store) is made before the step or between replays (``between_steps``),
+    # and what it counted and timed is folded into the sequence after it (``_after_native_step``).
+
     def decode(self, query, key, value, scaling):
         if query.shape[0] != 1:
             raise ValueError("sparse KV methods run with batch size 1")
@@ -331,11 +356,14 @@ class MagicPIGKV(DenseKV):
         with self.seq.timer.phase("hash"):
             query_codes = simhash_codes(q, self.projections, self.cfg.K)
             key_codes = simhash_codes(new_key - self.mean_key, self.projections, self.cfg.K)
-        self.scaling = scaling
+        self._prepare_native_step(scaling)
         self.exchange.send(query=q, key=new_key, value=new_value, query_codes=query_codes, key_codes=key_codes,
                            position=position)
         gpu_out, gpu_lse = self._window_attention(q, scaling)
-        self.exchange.run(self._host_step)
+        # The host's part (magicpig_host.cpp): store the token, count the collisions, sample, attend to the sample
+        # (and a fixed-width trace), timed as the phases ``select`` and ``cpu_attention``.
+        self.exchange.run_native(*self.native.step_entry())
+        self._after_native_step()  # nothing ran yet while capturing: between_steps folds a replay's
         host = self.exchange.receive()
         lse = torch.logaddexp(gpu_lse, host["lse"])
         out = torch.exp(gpu_lse - lse)[:, None] * gpu_out + torch.exp(host["lse"] - lse)[:, None] * host["out"]
@@ -345,6 +373,34 @@ class MagicPIGKV(DenseKV):
             else:
                 self.last_attended, self.last_log_weights = self._traced(self.trace_width())
         return out.view(1, 1, *q.shape).to(query.dtype)
+
+    def between_steps(self) -> None:
+        """After a replayed step (and before a capture): raise what the C++ step failed with, fold what it counted
+        and timed, and make room in the store for the next step."""
+        if self.offloaded:
+            self._after_native_step()
+            self._prepare_native_step(self.scaling)
+
+    def _prepare_native_step(self, scaling: float) -> None:
+        """Room in the store for the step of position ``seq_len`` (the one about to run, or the next replay's) and
+        the model's scaling, which the C++ step reads."""
+        self._grow_store(self.seq_len + 1)
+        if scaling != self.scaling:
+            self.scaling = scaling
+            self.native.set_scaling(scaling)
+
+    def _after_native_step(self) -> None:
+        """Raise the error a C++ step kept (every later one did nothing), then fold what the steps since the last
+        call counted and timed into the sequence's counters and timer, under the names the results use."""
+        error = self.native.error()
+        if error:
+            raise RuntimeError(f"MagicPIG's host step failed: {error}")
+        records = self.native.take_records()
+        for mean in records["attended"]:
+            self.seq.counters.record_attention(mean)
+        for name, seconds in records["phases"].items():
+            self.seq.timer.add_host_phase(name, seconds)
+        self.seq.timer.add_spans("host_step", records["host_step"])
 
     def _window_attention(self, q: torch.Tensor, scaling: float):
         """Exact attention over the device's sinks and window: float32 ``(out [Hq, D], lse [Hq])``."""
@@ -356,104 +412,11 @@ class MagicPIGKV(DenseKV):
         out = torch.einsum("hgs,hsd->hgd", probs, self.gpu_values.float())
         return out.reshape(-1, head_dim), lse.reshape(-1)
 
-    @torch.inference_mode()
-    def _host_step(self) -> None:
-        """The host's part of a step: store the new token, sample the middle, attend to the sample. Must not call
-        CUDA (it may run as a host function)."""
-        inputs, outputs = self.exchange.host_in, self.exchange.host_out
-        position = int(inputs["position"][0])
-        self._grow_store(position + 1)
-        self.store_keys[:, position] = inputs["key"].to(self.store_keys.dtype)
-        self.store_values[:, position] = inputs["value"].to(self.store_values.dtype)
-        self.store_norms[:, position] = (inputs["key"] - self.mean_key_host).norm(dim=-1)
-        self.tail_codes[:, position - self.prompt_len] = inputs["key_codes"]
-        query = inputs["query"]
-        with self.seq.timer.host_phase("select"):
-            positions, valid, log_weights = self.sample(query, inputs["query_codes"], position)
-        with self.seq.timer.host_phase("cpu_attention"):
-            out, lse = sampled_attention(query, self.store_keys, self.store_values, positions, valid, log_weights,
-                                         self.scaling, self.group)
-        outputs["out"].copy_(out)
-        outputs["lse"].copy_(lse)
-        on_device = min(position + 1, self.n_sink + self.n_local)
-        self.seq.counters.record_attention(on_device + valid.sum(-1).double().mean().item())
-        self._last_sample = (positions, valid, log_weights) if self.seq.trace_selection else None
-        if "attended" in outputs:
-            self._trace_on_host(outputs["attended"], outputs["log_weights"], position)
-
-    def _trace_on_host(self, attended: torch.Tensor, log_weights: torch.Tensor, position: int) -> None:
-        """The step of ``position``'s trace into the host's output buffers (``[Hq, width]``): the sinks and window
-        the device holds (``[0, n_sink)`` and the ``n_local`` tokens up to ``position``) with weight 0, and this
-        step's sample with its log-weights. Calls no CUDA (it runs in the host step)."""
-        attended.zero_()
-        log_weights.zero_()
-        attended[:, : min(self.n_sink, position + 1)] = True
-        attended[:, max(self.n_sink, position + 1 - self.n_local) : position + 1] = True
-        self._mark_sample(attended, log_weights)
-
-    def _mark_sample(self, attended: torch.Tensor, log_weights: torch.Tensor) -> None:
-        """The last step's sample into a trace on the host: its positions attended, with their log-weights."""
-        positions, valid, weights = self._last_sample
-        heads = torch.arange(self.model.n_heads)[:, None].expand_as(positions)
-        attended[heads[valid], positions[valid]] = True
-        log_weights[heads[valid], positions[valid]] = weights[valid]
-
-    def sample(self, query: torch.Tensor, query_codes: torch.Tensor, position: int):
-        """The middle tokens each query head attends at the step of ``position``, on the host: ``(positions
-        [Hq, M], valid [Hq, M], log_weights [Hq, M])``. Exact (every middle token, weight 1) while the middle fits
-        the budget; else the LSH sample with its importance log-weights, thinned to the budget when capped."""
-        n_heads = query.shape[0]
-        end = position + 1 - self.n_local  # the middle is [n_sink, end): after the sinks, before the window
-        n_middle = end - self.n_sink
-        if n_middle <= 0:
-            empty = torch.zeros(n_heads, 0, dtype=torch.long)
-            return empty, empty.bool(), empty.float()
-        if n_middle <= self.cap:
-            positions = torch.arange(self.n_sink, end).expand(n_heads, -1)
-            return positions, torch.ones(n_heads, n_middle, dtype=torch.bool), torch.zeros(n_heads, n_middle)
-        candidates = self.collision_counts(query_codes, end) >= MIN_COLLISIONS  # [Hq, end]
-        candidates[:, : self.n_sink] = False
-        n_candidates = candidates.sum(-1)
-        kept_fraction = torch.ones(n_heads)
-        if self.cfg.capped and int(n_candidates.max()) > self.cap:
-            # A uniform random subset of cap candidates per head: the cap smallest of one uniform draw per token.
-            draw = torch.rand(end, generator=self._step_generator(position))
-            priority = torch.where(candidates, draw, float("inf"))
-            positions = priority.topk(self.cap, dim=-1, largest=False).indices
-            valid = candidates.gather(1, positions)
-            kept_fraction = (self.cap / n_candidates.clamp(min=1).double()).clamp(max=1.0).float()
-        else:
-            # The candidates in position order, then the other positions in order (what a stable sort of the
-            # flags gives): the `width` smallest of keys made unique, a third of a full sort's time at 8k tokens.
-            width = int(n_candidates.max())
-            columns = torch.arange(end)
-            positions = torch.where(candidates, columns, columns + end).topk(width, dim=-1, largest=False).indices
-            valid = candidates.gather(1, positions)
-        kv = (torch.arange(n_heads) // self.group)[:, None]
-        dots = torch.einsum("hd,hmd->hm", query, self.store_keys[kv, positions].float())
-        centred_dots = dots - (query * self.mean_key_host[kv[:, 0]]).sum(-1, keepdim=True)
-        norms = query.norm(dim=-1, keepdim=True) * self.store_norms[kv, positions]
-        cos_angle = centred_dots / norms.clamp(min=torch.finfo(torch.float32).tiny)
-        chance = sampling_probability(cos_angle, self.cfg.K, self.cfg.L)
-        log_weights = -torch.log(chance + WEIGHT_FLOOR) - torch.log(kept_fraction)[:, None]
-        return positions, valid, torch.where(valid, log_weights, 0.0)
-
-    def collision_counts(self, query_codes: torch.Tensor, end: int) -> torch.Tensor:
-        """``[Hq, end]``: for each position below ``end`` in how many tables it shares the head's bucket (the
-        prompt's through its tables, later tokens compared directly; sinks count 0)."""
-        in_prompt = min(end, self.prompt_len)
-        if self.tables is None:
-            counts = torch.zeros(query_codes.shape[0], in_prompt, dtype=torch.int64)
-        else:
-            counts = self.tables.counts(query_codes, self.group, in_prompt)
-        if end > self.prompt_len:
-            tail = collision_counts_reference(query_codes, self.tail_codes[:, : end - self.prompt_len], self.group)
-            counts = torch.cat([counts, tail.to(counts.dtype)], dim=1)
-        return counts
-
-    def _step_generator(self, position: int) -> torch.Generator:
-        # One stream per (seed, layer, position): the same draw on every device and in every replay.
-        return torch.Generator().manual_seed((self.cfg.seed * 1_000_003 + self.layer_idx) * 10_000_019 + position)
+    def last_sample(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The last step's middle sample on the host: ``(positions [Hq, M], valid [Hq, M], log_weights [Hq, M])``,
+        each head's positions in increasing order, then unused entries (``valid`` false)."""
+        positions, valid, log_weights = self.native.last_sample()
+        return torch.from_numpy(positions), torch.from_numpy(valid), torch.from_numpy(log_weights)
 
     def _traced(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The trace (``[Hq, width]``) from the device's ring and the host's last sample, for a sequence that fixes
@@ -463,7 +426,10 @@ class MagicPIGKV(DenseKV):
         log_weights = torch.zeros(self.model.n_heads, width)
         on_device = self.gpu_positions.cpu()
         attended[:, on_device[on_device >= 0]] = True
-        self._mark_sample(attended, log_weights)
+        positions, valid, weights = self.last_sample()
+        heads = torch.arange(self.model.n_heads)[:, None].expand_as(positions)
+        attended[heads[valid], positions[valid]] = True
+        log_weights[heads[valid], positions[valid]] = weights[valid]
         return attended.to(device), log_weights.to(device)
 
     def gpu_kv_bytes(self) -> int:

@@ -19,8 +19,10 @@ from baselines.magicpig import (
     simhash_codes,
 )
 from eval.plugins import build_method
+from icecache.core.kernels import _magicpig_host
 from icecache.core.method import ModelInfo, SequenceContext
 from icecache.errors import ConfigError
+from tests.magicpig_reference import ReferenceHostStep, thinning_draws
 
 INFO = ModelInfo(n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16)
 SCALING = 16**-0.5
@@ -84,21 +86,23 @@ def test_sampling_probability_matches_the_frequency_over_random_hash_functions()
     assert abs(hits / trials - expected) < 4 * math.sqrt(expected * (1 - expected) / trials)
 
 
-def layer_after_prompt(gen, n_prompt=200, budget=64, device="cpu", announced=None, trace_width=None, **settings):
+def layer_after_prompt(gen, n_prompt=200, budget=64, device="cpu", announced=None, trace_width=None,
+                       dtype=torch.float32, **settings):
     values = {"name": "magicpig", "budget": budget, "n_local_tokens": 16, "n_dense_layers": 0, **settings}
     info = dataclasses.replace(INFO, device=torch.device(device))
     seq = SequenceContext(trace_selection=True, max_total_tokens=announced, trace_width=trace_width)
     layer = build_method(values, info).make_layer(0, seq)
-    keys = torch.randn(1, 2, n_prompt, 16, generator=gen)
-    values_ = torch.randn(1, 2, n_prompt, 16, generator=gen)
-    layer.forward(torch.randn(1, 4, n_prompt, 16, generator=gen).to(device), keys.to(device), values_.to(device),
-                  None, SCALING)
+    keys = torch.randn(1, 2, n_prompt, 16, generator=gen).to(dtype)
+    values_ = torch.randn(1, 2, n_prompt, 16, generator=gen).to(dtype)
+    layer.forward(torch.randn(1, 4, n_prompt, 16, generator=gen).to(device, dtype), keys.to(device),
+                  values_.to(device), None, SCALING)
     return layer, keys[0], values_[0]
 
 
-def step(layer, gen, device="cpu"):
-    query, key, value = (torch.randn(1, 4, 1, 16, generator=gen), torch.randn(1, 2, 1, 16, generator=gen),
-                         torch.randn(1, 2, 1, 16, generator=gen))
+def step(layer, gen, device="cpu", dtype=torch.float32):
+    query, key, value = (torch.randn(1, 4, 1, 16, generator=gen).to(dtype),
+                         torch.randn(1, 2, 1, 16, generator=gen).to(dtype),
+                         torch.randn(1, 2, 1, 16, generator=gen).to(dtype))
     out = layer.forward(query.to(device), key.to(device), value.to(device), None, SCALING)
     return query[0, :, 0], key[0, :, 0], value[0, :, 0], out[0, 0]
 
@@ -114,7 +118,7 @@ def test_a_step_samples_the_two_collision_keys_with_importance_weights():
     all_keys = torch.cat([keys, key[:, None]], dim=1)
     key_codes = simhash_codes(all_keys - mean_key[:, None], projections, 6)
     counts = collision_counts_reference(simhash_codes(query, projections, 6), key_codes, group=2)
-    positions, valid, log_weights = layer._last_sample
+    positions, valid, log_weights = layer.last_sample()
     kv = torch.arange(4) // 2
     for head in range(4):
         sampled = positions[head][valid[head]]
@@ -129,25 +133,43 @@ def test_a_step_samples_the_two_collision_keys_with_importance_weights():
 
 def test_a_head_sampling_more_than_the_budget_keeps_a_random_subset_with_reweighted_keys():
     """K=1: nearly every key collides in two tables, so every head samples far more than the 44 slots left by 4
-    sinks and 16 window tokens at budget 64: it keeps 44 of its candidates, drawn the same way in every run, and
-    their weights grow by candidates / 44."""
+    sinks and 16 window tokens at budget 64: it keeps 44 of its candidates, those of the smallest thinning draws
+    (a hash of seed, layer, position and token), and their weights grow by candidates / 44."""
     gen = torch.Generator().manual_seed(4)
     layer, _, _ = layer_after_prompt(gen, K=1, L=8)
+    reference = ReferenceHostStep(layer)
     query, _, _, _ = step(layer, gen)
-    positions, valid, log_weights = layer._last_sample
+    positions, valid, log_weights = layer.last_sample()
     assert valid.all() and positions.shape == (4, 44)
     assert int(layer.last_attended.sum(-1).max()) <= 64
-    again = layer.sample(query, simhash_codes(query, layer.projections, 1), 200)
-    layer.cfg.capped = False  # the same step uncapped: every candidate and its own weight
-    all_positions, all_valid, all_weights = layer.sample(query, simhash_codes(query, layer.projections, 1), 200)
-    layer.cfg.capped = True
+    codes = simhash_codes(query, layer.projections, 1)
+    reference.step({name: tensor.clone() for name, tensor in layer.exchange.host_in.items()}, SCALING)
+    # The same step uncapped: every candidate and its own weight.
+    all_positions, all_valid, all_weights = reference.sample(query, codes, 200, capped=False)
+    draws = thinning_draws(0, 0, 200, 200)
     for head in range(4):
         candidates = dict(zip(all_positions[head][all_valid[head]].tolist(), all_weights[head][all_valid[head]]))
         assert len(candidates) > 44 and set(positions[head].tolist()) <= set(candidates)
+        by_draw = sorted(candidates, key=lambda t: (float(draws[t]), t))
+        assert sorted(positions[head].tolist()) == sorted(by_draw[:44])
         kept = torch.stack([candidates[t] for t in positions[head].tolist()])
         torch.testing.assert_close(log_weights[head], kept + math.log(len(candidates) / 44))
-    # The thinning draw depends on (seed, layer, position) only: the step's sample again, to the bit.
-    assert all(torch.equal(a, b) for a, b in zip(again, (positions, valid, log_weights)))
+    # The thinning draw depends on (seed, layer, position) only: a second layer's step samples the same tokens.
+    gen = torch.Generator().manual_seed(4)
+    again, _, _ = layer_after_prompt(gen, K=1, L=8)
+    step(again, gen)
+    assert all(torch.equal(a, b) for a, b in zip(again.last_sample(), (positions, valid, log_weights)))
+
+
+def test_the_thinning_draws_of_the_host_step_are_the_reference_hash():
+    """The C++ draw (splitmix64 of seed, layer, position, token, the top 53 bits over 2^53) and its Python mirror
+    agree to the bit, and look uniform."""
+    for seed, layer, position in ((0, 0, 200), (7, 31, 131071), (-1, 2, 5)):
+        native = torch.from_numpy(_magicpig_host.thinning_draws(seed, layer, position, 5000))
+        assert torch.equal(native, thinning_draws(seed, layer, position, 5000))
+        assert 0.0 <= float(native.min()) and float(native.max()) < 1.0 and abs(float(native.mean()) - 0.5) < 0.02
+    assert not torch.equal(thinning_draws(0, 0, 200, 100), thinning_draws(0, 0, 201, 100))
+    assert not torch.equal(thinning_draws(0, 0, 200, 100), thinning_draws(0, 1, 200, 100))
 
 
 def test_while_the_middle_fits_the_budget_attention_is_exact():
@@ -195,6 +217,116 @@ def test_the_trace_the_host_step_writes_is_the_one_made_from_the_device_ring_and
         assert torch.equal(weights_host[:, :n], weights_made)
         assert torch.equal(out_host, out_made)
     assert any(not attended.all() for _, attended, _, _ in runs[0])  # the sample left tokens out
+
+
+# (name, prompt tokens, decode steps, settings): each runs the C++ host step beside the torch reference.
+REFERENCE_CASES = [
+    # the middle fits the cap for 28 steps (exact, weight 0), then the LSH sample takes over
+    ("exact_then_sampled", 100, 40, {"budget": 128, "K": 4, "L": 12}),
+    # K=2: most keys collide twice, every head samples more than the cap and keeps a random 44
+    ("capped", 300, 30, {"K": 2, "L": 8}),
+    ("uncapped", 300, 30, {"K": 5, "L": 20, "capped": False}),
+    # a short prompt: the middle is empty for the first steps, then made of tokens generated after the prompt
+    ("after_the_prompt", 30, 90, {"K": 3, "L": 10}),
+    # a prompt shorter than the sinks: no hash tables, every middle token comes after the prompt
+    ("no_tables", 3, 90, {"K": 3, "L": 10}),
+    # a fixed trace width: the host step writes the trace and its log-weights
+    ("trace_width", 250, 30, {"K": 4, "L": 12, "announced": 300, "trace_width": 300}),
+    # stores of the model's dtype: rows widened per row where they are read
+    ("bfloat16", 300, 30, {"K": 3, "L": 10, "dtype": torch.bfloat16}),
+    ("float16", 300, 30, {"K": 3, "L": 10, "dtype": torch.float16}),
+]
+
+
+@pytest.mark.parametrize("case", REFERENCE_CASES, ids=[case[0] for case in REFERENCE_CASES])
+def test_the_native_host_step_computes_what_the_torch_reference_computes(case):
+    """Step by step, the C++ host step (what the GPU path runs too) against the torch step it replaced
+    (tests/magicpig_reference.py) on the same inputs: the same sampled tokens per head, log-weights, outputs and
+    log-sum-exps within float32 tolerance (the two sum in different orders), the same store afterwards."""
+    name, n_prompt, n_steps, settings = case
+    settings = dict(settings)
+    dtype = settings.pop("dtype", torch.float32)
+    gen = torch.Generator().manual_seed(20)
+    layer, _, _ = layer_after_prompt(gen, n_prompt=n_prompt, dtype=dtype, **settings)
+    reference = ReferenceHostStep(layer)
+    sampled_steps = capped_steps = 0
+    for _ in range(n_steps):
+        step(layer, gen, dtype=dtype)
+        position = layer.seq_len - 1
+        inputs = {key: tensor.clone() for key, tensor in layer.exchange.host_in.items()}
+        expected = reference.step(inputs, SCALING)
+        positions, valid, log_weights = layer.last_sample()
+        assert [set(positions[h][valid[h]].tolist()) for h in range(4)] == expected.sampled_sets()
+        for head in range(4):
+            mine = dict(zip(positions[head][valid[head]].tolist(), log_weights[head][valid[head]].tolist()))
+            theirs = dict(zip(expected.positions[head][expected.valid[head]].tolist(),
+                              expected.log_weights[head][expected.valid[head]].tolist()))
+            keys = sorted(theirs)
+            torch.testing.assert_close(torch.tensor([mine[t] for t in keys]), torch.tensor([theirs[t] for t in keys]),
+                                       atol=1e-5, rtol=1e-4)
+        host = layer.exchange.host_out
+        torch.testing.assert_close(host["out"], expected.out, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(host["lse"], expected.lse, atol=1e-5, rtol=1e-4)
+        sampled_steps += position + 1 - 16 - 4 > layer.cap  # the middle outgrew the cap
+        _, candidates, _ = reference.sample(inputs["query"], inputs["query_codes"], position, capped=False)
+        capped_steps += int(candidates.sum(-1).max()) > layer.cap  # some head sampled more than the cap
+        if "trace_width" in settings:
+            width = settings["trace_width"]
+            attended = torch.zeros(4, width, dtype=torch.bool)
+            attended[:, :4] = True
+            attended[:, max(4, position + 1 - 16) : position + 1] = True
+            weights = torch.zeros(4, width)
+            for head in range(4):
+                picked = expected.positions[head][expected.valid[head]]
+                attended[head, picked] = True
+                weights[head, picked] = expected.log_weights[head][expected.valid[head]]
+            assert torch.equal(host["attended"], attended)
+            torch.testing.assert_close(host["log_weights"], weights, atol=1e-5, rtol=1e-4)
+    end = layer.seq_len
+    assert torch.equal(layer.store_keys[:, :end], reference.store_keys[:, :end])
+    assert torch.equal(layer.store_values[:, :end], reference.store_values[:, :end])
+    assert torch.equal(layer.tail_codes[:, : end - layer.prompt_len], reference.tail_codes[:, : end - layer.prompt_len])
+    torch.testing.assert_close(layer.store_norms[:, :end], reference.store_norms[:, :end], atol=1e-6, rtol=1e-6)
+    assert sampled_steps > 0
+    if name == "capped":
+        assert capped_steps == n_steps
+    if name in ("uncapped", "trace_width", "bfloat16"):
+        assert capped_steps > 0  # uncapped: every candidate attended; capped: thinned
+    if name == "exact_then_sampled":
+        assert 0 < sampled_steps < n_steps
+
+
+def test_the_host_step_gives_the_same_bits_with_any_thread_count():
+    """Each query head is computed by one thread in a fixed order, so the step's results do not depend on how many
+    threads share the heads (the H200 host runs 16, the tests' machine fewer)."""
+    runs = []
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 3):
+            torch.set_num_threads(n_threads)
+            gen = torch.Generator().manual_seed(9)
+            layer, _, _ = layer_after_prompt(gen, n_prompt=300, K=3, L=10)
+            assert layer.native.threads == n_threads
+            runs.append([(step(layer, gen)[-1], layer.last_attended.clone(), layer.last_log_weights.clone())
+                         for _ in range(10)])
+    finally:
+        torch.set_num_threads(threads)
+    for one, several in zip(*runs):
+        assert all(torch.equal(a, b) for a, b in zip(one, several))
+
+
+def test_a_host_step_past_the_store_keeps_its_error_and_the_layer_raises_it():
+    """The C++ step never throws through the hand-off: a position past the store (which only Python grows, between
+    steps) is kept as the step's error, later steps do nothing, and the layer raises it after the step."""
+    gen = torch.Generator().manual_seed(8)
+    layer, _, _ = layer_after_prompt(gen, n_prompt=250, announced=260)
+    step(layer, gen)
+    layer.exchange.host_in["position"].fill_(layer.store_keys.shape[1])
+    layer.exchange.run_native(*layer.native.step_entry())
+    with pytest.raises(RuntimeError, match="must grow between decode steps"):
+        layer._after_native_step()
+    with pytest.raises(RuntimeError, match="layer 0"):
+        step(layer, gen)
 
 
 def test_settings_that_cannot_work_are_refused_and_a_small_budget_shrinks_the_window():
