@@ -18,21 +18,21 @@ of 64 (the public code's ``num_sink_tokens`` and ``num_local_tokens``) in device
 memory, with the norm of its centred key. The device hashes the middle of the prompt (after the sinks) with one set of
 ``K * L`` Gaussian projections (the same for every layer, seeded) and sorts each table by bucket (prefill phase
 ``hash_tables``); the host keeps the tables (``HashTables``: per KV head and table, the tokens in bucket order and each
-bucket's span). A decode step writes the new token into the window ring (slot ``4 + (t - 4) % 64``; the token it
-overwrites is in host memory already and joins the middle), hashes the query and the new key on the device (phase
-``hash``), and sends them to the host with the new key and value in one fixed-size copy
-(``core.host_step.HostExchange``). The host's part is one C++ call with the GIL released
-(``icecache/core/kernels/src/magicpig_host.cpp``, ``_magicpig_host.HostStep``, on buffers Python allocates once and
-the C++ step reads in place): it stores the token (key and value in the store's dtype, the norm of its centred key,
-its codes), counts for each query head the tables in which each middle token shares its bucket (the prompt's through
-the tables, later tokens directly), samples the tokens with at least two collisions and weighs them (phase
-``select``; the angle's chance in float64), and computes their attention with the log-weights ``-log(u + 1e-4)`` (the
-public code's floor) and its log-sum-exp (phase ``cpu_attention``), the query heads spread over torch's CPU threads
-(OpenMP); the device attends the sinks and window, and merges the two parts. The step is captured in a CUDA graph on
-CUDA: the C++ call is a hand-off of the graph (``HostExchange.run_native``), as IceCache's step is; on a CPU it is
-called at once, so the CPU tests run the code the GPU path runs. What the C++ step counted and timed is folded into
-the sequence after each step (after each replay, ``between_steps``, which also grows the host store: the C++ step
-never resizes it).
+bucket's span). The host store and tables are buffers of the core's host pool (``core.host_memory``: pinned on CUDA,
+kept from one sequence to the next), filled on a side stream beside the next layers' prefill. A decode step writes the
+new token into the window ring (slot ``4 + (t - 4) % 64``; the token it overwrites is in host memory already and joins
+the middle), hashes the query and the new key on the device (phase ``hash``), and sends them to the host with the new
+key and value in one fixed-size copy (``core.host_step.HostExchange``). The host's part is one C++ call with the GIL
+released (``icecache/core/kernels/src/magicpig_host.cpp``, ``_magicpig_host.HostStep``, on buffers Python allocates once
+and the C++ step reads in place): it stores the token (key and value in the store's dtype, the norm of its centred key,
+its codes), counts for each query head the tables in which each middle token shares its bucket (the prompt's through the
+tables, later tokens directly), samples the tokens with at least two collisions and weighs them (phase ``select``; the
+angle's chance in float64), and computes their attention with the log-weights ``-log(u + 1e-4)`` (the public code's
+floor) and its log-sum-exp (phase ``cpu_attention``), the query heads spread over torch's CPU threads (OpenMP); the
+device attends the sinks and window, and merges the two parts. The step is captured in a CUDA graph on CUDA: the C++
+call is a hand-off of the graph (``HostExchange.run_native``), as IceCache's step is; on a CPU it is called at once, so
+the CPU tests run the code the GPU path runs. What the C++ step counted and timed is folded into the sequence after each
+step (after each replay, ``between_steps``, which also grows the host store: the C++ step never resizes it).
 
 Budget. ``budget`` slots per query head: the sinks, the window (the new token included) and at most ``budget -
 n_sink_tokens - n_local_tokens`` sampled tokens; a budget the sinks and window would fill shrinks the window to a
@@ -171,14 +171,24 @@ class HashTables:
     The host step reads both in place; ``counts`` gives what ``collision_counts_reference`` gives, reading only the
     query's buckets, as the host step counts."""
 
-    def __init__(self, key_codes: torch.Tensor, first_position: int, K: int):
+    def __init__(self, key_codes: torch.Tensor, first_position: int, K: int, prompt_copies=None,
+                 host_copies: list | None = None):
+        """Sorted where ``key_codes`` are. With ``prompt_copies`` (``core.host_memory.PromptCopies``) the two host
+        arrays are buffers of its pool, and their fills ``(destination, source)`` are appended to ``host_copies``
+        for the caller to queue; without, they are copied here."""
         n_kv_heads, n_tokens, n_tables = key_codes.shape
         by_table = key_codes.transpose(1, 2).contiguous()  # [Hkv, L, T]
         sorted_codes, order = torch.sort(by_table, dim=-1, stable=True)
         buckets = torch.arange(2**K + 1, dtype=sorted_codes.dtype, device=key_codes.device)
         offsets = torch.searchsorted(sorted_codes, buckets.expand(n_kv_heads, n_tables, -1).contiguous())
-        self.offsets = offsets.cpu().contiguous()  # int64, read in place by the host step
-        self.positions = (order + first_position).to(torch.int32).cpu().contiguous()
+        positions = (order + first_position).to(torch.int32)
+        if prompt_copies is None:
+            self.offsets = offsets.cpu().contiguous()  # int64, read in place by the host step
+            self.positions = positions.cpu().contiguous()
+        else:
+            self.offsets = prompt_copies.take(tuple(offsets.shape), offsets.dtype, key_codes.device)
+            self.positions = prompt_copies.take(tuple(positions.shape), torch.int32, key_codes.device)
+            host_copies += [(self.offsets, offsets), (self.positions, positions)]
         self.n_tables = n_tables
         self.end = first_position + n_tokens  # the positions the tables hold are below this
 
@@ -216,7 +226,11 @@ class MagicPIGKV(DenseKV):
         out = super().prefill(query, key, value, attention_mask, scaling)
         if not self.seq.more_prefill_chunks:
             with self.seq.timer.phase("offload"):
-                self._offload(self.keys[0], self.values[0])
+                host_copies = self._offload(self.keys[0], self.values[0])
+            # The host store and tables, on the side stream beside the next layers' prefill (outside the timed
+            # phase, whose closing synchronisation would wait for them).
+            for destination, source in host_copies:
+                self.seq.prompt_copies.copy(destination, source)
             self._keys = self._values = None
             self.length = 0
         return out
@@ -224,7 +238,9 @@ class MagicPIGKV(DenseKV):
     def _ring_slot(self, position: torch.Tensor) -> torch.Tensor:
         return torch.where(position < self.n_sink, position, self.n_sink + (position - self.n_sink) % self.n_local)
 
-    def _offload(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _offload(self, keys: torch.Tensor, values: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The device's sinks and window, the host store's buffers, the hash tables and the native step; returns the
+        copies into host memory for the caller to queue, ``(destination, source)`` pairs."""
         cfg, device = self.cfg, keys.device
         n_kv_heads, n_tokens, head_dim = keys.shape
         self.prompt_len = n_tokens
@@ -240,17 +256,23 @@ class MagicPIGKV(DenseKV):
         self.gpu_positions[slots] = placed
 
         # Every token in host memory: those in the window join the middle as they leave it.
+        # Buffers of the host pool, kept across sequences: a position is read only once written (the prompt's by the
+        # copies below, later ones by the host step).
         capacity = storage_capacity(self.seq, n_tokens + 1, 0)
-        self.store_keys = torch.zeros(n_kv_heads, capacity, head_dim, dtype=keys.dtype)
-        self.store_values = torch.zeros(n_kv_heads, capacity, head_dim, dtype=values.dtype)
-        self.store_keys[:, :n_tokens] = keys.cpu()
-        self.store_values[:, :n_tokens] = values.cpu()
+        take = self.seq.prompt_copies.take
+        self.store_keys = take((n_kv_heads, capacity, head_dim), keys.dtype, device)
+        self.store_values = take((n_kv_heads, capacity, head_dim), values.dtype, device)
         middle_end = max(self.n_sink, n_tokens - self.n_local)
         centred_on = keys[:, self.n_sink : middle_end] if middle_end > self.n_sink else keys
         self.mean_key = centred_on.float().mean(dim=1)  # [Hkv, D], on the device
         self.mean_key_host = self.mean_key.cpu()
-        self.store_norms = torch.zeros(n_kv_heads, capacity)
-        self.store_norms[:, :n_tokens] = (keys.float() - self.mean_key[:, None]).norm(dim=-1).cpu()
+        self.store_norms = take((n_kv_heads, capacity), torch.float32, device)
+        norms = (keys.float() - self.mean_key[:, None]).norm(dim=-1)
+        host_copies = []  # one per KV head: each head's rows are contiguous in the store
+        for head in range(n_kv_heads):
+            host_copies += [(self.store_keys[head, :n_tokens], keys[head]),
+                            (self.store_values[head, :n_tokens], values[head]),
+                            (self.store_norms[head, :n_tokens], norms[head])]
 
         self.projections = hash_projections(head_dim, cfg.K, cfg.L, cfg.seed).to(device)
         with self.seq.timer.phase("hash_tables"):
@@ -260,7 +282,8 @@ class MagicPIGKV(DenseKV):
                               self.projections, cfg.K)
                 for begin in range(0, middle.shape[1], HASH_BLOCK_TOKENS)
             ], dim=1) if middle.shape[1] else None
-            self.tables = HashTables(codes, self.n_sink, cfg.K) if codes is not None else None
+            self.tables = (HashTables(codes, self.n_sink, cfg.K, self.seq.prompt_copies, host_copies)
+                           if codes is not None else None)
         self.tail_codes = torch.zeros(n_kv_heads, capacity - n_tokens, cfg.L, dtype=torch.int32)
 
         f32, i32 = torch.float32, torch.int32
@@ -279,6 +302,7 @@ class MagicPIGKV(DenseKV):
         self.scaling = 1.0
         self.native = self._make_native_step(keys.dtype)
         self.offloaded = True
+        return host_copies
 
     def _make_native_step(self, store_dtype: torch.dtype):
         """The layer's C++ host step (``_magicpig_host.HostStep``), pointed at the tables, the mean key and the
@@ -321,6 +345,8 @@ class MagicPIGKV(DenseKV):
         if needed <= capacity:
             return
         grown = max(needed, 2 * capacity)
+        if torch.cuda.is_available() and self.store_keys.is_pinned():
+            torch.cuda.synchronize()  # the prompt's copies into the store are done before it is read here
 
         def grow(tensor, size, dim):
             shape = list(tensor.shape)
@@ -346,6 +372,7 @@ class MagicPIGKV(DenseKV):
     def decode(self, query, key, value, scaling):
         if query.shape[0] != 1:
             raise ValueError("sparse KV methods run with batch size 1")
+        self.seq.prompt_copies.join()  # the host step reads what the prompt's copies wrote
         position = self.decode_position(key.device)
         slot = self._ring_slot(position)
         self.gpu_keys.index_copy_(1, slot, key[0])

@@ -93,7 +93,7 @@ def test_a_zero_length_buffer_is_a_valid_empty_tensor():
     pool.give_back(empty)
 
 
-OFFLOADING = ["arkvale", "omnikv", "shadowkv", "pqcache", "icecache", "icecache_reuse"]
+OFFLOADING = ["arkvale", "omnikv", "shadowkv", "pqcache", "magicpig", "icecache", "icecache_reuse"]
 
 
 @pytest.mark.parametrize("name", OFFLOADING)
@@ -145,7 +145,7 @@ def test_pinned_buffers_are_exact_mapped_and_filled_beside_the_model_stream(shap
     read = (on_device.float() * 1).cpu()
     done.synchronize()
     assert torch.equal(destination, expected) and torch.equal(read.to(torch.bfloat16), expected)
-    assert clobber.float().mean().item() == 7.0
+    assert bool((clobber == 7.0).all())
     copies.close()
     again = PromptCopies(pool).take(shape, torch.bfloat16, device)
     assert again.data_ptr() == destination.data_ptr() and pool.allocations == 1
