@@ -1,0 +1,111 @@
+#!/usr/bin/env python
+"""Where a method's decode step spends its GPU time: the kernels of a few eager decode steps after one prompt,
+with their count and time per step, from torch.profiler.
+
+    python scripts/diagnostics/step_profile.py --methods shadowkv pqcache --length 32768 --steps 8
+
+For each method: one prompt of ``--length`` random tokens on the Llama-3.1-8B architecture (random weights, as the
+latency benchmark), two eager decode steps to warm up, then ``--steps`` profiled eager steps. Prints, per method,
+the kernels by device time (per step: launches and microseconds) and the step's device and wall time; writes
+``step_profile_<host>_<date>.json`` with provenance to ``--out``. Eager steps launch every kernel from Python, so
+the wall time is above a captured step's; the device times and counts are what a captured step replays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from eval.latency import method_values, model_spec
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def profile_method(model, info, name: str, budget: int, length: int, steps: int, top: int) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from eval.plugins import build_method
+    from icecache.core.cache import HarnessCache
+    from icecache.core.generation import _forward
+
+    method = build_method(method_values(name, budget, []), info)
+    device = model.device
+    prompt = torch.randint(0, model.config.vocab_size, (length,), generator=torch.Generator().manual_seed(length))
+    with HarnessCache(method) as cache, torch.inference_mode():
+        cache.seq.max_total_tokens = length + steps + 3
+        logits = _forward(model, prompt.to(device), 0, cache)
+        cache.seq.prompt_copies.join()
+        position = length
+
+        def step(logits):
+            nonlocal position
+            token = logits.argmax().view(1)
+            out = _forward(model, token, position, cache)
+            position += 1
+            return out
+
+        for _ in range(2):
+            logits = step(logits)
+        torch.cuda.synchronize(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                logits = step(logits)
+            torch.cuda.synchronize(device)
+            wall = (time.perf_counter() - start) / steps
+    kernels = []
+    for event in prof.key_averages():
+        device_us = getattr(event, "self_device_time_total", None)
+        if device_us is None:
+            device_us = getattr(event, "self_cuda_time_total", 0)
+        if device_us and event.device_type.name == "CUDA":
+            kernels.append({"kernel": event.key[:90], "launches_per_step": event.count / steps,
+                            "us_per_step": device_us / steps})
+    kernels.sort(key=lambda k: -k["us_per_step"])
+    return {"method": name, "wall_ms_per_step": wall * 1e3,
+            "device_ms_per_step": sum(k["us_per_step"] for k in kernels) / 1e3,
+            "launches_per_step": sum(k["launches_per_step"] for k in kernels), "kernels": kernels[:top]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama31_8b")
+    parser.add_argument("--methods", nargs="+", required=True)
+    parser.add_argument("--length", type=int, default=32768)
+    parser.add_argument("--budget", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default=str(REPO / "results" / "bench"))
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from eval import provenance
+    from icecache.core.cache import ATTENTION_NAME
+    from icecache.core.models import load_model, model_info
+
+    if not torch.cuda.is_available():
+        parser.error("step_profile.py profiles CUDA kernels: run it on a CUDA host")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    spec = model_spec(args.model, "random", "auto", "auto")
+    model, _ = load_model(spec, ATTENTION_NAME)
+    info = model_info(spec)
+    results = []
+    for name in args.methods:
+        found = profile_method(model, info, name, args.budget, args.length, args.steps, args.top)
+        results.append(found)
+        print(f"\n{name} at {args.length}: {found['wall_ms_per_step']:.2f} ms wall (eager), "
+              f"{found['device_ms_per_step']:.2f} ms of kernels, {found['launches_per_step']:.0f} launches per step")
+        for kernel in found["kernels"]:
+            print(f"  {kernel['us_per_step']:9.1f} us  {kernel['launches_per_step']:6.1f}x  {kernel['kernel']}")
+        torch.cuda.empty_cache()
+    payload = {"kind": "step_profile", "settings": vars(args), "provenance": provenance.collect(), "results": results}
+    provenance.write_result(args.out, "step_profile", payload)
+
+
+if __name__ == "__main__":
+    main()
