@@ -47,13 +47,18 @@ def test_a_request_takes_the_smallest_free_buffer_that_fits_within_the_slack():
     assert pool.allocations == 2
 
 
-def test_free_buffers_beyond_the_cap_are_released_largest_first():
+@pytest.mark.parametrize("sizes", [(1000, 800, 600), (600, 800, 1000)])
+def test_free_buffers_beyond_the_cap_are_released_largest_first(sizes):
     pool = HostPool(max_cached_bytes=1500)
-    buffers = [pool.take((size,), torch.uint8, CPU) for size in (1000, 800, 600)]
+    buffers = [pool.take((size,), torch.uint8, CPU) for size in sizes]
     for tensor in buffers:
         pool.give_back(tensor)
-    # 2400 bytes free > 1500: the 1000-byte buffer goes, 1400 stay.
-    assert pool.allocated_bytes == 1400
+    # 2400 bytes free > 1500: the 1000-byte buffer goes, 1400 stay, wherever it was in the pool.
+    assert pool.allocated_bytes == 1400 and pool.leased_bytes == 0
+    kept = [pool.take((size,), torch.uint8, CPU) for size in (600, 800)]
+    assert [tensor.numel() for tensor in kept] == [600, 800] and pool.allocations == 3  # both reused
+    for tensor in kept:
+        pool.give_back(tensor)
     pool.clear()
     assert pool.allocated_bytes == 0 and pool.take((600,), torch.uint8, CPU) is not None and pool.allocations == 4
 

@@ -48,7 +48,7 @@ def _pinned_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
     return torch.frombuffer(array, dtype=torch.uint8, count=nbytes)
 
 
-@dataclass
+@dataclass(eq=False)  # one buffer is equal only to itself (list.remove must not compare the tensors)
 class _Buffer:
     data: torch.Tensor  # uint8, the whole allocation
     pinned: bool
