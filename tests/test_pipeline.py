@@ -412,3 +412,20 @@ def test_bench_host_step_times_the_parts_of_a_layer_step(tmp_path):
     # random queries: most of the 12 selected pages of each of the 8 KV heads change at every step
     assert 0 < seconds["pages_loaded_per_step"][0] <= 8 * 12
     assert payload["provenance"]["torch"]
+
+
+def test_a_latency_run_pins_host_buffers_once_for_all_its_methods(tmp_path):
+    """The latency engine gives every method one host pool: the first offloading sequence pins its buffers, and every
+    later round of every method reuses them (each measurement records what it had to allocate)."""
+    command = [PY, str(REPO / "scripts" / "bench" / "latency.py"), "--model", "tiny_llama", "--lengths", "300",
+               "--methods", "arkvale", "omnikv", "--budget", "64", "--repeats", "2", "--warmup", "0",
+               "--decode-steps", "64", "--bandwidth-probe-gib", "0.01", "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    payload = json.loads(next(tmp_path.glob("latency_*.json")).read_text())
+    allocated = {(m["method"], m["round"]): m["host_buffers_allocated_bytes"] for m in payload["measurements"]}
+    assert allocated[("full", 0)] == allocated[("full_static", 0)] == 0  # nothing offloaded
+    assert allocated[("arkvale", 0)] > 0  # the first sequence that offloads pins the pool's buffers
+    assert allocated[("omnikv", 0)] == 0  # a store of the same size: ArkVale's buffers, shared across methods
+    assert all(allocated[(method, 1)] == 0 for method in ("full", "full_static", "arkvale", "omnikv"))
