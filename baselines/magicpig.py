@@ -203,6 +203,16 @@ class HashTables:
         return self.positions.nbytes + self.offsets.nbytes
 
 
+def grown_along(tensor: torch.Tensor, size: int, dim: int) -> torch.Tensor:
+    """A zeroed copy of ``tensor`` with ``size`` entries along ``dim``, its own in front (how the host store
+    grows)."""
+    shape = list(tensor.shape)
+    shape[dim] = size
+    bigger = tensor.new_zeros(shape)
+    bigger.narrow(dim, 0, tensor.shape[dim]).copy_(tensor)
+    return bigger
+
+
 # --- the layer -----------------------------------------------------------------------------------------------------
 
 
@@ -347,18 +357,10 @@ class MagicPIGKV(DenseKV):
         grown = max(needed, 2 * capacity)
         if torch.cuda.is_available() and self.store_keys.is_pinned():
             torch.cuda.synchronize()  # the prompt's copies into the store are done before it is read here
-
-        def grow(tensor, size, dim):
-            shape = list(tensor.shape)
-            shape[dim] = size
-            bigger = tensor.new_zeros(shape)
-            bigger.narrow(dim, 0, tensor.shape[dim]).copy_(tensor)
-            return bigger
-
-        self.store_keys = grow(self.store_keys, grown, 1)
-        self.store_values = grow(self.store_values, grown, 1)
-        self.store_norms = grow(self.store_norms, grown, 1)
-        self.tail_codes = grow(self.tail_codes, grown - self.prompt_len, 1)
+        self.store_keys = grown_along(self.store_keys, grown, 1)
+        self.store_values = grown_along(self.store_values, grown, 1)
+        self.store_norms = grown_along(self.store_norms, grown, 1)
+        self.tail_codes = grown_along(self.tail_codes, grown - self.prompt_len, 1)
         self._point_at_store(self.native)
 
     # --- decode ----------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from baselines.magicpig import (
     WEIGHT_FLOOR,
     HashTables,
     collision_counts_reference,
+    grown_along,
     sampling_probability,
 )
 
@@ -120,19 +121,11 @@ class ReferenceHostStep:
         capacity = self.store_keys.shape[1]
         if needed <= capacity:
             return
-
-        def grow(tensor, size, dim):
-            shape = list(tensor.shape)
-            shape[dim] = size
-            bigger = tensor.new_zeros(shape)
-            bigger.narrow(dim, 0, tensor.shape[dim]).copy_(tensor)
-            return bigger
-
         grown = max(needed, 2 * capacity)
-        self.store_keys = grow(self.store_keys, grown, 1)
-        self.store_values = grow(self.store_values, grown, 1)
-        self.store_norms = grow(self.store_norms, grown, 1)
-        self.tail_codes = grow(self.tail_codes, grown - self.prompt_len, 1)
+        self.store_keys = grown_along(self.store_keys, grown, 1)
+        self.store_values = grown_along(self.store_values, grown, 1)
+        self.store_norms = grown_along(self.store_norms, grown, 1)
+        self.tail_codes = grown_along(self.tail_codes, grown - self.prompt_len, 1)
 
     @torch.inference_mode()
     def step(self, inputs: dict[str, torch.Tensor], scaling: float) -> ReferenceStep:
