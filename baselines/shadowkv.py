@@ -231,12 +231,12 @@ class ShadowKVKV(StaticDenseKV):
         # Capacity in chunks, plus one scratch chunk (and its rows) that fixed-shape writes go to when idle.
         n_chunks = -(-storage_capacity(self.seq, n_tokens + 1, 0) // cs)
         self._allocate_sparse(n_chunks, n_kv_heads, head_dim, basis.shape[0], device, dtype)
-        self.store_values[max(0, (n_tokens - 1) // cs - self.n_local + 1):].zero_()  # past the prompt's candidates
         self.coefficients[:n_tokens] = key_coefficients(pre_rope, basis).to(dtype)
 
         # The window of the last prompt token; the chunks before it are candidates.
         n_candidates = max(0, (n_tokens - 1) // cs - n_local + 1)
         split = n_candidates * cs
+        self.store_values[n_candidates:].zero_()  # a pool buffer: what the candidates' copy does not fill
         if n_candidates:
             self.landmarks[:, :n_candidates] = chunk_landmarks(keys[:, :split], cs).to(dtype)
             chunk_values = values[:, :split].reshape(n_kv_heads, n_candidates, cs, head_dim).transpose(0, 1)
