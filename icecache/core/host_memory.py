@@ -67,8 +67,16 @@ class HostPool:
     max_cached_bytes: int | None = None  # free buffers kept at most (None: every one)
     _buffers: list[_Buffer] = field(default_factory=list, repr=False)
     _leases: dict[int, tuple[torch.Tensor, _Buffer]] = field(default_factory=dict, repr=False)
-    allocated_bytes: int = 0  # held now, leased or free
     allocations: int = 0  # buffers made so far (a reused request makes none)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes held now, leased or free."""
+        return sum(b.nbytes for b in self._buffers)
+
+    @property
+    def leased_bytes(self) -> int:
+        return sum(b.nbytes for b in self._buffers if b.leased)
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
         """A host tensor of ``shape`` and ``dtype`` (pinned and device-mapped where ``device`` is CUDA), leased until
@@ -87,7 +95,6 @@ class HostPool:
             data = _pinned_bytes(wanted, device) if pinned else torch.empty(wanted, dtype=torch.uint8)
             buffer = _Buffer(data, pinned)
             self._buffers.append(buffer)
-            self.allocated_bytes += wanted
             self.allocations += 1
         buffer.leased = True
         tensor = buffer.data[:nbytes].view(dtype).view(shape)
@@ -101,29 +108,22 @@ class HostPool:
             raise ValueError("give_back: the tensor is not a leased buffer of this pool")
         del self._leases[id(tensor)]
         lease[1].leased = False
-        self._trim()
-
-    def _trim(self) -> None:
-        if self.max_cached_bytes is None:
-            return
-        free = sorted((b for b in self._buffers if not b.leased), key=lambda b: -b.nbytes)
-        cached = sum(b.nbytes for b in free)
-        for buffer in free:
-            if cached <= self.max_cached_bytes:
-                break
-            self._buffers.remove(buffer)
-            self.allocated_bytes -= buffer.nbytes
-            cached -= buffer.nbytes
+        if self.max_cached_bytes is not None:
+            self._release_free(self.max_cached_bytes)
 
     def clear(self) -> None:
         """Release every free buffer."""
-        for buffer in [b for b in self._buffers if not b.leased]:
-            self._buffers.remove(buffer)
-            self.allocated_bytes -= buffer.nbytes
+        self._release_free(0)
 
-    @property
-    def leased_bytes(self) -> int:
-        return sum(b.nbytes for b in self._buffers if b.leased)
+    def _release_free(self, kept_bytes: int) -> None:
+        """Release free buffers, largest first, until at most ``kept_bytes`` of them are left."""
+        free = sorted((b for b in self._buffers if not b.leased), key=lambda b: -b.nbytes)
+        cached = sum(b.nbytes for b in free)
+        for buffer in free:
+            if cached <= kept_bytes:
+                break
+            self._buffers.remove(buffer)
+            cached -= buffer.nbytes
 
 
 @dataclass
