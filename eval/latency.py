@@ -434,7 +434,7 @@ def measure(settings: LatencySettings, out: str | Path, resume: Path | None = No
                         (context, name, r) in done for r in range(settings.repeats))):
                     continue
                 cache = HarnessCache(method, PhaseTimer(device, enabled=True), host_pool=host_pool)
-                pool_bytes_before = host_pool.allocated_bytes
+                pool_bytes_before = host_pool.allocated_total_bytes
                 rss_before = resident_bytes()
                 result = generation.greedy_generate(model, cache, request,
                                                     prefill_chunk_size=settings.prefill_chunk_size,
@@ -445,7 +445,7 @@ def measure(settings: LatencySettings, out: str | Path, resume: Path | None = No
                     measurements.append(measurement(spec.name, name, method, context, process,
                                                     round_index - warmups, result, rss_before, rss_after,
                                                     method_label(dataclasses.asdict(method.config)),
-                                                    host_pool.allocated_bytes - pool_bytes_before))
+                                                    host_pool.allocated_total_bytes - pool_bytes_before))
                     # Each finished measurement is on disk at once: a run killed at its time limit keeps the rest.
                     provenance.write_result(out, "latency", payload(complete=False), path=out_path, quiet=True)
                 cache.close()

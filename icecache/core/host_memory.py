@@ -68,6 +68,7 @@ class HostPool:
     _buffers: list[_Buffer] = field(default_factory=list, repr=False)
     _leases: dict[int, tuple[torch.Tensor, _Buffer]] = field(default_factory=dict, repr=False)
     allocations: int = 0  # buffers made so far (a reused request makes none)
+    allocated_total_bytes: int = 0  # their bytes (released ones included): what the pool has had to pin
 
     @property
     def allocated_bytes(self) -> int:
@@ -96,6 +97,7 @@ class HostPool:
             buffer = _Buffer(data, pinned)
             self._buffers.append(buffer)
             self.allocations += 1
+            self.allocated_total_bytes += wanted
         buffer.leased = True
         tensor = buffer.data[:nbytes].view(dtype).view(shape)
         self._leases[id(tensor)] = (tensor, buffer)
