@@ -15,6 +15,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention import dense_attention
+from .cuda_driver import HostFunctions
 from .host_memory import HostPool, PromptCopies
 from .method import LayerKV, Method, SequenceContext
 from .selection_quality import SelectionMeter
@@ -30,6 +31,13 @@ class KVHandle:
     layer: LayerKV
     key: torch.Tensor
     value: torch.Tensor
+
+    def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        """The layer stores the new tokens and attends: ``[B, S, Hq, D]``."""
+        meter = self.layer.seq.selection_meter
+        if meter is not None:
+            return meter.forward(self.layer, query, self.key, self.value, attention_mask, scaling)
+        return self.layer.forward(query, self.key, self.value, attention_mask, scaling)
 
 
 class HarnessCacheLayer(CacheLayerMixin):
@@ -65,14 +73,19 @@ class HarnessCacheLayer(CacheLayerMixin):
 
 class HarnessCache(Cache):
     """One sequence's KV state under a method. Make a new one per sequence, and close it when the sequence ends
-    (``close``, or ``with HarnessCache(...) as cache:``), which ends the workers a method's layers share."""
+    (``close``, or ``with HarnessCache(...) as cache:``), which ends the workers a method's layers share.
+
+    ``host_functions``: the hand-off channel of the stream the sequence decodes on; sequences decoded together in
+    one step (``core.batch``) share one, so that one host worker serves the step's hand-offs in stream order."""
 
     def __init__(self, method: Method, timer: PhaseTimer | None = None, trace_selection: bool = False,
-                 measure_selection: bool = False, host_pool: HostPool | None = None):
+                 measure_selection: bool = False, host_pool: HostPool | None = None,
+                 host_functions: HostFunctions | None = None):
         self.method = method
         self.seq = SequenceContext(
             timer=timer or PhaseTimer(method.model.device), trace_selection=trace_selection or measure_selection,
             prompt_copies=PromptCopies(host_pool if host_pool is not None else method.host_pool),
+            host_functions=host_functions if host_functions is not None else HostFunctions(),
         )
         if measure_selection:  # the layers' traces are what it measures (core.selection_quality)
             self.seq.selection_meter = SelectionMeter(self.seq, method.model.n_layers, method.config.n_dense_layers)
@@ -82,6 +95,11 @@ class HarnessCache(Cache):
     @property
     def layer_kvs(self) -> list[LayerKV]:
         return [layer.kv for layer in self.layers]
+
+    @property
+    def sequences(self) -> list[SequenceContext]:
+        """The sequences this cache decodes, one row of the batch each (here one)."""
+        return [self.seq]
 
     def gpu_kv_bytes(self) -> int:
         return sum(kv.gpu_kv_bytes() for kv in self.layer_kvs)
@@ -106,10 +124,7 @@ def harness_attention(module, query, key, value, attention_mask, scaling=None, d
     """The registered attention function: ``(attn_output [B, S, Hq, D], None)``."""
     scaling = module.scaling if scaling is None else scaling
     if isinstance(key, KVHandle):
-        meter = key.layer.seq.selection_meter
-        if meter is not None:
-            return meter.forward(key.layer, query, key.key, key.value, attention_mask, scaling), None
-        return key.layer.forward(query, key.key, key.value, attention_mask, scaling), None
+        return key.attend(query, attention_mask, scaling), None
     # No HarnessCache (use_cache=False, or a plain DynamicCache): plain dense attention.
     return dense_attention(query, key, value, scaling, attention_mask), None
 

@@ -100,6 +100,40 @@ def _forward(model, ids: torch.Tensor, start: int, cache: HarnessCache) -> torch
     return out.logits[0, -1]
 
 
+def capturable(cache) -> bool:
+    """Whether the decode steps of ``cache`` (one sequence's, or a batch's) may be captured: the method captures
+    them, and a traced run (measure_selection among them) only where the method declares ``traces_in_graph`` (a
+    trace that Python builds from the host's state at the step would be frozen at the captured one)."""
+    traced = any(seq.trace_selection for seq in cache.sequences)
+    return cache.method.captures_decode_step and (not traced or cache.method.traces_in_graph)
+
+
+def prefill_sequence(model, cache: HarnessCache, request: GenerationRequest, reserved_new_tokens: int,
+                     prefill_chunk_size: int | None, layer_by_layer: bool, residual_on_host: bool
+                     ) -> tuple[torch.Tensor, int]:
+    """The prompt and the suffix of ``request`` into ``cache``, with room announced for ``reserved_new_tokens``
+    generated ones; returns the logits of the first generated token and the position of the next."""
+    device = model.device
+    prompt = torch.tensor(list(request.input_ids), dtype=torch.long, device=device)
+    n_prompt = prompt.shape[0]
+    chunk = prefill_chunk_size or n_prompt
+    cache.seq.max_total_tokens = n_prompt + len(request.suffix_ids) + reserved_new_tokens
+    if cache.seq.trace_selection:  # one trace shape for the whole sequence (LayerKV.trace_width)
+        cache.seq.trace_width = cache.seq.max_total_tokens
+    if layer_by_layer:
+        logits = _prefill_layer_by_layer(model, prompt, cache, chunk, residual_on_host)
+    else:
+        for begin in range(0, n_prompt, chunk):
+            cache.seq.more_prefill_chunks = begin + chunk < n_prompt
+            logits = _forward(model, prompt[begin : begin + chunk], begin, cache)
+        cache.seq.more_prefill_chunks = False
+    position = n_prompt
+    for token in request.suffix_ids:
+        logits = _forward(model, torch.tensor([token], device=device), position, cache)
+        position += 1
+    return logits, position
+
+
 def _prefill_layer_by_layer(
     model, prompt: torch.Tensor, cache: HarnessCache, chunk: int, residual_on_host: bool = False
 ) -> torch.Tensor:
@@ -191,28 +225,10 @@ def _generate(model, cache: HarnessCache, request: GenerationRequest, device: to
     logits_kept: list[torch.Tensor] = []
     synchronize(device)
     start = time.perf_counter()
-    prompt = torch.tensor(list(request.input_ids), dtype=torch.long, device=device)
-    n_prompt = prompt.shape[0]
-    chunk = prefill_chunk_size or n_prompt
-    cache.seq.max_total_tokens = n_prompt + len(request.suffix_ids) + request.max_new_tokens
-    if cache.seq.trace_selection:  # one trace shape for the whole sequence (LayerKV.trace_width)
-        cache.seq.trace_width = cache.seq.max_total_tokens
-    # A traced run (measure_selection among them) is captured only where the method declares traces_in_graph: a
-    # trace that Python builds from the host's state at the step would be frozen at the captured one.
-    capturable = cache.method.captures_decode_step and (
-        not cache.seq.trace_selection or cache.method.traces_in_graph)
-    graphed = GraphedDecodeStep(model, cache) if is_cuda and cuda_graph and capturable else None
-    if layer_by_layer:
-        logits = _prefill_layer_by_layer(model, prompt, cache, chunk, residual_on_host)
-    else:
-        for begin in range(0, n_prompt, chunk):
-            cache.seq.more_prefill_chunks = begin + chunk < n_prompt
-            logits = _forward(model, prompt[begin : begin + chunk], begin, cache)
-        cache.seq.more_prefill_chunks = False
-    position = n_prompt
-    for token in request.suffix_ids:
-        logits = _forward(model, torch.tensor([token], device=device), position, cache)
-        position += 1
+    graphed = GraphedDecodeStep(model, cache) if is_cuda and cuda_graph and capturable(cache) else None
+    logits, position = prefill_sequence(model, cache, request, request.max_new_tokens, prefill_chunk_size,
+                                        layer_by_layer, residual_on_host)
+    n_prompt = len(request.input_ids)
     prefill_phases = timer.take_step()
     if keep_logits:
         logits_kept.append(logits.float().cpu())

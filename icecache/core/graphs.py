@@ -17,6 +17,7 @@ import warnings
 
 import torch
 
+from .batch import BatchCache
 from .cache import HarnessCache
 
 
@@ -25,13 +26,16 @@ class GraphedDecodeStep:
     ``graph_ready`` (it warms up kernels and library handles on the capture stream), the next is captured and every
     later one replays the graph."""
 
-    def __init__(self, model, cache: HarnessCache):
+    def __init__(self, model, cache: HarnessCache | BatchCache):
         self.model = model
         self.cache = cache
         device = model.device
         self.stream = torch.cuda.Stream(device)
-        self.input_ids = torch.zeros(1, 1, dtype=torch.long, device=device)
-        self.positions = torch.zeros(1, 1, dtype=torch.long, device=device)
+        self.batch_size = len(cache.sequences)
+        # The rows' one channel (a batch's sequences share it: core.batch).
+        self.host_functions = cache.sequences[0].host_functions
+        self.input_ids = torch.zeros(self.batch_size, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(self.batch_size, 1, dtype=torch.long, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self.eager_steps = 0
@@ -41,17 +45,23 @@ class GraphedDecodeStep:
         self._finished = torch.cuda.Event(blocking=True)  # a replay's end, waited for without spinning
 
     def _forward(self) -> torch.Tensor:
-        self.cache.seq.position = self.positions[0]
+        for row, seq in enumerate(self.cache.sequences):
+            seq.position = self.positions[row]
         out = self.model(
             input_ids=self.input_ids, position_ids=self.positions, past_key_values=self.cache, use_cache=True,
             logits_to_keep=1,
         )
-        return out.logits[0, -1]
+        return out.logits[0, -1] if isinstance(self.cache, HarnessCache) else out.logits[:, -1]
 
-    def __call__(self, token: int, position: int) -> torch.Tensor:
-        """Logits of the next token after ``token`` at ``position`` (a view that the next call overwrites)."""
-        self.input_ids.fill_(token)
-        self.positions.fill_(position)
+    def __call__(self, token: int | list[int], position: int | list[int]) -> torch.Tensor:
+        """Logits of the next token after ``token`` at ``position`` (a view that the next call overwrites): ``[V]``
+        for one sequence's cache; for a batch, ``[B, V]`` after each row's token at each row's position (lists)."""
+        if isinstance(token, int):
+            self.input_ids.fill_(token)
+            self.positions.fill_(position)
+        else:
+            self.input_ids.copy_(torch.tensor(token, dtype=torch.long).view(-1, 1))
+            self.positions.copy_(torch.tensor(position, dtype=torch.long).view(-1, 1))
         if self.graph is not None:
             self.graph.replay()
             return self._replayed(advance_layers=True)
@@ -93,12 +103,12 @@ class GraphedDecodeStep:
         torch.cuda.current_stream(self.input_ids.device).synchronize()
         self.graph = None
         self.logits = None
-        self.cache.seq.host_functions.release()
+        self.host_functions.release()
 
     def counters(self) -> dict[str, int | str]:
         """What a result records of the graph: replays, why there were none if a capture failed, and the channel
         that carried the step's host work where it had some (``HostFunctions.kind``)."""
-        channel = self.cache.seq.host_functions.kind
+        channel = self.host_functions.kind
         return {"graph_replays": self.replays,
                 **({"graph_capture_error": self.capture_error} if self.capture_error else {}),
                 **({"host_channel": channel} if channel is not None else {})}
@@ -110,12 +120,12 @@ class GraphedDecodeStep:
         # the host work's threads (the index search's 16) need, and every barrier of theirs then waits for the one
         # of them the scheduler put off that core.
         stream = torch.cuda.current_stream(self.input_ids.device)
-        if self.cache.seq.host_functions.kind is not None:
+        if self.host_functions.kind is not None:
             self._finished.record(stream)
             self._finished.synchronize()
         else:
             stream.synchronize()
-        self.cache.seq.host_functions.raise_pending()
+        self.host_functions.raise_pending()
         self.replays += 1
         for layer in self.cache.layer_kvs:
             if advance_layers:  # what LayerKV.forward does in Python, skipped by a replay

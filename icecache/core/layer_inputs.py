@@ -42,22 +42,32 @@ def _decoder_layers(model) -> list[torch.nn.Module]:
 
 
 @contextmanager
-def previous_layer_inputs(model, layer_kvs: list) -> Iterator[int]:
+def previous_layer_inputs(model, layer_kvs: list | None = None, *, rows: list[list] | None = None) -> Iterator[int]:
     """Within the block, every ``layer_kvs[i]`` that ``wants_previous_layer_input`` receives decoder layer
-    ``i - 1``'s input before that layer runs; yields the number of hooks put on (0 when no layer wants one)."""
+    ``i - 1``'s input before that layer runs; yields the number of hooks put on (0 when no layer wants one). For a
+    batch (``core.batch``), ``rows[b]`` is row ``b``'s layers, and each receives its own row of the input."""
+    rows = rows if rows is not None else [layer_kvs]
     layers = _decoder_layers(model)
     handles = []
-    for index in range(1, min(len(layers), len(layer_kvs))):
-        kv = layer_kvs[index]
-        if not kv.wants_previous_layer_input:
+    for index in range(1, len(layers)):
+        wanting = [(row, kvs[index]) for row, kvs in enumerate(rows)
+                   if index < len(kvs) and kvs[index].wants_previous_layer_input]
+        if not wanting:
             continue
 
-        def hook(module, args, kwargs, kv=kv, target=layers[index]):
+        def hook(module, args, kwargs, wanting=wanting, target=layers[index]):
             hidden = args[0] if args else kwargs["hidden_states"]
             position_embeddings = kwargs.get("position_embeddings")
             if position_embeddings is None:  # a model that does not pass them cannot be projected here
                 return None
-            kv.previous_layer_input(hidden, functools.partial(project_query, target, position_embeddings))
+            if len(rows) == 1:
+                kv = wanting[0][1]
+                kv.previous_layer_input(hidden, functools.partial(project_query, target, position_embeddings))
+                return None
+            cos, sin = position_embeddings
+            for row, kv in wanting:
+                kv.previous_layer_input(hidden[row : row + 1], functools.partial(
+                    project_query, target, (cos[row : row + 1], sin[row : row + 1])))
             return None
 
         handles.append(layers[index - 1].register_forward_pre_hook(hook, with_kwargs=True))

@@ -117,6 +117,19 @@ class Method(ABC):
     #: ``test_settings``), and a run with a variant's settings is labelled ``<name>+<variant>`` (``method_label``).
     variants: ClassVar[dict[str, dict[str, Any]]] = {}
 
+    #: Whether sequences may decode together under this method (``core.batch``: one forward for the batch, each
+    #: row attending with its own layers). A method that cannot says why in its docstring and ``batch_refusal``.
+    batches_decode: ClassVar[bool] = True
+    batch_refusal: ClassVar[str] = ""
+
+    def check_batch_size(self, batch_size: int) -> None:
+        """``ConfigError`` unless ``batch_size`` sequences may decode together under this method."""
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"batch_size={batch_size!r} must be a whole number of sequences, at least 1")
+        if batch_size > 1 and not self.batches_decode:
+            raise ConfigError(f"{self.config.name} decodes one sequence at a time ({self.batch_refusal}): "
+                              f"use batch_size=1")
+
     @property
     def captures_decode_step(self) -> bool:
         """Whether the generation loop captures this run's decode steps in a CUDA graph (on CUDA, when the method

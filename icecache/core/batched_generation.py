@@ -1,0 +1,187 @@
+"""Greedy decoding of a batch (``core.batch``): each prompt prefilled on its own, then one forward per step for
+every row, replayed from a CUDA graph where the method captures its step.
+
+A row is one sequence's progress (``DecodingRow``): the tokens it generated, its next position, why it stopped.
+``decode_batch`` continues rows from where they are, so a caller can prefill rows one by one and decode batches of
+growing size over them (the throughput benchmark does; its rows are then ragged by the steps they already ran).
+A row that stops keeps stepping with its last token until every row of the batch has stopped (one graph serves
+the batch); those steps write past its tokens, inside the room ``prefill_row`` announced, and are not returned.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .batch import BatchCache
+from .cache import HarnessCache
+from .cuda_driver import HostFunctions
+from .generation import GenerationRequest, _hits_stop, capturable, prefill_sequence
+from .graphs import GraphedDecodeStep
+from .layer_inputs import previous_layer_inputs
+from .timing import synchronize
+
+
+@dataclass
+class DecodingRow:
+    """One sequence of a batch: its request, what it generated, its next position and, once done, why."""
+
+    request: GenerationRequest
+    cache: HarnessCache
+    generated: list[int]
+    position: int
+    ttft_s: float
+    stop_reason: str | None = None
+    logits: list[torch.Tensor] | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.input_ids) + len(self.request.suffix_ids)
+
+    def pick(self, logits: torch.Tensor) -> int:
+        """The greedy token of ``logits [V]``, EOS suppressed until ``min_new_tokens`` exist."""
+        if len(self.generated) < self.request.min_new_tokens and self.request.eos_token_ids:
+            logits = logits.clone()
+            logits[list(self.request.eos_token_ids)] = float("-inf")
+        return int(torch.argmax(logits).item())
+
+    def check_stop(self, tokenizer) -> bool:
+        """Whether the row is done (its reason kept in ``stop_reason``; a final EOS is not returned)."""
+        if self.stop_reason is not None:
+            return True
+        if self.generated[-1] in set(self.request.eos_token_ids) and len(self.generated) > self.request.min_new_tokens:
+            self.generated.pop()
+            self.stop_reason = "eos"
+        elif self.request.stop_strings and _hits_stop(tokenizer, self.generated, self.request.stop_strings):
+            self.stop_reason = "stop_string"
+        elif len(self.generated) >= self.request.max_new_tokens:
+            self.stop_reason = "length"
+        return self.stop_reason is not None
+
+
+@torch.inference_mode()
+def prefill_row(model, cache: HarnessCache, request: GenerationRequest, *, reserved_new_tokens: int | None = None,
+                prefill_chunk_size: int | None = None, layer_by_layer: bool = False, residual_on_host: bool = False,
+                keep_logits: bool = False) -> DecodingRow:
+    """Prefill one sequence of a batch and pick its first token. ``reserved_new_tokens`` (at least the request's
+    ``max_new_tokens``): the generated tokens its buffers are sized for, which must cover the steps of every batch
+    it will decode in (a row that stops early keeps stepping until its batch does)."""
+    reserved = max(request.max_new_tokens, reserved_new_tokens or 0)
+    with previous_layer_inputs(model, cache.layer_kvs):
+        synchronize(model.device)
+        start = time.perf_counter()
+        logits, position = prefill_sequence(model, cache, request, reserved, prefill_chunk_size, layer_by_layer,
+                                            residual_on_host)
+        cache.seq.timer.take_step()
+        row = DecodingRow(request, cache, [], position, 0.0, logits=[logits.float().cpu()] if keep_logits else None)
+        row.generated.append(row.pick(logits))
+        row.ttft_s = time.perf_counter() - start
+    cache.seq.prompt_copies.join()
+    return row
+
+
+@dataclass
+class BatchDecodeResult:
+    """The steps of one ``decode_batch``: each one's wall time (all rows), and what the rows' caches report."""
+
+    batch_size: int
+    step_times_s: list[float] = field(default_factory=list)
+    counters: dict[str, Any] = field(default_factory=dict)
+    peak_gpu_bytes: int | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """The median step after the first (which may run eagerly to warm up and capture)."""
+        return statistics.median(self.step_times_s[1:]) if len(self.step_times_s) > 1 else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Decode throughput: one token per row per step."""
+        return self.batch_size / self.tpot_s if self.tpot_s else None
+
+
+def _forward(model, batch: BatchCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    for row, seq in enumerate(batch.sequences):
+        seq.position = positions[row]
+    out = model(input_ids=tokens, position_ids=positions, past_key_values=batch, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1]
+
+
+@torch.inference_mode()
+def decode_batch(model, batch: BatchCache, rows: list[DecodingRow], *, max_steps: int | None = None,
+                 cuda_graph: bool = True, tokenizer=None) -> BatchDecodeResult:
+    """Decode ``rows`` (``rows[b]`` on ``batch.caches[b]``) together until every row stops, or for at most
+    ``max_steps`` steps; the rows advance in place. On CUDA, a method that captures its step replays one graph for
+    the batch after its first steps (the first runs eagerly)."""
+    if [row.cache for row in rows] != batch.caches:
+        raise ValueError("rows[b] must be the row of batch.caches[b]")
+    if any(row.request.stop_strings for row in rows) and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer")
+    device = model.device
+    is_cuda = device.type == "cuda"
+    for row in rows:
+        row.check_stop(tokenizer)
+    remaining = max((row.request.max_new_tokens - len(row.generated) for row in rows if row.stop_reason is None),
+                    default=0)
+    n_steps = remaining if max_steps is None else min(remaining, max_steps)
+    for row in rows:  # a stopped row steps too; its buffers must hold those steps
+        room = (row.cache.seq.max_total_tokens or 0) - row.position
+        if n_steps > room:
+            raise ValueError(f"a row at position {row.position} has room for {room} more tokens and the batch runs "
+                             f"up to {n_steps} steps: prefill its rows with reserved_new_tokens covering them")
+    if is_cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    result = BatchDecodeResult(batch_size=len(rows))
+    graphed = GraphedDecodeStep(model, batch) if is_cuda and cuda_graph and capturable(batch) else None
+    try:
+        with previous_layer_inputs(model, rows=batch.rows_layer_kvs()):
+            for _ in range(n_steps):
+                if all(row.stop_reason is not None for row in rows):
+                    break
+                tokens = [row.generated[-1] for row in rows]
+                positions = [row.position for row in rows]
+                start = time.perf_counter()
+                if graphed is not None:
+                    logits = graphed(tokens, positions)
+                else:
+                    logits = _forward(model, batch, torch.tensor(tokens, device=device)[:, None],
+                                      torch.tensor(positions, device=device)[:, None])
+                for index, row in enumerate(rows):
+                    row.position += 1
+                    if row.stop_reason is None:
+                        row.generated.append(row.pick(logits[index]))
+                        if row.logits is not None:
+                            row.logits.append(logits[index].float().cpu())
+                result.step_times_s.append(time.perf_counter() - start)
+                for row in rows:
+                    row.cache.seq.timer.take_step()
+                    row.check_stop(tokenizer)
+    finally:
+        if graphed is not None:
+            result.counters.update(graphed.counters())
+            graphed.close()
+    result.peak_gpu_bytes = torch.cuda.max_memory_allocated(device) if is_cuda else None
+    return result
+
+
+def batched_greedy_generate(model, method, requests: list[GenerationRequest], *, tokenizer=None,
+                            prefill_chunk_size: int | None = None, layer_by_layer: bool = False,
+                            residual_on_host: bool = False, cuda_graph: bool = True, keep_logits: bool = False,
+                            **cache_options) -> tuple[list[DecodingRow], BatchDecodeResult]:
+    """Greedy decoding of ``requests`` as one batch under ``method``: each prompt prefilled on its own
+    ``HarnessCache`` (``cache_options`` passed to it), then decoded together; the batch is closed at the end."""
+    method.check_batch_size(len(requests))
+    channel = HostFunctions()
+    reserve = max(request.max_new_tokens for request in requests)
+    caches = [HarnessCache(method, host_functions=channel, **cache_options) for _ in requests]
+    with BatchCache(caches) as batch:
+        rows = [prefill_row(model, cache, request, reserved_new_tokens=reserve, prefill_chunk_size=prefill_chunk_size,
+                            layer_by_layer=layer_by_layer, residual_on_host=residual_on_host,
+                            keep_logits=keep_logits)
+                for cache, request in zip(caches, requests)]
+        result = decode_batch(model, batch, rows, cuda_graph=cuda_graph, tokenizer=tokenizer)
+    return rows, result

@@ -1,0 +1,252 @@
+"""Batched decode (core.batch): every method decodes a batch whose rows equal the same sequences decoded alone.
+
+A row's attention and selection run the batch-1 code on the row's inputs; what a batch changes is only the matrix
+products of the transformer's own layers, which a BLAS may round differently for B rows than for one. With those
+products computed row by row (``row_by_row_linear``), a batch must reproduce batch 1 bit for bit: tokens and logits,
+for every method and variant on the four tiny architectures, with ragged rows that stop at different steps. Without
+it, the full cache's logits must agree within float32 rounding.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eval.plugins import METHODS, build_method, method_class
+from icecache.core.batch import BatchCache
+from icecache.core.batched_generation import batched_greedy_generate, decode_batch, prefill_row
+from icecache.core.cache import HarnessCache
+from icecache.core.cuda_driver import HostFunctions
+from icecache.core.generation import GenerationRequest, greedy_generate
+from icecache.core.method import Method, MethodConfig
+from icecache.errors import ConfigError
+from tests.conftest import ARCHITECTURES, tiny_model, tiny_model_on
+from tests.test_method_invariants import method_config
+
+CASES = [*METHODS.names(), *(f"{name}+{variant}" for name in METHODS.names()
+                              for variant in method_class(name).variants)]
+
+
+def case_config(case: str) -> dict:
+    name = case.partition("+")[0]
+    return method_config(case, 64) if method_class(name).uses_budget else {"name": name}
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# Ragged rows (different prompt lengths) that stop at different steps (different max_new_tokens, one on an EOS).
+def requests() -> list[GenerationRequest]:
+    return [GenerationRequest(prompt(300, 1), 8), GenerationRequest(prompt(250, 2), 5),
+            GenerationRequest(prompt(280, 3), 8)]
+
+
+@pytest.fixture
+def row_by_row_linear(monkeypatch):
+    """``nn.Linear`` computed one batch row at a time: each row's product is then the batch-1 product."""
+    def forward(self, x):
+        if x.dim() < 3 or x.shape[0] == 1:
+            return F.linear(x, self.weight, self.bias)
+        return torch.cat([F.linear(x[b : b + 1], self.weight, self.bias) for b in range(x.shape[0])])
+
+    monkeypatch.setattr(torch.nn.Linear, "forward", forward)
+
+
+ON_CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+)
+
+
+def alone(model, method, request: GenerationRequest):
+    with HarnessCache(method) as cache:
+        return greedy_generate(model, cache, request, keep_logits=True)
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("case", CASES)
+def test_a_batch_reproduces_each_sequence_alone(case, arch, device, row_by_row_linear):
+    """On CUDA both sides replay captured steps (batch 1's graph, the batch's graph), and the batch's captured
+    steps must equal its eager ones."""
+    model, info = tiny_model_on(arch, device) if device == "cuda" else tiny_model(arch)[::2]
+    method = build_method(case_config(case), info)
+    batch_requests = requests()
+    # The third row stops on an EOS: the first token its batch-1 run generates that differs from its first (so that
+    # min_new_tokens=1 changes nothing before it), or that first token itself, with min_new_tokens=0.
+    third = alone(model, method, batch_requests[2]).token_ids
+    later = [token for token in third if token != third[0]]
+    batch_requests[2].eos_token_ids = (later[0] if later else third[0],)
+    batch_requests[2].min_new_tokens = 1 if later else 0
+    singles = [alone(model, method, request) for request in batch_requests]
+    rows, result = batched_greedy_generate(model, method, batch_requests, keep_logits=True)
+    assert [row.generated for row in rows] == [single.token_ids for single in singles]
+    assert [row.stop_reason for row in rows] == [single.stop_reason for single in singles]
+    assert rows[2].stop_reason == "eos"
+    for row, single in zip(rows, singles):
+        assert len(row.logits) == len(single.logits)
+        for ours, theirs in zip(row.logits, single.logits):
+            assert torch.equal(ours, theirs)
+    assert len(result.step_times_s) == 7  # the longest row's 7 decode steps, the others stepping along
+    if device == "cuda":
+        assert result.counters.get("graph_replays", 0) > 0 or not method.captures_decode_step
+        eager_rows, _ = batched_greedy_generate(model, method, batch_requests, keep_logits=True, cuda_graph=False)
+        for row, eager in zip(rows, eager_rows):
+            assert row.generated == eager.generated
+            assert all(torch.equal(ours, theirs) for ours, theirs in zip(row.logits, eager.logits))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_a_full_cache_batch_differs_from_batch_one_only_by_rounding(arch):
+    model, _, info = tiny_model(arch)
+    for name in ("full", "full_static"):
+        method = build_method({"name": name}, info)
+        singles = [alone(model, method, request) for request in requests()]
+        rows, _ = batched_greedy_generate(model, method, requests(), keep_logits=True)
+        for row, single in zip(rows, singles):
+            assert row.generated == single.token_ids
+            for ours, theirs in zip(row.logits, single.logits):
+                torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=2e-5)
+
+
+def test_batches_of_growing_size_continue_their_rows(row_by_row_linear):
+    """The throughput benchmark's pattern: rows prefilled one by one, batches of 1, 2, 3 over them, each continuing
+    its rows where the last left them; every row's tokens are its batch-1 tokens."""
+    model, _, info = tiny_model("llama")
+    method = build_method(case_config("icecache"), info)
+    batch_requests = [GenerationRequest(prompt(200 + 20 * i, i), 12) for i in range(3)]
+    singles = [alone(model, method, request) for request in batch_requests]
+    channel = HostFunctions()
+    caches = [HarnessCache(method, host_functions=channel) for _ in batch_requests]
+    rows = []
+    try:
+        for size, (cache, request) in enumerate(zip(caches, batch_requests), start=1):
+            rows.append(prefill_row(model, cache, request, reserved_new_tokens=12))
+            decode_batch(model, BatchCache(caches[:size]), rows, max_steps=3)
+    finally:
+        for cache in caches:
+            cache.close()
+    for row, single in zip(rows, singles):
+        assert row.generated == single.token_ids[: len(row.generated)]
+    assert [len(row.generated) for row in rows] == [10, 7, 4]
+
+
+def test_a_batch_refuses_what_it_cannot_run():
+    model, _, info = tiny_model("llama")
+    method = build_method(case_config("quest"), info)
+    other = build_method(case_config("quest"), info)
+    channel = HostFunctions()
+    with pytest.raises(ValueError, match="one method"):
+        BatchCache([HarnessCache(method, host_functions=channel), HarnessCache(other, host_functions=channel)])
+    with pytest.raises(ValueError, match="share one hand-off channel"):
+        BatchCache([HarnessCache(method), HarnessCache(method)])
+    cache = HarnessCache(method, host_functions=channel)
+    row = prefill_row(model, cache, GenerationRequest(prompt(100, 1), 4))
+    row.request = GenerationRequest(prompt(100, 1), 40)  # more steps than its buffers were announced for
+    with pytest.raises(ValueError, match="reserved_new_tokens"):
+        decode_batch(model, BatchCache([cache]), [row])
+    cache.close()
+    with pytest.raises(ConfigError, match="batch_size=0"):
+        method.check_batch_size(0)
+
+
+def test_a_method_that_cannot_batch_says_so_in_one_line():
+    class OneAtATime(Method):
+        """Decodes one sequence at a time (its selection state is shared by every sequence of the method)."""
+
+        uses_budget = False
+        batches_decode = False
+        batch_refusal = "its selection state is shared by every sequence of the method"
+
+        def make_sparse_layer(self, layer_idx, seq):
+            raise AssertionError("never built")
+
+    _, _, info = tiny_model("llama")
+    method = OneAtATime(MethodConfig(name="one_at_a_time"), info)
+    method.check_batch_size(1)
+    with pytest.raises(ConfigError) as refused:
+        batched_greedy_generate(None, method, requests())
+    assert str(refused.value) == ("one_at_a_time decodes one sequence at a time (its selection state is shared by "
+                                  "every sequence of the method): use batch_size=1")
+
+
+def run_throughput(tmp_path, **given):
+    from eval import throughput
+
+    settings = throughput.ThroughputSettings.compose({
+        "model": "tiny_llama", "lengths": [200], "methods": ["quest", "icecache"], "budget": 64,
+        "batch_sizes": [1, 2, 4], "decode_steps": 4, **given})
+    return settings, json.loads(throughput.measure(settings, tmp_path).read_text())
+
+
+def test_the_throughput_benchmark_measures_every_batch_up_to_the_first_out_of_memory(tmp_path, monkeypatch):
+    import icecache.core.batched_generation as batched
+
+    real_prefill = batched.prefill_row
+    prefilled = {"icecache": 0}
+
+    def prefill_until_the_third(model, cache, request, **kwargs):  # IceCache's third sequence does not fit
+        if cache.method.config.name == "icecache":
+            prefilled["icecache"] += 1
+            if prefilled["icecache"] == 3:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_prefill(model, cache, request, **kwargs)
+
+    monkeypatch.setattr(batched, "prefill_row", prefill_until_the_third)
+    _, payload = run_throughput(tmp_path)
+    assert payload["complete"] and payload["kind"] == "throughput"
+    measured = {(r["method"], r["batch_size"]) for r in payload["rows"]}
+    assert measured == {("full_static", 1), ("full_static", 2), ("full_static", 4), ("quest", 1), ("quest", 2),
+                        ("quest", 4), ("icecache", 1), ("icecache", 2)}
+    [limit] = payload["limits"]
+    assert (limit["method"], limit["batch_size"], limit["kind"], limit["stage"]) == ("icecache", 4, "gpu", "prefill")
+    for row in payload["rows"]:
+        assert row["tokens_per_s"] == pytest.approx(row["batch_size"] / row["tpot_s"])
+        assert len(row["step_times_s"]) == 4 and len(row["positions"]) == row["batch_size"]
+    rows = {(r["method"], r["batch_size"]): r for r in payload["rows"]}
+    # Rows continue from batch to batch: the first row has stepped through every earlier batch.
+    assert rows[("quest", 4)]["positions"][0] == 200 + 3 * 4
+    assert rows[("quest", 4)]["positions"][3] == 200 + 4
+    summary = {entry["method"]: entry for entry in payload["summary"]}
+    assert summary["icecache"]["largest_batch"] == 2 and summary["icecache"]["first_failed_batch"] == 4
+    assert summary["full_static"]["best_over_reference"] == pytest.approx(1.0)
+    assert payload["provenance"]["torch"]
+
+
+def test_a_killed_throughput_run_resumes_without_repeating_a_row(tmp_path):
+    from eval import throughput
+
+    settings, payload = run_throughput(tmp_path, methods=["quest"], batch_sizes=[1, 2])
+    path = next(tmp_path.glob("throughput_*.json"))
+    # As if killed during quest's batch of 2: full_static finished, quest has one row of two.
+    payload["complete"] = False
+    payload["finished"] = [[200, "full_static"]]
+    payload["rows"] = [r for r in payload["rows"] if (r["method"], r["batch_size"]) != ("quest", 2)]
+    path.write_text(json.dumps(payload))
+    out = tmp_path / "resumed"
+    resumed = json.loads(throughput.measure(settings, out, resume=path).read_text())
+    assert resumed["complete"]
+    keys = [(r["method"], r["batch_size"]) for r in resumed["rows"]]
+    assert sorted(keys) == [("full_static", 1), ("full_static", 2), ("quest", 1), ("quest", 2)]
+    assert resumed["rows"][:2] == payload["rows"][:2]  # the finished method's rows stand as measured
+    with pytest.raises(ConfigError, match="complete"):
+        throughput.measure(settings, tmp_path / "again", resume=out / path.name)
+    with pytest.raises(ConfigError, match="batch_sizes"):
+        throughput.read_unfinished(path, throughput.ThroughputSettings.compose(
+            {"model": "tiny_llama", "lengths": [200], "methods": ["quest"], "budget": 64, "batch_sizes": [1, 2, 4],
+             "decode_steps": 4}))
+
+
+def test_throughput_settings_are_checked_in_one_line():
+    from eval import throughput
+
+    with pytest.raises(ConfigError, match="increasing whole numbers"):
+        throughput.ThroughputSettings.compose({"batch_sizes": [4, 2]})
+    with pytest.raises(ConfigError, match="at least 4"):
+        throughput.ThroughputSettings.compose({"decode_steps": 2})
+    with pytest.raises(ConfigError, match="unknown throughput settings: batch"):
+        throughput.ThroughputSettings.compose({"batch": 2})
+    assert throughput.ThroughputSettings.compose({"methods": ["quest"]}).methods == ["full_static", "quest"]
