@@ -1,0 +1,339 @@
+"""The throughput engine: decode tokens per second against batch size, for several methods, up to each one's memory
+limit.
+
+Per method and context length, one process prefills sequences one at a time (each on its own ``HarnessCache``,
+all on one hand-off channel) and, whenever it holds ``B`` of them for the next batch size in ``batch_sizes``,
+decodes the first ``B`` together for ``decode_steps`` steps (``core.batched_generation.decode_batch``; replayed
+from one CUDA graph where the method captures its step). TPOT is the median step after the first, throughput
+``B / TPOT``. Rows keep their state from one batch size to the next, so a batch's rows differ in length by the
+steps the earlier batches ran (at most ``decode_steps`` times the number of batch sizes): ragged, as in serving.
+The first out-of-memory error, on the GPU or in host memory, during a prefill or a step, is caught and recorded as
+the method's limit, not raised; the method's sequences are then freed and the next method runs.
+
+Writes ``<out>/throughput_<host>_<date>.json`` (settings, provenance, one row per method, length and batch size,
+the limits, the summary), rewritten after every row (``complete: false`` until the end). ``resume`` completes such
+a file: a (method, length) whose sweep the file finished stands; an unfinished one is measured again from its first
+batch (its partial rows replaced), so no row is lost or counted twice. ``scripts/bench/throughput.py`` is the
+command line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from icecache.errors import ConfigError
+
+from .latency import method_values, model_spec, resident_bytes
+
+#: The reference every summary row is set against: the fast full cache's best throughput at the same length.
+REFERENCE = "full_static"
+MIN_DECODE_STEPS = 4
+
+
+@dataclass
+class ThroughputSettings:
+    """What a throughput file measures. ``batch_sizes`` are tried in order until the first out-of-memory error."""
+
+    model: str = "llama31_8b"  # a configs/model name (or a YAML path)
+    source: str = "random"  # random: the real architecture with random weights (exact for time and memory)
+    lengths: list[int] = field(default_factory=lambda: [32768])
+    methods: list[str] = field(default_factory=lambda: ["full_static", "quest"])  # full_static added first
+    budget: int = 256
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    decode_steps: int = 16  # steps per batch size: TPOT is the median of steps 2..N
+    threads: int | None = None  # torch CPU threads (None: torch's default)
+    prefill_chunk_size: int | None = None
+    layer_by_layer: bool = True  # prefill one decoder layer at a time: what lets long prompts fit beside a batch
+    residual_on_host: bool = False
+    set: list[str] = field(default_factory=list)  # METHOD.KEY=VALUE overrides of a method config
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0  # row r's random prompt at length L: seed + L + r
+
+    @classmethod
+    def compose(cls, given: dict[str, Any]) -> "ThroughputSettings":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ConfigError(f"unknown throughput settings: {', '.join(unknown)}")
+        settings = cls(**{key: value for key, value in given.items() if value is not None})
+        settings.methods = [REFERENCE, *(m for m in settings.methods if m != REFERENCE)]
+        settings.check()
+        return settings
+
+    def check(self) -> None:
+        if self.decode_steps < MIN_DECODE_STEPS:
+            raise ConfigError(f"--decode-steps must be at least {MIN_DECODE_STEPS} (TPOT is the median of steps 2..N)")
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes) or self.batch_sizes != sorted(
+                set(self.batch_sizes)):
+            raise ConfigError(f"--batch-sizes {self.batch_sizes}: give increasing whole numbers, e.g. 1 2 4 8")
+        if self.residual_on_host and not self.layer_by_layer:
+            raise ConfigError("--residual-on-host needs --layer-by-layer")
+
+    @property
+    def reserved_new_tokens(self) -> int:
+        """What every row's buffers are sized for: the first row steps in every batch."""
+        return len(self.batch_sizes) * self.decode_steps + 1
+
+
+# The settings a resumed command must share with the file it completes.
+RESUME_SETTINGS = ("model", "source", "lengths", "methods", "budget", "batch_sizes", "decode_steps", "threads",
+                   "prefill_chunk_size", "layer_by_layer", "residual_on_host", "set", "device", "dtype", "seed")
+
+
+def read_unfinished(path: Path, settings: ThroughputSettings) -> dict[str, Any]:
+    """The payload of the unfinished throughput file ``path``, refused in one line when it is finished, unreadable
+    or measured with other settings."""
+    try:
+        payload = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"--resume {path}: cannot read it ({error})") from None
+    if payload.get("kind") != "throughput":
+        raise ConfigError(f"--resume {path}: not a throughput file")
+    if payload.get("complete"):
+        raise ConfigError(f"--resume {path}: the file is complete; start a new run instead")
+    ours = dataclasses.asdict(settings)
+    differ = [key for key in RESUME_SETTINGS if payload["settings"].get(key) != ours[key]]
+    if differ:
+        raise ConfigError(f"--resume {path}: its settings differ in {', '.join(differ)}; resume with the file's")
+    return payload
+
+
+def out_of_memory(error: BaseException) -> str | None:
+    """``"gpu"`` or ``"host"`` when ``error`` is an allocation failure, else None (a real error, raised)."""
+    import torch
+
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return "gpu"
+    if isinstance(error, MemoryError):
+        return "host"
+    text = str(error)
+    if isinstance(error, RuntimeError):
+        if text.startswith("cuMemHostAlloc failed"):  # pinning host memory (core.cuda_driver)
+            return "host"
+        if "out of memory" in text.lower():
+            return "gpu"
+    return None
+
+
+class HostMemoryForecast(MemoryError):
+    """The next sequence would not fit in the host memory left: stopped before the kernel's out-of-memory killer
+    would end the process."""
+
+
+def host_available_bytes() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def summarise(rows: list[dict[str, Any]], limits: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (method, length): the largest batch measured, the first that did not fit, the best throughput and its
+    batch, the first batch after which the next one adds less than 10% throughput, and the best throughput over the
+    reference's best at that length."""
+    summary = []
+    keys = sorted({(r["context"], r["method"]) for r in rows} | {(lim["context"], lim["method"]) for lim in limits})
+    best_reference = {}
+    for context, method in keys:
+        measured = sorted((r for r in rows if (r["context"], r["method"]) == (context, method)),
+                          key=lambda r: r["batch_size"])
+        limit = next((lim for lim in limits if (lim["context"], lim["method"]) == (context, method)), None)
+        best = max(measured, key=lambda r: r["tokens_per_s"] or 0.0, default=None)
+        flattens = next((before["batch_size"] for before, after in zip(measured, measured[1:])
+                         if before["tokens_per_s"] and after["tokens_per_s"]
+                         and after["tokens_per_s"] < 1.1 * before["tokens_per_s"]), None)
+        entry = {"context": context, "method": method,
+                 "method_label": measured[0]["method_label"] if measured else method,
+                 "largest_batch": measured[-1]["batch_size"] if measured else 0,
+                 "first_failed_batch": limit["batch_size"] if limit else None,
+                 "failure": limit["kind"] if limit else None,
+                 "best_tokens_per_s": best["tokens_per_s"] if best else None,
+                 "best_batch": best["batch_size"] if best else None,
+                 "tpot_at_batch_1_s": measured[0]["tpot_s"] if measured and measured[0]["batch_size"] == 1 else None,
+                 "flattens_after_batch": flattens}
+        if method == REFERENCE:
+            best_reference[context] = entry["best_tokens_per_s"]
+        summary.append(entry)
+    for entry in summary:
+        reference = best_reference.get(entry["context"])
+        entry["best_over_reference"] = (entry["best_tokens_per_s"] / reference
+                                        if reference and entry["best_tokens_per_s"] else None)
+    return summary
+
+
+def print_table(summary: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
+    batches = sorted({r["batch_size"] for r in rows})
+    header = f"{'method':24s} {'context':>8s} " + " ".join(f"{'B=' + str(b):>8s}" for b in batches) + \
+        f" {'best x ' + REFERENCE:>18s}  limit"
+    print(header)
+    for entry in summary:
+        by_batch = {r["batch_size"]: r for r in rows
+                    if (r["context"], r["method"]) == (entry["context"], entry["method"])}
+        cells = " ".join(f"{by_batch[b]['tokens_per_s']:8.1f}" if b in by_batch else f"{'':8s}" for b in batches)
+        ratio = entry["best_over_reference"]
+        limit = f"{entry['failure']} OOM at B={entry['first_failed_batch']}" if entry["failure"] else "none met"
+        print(f"{entry['method_label']:24s} {entry['context']:8d} {cells} "
+              f"{(f'{ratio:.2f}x' if ratio else '-'):>18s}  {limit}")
+    print("(decode tokens per second; a blank cell: not measured, at or past the limit)")
+
+
+def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None = None) -> Path:
+    """Measure ``settings`` into a new throughput file in ``out`` (or complete the unfinished file ``resume``);
+    print the table; return the file's path. Bad settings raise ``ConfigError`` before the model is built."""
+    prior = read_unfinished(resume, settings) if resume else None
+    import torch
+    from tqdm import tqdm
+
+    from eval import provenance
+    from eval.plugins import build_method
+    from icecache.core.batch import BatchCache
+    from icecache.core.batched_generation import decode_batch, prefill_row
+    from icecache.core.cache import ATTENTION_NAME, HarnessCache
+    from icecache.core.cuda_driver import HostFunctions
+    from icecache.core.generation import GenerationRequest
+    from icecache.core.host_memory import HostPool
+    from icecache.core.method import method_label
+    from icecache.core.models import load_model, model_info
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    spec = model_spec(settings.model, settings.source, settings.device, settings.dtype)
+    info = model_info(spec)
+    methods = {name: build_method(method_values(name, settings.budget, settings.set), info)
+               for name in settings.methods}
+    for method in methods.values():  # a method that cannot batch stops the run here, in one line
+        method.check_batch_size(max(settings.batch_sizes))
+    print(f"building {spec.name} ({spec.source}) on {spec.resolved_device()} / {spec.resolved_dtype()} ...",
+          flush=True)
+    model, _ = load_model(spec, ATTENTION_NAME)
+    device = spec.resolved_device()
+    is_cuda = device.type == "cuda"
+    vocab = model.config.vocab_size
+
+    recorded = dataclasses.asdict(settings)
+    recorded.update({"model_name": spec.name, "device_resolved": str(device),
+                     "dtype_resolved": str(spec.resolved_dtype()),
+                     "gpu_total_bytes": torch.cuda.get_device_properties(device).total_memory if is_cuda else None,
+                     "host_total_bytes": _host_total_bytes()})
+    run_provenance = provenance.collect()
+    if prior is None:
+        rows: list[dict[str, Any]] = []
+        limits: list[dict[str, Any]] = []
+        finished: list[list[Any]] = []
+        out_path, first_provenance, processes = provenance.result_path(out, "throughput"), run_provenance, []
+    else:
+        finished = prior["finished"]
+        done = {tuple(pair) for pair in finished}
+        rows = [r for r in prior["rows"] if (r["context"], r["method"]) in done]
+        limits = [lim for lim in prior["limits"] if (lim["context"], lim["method"]) in done]
+        out_path, first_provenance = Path(out) / Path(resume).name, prior["provenance"]
+        processes = [*prior.get("resumed_by", []), {"provenance": run_provenance}]
+        recorded = {**prior["settings"], "resumed": True}
+
+    def payload(complete: bool) -> dict[str, Any]:
+        return {"kind": "throughput", "settings": recorded, "provenance": first_provenance, "complete": complete,
+                **({"resumed_by": processes} if processes else {}), "finished": finished,
+                "rows": rows, "limits": limits, "summary": summarise(rows, limits)}
+
+    def request(context: int, row: int) -> GenerationRequest:
+        generator = torch.Generator().manual_seed(settings.seed + context + row)
+        prompt = torch.randint(0, vocab, (context,), generator=generator).tolist()
+        return GenerationRequest(input_ids=prompt, max_new_tokens=settings.reserved_new_tokens, eos_token_ids=())
+
+    done = {tuple(pair) for pair in finished}
+    for context in settings.lengths:
+        for name, method in methods.items():
+            if (context, name) in done:
+                continue
+            label = method_label(dataclasses.asdict(method.config))
+            channel = HostFunctions()
+            host_pool = HostPool()  # the method's sequences all live at once: nothing to reuse between them
+            caches: list[HarnessCache] = []
+            host_per_row = 0  # the host memory the last prefilled row took
+            decoding: list = []
+            try:
+                for batch_size in tqdm(settings.batch_sizes, desc=f"{label} at {context}", unit="batch"):
+                    stage = "prefill"
+                    try:
+                        if is_cuda:
+                            torch.cuda.reset_peak_memory_stats(device)
+                        prefill_start = time.perf_counter()
+                        while len(decoding) < batch_size:
+                            available = host_available_bytes()
+                            if available is not None and host_per_row and available < 1.2 * host_per_row:
+                                raise HostMemoryForecast(
+                                    f"{available / 2**30:.1f} GiB of host memory left, {host_per_row / 2**30:.1f} "
+                                    f"GiB taken by the last sequence")
+                            rss_before = resident_bytes() or 0
+                            cache = HarnessCache(method, host_pool=host_pool, host_functions=channel)
+                            caches.append(cache)
+                            decoding.append(prefill_row(
+                                model, cache, request(context, len(decoding)),
+                                reserved_new_tokens=settings.reserved_new_tokens,
+                                prefill_chunk_size=settings.prefill_chunk_size,
+                                layer_by_layer=settings.layer_by_layer, residual_on_host=settings.residual_on_host))
+                            host_per_row = max(0, (resident_bytes() or 0) - rss_before)
+                        prefill_s = time.perf_counter() - prefill_start
+                        prefill_peak = torch.cuda.max_memory_allocated(device) if is_cuda else None
+                        stage = "decode"
+                        batch = BatchCache(caches[:batch_size])
+                        result = decode_batch(model, batch, decoding[:batch_size], max_steps=settings.decode_steps)
+                    except Exception as error:  # noqa: BLE001  only allocation failures are a limit; others raise
+                        kind = out_of_memory(error)
+                        if kind is None:
+                            raise
+                        limits.append({"context": context, "method": name, "method_label": label,
+                                       "batch_size": batch_size, "kind": kind, "stage": stage,
+                                       "error": str(error).splitlines()[0][:300]})
+                        print(f"{label} at {context}: {kind} memory exhausted at batch {batch_size} ({stage})",
+                              flush=True)
+                        break
+                    rows.append({
+                        "context": context, "method": name, "method_label": label, "budget": method.config.budget,
+                        "batch_size": batch_size, "tpot_s": result.tpot_s, "tokens_per_s": result.tokens_per_s,
+                        "step_times_s": result.step_times_s, "positions": [row.position for row in
+                                                                          decoding[:batch_size]],
+                        "prefill_s_added": prefill_s,
+                        "peak_gpu_bytes": max(filter(None, [prefill_peak, result.peak_gpu_bytes]), default=None),
+                        "gpu_kv_bytes": sum(cache.gpu_kv_bytes() for cache in caches[:batch_size]),
+                        "cpu_kv_bytes": sum(cache.cpu_kv_bytes() for cache in caches[:batch_size]),
+                        "host_rss_bytes": resident_bytes(),
+                        "host_buffers_bytes": host_pool.allocated_bytes,
+                        **{key: value for key, value in result.counters.items()
+                           if key in ("graph_replays", "graph_capture_error", "host_channel")},
+                    })
+                    provenance.write_result(out, "throughput", payload(complete=False), path=out_path, quiet=True)
+            finally:
+                for cache in caches:
+                    cache.close()
+                host_pool.clear()
+                del caches, decoding
+                if is_cuda:
+                    torch.cuda.synchronize(device)
+                    torch.cuda.empty_cache()
+            finished.append([context, name])
+            provenance.write_result(out, "throughput", payload(complete=False), path=out_path, quiet=True)
+
+    final = payload(complete=True)
+    print_table(final["summary"], rows)
+    return provenance.write_result(out, "throughput", final, path=out_path)
+
+
+def _host_total_bytes() -> int | None:
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None

@@ -1,0 +1,65 @@
+#!/usr/bin/env python
+"""Throughput benchmark: decode tokens per second against batch size, per method, up to each one's memory limit.
+
+    python scripts/bench/throughput.py --lengths 32768 --methods quest arkvale shadowkv icecache --budget 256
+    python scripts/bench/throughput.py --lengths 131072 --methods arkvale --batch-sizes 1 2 4 8 16
+
+``full_static`` is added first: every method's best throughput is set against its best at the same length. Rows
+are prefilled one at a time and decoded in batches of growing size until the first out-of-memory error, which is
+recorded as the method's limit (eval/throughput.py says how). Writes results/bench/throughput_<host>_<date>.json
+and prints a table. Bad settings stop before the model is built with one line starting ``error:``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from eval import throughput
+from icecache.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="model config name in configs/model (or a YAML path); default llama31_8b")
+    parser.add_argument("--source", help="model source; default random (real architecture, random weights)")
+    parser.add_argument("--lengths", type=int, nargs="+", help="context lengths in tokens")
+    parser.add_argument("--methods", nargs="+", help="method config names or variants (full_static is added)")
+    parser.add_argument("--budget", type=int, help="KV token budget per query head")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", help="increasing batch sizes; default 1 2 4 8 16 32")
+    parser.add_argument("--decode-steps", type=int, help="decode steps per batch size (TPOT: median of 2..N)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument("--prefill-chunk-size", type=int, help="prefill in chunks of this many tokens")
+    parser.add_argument("--no-layer-by-layer", dest="layer_by_layer", action="store_false", default=None,
+                        help="prefill the whole model at once instead of one decoder layer at a time")
+    parser.add_argument("--residual-on-host", action="store_true", default=None,
+                        help="keep the layer-by-layer prefill's residual stream in host memory")
+    parser.add_argument("--set", nargs="*", action="extend", default=[], metavar="METHOD.KEY=VALUE",
+                        help="method setting overrides, e.g. icecache.n_reuse_layers=4")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--seed", type=int, help="seed of the random prompts")
+    parser.add_argument("--out", default=str(REPO / "results" / "bench"), help="output folder")
+    parser.add_argument("--resume", type=Path, metavar="FILE",
+                        help="a throughput file this command left unfinished: measure what it lacks, with its settings")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> Path:
+    cli = parser()
+    args = vars(cli.parse_args(argv))
+    out, resume = args.pop("out"), args.pop("resume")
+    try:
+        settings = throughput.ThroughputSettings.compose(args)
+    except ConfigError as error:
+        cli.error(str(error))
+    try:
+        return throughput.measure(settings, out, resume=resume)
+    except ConfigError as error:
+        raise SystemExit(f"error: {error}") from None
+
+
+if __name__ == "__main__":
+    main()
