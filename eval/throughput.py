@@ -327,7 +327,23 @@ def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None =
 
     final = payload(complete=True)
     print_table(final["summary"], rows)
-    return provenance.write_result(out, "throughput", final, path=out_path)
+    path = provenance.write_result(out, "throughput", final, path=out_path)
+    try:
+        figure(path)
+    except ImportError as error:  # a GPU host without matplotlib: the file is what counts, the figure redrawn later
+        print(f"no figure drawn ({error}); draw it with scripts/bench/throughput.py --figure {path}", flush=True)
+    return path
+
+
+def figure(path: Path) -> list[Path]:
+    """``throughput_vs_batch_<model>.png`` (and .pdf) beside the throughput file ``path``, from its rows."""
+    from eval.report import plots
+
+    payload = json.loads(Path(path).read_text())
+    model = payload["settings"].get("model_name") or payload["settings"]["model"]
+    stem = Path(path).parent / f"throughput_vs_batch_{model.lower().replace('/', '_')}"
+    return plots.throughput_vs_batch(payload["rows"], payload["limits"], stem,
+                                     title=f"Decode throughput vs batch size, {model}")
 
 
 def _host_total_bytes() -> int | None:

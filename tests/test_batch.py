@@ -112,11 +112,14 @@ def test_a_full_cache_batch_differs_from_batch_one_only_by_rounding(arch):
                 torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=2e-5)
 
 
-def test_batches_of_growing_size_continue_their_rows(row_by_row_linear):
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
+@pytest.mark.parametrize("case", ["icecache", "magicpig", "quest"])
+def test_batches_of_growing_size_continue_their_rows(case, device, row_by_row_linear):
     """The throughput benchmark's pattern: rows prefilled one by one, batches of 1, 2, 3 over them, each continuing
-    its rows where the last left them; every row's tokens are its batch-1 tokens."""
-    model, _, info = tiny_model("llama")
-    method = build_method(case_config("icecache"), info)
+    its rows where the last left them (on CUDA each batch captures a graph of its own, on the rows' one channel);
+    every row's tokens are its batch-1 tokens."""
+    model, info = tiny_model_on("llama", device) if device == "cuda" else tiny_model("llama")[::2]
+    method = build_method(case_config(case), info)
     batch_requests = [GenerationRequest(prompt(200 + 20 * i, i), 12) for i in range(3)]
     singles = [alone(model, method, request) for request in batch_requests]
     channel = HostFunctions()

@@ -423,3 +423,30 @@ def test_the_icecache_floor_adds_the_searches_at_the_read_rate_and_the_hand_offs
     assert row[4] == "20.0 / 5.0 / 15.0"
     assert row[5:10] == ["8.0", "10.0", "0.30", "1.5", "19.8"]
     assert row[10:12] == [f"{19.8 / 8:.2f}", f"{40 / 19.8:.2f}"] and row[-1] == "same file"
+
+
+def test_throughput_comes_from_the_newest_file_of_each_context_with_its_limits(bench_tables, tmp_path):
+    def row(method, batch, tokens_per_s):
+        return {"context": 32768, "method": method, "method_label": method, "batch_size": batch,
+                "tokens_per_s": tokens_per_s, "tpot_s": batch / tokens_per_s, "peak_gpu_bytes": 40 * 2**30}
+
+    def write(name, date, rows, limits):
+        from eval.throughput import summarise
+
+        payload = {"kind": "throughput", "settings": {"model_name": "llama", "budget": 256, "decode_steps": 16},
+                   "provenance": provenance(date, "abc1234"), "rows": rows, "limits": limits,
+                   "summary": summarise(rows, limits)}
+        (tmp_path / name).write_text(json.dumps(payload))
+
+    write("throughput_h200_20261201-100000.json", "2026-12-01", [row("full_static", 1, 100.0)], [])
+    write("throughput_h200_20261202-100000.json", "2026-12-02",
+          [row("full_static", 1, 110.0), row("full_static", 2, 200.0), row("quest", 1, 100.0),
+           row("quest", 2, 190.0), row("quest", 4, 360.0)],
+          [{"context": 32768, "method": "full_static", "method_label": "full_static", "batch_size": 4,
+            "kind": "gpu", "stage": "prefill"}])
+    text = bench_tables.render_throughput(tmp_path, {})
+    assert "throughput_h200_20261202-100000.json" in text and "20261201" not in text
+    rows = {r[0]: r for r in table_rows(text)}
+    assert rows["`full_static`"][1:4] == ["110", "200", "-"]
+    assert rows["`full_static`"][5:7] == ["1.00x", "gpu memory at 4"]
+    assert rows["`quest`"][4:7] == ["360 (4)", "1.80x", "none up to 4"]

@@ -77,7 +77,7 @@ class Result:
     @property
     def host(self) -> str:
         """The label between the kind and the date in ``<kind>_<host>_<date>.json``."""
-        kinds = "latency|dci|kernels|prompt_index|host_step|page_quality|handoff"
+        kinds = "latency|throughput|dci|kernels|prompt_index|host_step|page_quality|handoff"
         match = re.fullmatch(rf"(?:{kinds})_(.+?)_\d{{8}}(?:-\d+)?\.json", self.name)
         return match.group(1) if match else "?"
 
@@ -512,6 +512,44 @@ def line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
     return mean_y - slope * mean_x, slope
+
+
+def render_throughput(results: Path, paper: dict[str, Any]) -> str:
+    """Per model and context, from the newest throughput file that measured it (``full_static`` in the same file):
+    decode tokens per second at each batch size, the limit, and the best over ``full_static``'s best."""
+    files = load(results, "throughput_*.json")
+    newest = newest_by([((model_of(f), row["context"]), f.order, f) for f in files
+                        for row in f.data.get("rows", [])])
+    if not newest:
+        return "No throughput file yet: `python scripts/bench/throughput.py` on a GPU host writes one."
+    parts = []
+    for (model, context), f in sorted(newest.items(), key=lambda item: (item[0][0], item[0][1])):
+        rows = [r for r in f.data["rows"] if r["context"] == context]
+        batches = sorted({r["batch_size"] for r in rows})
+        summary = [e for e in f.data.get("summary", []) if e["context"] == context]
+        lines = []
+        for entry in sorted(summary, key=lambda e: method_sort_key(e["method_label"])):
+            by_batch = {r["batch_size"]: r for r in rows if r["method_label"] == entry["method_label"]}
+            limit = (f"{entry['failure']} memory at {entry['first_failed_batch']}" if entry.get("failure")
+                     else f"none up to {entry['largest_batch']}")
+            best = (f"{entry['best_tokens_per_s']:.0f} ({entry['best_batch']})" if entry.get("best_tokens_per_s")
+                    else "-")
+            ratio = entry.get("best_over_reference")
+            peak = by_batch[entry["largest_batch"]].get("peak_gpu_bytes") if entry["largest_batch"] in by_batch \
+                else None
+            lines.append([method_cell(entry["method_label"]),
+                          *(fmt(by_batch[b]["tokens_per_s"], digits=0) if b in by_batch else "-" for b in batches),
+                          best, "-" if ratio is None else f"{ratio:.2f}x", limit,
+                          "-" if peak is None else f"{peak / 2**30:.0f}",
+                          str(entry.get("flattens_after_batch") or "-")])
+        header = ["method", *(f"B={b}" for b in batches), "best tok/s (batch)", "x full_static's best", "out of memory",
+                  "peak GPU GiB", "+<10% after"]
+        settings = f.data.get("settings") or {}
+        note = (f"{model} at {context_label(context)} tokens, budget {settings.get('budget')}, "
+                f"{settings.get('decode_steps')} steps per batch; `{f.name}`, commit {f.commit}, "
+                f"{settings.get('device_resolved') or '?'}. Decode tokens per second (batch / median step).")
+        parts.append(note + "\n\n" + table(header, lines))
+    return "\n\n".join(parts)
 
 
 def render_capacity(results: Path, paper: dict[str, Any]) -> str:
@@ -1054,6 +1092,7 @@ RENDERERS: dict[str, Callable[[Path, dict[str, Any]], str]] = {
     "scaling": render_scaling,
     "scaling-summary": render_scaling_summary,
     "capacity": render_capacity,
+    "throughput": render_throughput,
     "breakdown": render_breakdown,
     "icecache-floor": render_floor,
     "host-step": render_host_step,

@@ -360,6 +360,43 @@ def latency_vs_context(ours: pd.DataFrame, paper: pd.DataFrame | None, stem: str
     return save(fig, stem)
 
 
+def throughput_vs_batch(rows: list[dict[str, Any]], limits: list[dict[str, Any]], stem: str | Path,
+                        title: str = "Decode throughput vs batch size") -> list[Path]:
+    """Decode tokens per second against batch size, one line per method, one panel per context; a cross where a
+    method ran out of memory (its first batch that did not fit). ``rows`` and ``limits``: a throughput file's."""
+    contexts = sorted({r["context"] for r in rows})
+    if not contexts:
+        return []
+    fig = Figure(figsize=(5.2 * len(contexts) + 1.6, 4.0))
+    axes = [fig.add_subplot(1, len(contexts), index + 1) for index in range(len(contexts))]
+    drawn: list[str] = []
+    for ax, context in zip(axes, contexts):
+        at = [r for r in rows if r["context"] == context and r.get("tokens_per_s")]
+        batches = sorted({r["batch_size"] for r in at} | {lim["batch_size"] for lim in limits
+                                                          if lim["context"] == context})
+        for method in sorted({r["method_label"] for r in at}, key=sort_key):
+            points = sorted((r["batch_size"], r["tokens_per_s"]) for r in at if r["method_label"] == method)
+            ax.plot(*zip(*points), marker="o", color=color(method), linestyle="--" if "+" in method else "-")
+            failed = [lim for lim in limits if lim["context"] == context and lim["method_label"] == method]
+            for lim in failed:  # at the height of the last batch that fit: where the line ends, and why
+                ax.plot(lim["batch_size"], points[-1][1], marker="x", markersize=8, color=color(method),
+                        linestyle="none")
+            drawn.append(method)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_yscale("log")
+        _plain_log_ticks(ax, [r["tokens_per_s"] for r in at], axis="y")
+        ax.set_xlabel("batch size (sequences, log scale)")
+        ax.set_ylabel("decode tokens per second (log scale)")
+        ax.set_title(f"{length_label(context)} tokens", fontsize=10)
+        ax.grid(alpha=0.3)
+    oom = Line2D([], [], marker="x", color="k", linestyle="none", label="out of memory at this batch")
+    _source_legend(axes[-1], drawn, sources=set(), lines=[oom], outside=True)
+    fig.suptitle(title)
+    return save(fig, stem)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Adapters from collect's frames to the plot inputs
 

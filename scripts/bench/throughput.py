@@ -42,6 +42,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--seed", type=int, help="seed of the random prompts")
     parser.add_argument("--out", default=str(REPO / "results" / "bench"), help="output folder")
+    parser.add_argument("--figure", type=Path, metavar="FILE",
+                        help="only draw the figure of a throughput file (beside it), measuring nothing")
     parser.add_argument("--resume", type=Path, metavar="FILE",
                         help="a throughput file this command left unfinished: measure what it lacks, with its settings")
     return parser
@@ -50,7 +52,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> Path:
     cli = parser()
     args = vars(cli.parse_args(argv))
-    out, resume = args.pop("out"), args.pop("resume")
+    out, resume, drawn = args.pop("out"), args.pop("resume"), args.pop("figure")
+    if drawn is not None:
+        for path in throughput.figure(drawn):
+            print(f"wrote {path}")
+        return drawn
     try:
         settings = throughput.ThroughputSettings.compose(args)
     except ConfigError as error:
