@@ -253,3 +253,13 @@ def test_throughput_settings_are_checked_in_one_line():
     with pytest.raises(ConfigError, match="unknown throughput settings: batch"):
         throughput.ThroughputSettings.compose({"batch": 2})
     assert throughput.ThroughputSettings.compose({"methods": ["quest"]}).methods == ["full_static", "quest"]
+
+
+def test_only_allocation_failures_count_as_a_memory_limit():
+    from eval import throughput
+
+    assert throughput.out_of_memory(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate")) == "gpu"
+    assert throughput.out_of_memory(RuntimeError("cuMemHostAlloc failed with CUDA driver error 2")) == "host"
+    assert throughput.out_of_memory(throughput.HostMemoryForecast("3.0 GiB left")) == "host"
+    assert throughput.out_of_memory(RuntimeError("CUDA error: an illegal memory access was encountered")) is None
+    assert throughput.out_of_memory(ValueError("out of memory")) is None
