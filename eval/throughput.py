@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +48,9 @@ class ThroughputSettings:
     batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
     decode_steps: int = 16  # steps per batch size: TPOT is the median of steps 2..N
     threads: int | None = None  # torch CPU threads (None: torch's default)
-    prefill_chunk_size: int | None = None
+    # Each layer's prompt in chunks: a whole 128k prompt's activations (3.5 GiB blocks) fragment the allocator,
+    # and the fifth full-cache sequence at 128k then failed with 36 GiB reserved but free.
+    prefill_chunk_size: int | None = 8192
     layer_by_layer: bool = True  # prefill one decoder layer at a time: what lets long prompts fit beside a batch
     residual_on_host: bool = False
     set: list[str] = field(default_factory=list)  # METHOD.KEY=VALUE overrides of a method config
@@ -225,7 +228,8 @@ def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None =
     recorded.update({"model_name": spec.name, "device_resolved": str(device),
                      "dtype_resolved": str(spec.resolved_dtype()),
                      "gpu_total_bytes": torch.cuda.get_device_properties(device).total_memory if is_cuda else None,
-                     "host_total_bytes": _host_total_bytes()})
+                     "host_total_bytes": _host_total_bytes(),
+                     "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")})
     run_provenance = provenance.collect()
     if prior is None:
         rows: list[dict[str, Any]] = []
@@ -335,20 +339,26 @@ def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None =
     return path
 
 
-def figure(path: Path) -> list[Path]:
-    """``throughput_vs_batch_<model>.png`` (and .pdf) beside the throughput file ``path``, from its rows."""
+def figure(*paths: Path) -> list[Path]:
+    """``throughput_vs_batch_<model>.png`` (and .pdf) beside the first of the throughput files ``paths``, one panel
+    per context; a context that several files measured is drawn from the last of them that did."""
+    by_context: dict[int, dict[str, Any]] = {}
+    model = None
+    for path in paths:
+        payload = json.loads(Path(path).read_text())
+        model = model or payload["settings"].get("model_name") or payload["settings"]["model"]
+        for context in {r["context"] for r in payload["rows"]}:
+            by_context[context] = payload
+    rows = [r for context, payload in by_context.items() for r in payload["rows"] if r["context"] == context]
+    limits = [lim for context, payload in by_context.items() for lim in payload["limits"]
+              if lim["context"] == context]
     from eval.report import plots
 
-    payload = json.loads(Path(path).read_text())
-    model = payload["settings"].get("model_name") or payload["settings"]["model"]
-    stem = Path(path).parent / f"throughput_vs_batch_{model.lower().replace('/', '_')}"
-    return plots.throughput_vs_batch(payload["rows"], payload["limits"], stem,
-                                     title=f"Decode throughput vs batch size, {model}")
+    stem = Path(paths[0]).parent / f"throughput_vs_batch_{str(model).lower().replace('/', '_')}"
+    return plots.throughput_vs_batch(rows, limits, stem, title=f"Decode throughput vs batch size, {model}")
 
 
 def _host_total_bytes() -> int | None:
-    import os
-
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

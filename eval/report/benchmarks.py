@@ -547,7 +547,8 @@ def render_throughput(results: Path, paper: dict[str, Any]) -> str:
         settings = f.data.get("settings") or {}
         note = (f"{model} at {context_label(context)} tokens, budget {settings.get('budget')}, "
                 f"{settings.get('decode_steps')} steps per batch; `{f.name}`, commit {f.commit}, "
-                f"{settings.get('device_resolved') or '?'}. Decode tokens per second (batch / median step).")
+                f"{f.provenance.get('gpu') or settings.get('device_resolved') or '?'}. Decode tokens per second "
+                f"(batch / median step).")
         parts.append(note + "\n\n" + table(header, lines))
     return "\n\n".join(parts)
 

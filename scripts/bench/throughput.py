@@ -31,7 +31,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-sizes", type=int, nargs="+", help="increasing batch sizes; default 1 2 4 8 16 32")
     parser.add_argument("--decode-steps", type=int, help="decode steps per batch size (TPOT: median of 2..N)")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
-    parser.add_argument("--prefill-chunk-size", type=int, help="prefill in chunks of this many tokens")
+    parser.add_argument("--prefill-chunk-size", type=int, help="prefill each layer in chunks of this many tokens; 8192")
     parser.add_argument("--no-layer-by-layer", dest="layer_by_layer", action="store_false", default=None,
                         help="prefill the whole model at once instead of one decoder layer at a time")
     parser.add_argument("--residual-on-host", action="store_true", default=None,
@@ -42,8 +42,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--seed", type=int, help="seed of the random prompts")
     parser.add_argument("--out", default=str(REPO / "results" / "bench"), help="output folder")
-    parser.add_argument("--figure", type=Path, metavar="FILE",
-                        help="only draw the figure of a throughput file (beside it), measuring nothing")
+    parser.add_argument("--figure", type=Path, nargs="+", metavar="FILE",
+                        help="only draw the figure of throughput files (beside the first; a context from the last "
+                             "file that has it), measuring nothing")
     parser.add_argument("--resume", type=Path, metavar="FILE",
                         help="a throughput file this command left unfinished: measure what it lacks, with its settings")
     return parser
@@ -54,9 +55,9 @@ def main(argv: list[str] | None = None) -> Path:
     args = vars(cli.parse_args(argv))
     out, resume, drawn = args.pop("out"), args.pop("resume"), args.pop("figure")
     if drawn is not None:
-        for path in throughput.figure(drawn):
+        for path in throughput.figure(*drawn):
             print(f"wrote {path}")
-        return drawn
+        return drawn[0]
     try:
         settings = throughput.ThroughputSettings.compose(args)
     except ConfigError as error:

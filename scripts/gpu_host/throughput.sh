@@ -6,6 +6,9 @@
 #        [scripts/bench/throughput.py arguments]
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OMP_PROC_BIND=false
+# Segments that grow in place: sequences prefilled one after the other otherwise leave the allocator's blocks too
+# fragmented for the next one long before the GPU's memory is used (every method runs under the same setting).
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # A git-archive copy has no .git: name the commit (ICECACHE_GIT_COMMIT=<sha> bash ...) so result files carry it.
 export ICECACHE_GIT_COMMIT=${ICECACHE_GIT_COMMIT:-unknown}
