@@ -124,6 +124,37 @@ def test_reused_buffers_give_the_tokens_of_fresh_ones(name):
     assert second == generate(build_method(settings, info), prompt(2))
 
 
+@pytest.mark.parametrize("name", ["icecache", "icecache_reuse"])
+def test_icecache_gives_its_staged_prompt_back_for_a_sequence_alive_beside_it(name):
+    """IceCache's prompt job copies the staged prompt into its index, token store and window: the staging buffers go
+    back to the pool at the first decode step, so that a second sequence decoding while the first is still open
+    (a batch) stages its prompt in them, allocating nothing, and still gets its own tokens."""
+    model, _, info = tiny_model("llama")
+    settings = {"name": name, "budget": 64, "n_dense_layers": 1, **method_class(name).test_settings}
+    ids = [torch.randint(0, 500, (300,), generator=torch.Generator().manual_seed(seed)).tolist() for seed in (1, 2)]
+    method = build_method(settings, info)
+    with HarnessCache(method) as first:
+        greedy_generate(model, first, GenerationRequest(ids[0], 12))
+        assert first.seq.prompt_copies.leased_bytes == 0
+        allocations = method.host_pool.allocations
+        assert allocations > 0
+        with HarnessCache(method) as second:
+            tokens = greedy_generate(model, second, GenerationRequest(ids[1], 12)).token_ids
+        assert method.host_pool.allocations == allocations
+    with HarnessCache(build_method(settings, info)) as fresh:
+        assert tokens == greedy_generate(model, fresh, GenerationRequest(ids[1], 12)).token_ids
+
+
+def test_a_sequence_gives_a_buffer_back_early_only_if_it_leases_it():
+    pool = HostPool()
+    copies = PromptCopies(pool)
+    staged = copies.take((2, 8), torch.float32, CPU)
+    copies.give_back(staged)
+    assert copies.leased_bytes == 0 and pool.take((2, 8), torch.float32, CPU).data_ptr() == staged.data_ptr()
+    with pytest.raises(ValueError, match="not a buffer this sequence leases"):
+        copies.give_back(staged)
+
+
 @pytest.mark.parametrize("shape", [(3, 1000, 64), (1, 0, 8)])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -147,6 +147,21 @@ class PromptCopies:
         self._leases.append(tensor)
         return tensor
 
+    def give_back(self, tensor: torch.Tensor) -> None:
+        """End this sequence's lease of ``tensor`` before the sequence closes, once nothing reads it any more (its
+        copy's event waited for): another sequence may take the buffer at once. Call from the thread that takes."""
+        for index, leased in enumerate(self._leases):
+            if leased is tensor:
+                del self._leases[index]
+                self.pool.give_back(tensor)
+                return
+        raise ValueError("give_back: the tensor is not a buffer this sequence leases")
+
+    @property
+    def leased_bytes(self) -> int:
+        """Bytes of the pool buffers this sequence holds now."""
+        return sum(tensor.nbytes for tensor in self._leases)
+
     def copy(self, destination: torch.Tensor, source: torch.Tensor) -> torch.cuda.Event | None:
         """Copy ``source`` (on the device) into the contiguous host tensor ``destination``: on CUDA, queued on the
         sequence's side stream after the model's stream has produced ``source``, returning the event a host reader

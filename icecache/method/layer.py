@@ -61,6 +61,8 @@ class IceCacheLayer(DenseKV):
         self.state: OffloadedState | None = None  # made once, when the prompt is offloaded
         self.buffers: DecodeBuffers | None = None  # made at the first decode step: prefill does no pinned allocation
         self._ready: Future | None = None  # the prompt job (index build and token store), on a worker thread
+        # The pinned copies of the prompt the job reads, until it is done with them (``_prepare_native_step``).
+        self._prompt_staging: tuple[torch.Tensor, ...] = ()
         self._store_bound = False  # the prompt job's token store given to the C++ step (at the first decode step)
         self._speculative: SpeculativeQuery | None = None  # made with the decode buffers, for an owner looking ahead
         self._attention_plan = PagedAttentionPlan()
@@ -125,6 +127,7 @@ class IceCacheLayer(DenseKV):
         self.state = state
         self._ready = self.sequence.submit_prompt_job(self._index_prompt, state, offloaded_k, offloaded_v,
                                                        middle_end - sink_len, copied)
+        self._prompt_staging = (offloaded_k, offloaded_v)
 
     @torch.inference_mode()  # inference mode is per thread; the store's tensors were made under it
     def _index_prompt(self, state: OffloadedState, offloaded_k: torch.Tensor, offloaded_v: torch.Tensor,
@@ -210,6 +213,14 @@ class IceCacheLayer(DenseKV):
         a reuser still laying out its pages)."""
         self._ready.result()  # the token store is the prompt job's until it is done
         tokens = self.state.tokens
+        if self._prompt_staging:
+            # The job copied the staged prompt into the index, the token store and the window: its buffers go back
+            # to the pool now, not when the sequence ends, so that sequences alive together (a batch) do not each
+            # keep a second copy of their prompt (a store made without room still views them and keeps them).
+            if not any(tokens.shares_memory_with(staged) for staged in self._prompt_staging):
+                for staged in self._prompt_staging:
+                    self.seq.prompt_copies.give_back(staged)
+            self._prompt_staging = ()
         if not self._store_bound:
             tokens.bind(self.state.native)
             self._store_bound = True

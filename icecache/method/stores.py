@@ -34,6 +34,11 @@ class TokenStore:
         self._n_tokens = n_tokens
         self._native = None  # the decode step (_dci.DecodeStep) that appends, once bound
 
+    def shares_memory_with(self, tensor: torch.Tensor) -> bool:
+        """Whether the storage is ``tensor``'s (a store made without room is a view of the tensors it was given)."""
+        held = [t for t in (self._keys, self._values) if t is not None]
+        return any(t.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr() for t in held)
+
     @property
     def n_tokens(self) -> int:
         return self._n_tokens if self._native is None else self._native.n_tokens
