@@ -185,7 +185,8 @@ def print_table(summary: list[dict[str, Any]], rows: list[dict[str, Any]]) -> No
                     if (r["context"], r["method"]) == (entry["context"], entry["method"])}
         cells = " ".join(f"{by_batch[b]['tokens_per_s']:8.1f}" if b in by_batch else f"{'':8s}" for b in batches)
         ratio = entry["best_over_reference"]
-        limit = f"{entry['failure']} OOM at B={entry['first_failed_batch']}" if entry["failure"] else "none met"
+        limit = (f"{entry['failure']} OOM at B={entry['first_failed_batch']}" if entry["failure"]
+                 else f"none up to B={entry['largest_batch']}")
         print(f"{entry['method_label']:24s} {entry['context']:8d} {cells} "
               f"{(f'{ratio:.2f}x' if ratio else '-'):>18s}  {limit}")
     print("(decode tokens per second; a blank cell: not measured, at or past the limit)")
