@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from .batch import BatchCache
+from .batch import BatchCache, forward_step
 from .cache import HarnessCache
 from .cuda_driver import HostFunctions
-from .generation import GenerationRequest, _hits_stop, capturable, prefill_sequence
+from .generation import GenerationRequest, capturable, pick_token, prefill_sequence, why_stopped
 from .graphs import GraphedDecodeStep
 from .layer_inputs import previous_layer_inputs
 from .timing import synchronize
@@ -43,23 +43,12 @@ class DecodingRow:
         return len(self.request.input_ids) + len(self.request.suffix_ids)
 
     def pick(self, logits: torch.Tensor) -> int:
-        """The greedy token of ``logits [V]``, EOS suppressed until ``min_new_tokens`` exist."""
-        if len(self.generated) < self.request.min_new_tokens and self.request.eos_token_ids:
-            logits = logits.clone()
-            logits[list(self.request.eos_token_ids)] = float("-inf")
-        return int(torch.argmax(logits).item())
+        return pick_token(logits, self.request, len(self.generated))
 
     def check_stop(self, tokenizer) -> bool:
         """Whether the row is done (its reason kept in ``stop_reason``; a final EOS is not returned)."""
-        if self.stop_reason is not None:
-            return True
-        if self.generated[-1] in set(self.request.eos_token_ids) and len(self.generated) > self.request.min_new_tokens:
-            self.generated.pop()
-            self.stop_reason = "eos"
-        elif self.request.stop_strings and _hits_stop(tokenizer, self.generated, self.request.stop_strings):
-            self.stop_reason = "stop_string"
-        elif len(self.generated) >= self.request.max_new_tokens:
-            self.stop_reason = "length"
+        if self.stop_reason is None:
+            self.stop_reason = why_stopped(self.request, self.generated, tokenizer)
         return self.stop_reason is not None
 
 
@@ -104,13 +93,6 @@ class BatchDecodeResult:
         return self.batch_size / self.tpot_s if self.tpot_s else None
 
 
-def _forward(model, batch: BatchCache, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    for row, seq in enumerate(batch.sequences):
-        seq.position = positions[row]
-    out = model(input_ids=tokens, position_ids=positions, past_key_values=batch, use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1]
-
-
 @torch.inference_mode()
 def decode_batch(model, batch: BatchCache, rows: list[DecodingRow], *, max_steps: int | None = None,
                  cuda_graph: bool = True, tokenizer=None) -> BatchDecodeResult:
@@ -148,8 +130,8 @@ def decode_batch(model, batch: BatchCache, rows: list[DecodingRow], *, max_steps
                 if graphed is not None:
                     logits = graphed(tokens, positions)
                 else:
-                    logits = _forward(model, batch, torch.tensor(tokens, device=device)[:, None],
-                                      torch.tensor(positions, device=device)[:, None])
+                    logits = forward_step(model, batch, torch.tensor(tokens, device=device)[:, None],
+                                          torch.tensor(positions, device=device)[:, None])
                 for index, row in enumerate(rows):
                     row.position += 1
                     if row.stop_reason is None:

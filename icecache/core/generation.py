@@ -213,15 +213,7 @@ def _generate(model, cache: HarnessCache, request: GenerationRequest, device: to
               prefill_chunk_size: int | None, tokenizer, keep_logits: bool, cuda_graph: bool, layer_by_layer: bool,
               residual_on_host: bool) -> GenerationResult:
     is_cuda = device.type == "cuda"
-    eos = torch.tensor(list(request.eos_token_ids), dtype=torch.long, device=device)
     timer = cache.seq.timer
-
-    def pick(logits: torch.Tensor, n_generated: int) -> int:
-        if n_generated < request.min_new_tokens and eos.numel():
-            logits = logits.clone()
-            logits[eos] = float("-inf")
-        return int(torch.argmax(logits).item())
-
     logits_kept: list[torch.Tensor] = []
     synchronize(device)
     start = time.perf_counter()
@@ -232,7 +224,7 @@ def _generate(model, cache: HarnessCache, request: GenerationRequest, device: to
     prefill_phases = timer.take_step()
     if keep_logits:
         logits_kept.append(logits.float().cpu())
-    generated = [pick(logits, 0)]
+    generated = [pick_token(logits, request, 0)]
     ttft = time.perf_counter() - start
     # The first token needs none of the prompt's copies to host memory; the first decode step does (a wait on the
     # device, after the first token: the copies' tail, if any, counts in TT2T).
@@ -240,26 +232,15 @@ def _generate(model, cache: HarnessCache, request: GenerationRequest, device: to
 
     step_times: list[float] = []
     step_phases: list[dict[str, float]] = []
-    stop_reason = "length"
-    eos_ids = set(request.eos_token_ids)
     try:
-        while True:
-            if generated[-1] in eos_ids and len(generated) > request.min_new_tokens:
-                generated.pop()
-                stop_reason = "eos"
-                break
-            if request.stop_strings and _hits_stop(tokenizer, generated, request.stop_strings):
-                stop_reason = "stop_string"
-                break
-            if len(generated) >= request.max_new_tokens:
-                break
+        while (stopped := why_stopped(request, generated, tokenizer)) is None:
             step_start = time.perf_counter()
             if graphed is not None:
                 logits = graphed(generated[-1], position)
             else:
                 logits = _forward(model, torch.tensor([generated[-1]], device=device), position, cache)
             position += 1
-            generated.append(pick(logits, len(generated)))
+            generated.append(pick_token(logits, request, len(generated)))
             step_times.append(time.perf_counter() - step_start)
             step_phases.append(timer.take_step())
             if keep_logits:
@@ -270,7 +251,7 @@ def _generate(model, cache: HarnessCache, request: GenerationRequest, device: to
 
     return GenerationResult(
         token_ids=generated,
-        stop_reason=stop_reason,
+        stop_reason=stopped,
         prompt_tokens=n_prompt + len(request.suffix_ids),
         ttft_s=ttft,
         tt2t_s=ttft + step_times[0] if step_times else None,
@@ -286,6 +267,27 @@ def _generate(model, cache: HarnessCache, request: GenerationRequest, device: to
         logits=logits_kept if keep_logits else None,
         selection=cache.seq.selection_meter.summary() if cache.seq.selection_meter is not None else None,
     )
+
+
+def pick_token(logits: torch.Tensor, request: GenerationRequest, n_generated: int) -> int:
+    """The greedy token of ``logits [V]``, the request's EOS ids suppressed until ``min_new_tokens`` exist."""
+    if n_generated < request.min_new_tokens and request.eos_token_ids:
+        logits = logits.clone()
+        logits[list(request.eos_token_ids)] = float("-inf")
+    return int(torch.argmax(logits).item())
+
+
+def why_stopped(request: GenerationRequest, generated: list[int], tokenizer) -> str | None:
+    """Why a sequence with ``generated`` tokens stops before its next step (``"eos"``, ``"stop_string"``,
+    ``"length"``), or None; an EOS that stops it is taken off ``generated``."""
+    if generated[-1] in set(request.eos_token_ids) and len(generated) > request.min_new_tokens:
+        generated.pop()
+        return "eos"
+    if request.stop_strings and _hits_stop(tokenizer, generated, request.stop_strings):
+        return "stop_string"
+    if len(generated) >= request.max_new_tokens:
+        return "length"
+    return None
 
 
 def _hits_stop(tokenizer, generated: list[int], stop_strings: Sequence[str]) -> bool:
