@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
-from .cache import HarnessCache, KVHandle
+from .cache import HarnessCache, HarnessCacheLayer, KVHandle
 from .layer import LayerKV, SequenceContext
 
 
@@ -39,36 +39,38 @@ class BatchKVHandle(KVHandle):
         return torch.cat(rows, dim=0)
 
 
-class BatchCacheLayer(CacheLayerMixin):
-    """One layer of every row of the batch."""
+class BatchCacheLayer(HarnessCacheLayer):
+    """One layer of every row of the batch (``kv`` is the first row's)."""
 
     def __init__(self, kvs: list[LayerKV]):
-        super().__init__()
+        super().__init__(kvs[0])
         self.kvs = tuple(kvs)
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != len(self.kvs):
             raise ValueError(f"a step of {key_states.shape[0]} rows on a batch of {len(self.kvs)} sequences")
-        return BatchKVHandle(self.kvs[0], key_states, value_states, layers=self.kvs), None
+        return BatchKVHandle(self.kv, key_states, value_states, layers=self.kvs), None
 
     def get_seq_length(self) -> int:
         # Only the mask sizes read it (positions are explicit per row), and decode attends unmasked.
         return max(kv.seq_len for kv in self.kvs)
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
     def reset(self) -> None:
         raise NotImplementedError("make new HarnessCaches per batch instead of resetting one")
+
+
+def forward_step(model, cache: HarnessCache | BatchCache, input_ids: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+    """One decode step of every row of ``cache`` (one sequence's, or a batch's): ``input_ids`` and ``positions``
+    ``[B, 1]``, each row's position handed to its sequence (what its layers read on the device); the logits
+    ``[B, V]``."""
+    for row, seq in enumerate(cache.sequences):
+        seq.position = positions[row]
+    out = model(input_ids=input_ids, position_ids=positions, past_key_values=cache, use_cache=True,
+                logits_to_keep=1)
+    return out.logits[:, -1]
 
 
 class BatchCache(Cache):

@@ -62,7 +62,7 @@ class HarnessCacheLayer(CacheLayerMixin):
         return self.kv.seq_len
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.kv.seq_len + query_length, 0
+        return self.get_seq_length() + query_length, 0
 
     def get_max_length(self) -> int:
         return -1

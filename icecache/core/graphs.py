@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from .batch import BatchCache
+from .batch import BatchCache, forward_step
 from .cache import HarnessCache
 
 
@@ -45,13 +45,8 @@ class GraphedDecodeStep:
         self._finished = torch.cuda.Event(blocking=True)  # a replay's end, waited for without spinning
 
     def _forward(self) -> torch.Tensor:
-        for row, seq in enumerate(self.cache.sequences):
-            seq.position = self.positions[row]
-        out = self.model(
-            input_ids=self.input_ids, position_ids=self.positions, past_key_values=self.cache, use_cache=True,
-            logits_to_keep=1,
-        )
-        return out.logits[0, -1] if isinstance(self.cache, HarnessCache) else out.logits[:, -1]
+        logits = forward_step(self.model, self.cache, self.input_ids, self.positions)
+        return logits[0] if isinstance(self.cache, HarnessCache) else logits
 
     def __call__(self, token: int | list[int], position: int | list[int]) -> torch.Tensor:
         """Logits of the next token after ``token`` at ``position`` (a view that the next call overwrites): ``[V]``
