@@ -340,27 +340,17 @@ def measure(settings: LatencySettings, out: str | Path, resume: Path | None = No
 
     import icecache.core.generation as generation
     from eval import provenance
-    from eval.plugins import build_method
-    from icecache.core.cache import ATTENTION_NAME, HarnessCache
+    from icecache.core.cache import HarnessCache
     from icecache.core.host_memory import HostPool
     from icecache.core.method import method_label
-    from icecache.core.models import load_model, model_info
     from icecache.core.timing import PhaseTimer
 
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
-    spec = model_spec(settings.model, settings.source, settings.device, settings.dtype)
-    info = model_info(spec)
-    methods = {name: build_method(method_values(name, settings.budget, settings.set), info)
-               for name in settings.methods}
+    spec, methods = bench_methods(settings)
     # One pool of host buffers for every method: their sequences run one at a time, so a buffer pinned for one
     # method's store serves the next method's (a run pins its host memory once, in its first rounds). Each
     # measurement records the bytes its sequence had to allocate (0: all reused).
     host_pool = HostPool(max_cached_bytes=host_pool_limit())
-    print(f"building {spec.name} ({spec.source}) on {spec.resolved_device()} / {spec.resolved_dtype()} ...",
-          flush=True)
-    model, _ = load_model(spec, ATTENTION_NAME)
-    device = spec.resolved_device()
+    model, device = load_bench_model(spec)
     touch_gbps, read_gbps = host_memory_rates(settings.bandwidth_probe_gib)
     index_read_gbps = dci_read_gbps(settings.bandwidth_probe_gib)
     if read_gbps is not None:
@@ -460,15 +450,49 @@ def measure(settings: LatencySettings, out: str | Path, resume: Path | None = No
     return provenance.write_result(out, "latency", final, path=out_path)
 
 
-def host_pool_limit() -> int | None:
-    """The free host buffers the latency engine's pool keeps: two fifths of the host's memory (None where the
-    size is unknown), so that methods of different layouts cannot pin the host full between them."""
+def bench_methods(settings) -> tuple[Any, dict[str, Any]]:
+    """What a benchmark's settings (``model``, ``source``, ``device``, ``dtype``, ``threads``, ``methods``,
+    ``budget``, ``set``) name: the model's spec and every method, built and checked, no weights read yet (bad
+    settings stop here with a ``ConfigError``). Sets torch's CPU threads first."""
+    import torch
+
+    from eval.plugins import build_method
+    from icecache.core.models import model_info
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    spec = model_spec(settings.model, settings.source, settings.device, settings.dtype)
+    info = model_info(spec)
+    return spec, {name: build_method(method_values(name, settings.budget, settings.set), info)
+                  for name in settings.methods}
+
+
+def load_bench_model(spec) -> tuple[Any, Any]:
+    """The model of ``spec`` with the harness's attention, and its device, saying what it builds."""
+    from icecache.core.cache import ATTENTION_NAME
+    from icecache.core.models import load_model
+
+    print(f"building {spec.name} ({spec.source}) on {spec.resolved_device()} / {spec.resolved_dtype()} ...",
+          flush=True)
+    model, _ = load_model(spec, ATTENTION_NAME)
+    return model, spec.resolved_device()
+
+
+def host_total_bytes() -> int | None:
+    """The host's physical memory (None where the size is unknown)."""
     import os
 
     try:
-        return int(0.4 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
+
+
+def host_pool_limit() -> int | None:
+    """The free host buffers the latency engine's pool keeps: two fifths of the host's memory (None where the
+    size is unknown), so that methods of different layouts cannot pin the host full between them."""
+    total = host_total_bytes()
+    return None if total is None else int(0.4 * total)
 
 
 def measurement(model: str, name: str, method, context: int, process: int, round_index: int, result,

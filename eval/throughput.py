@@ -29,7 +29,7 @@ from typing import Any
 
 from icecache.errors import ConfigError
 
-from .latency import method_values, model_spec, resident_bytes
+from .latency import bench_methods, host_total_bytes, load_bench_model, resident_bytes
 
 #: The reference every summary row is set against: the fast full cache's best throughput at the same length.
 REFERENCE = "full_static"
@@ -200,28 +200,18 @@ def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None =
     from tqdm import tqdm
 
     from eval import provenance
-    from eval.plugins import build_method
     from icecache.core.batch import BatchCache
     from icecache.core.batched_generation import decode_batch, prefill_row
-    from icecache.core.cache import ATTENTION_NAME, HarnessCache
+    from icecache.core.cache import HarnessCache
     from icecache.core.cuda_driver import HostFunctions
     from icecache.core.generation import GenerationRequest
     from icecache.core.host_memory import HostPool
     from icecache.core.method import method_label
-    from icecache.core.models import load_model, model_info
 
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
-    spec = model_spec(settings.model, settings.source, settings.device, settings.dtype)
-    info = model_info(spec)
-    methods = {name: build_method(method_values(name, settings.budget, settings.set), info)
-               for name in settings.methods}
+    spec, methods = bench_methods(settings)
     for method in methods.values():  # a method that cannot batch stops the run here, in one line
         method.check_batch_size(max(settings.batch_sizes))
-    print(f"building {spec.name} ({spec.source}) on {spec.resolved_device()} / {spec.resolved_dtype()} ...",
-          flush=True)
-    model, _ = load_model(spec, ATTENTION_NAME)
-    device = spec.resolved_device()
+    model, device = load_bench_model(spec)
     is_cuda = device.type == "cuda"
     vocab = model.config.vocab_size
 
@@ -229,17 +219,18 @@ def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None =
     recorded.update({"model_name": spec.name, "device_resolved": str(device),
                      "dtype_resolved": str(spec.resolved_dtype()),
                      "gpu_total_bytes": torch.cuda.get_device_properties(device).total_memory if is_cuda else None,
-                     "host_total_bytes": _host_total_bytes(),
+                     "host_total_bytes": host_total_bytes(),
                      "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")})
     run_provenance = provenance.collect()
+    # The (length, method) pairs the file finished stand; one it did not finish is measured again from its first
+    # batch, its partial rows dropped.
+    finished: list[list[Any]] = prior["finished"] if prior else []
+    done = {tuple(pair) for pair in finished}
     if prior is None:
         rows: list[dict[str, Any]] = []
         limits: list[dict[str, Any]] = []
-        finished: list[list[Any]] = []
         out_path, first_provenance, processes = provenance.result_path(out, "throughput"), run_provenance, []
     else:
-        finished = prior["finished"]
-        done = {tuple(pair) for pair in finished}
         rows = [r for r in prior["rows"] if (r["context"], r["method"]) in done]
         limits = [lim for lim in prior["limits"] if (lim["context"], lim["method"]) in done]
         out_path, first_provenance = Path(out) / Path(resume).name, prior["provenance"]
@@ -256,7 +247,6 @@ def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None =
         prompt = torch.randint(0, vocab, (context,), generator=generator).tolist()
         return GenerationRequest(input_ids=prompt, max_new_tokens=settings.reserved_new_tokens, eos_token_ids=())
 
-    done = {tuple(pair) for pair in finished}
     for context in settings.lengths:
         for name, method in methods.items():
             if (context, name) in done:
@@ -357,10 +347,3 @@ def figure(*paths: Path) -> list[Path]:
 
     stem = Path(paths[0]).parent / f"throughput_vs_batch_{str(model).lower().replace('/', '_')}"
     return plots.throughput_vs_batch(rows, limits, stem, title=f"Decode throughput vs batch size, {model}")
-
-
-def _host_total_bytes() -> int | None:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
