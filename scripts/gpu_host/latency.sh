@@ -18,14 +18,10 @@ methods=${2:-icecache icecache_reuse arkvale quest h2o streaming_llm snapkv orac
 shift 2 2>/dev/null || shift $#
 mkdir -p "$out"
 python3 setup.py build_ext --inplace -q 2>&1 | grep -i error
-# A blocked host function hangs the stream: bound the tests, and on a hang print where each thread was.
 if [ -z "${SKIP_GPU_TESTS:-}" ]; then
-    PYTHONFAULTHANDLER=1 timeout -s ABRT "${GPU_TEST_TIMEOUT:-300}" make -s test-gpu \
-        >"$out/gpu_tests.txt" 2>&1 || echo "GPU tests: exit status $? (134: killed after ${GPU_TEST_TIMEOUT:-300} s)"
-fi
-if [ -f "$out/gpu_tests.txt" ]; then
-    grep -E "^(FAILED|ERROR)|Error|passed|failed" "$out/gpu_tests.txt" | tail -25
-    grep -A12 "Current thread" "$out/gpu_tests.txt" | grep -v site-packages | head -20
+    bash scripts/gpu_host/gpu_tests.sh "$out" "${GPU_TEST_TIMEOUT:-300}"
+else
+    bash scripts/gpu_host/gpu_tests.sh "$out" summary
 fi
 # If the captured full cache fails its test, it is measured eagerly (and the output says so). IceCache's captured
 # step is its default: measure the eager one beside it with the methods "icecache:cuda_graph=false icecache ...".

@@ -20,10 +20,7 @@ shift 3 2>/dev/null || shift $#
 mkdir -p "$out"
 python3 setup.py build_ext --inplace -q 2>&1 | grep -i error
 if [ -n "${GPU_TESTS:-}" ]; then
-    PYTHONFAULTHANDLER=1 timeout -s ABRT "${GPU_TEST_TIMEOUT:-420}" make -s test-gpu \
-        >"$out/gpu_tests.txt" 2>&1 || echo "GPU tests: exit status $? (134: killed after ${GPU_TEST_TIMEOUT:-420} s)"
-    grep -E "^(FAILED|ERROR)|Error|passed|failed" "$out/gpu_tests.txt" | tail -25
-    grep -A12 "Current thread" "$out/gpu_tests.txt" | grep -v site-packages | head -20
+    bash scripts/gpu_host/gpu_tests.sh "$out" "${GPU_TEST_TIMEOUT:-420}"
 fi
 python3 scripts/bench/throughput.py --model llama31_8b --lengths $lengths --methods $methods --budget 256 \
     --batch-sizes $batches --threads 16 --out "$out" "$@" 2>&1 | grep -v "it/s\]$\|batch/s\]$" | tail -30
