@@ -44,6 +44,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .torch_order import ROUNDING as _DIGEST_ROUNDING
+from .torch_order import rounded
 from .triton_runtime import available as triton_available
 from .triton_runtime import require_triton, tl, triton
 
@@ -238,19 +240,6 @@ if triton is not None:
         return tl.where(move, N_SINK + first_free, N_SLOTS)
 
     @triton.jit
-    def _rounded(x, ROUNDING: tl.constexpr):
-        """float32 ``x`` rounded to the cache dtype, to nearest even, as float32: ROUNDING 0 float32 (nothing to do),
-        1 bfloat16 (by its bits: Triton's interpreter truncates a cast to bfloat16), 2 another dtype (a cast)."""
-        if ROUNDING == 1:
-            bits = x.to(tl.int32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-            return bits.to(tl.float32, bitcast=True)
-        elif ROUNDING == 2:
-            return x.to(tl.float16).to(tl.float32)
-        else:
-            return x
-
-    @triton.jit
     def _page_start_kernel(
         pool_keys_ptr, pool_values_ptr, store_keys_ptr, store_values_ptr, hi_ptr, lo_ptr, slot_page_ptr,
         key_ptr, value_ptr, position_ptr, end_ptr,
@@ -300,7 +289,7 @@ if triton is not None:
         wide = keys.to(tl.float32)
         upper = tl.max(tl.where(ok, wide, float("-inf")), 0)
         lower = tl.min(tl.where(ok, wide, float("inf")), 0)
-        centre = _rounded(_rounded(upper + lower, ROUNDING) * 0.5, ROUNDING)
+        centre = rounded(rounded(upper + lower, ROUNDING) * 0.5, ROUNDING)
         # The mean's sum in the order of PyTorch's CUDA reduction: token t into accumulator t % 4, then in order.
         acc0 = tl.zeros([BLOCK_DIM], dtype=tl.float32)
         acc1 = tl.zeros([BLOCK_DIM], dtype=tl.float32)
@@ -308,7 +297,7 @@ if triton is not None:
         acc3 = tl.zeros([BLOCK_DIM], dtype=tl.float32)
         for token in tl.static_range(PAGE_SIZE):
             row = tl.load(source_keys + token * HEAD_DIM + dims, mask=dim_ok, other=0.0).to(tl.float32)
-            deviation = tl.abs(_rounded(row - centre, ROUNDING))
+            deviation = tl.abs(rounded(row - centre, ROUNDING))
             if token % 4 == 0:
                 acc0 += deviation
             elif token % 4 == 1:
@@ -317,11 +306,11 @@ if triton is not None:
                 acc2 += deviation
             else:
                 acc3 += deviation
-        radius = _rounded((((acc0 + acc1) + acc2) + acc3) * mean_factor, ROUNDING)
+        radius = rounded((((acc0 + acc1) + acc2) + acc3) * mean_factor, ROUNDING)
         digest_offset = head * stride_digest_head + target * stride_digest_page + dims
         # Rounded already, so the cast is exact.
-        tl.store(hi_ptr + digest_offset, _rounded(centre + radius, ROUNDING).to(dtype), mask=dim_ok)
-        tl.store(lo_ptr + digest_offset, _rounded(centre - radius, ROUNDING).to(dtype), mask=dim_ok)
+        tl.store(hi_ptr + digest_offset, rounded(centre + radius, ROUNDING).to(dtype), mask=dim_ok)
+        tl.store(lo_ptr + digest_offset, rounded(centre - radius, ROUNDING).to(dtype), mask=dim_ok)
 
         # The ring turn: the block of the page leaving the window to its middle slot (or the scratch slot).
         move_offset = move_to * stride_pool_slot + head * stride_pool_head
@@ -430,10 +419,6 @@ if triton is not None:
         tl.store(totals_ptr + 1, tl.load(totals_ptr + 1) + mean_attended.to(tl.float64))
         tl.store(totals_ptr + 2, tl.load(totals_ptr + 2) + n_loaded.to(tl.float64))
         tl.store(totals_ptr + 3, tl.load(totals_ptr + 3) + (n_loaded * block_bytes).to(tl.float64))
-
-
-# How the page-start kernel rounds the digest's intermediates to the cache dtype (``_rounded``).
-_DIGEST_ROUNDING = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def _check_block_layout(name: str, tensor: torch.Tensor) -> None:
