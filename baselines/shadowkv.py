@@ -33,21 +33,24 @@ the copy kernel; the copy runs on a side stream beside the next layers' prefill)
 its coefficients on the rank-``r`` basis (``pre-RoPE key @ basis^T``, which is ``U S`` of the SVD for a prompt token),
 so a chunk that leaves the window later gets its coefficients, landmark and host copy of its values the same way and
 becomes a candidate (outliers are chosen once, at the prompt, as in ShadowKV). A decode step, every decision on the
-device and its shapes fixed, is captured in a CUDA graph on CUDA: turn the window ring when a chunk starts, write the
-new token, score the landmarks, take each KV head's top chunks (a ``topk`` of fixed size, ``-inf`` picks padding), keep
-the chunks already resident and send the others' values from the host store into the freed slots with ``copy_blocks``
-(``core.kernels.block_copy``) (its two block arrays are the two halves of each chunk) on a side stream, while the main
-stream rebuilds every resident selected chunk's keys (phase ``rebuild``); then one paged attention over all slots.
+device and its shapes fixed, is captured in a CUDA graph on CUDA; its operations are ``core.kernels.shadowkv_step``'s
+(Triton kernels on CUDA, their PyTorch references elsewhere): ``turn_window`` (when a chunk starts, the chunk leaving
+the window becomes a candidate), ``select_and_plan`` (score the landmarks, take each KV head's top chunks, keep the
+chunks already resident and plan the others into the freed slots), the values of the missing chunks from the host
+store with ``copy_blocks`` (``core.kernels.block_copy``; its two block arrays are the two halves of each chunk) on a
+side stream, while the main stream runs ``finish_step`` (the new token, the loaded chunks' keys rebuilt and rotated,
+the counters; phase ``rebuild``); then one paged attention over all slots.
 
 Differences from the paper: the first ``n_dense_layers`` (default 2) layers keep the full cache (ShadowKV sparsifies
 every layer of its prompts over 4k tokens); the window is a fixed ring of chunks, so tokens generated after the prompt
 leave it and become candidates (ShadowKV keeps every generated token on the GPU); the window is chunk-aligned from
-position 0 (ShadowKV keeps the prompt's last 4 chunks plus the remainder, aligned to 8 chunks); the keys of every
-resident selected chunk are rebuilt at each step (ShadowKV rebuilds the missing ones and moves the rest); the landmark
+position 0 (ShadowKV keeps the prompt's last 4 chunks plus the remainder, aligned to 8 chunks); a resident chunk
+keeps its slot (ShadowKV compacts the resident chunks); the landmark
 softmax uses the model's scaling (ShadowKV's ``1 / sqrt(128)``); no initial selection by the last prompt query (the
 first step loads its chunks). The counters record the tokens attended and the (chunk, KV head) value blocks copied and
 their bytes. Rule tests (inverse RoPE against each tiny model's projected keys, the SVD rebuild, landmarks, outliers,
-chosen and loaded chunks, a chunk leaving the window): ``tests/test_shadowkv.py``.
+chosen and loaded chunks, a chunk leaving the window): ``tests/test_shadowkv.py``; the step kernels against their
+references: ``tests/test_shadowkv_kernels.py``.
 """
 
 from __future__ import annotations
@@ -58,6 +61,16 @@ import torch
 
 from icecache.core.kernels.block_copy import copy_blocks
 from icecache.core.kernels.paged_decode_attention import paged_decode_attention
+from icecache.core.kernels.shadowkv_step import (
+    ShadowKVSlots,
+    ShadowKVStepPlan,
+    finish_step,
+    key_coefficients,
+    ring_chunks,
+    select_and_plan,
+    turn_window,
+    window_base,
+)
 from icecache.core.layer import attended_from_positions
 from icecache.core.method import METHODS, Method, MethodConfig, StaticDenseKV, storage_capacity
 from icecache.core.paged import mapped_device_view
@@ -117,20 +130,6 @@ def key_basis(pre_rope_keys: torch.Tensor, rank: int) -> torch.Tensor:
     return vh[: min(rank, vh.shape[0])]
 
 
-def key_coefficients(pre_rope_keys: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
-    """``[Hkv, T, D]`` -> ``[T, r]``: each token's coordinates on the basis (``U S`` of the SVD for its tokens)."""
-    n_kv_heads, n_tokens, head_dim = pre_rope_keys.shape
-    return pre_rope_keys.float().transpose(0, 1).reshape(n_tokens, n_kv_heads * head_dim) @ basis.T
-
-
-def rebuild_keys(coefficients: torch.Tensor, basis: torch.Tensor, n_kv_heads: int) -> torch.Tensor:
-    """``coefficients [..., T, r]`` (leading dims ``[Hkv]`` or none) -> pre-RoPE keys ``[Hkv, T, D]`` float32."""
-    per_head = basis.float().view(basis.shape[0], n_kv_heads, -1).transpose(0, 1)  # [Hkv, r, D]
-    if coefficients.dim() == 2:
-        coefficients = coefficients.expand(n_kv_heads, -1, -1)
-    return torch.einsum("htr,hrd->htd", coefficients.float(), per_head)
-
-
 def chunk_landmarks(keys: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """``[Hkv, C * chunk_size, D]`` post-RoPE keys -> ``[Hkv, C, D]`` float32 chunk means."""
     n_kv_heads, n_tokens, head_dim = keys.shape
@@ -146,20 +145,6 @@ def outlier_chunks(keys: torch.Tensor, chunk_size: int, n_outliers: int) -> torc
     similarity = torch.nn.functional.cosine_similarity(landmarks.expand_as(chunks), chunks, dim=-1)
     worst = similarity.amin(dim=-1)  # [Hkv, C]
     return worst.topk(min(n_outliers, worst.shape[1]), dim=-1, largest=False).indices
-
-
-def landmark_scores(query: torch.Tensor, landmarks: torch.Tensor, candidates: torch.Tensor, scaling: float):
-    """``query [Hq, D]``, ``landmarks [Hkv, C, D]``, ``candidates [Hkv, C]`` -> ``[Hkv, C]`` float32: each query
-    head's softmax over its candidate chunks of ``q . landmark * scaling``, maximised over the KV group's heads
-    (0 for chunks that are not candidates)."""
-    n_kv_heads = landmarks.shape[0]
-    q = query.float().view(n_kv_heads, -1, query.shape[-1])
-    scores = torch.einsum("hgd,hcd->hgc", q, landmarks.float()) * scaling
-    scores = scores.masked_fill(~candidates[:, None, :], float("-inf"))
-    top = scores.amax(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).min)  # no candidate: all 0 below
-    weights = torch.exp(scores - top)
-    probs = weights / weights.sum(dim=-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-    return probs.amax(dim=1)
 
 
 @dataclass
@@ -195,6 +180,7 @@ class ShadowKVKV(StaticDenseKV):
         self.budget = config.budget
         self.chunk_size = config.chunk_size
         self.n_local, self.n_outlier, self.n_selected = chunk_split(config)
+        self.layout = ShadowKVSlots(self.chunk_size, self.n_outlier, self.n_selected, self.n_local)
         self.window_slot0 = self.n_outlier + self.n_selected
         self.n_attended_slots = self.window_slot0 + self.n_local
         self.rotary = model.rotary if model.rotary is not None else _NoRotary()
@@ -274,12 +260,10 @@ class ShadowKVKV(StaticDenseKV):
         # From the host pool (kept across sequences): the prompt's candidates are copied in, the rest is cleared.
         self.store_values = self.seq.prompt_copies.take((n_chunks + 1, n_kv_heads, cs, head_dim), dtype, device)
         self._store_on_device = mapped_device_view(self.store_values, device) if pin else self.store_values
-        self._heads = torch.arange(n_kv_heads, device=device)
-        self._chunk_ids = torch.arange(n_chunks + 1, device=device)
-        self._offsets = torch.arange(cs, device=device)
         self._slot_table = torch.arange(self.n_attended_slots, device=device, dtype=torch.int32).expand(
             n_kv_heads, -1)
-        self._ring_index = torch.arange(self.n_local, device=device)
+        self._step_plan = ShadowKVStepPlan(self.layout, n_kv_heads, self.model.n_heads // n_kv_heads, n_chunks + 1,
+                                           device)
 
     def _grow(self, n_tokens: int) -> None:
         """Room for ``n_tokens`` (only outside the generation loop, which announces the length)."""
@@ -317,78 +301,36 @@ class ShadowKVKV(StaticDenseKV):
         if self.seq_len + 1 > self.n_chunks * self.chunk_size:
             self._grow(self.seq_len + 1)
         position = self.decode_position(key.device)
-        chunk = position // self.chunk_size
-        offset = position % self.chunk_size
-        self._turn_window(chunk, offset == 0)
-        ring_slot = self.window_slot0 + chunk % self.n_local
-        self.pool_keys.index_put_((ring_slot, self._heads, offset), key[0, :, 0])
-        self.pool_values.index_put_((ring_slot, self._heads, offset), value[0, :, 0])
-
+        layout, plan = self.layout, self._step_plan
+        turn_window(layout, position, self.pool_keys, self.pool_values, self.landmarks, self._store_on_device,
+                    self.coefficients, self.basis, self.rotary, self._inv_freq)
         q = query[0, :, 0]
         with self.seq.timer.phase("select"):
-            window_base = chunk - self.n_local + 1  # candidates are the chunks before the window
-            candidates = (self._chunk_ids < window_base)[None, :] & ~self.is_outlier
-            scores = landmark_scores(q, self.landmarks, candidates, scaling)
-            top = scores.topk(min(self.n_selected, scores.shape[1]), dim=-1).indices  # [Hkv, k]
-            wanted = candidates.gather(1, top)
-        missing, target_slots = self._update_slots(top, wanted)
-        side = self._load_values(top, missing, target_slots)
+            select_and_plan(layout, position, q, self.landmarks, self.is_outlier, self.outlier_ids, self.slot_chunk,
+                            scaling, plan)
+        side = self._load_values()
         with self.seq.timer.phase("rebuild"):
-            self._rebuild_selected_keys()
+            finish_step(layout, position, key[0, :, 0], value[0, :, 0], self.pool_keys, self.pool_values,
+                        self.coefficients, self.basis, self.rotary, self._inv_freq, plan,
+                        self.seq.counters.device_totals(key.device), self.pool_values[0, 0].nbytes)
         if side is not None:
             torch.cuda.current_stream(key.device).wait_stream(side)
-
-        counts = self._valid_counts(position, window_base)
-        out = paged_decode_attention(q, self.pool_keys, self.pool_values, self._slot_table, counts, scaling,
+        out = paged_decode_attention(q, self.pool_keys, self.pool_values, self._slot_table, plan.counts, scaling,
                                      self._attention_plan)
-        n_loaded = missing.sum()
-        block_bytes = self.pool_values[0, 0].nbytes
-        self.seq.counters.record_on_device(counts.sum(-1).float().mean(), pages_loaded=n_loaded,
-                                           bytes_to_gpu=n_loaded * block_bytes)
         if self.seq.trace_selection:
-            self.last_attended = self._attended_positions(counts, window_base)
+            self.last_attended = self._attended_positions(plan.counts, window_base(layout, position))
         return out.view(1, 1, *q.shape)
 
-    def _turn_window(self, chunk: torch.Tensor, starting: torch.Tensor) -> None:
-        """When a chunk starts, the window's oldest chunk (in the ring slot the new one takes) becomes a candidate:
-        its landmark, its keys' coefficients and the host copy of its values. Written every step, to the scratch
-        chunk when no chunk leaves."""
-        cs = self.chunk_size
-        leaving = chunk - self.n_local
-        leaves = starting & (leaving >= 0)
-        target = torch.where(leaves, leaving, self.n_chunks)  # [1]
-        ring_slot = self.window_slot0 + chunk % self.n_local
-        block_keys = self.pool_keys.index_select(0, ring_slot)[0]  # [Hkv, cs, D] post-RoPE, exact
-        self.landmarks.index_copy_(1, target, block_keys.float().mean(dim=1, keepdim=True).to(self.landmarks.dtype))
-        self._store_on_device.index_copy_(0, target, self.pool_values.index_select(0, ring_slot))
-        positions = leaving.clamp(min=0) * cs + self._offsets
-        pre_rope = self.rotary.invert(block_keys, positions, self._inv_freq)
-        rows = target * cs + self._offsets
-        coefficients = key_coefficients(pre_rope, self.basis.float())
-        self.coefficients.index_copy_(0, rows, coefficients.to(self.coefficients.dtype))
-
-    def _update_slots(self, top: torch.Tensor, wanted: torch.Tensor):
-        """Keep the chosen chunks already in a selected slot; the others (``missing [Hkv, k]``) take the freed
-        slots in order (``target_slots``). Updates ``slot_chunk`` in place."""
-        held = self.slot_chunk[:, : self.n_selected]  # [Hkv, S]
-        same = (held[:, :, None] == top[:, None, :]) & wanted[:, None, :]  # [Hkv, S, k]
-        kept = same.any(dim=2)
-        missing = wanted & ~same.any(dim=1)
-        free_first = torch.argsort(kept.to(torch.int8), dim=1, stable=True)  # freed slots first, in slot order
-        rank = (missing.long().cumsum(dim=1) - 1).clamp(min=0)
-        target_slots = free_first.gather(1, rank)
-        updated = torch.where(kept, held, -1)
-        updated = torch.cat([updated, updated.new_full((updated.shape[0], 1), -1)], dim=1)
-        updated.scatter_(1, torch.where(missing, target_slots, self.n_selected), torch.where(missing, top, -1))
-        self.slot_chunk.copy_(updated)
-        return missing, target_slots
-
-    def _load_values(self, top, missing, target_slots):
+    def _load_values(self):
         """The missing chunks' values from the host store into their slots: one block-copy kernel, on a side stream
         on CUDA so that it overlaps the key rebuild (the caller joins it). ``copy_blocks`` moves two arrays of
         blocks of one layout; a chunk's values are one, so it is passed as its two halves."""
+        half = self.chunk_size // 2
+        plan, source, target = self._step_plan, self._store_on_device, self.pool_values
+        arguments = (source[:, :, :half], source[:, :, half:], plan.copy_pages, target[:, :, :half],
+                     target[:, :, half:], plan.copy_slots, plan.copy_heads)
         if not self.pool_values.is_cuda:
-            copy_blocks(*self._copy_arguments(top, missing, target_slots))
+            copy_blocks(*arguments)
             return None
         shared = self.seq.state(ShadowKVSequence)
         if shared.copy_stream is None:
@@ -396,53 +338,14 @@ class ShadowKVKV(StaticDenseKV):
         side = shared.copy_stream
         side.wait_stream(torch.cuda.current_stream(self.pool_values.device))
         with torch.cuda.stream(side), self.seq.timer.phase("load"):
-            # The copy's block ids are made on the side stream: made on the main one, their memory would go back to
-            # its pool when this returns, and the main stream's next kernels could overwrite them before the copy
-            # has read them (an out-of-range read of the host store).
-            copy_blocks(*self._copy_arguments(top, missing, target_slots))
+            copy_blocks(*arguments)  # the copy list is the plan's, kept across steps: no temporary to outlive
         return side
 
-    def _copy_arguments(self, top, missing, target_slots) -> tuple:
-        half = self.chunk_size // 2
-        pages = top.clamp(min=0).flatten()
-        slots = torch.where(missing, self.n_outlier + target_slots, -1).flatten()
-        heads = self._heads[:, None].expand_as(top).flatten()
-        source, target = self._store_on_device, self.pool_values
-        return (source[:, :, :half], source[:, :, half:], pages, target[:, :, :half], target[:, :, half:], slots,
-                heads)
-
-    def _rebuild_selected_keys(self) -> None:
-        """Every resident selected chunk's keys from its coefficients, rotated at its positions (empty slots get
-        the scratch chunk's rows; they are never attended)."""
-        cs, n_kv_heads = self.chunk_size, self.pool_keys.shape[1]
-        held = self.slot_chunk[:, : self.n_selected]
-        chunk = torch.where(held >= 0, held, self.n_chunks)
-        positions = (chunk[..., None] * cs + self._offsets).flatten(1)  # [Hkv, S * cs]
-        pre_rope = rebuild_keys(self.coefficients[positions], self.basis, n_kv_heads)
-        keys = self.rotary.apply(pre_rope, positions, self._inv_freq)
-        selected = keys.view(n_kv_heads, self.n_selected, cs, -1).transpose(0, 1)
-        self.pool_keys[self.n_outlier : self.window_slot0].copy_(selected)
-
-    def _valid_counts(self, position: torch.Tensor, window_base: torch.Tensor) -> torch.Tensor:
-        """``[Hkv, slots]`` int32 valid tokens per attended slot: whole outlier and selected chunks, the window's
-        chunks up to the new token."""
-        cs = self.chunk_size
-        outliers = (self.outlier_ids >= 0) * cs
-        selected = (self.slot_chunk[:, : self.n_selected] >= 0) * cs
-        ring_chunk = self._ring_chunks(window_base)
-        window = torch.where(ring_chunk >= 0, (position + 1 - ring_chunk * cs).clamp(0, cs), 0)
-        window = window.expand(self.pool_keys.shape[1], -1)
-        return torch.cat([outliers, selected, window], dim=1).to(torch.int32)
-
-    def _ring_chunks(self, window_base: torch.Tensor) -> torch.Tensor:
-        """``[n_local]``: the chunk each window ring slot holds, the window starting at chunk ``window_base``."""
-        return window_base + torch.remainder(self._ring_index - window_base, self.n_local)
-
-    def _attended_positions(self, counts: torch.Tensor, window_base: torch.Tensor) -> torch.Tensor:
+    def _attended_positions(self, counts: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         """bool ``[Hq, trace_width()]``: the valid tokens of the attended chunks (outliers, selected, window), in
         the order of ``counts``' slots."""
         cs = self.chunk_size
-        ring_chunk = self._ring_chunks(window_base)
+        ring_chunk = ring_chunks(self.layout, base)
         chunks = torch.cat([self.outlier_ids, self.slot_chunk[:, : self.n_selected],
                             ring_chunk.expand(self.outlier_ids.shape[0], -1)], dim=1)  # [Hkv, slots]
         offsets = torch.arange(cs, device=chunks.device)

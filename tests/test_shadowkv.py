@@ -12,19 +12,11 @@ import torch
 from transformers import AutoConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from baselines.shadowkv import (
-    ShadowKVConfig,
-    chunk_landmarks,
-    chunk_split,
-    key_basis,
-    key_coefficients,
-    landmark_scores,
-    outlier_chunks,
-    rebuild_keys,
-)
+from baselines.shadowkv import ShadowKVConfig, chunk_landmarks, chunk_split, key_basis, outlier_chunks
 from eval.plugins import build_method
 from icecache.core.cache import HarnessCache
 from icecache.core.generation import GenerationRequest, greedy_generate
+from icecache.core.kernels.shadowkv_step import key_coefficients, landmark_scores, rebuild_keys
 from icecache.core.method import ModelInfo, SequenceContext
 from icecache.core.rope import Rotary
 from icecache.errors import ConfigError
