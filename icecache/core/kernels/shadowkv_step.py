@@ -304,7 +304,7 @@ if triton is not None:
             rank_ok = ranks < RANK
             halves = tl.arange(0, BLOCK_HALF)
             half_ok = halves < HALF
-            ok = row_ok[:, None] & half_ok[None, :]
+            half_block_ok = row_ok[:, None] & half_ok[None, :]
             basis_ok = half_ok[:, None] & rank_ok[None, :]
             if HAS_ROPE:
                 token = (tl.maximum(leaving, 0) * CS + rows).to(tl.float32)
@@ -313,17 +313,18 @@ if triton is not None:
                 cos = tl.cos(angle) * rope_scaling
                 sin = tl.sin(angle) * rope_scaling
             acc = tl.zeros([BLOCK_ROWS, BLOCK_RANK], dtype=tl.float32)
-            for head in range(N_KV_HEADS):
-                block = pool_keys_ptr + ring_slot * stride_pool_slot + head * stride_pool_head
-                x1 = tl.load(block + rows[:, None] * HEAD_DIM + halves[None, :], mask=ok, other=0.0).to(tl.float32)
-                x2 = tl.load(block + rows[:, None] * HEAD_DIM + HALF + halves[None, :], mask=ok,
+            for kv_head in range(N_KV_HEADS):
+                keys_block = pool_keys_ptr + ring_slot * stride_pool_slot + kv_head * stride_pool_head
+                x1 = tl.load(keys_block + rows[:, None] * HEAD_DIM + halves[None, :], mask=half_block_ok,
+                             other=0.0).to(tl.float32)
+                x2 = tl.load(keys_block + rows[:, None] * HEAD_DIM + HALF + halves[None, :], mask=half_block_ok,
                              other=0.0).to(tl.float32)
                 if HAS_ROPE:  # Rotary.invert: (x cos - rotate_half(x) sin) / scaling^2
                     pre1 = tl.math.div_rn(x1 * cos - (-x2) * sin, rope_scaling_squared)
                     pre2 = tl.math.div_rn(x2 * cos - x1 * sin, rope_scaling_squared)
                 else:
                     pre1, pre2 = x1, x2
-                columns = basis_ptr + ranks[None, :] * stride_basis_rank + (head * HEAD_DIM + halves[:, None]) \
+                columns = basis_ptr + ranks[None, :] * stride_basis_rank + (kv_head * HEAD_DIM + halves[:, None]) \
                     * stride_basis_column
                 basis1 = tl.load(columns, mask=basis_ok, other=0.0).to(tl.float32)
                 basis2 = tl.load(columns + HALF * stride_basis_column, mask=basis_ok, other=0.0).to(tl.float32)
