@@ -71,10 +71,6 @@ class ShadowKVSlots:
         return self.n_attended_slots
 
 
-# Chunks per program of the Triton scoring (its blocks).
-SCORE_BLOCK_CHUNKS = 1024
-
-
 class ShadowKVStepPlan:
     """The buffers a layer's steps write: the top chunks ``top [Hkv, k]`` (``k = min(n_selected, chunks)``), the
     copy list ``copy_pages``/``copy_slots``/``copy_heads [Hkv * k]`` (entry ``(h, i)``: chunk ``top[h, i]`` for KV
@@ -93,9 +89,8 @@ class ShadowKVStepPlan:
         self.copy_heads = torch.arange(n_kv_heads, **long).repeat_interleave(self.n_top)
         self.counts = torch.zeros(n_kv_heads, layout.n_attended_slots, dtype=torch.int32, device=device)
         self.loaded = torch.zeros(n_kv_heads, 2, **long)
-        # Triton's scoring: blocks of a fixed number of chunks, so that no kernel's compile-time constants depend on
-        # the context (a new length would compile the kernels again).
-        self.block_chunks = SCORE_BLOCK_CHUNKS
+        # Triton's scoring: blocks of chunks sized so that at most about 16 blocks per KV head are merged.
+        self.block_chunks = max(256, min(2048, _next_power_of_2(-(-n_chunks // 16))))
         self.n_blocks = -(-n_chunks // self.block_chunks)
         self.block_top = min(self.n_top, self.block_chunks)
         if device.type == "cuda" or interpreted():
@@ -105,7 +100,6 @@ class ShadowKVStepPlan:
             self.block_max = torch.empty(n_kv_heads, group_size, self.n_blocks, dtype=torch.float32, device=device)
             self.block_sum = torch.empty_like(self.block_max)
             self.block_keys = torch.empty(n_kv_heads, self.n_blocks, self.block_top, **long)
-            self.merged_keys = torch.empty(n_kv_heads, _next_power_of_2(self.n_top), **long)
 
 
 def _next_power_of_2(n: int) -> int:
@@ -386,22 +380,20 @@ if triton is not None:
         scores_ptr, block_max_ptr, block_sum_ptr, probabilities_ptr, block_keys_ptr, n_chunks, n_blocks,
         stride_scores_head, stride_scores_group, stride_block_head, stride_block_group, stride_probabilities_head,
         stride_keys_head, stride_keys_block,
-        GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, BLOCK_TOP: tl.constexpr,
+        GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, BLOCK_BLOCKS: tl.constexpr,
+        BLOCK_TOP: tl.constexpr,
     ):
         head = tl.program_id(0).to(tl.int64)
         block = tl.program_id(1)
         groups = tl.arange(0, BLOCK_GROUP)
         group_ok = groups < GROUP
-        partials = head * stride_block_head + groups * stride_block_group
-        top = tl.full([BLOCK_GROUP], float("-inf"), dtype=tl.float32)
-        for previous in range(0, n_blocks):
-            top = tl.maximum(top, tl.load(block_max_ptr + partials + previous, mask=group_ok, other=float("-inf")))
-        top = tl.maximum(top, -3.4028234663852886e38)  # no candidate: every probability 0
-        total = tl.zeros([BLOCK_GROUP], dtype=tl.float32)
-        for previous in range(0, n_blocks):
-            block_max = tl.load(block_max_ptr + partials + previous, mask=group_ok, other=float("-inf"))
-            block_sum = tl.load(block_sum_ptr + partials + previous, mask=group_ok, other=0.0)
-            total += tl.where(block_max == float("-inf"), 0.0, block_sum * tl.exp(block_max - top))
+        blocks = tl.arange(0, BLOCK_BLOCKS)
+        partials = head * stride_block_head + groups[:, None] * stride_block_group + blocks[None, :]
+        partial_ok = group_ok[:, None] & (blocks < n_blocks)[None, :]
+        block_max = tl.load(block_max_ptr + partials, mask=partial_ok, other=float("-inf"))
+        block_sum = tl.load(block_sum_ptr + partials, mask=partial_ok, other=0.0)
+        top = tl.maximum(tl.max(block_max, 1), -3.4028234663852886e38)  # no candidate: every probability 0
+        total = tl.sum(tl.where(block_max == float("-inf"), 0.0, block_sum * tl.exp(block_max - top[:, None])), 1)
         total = tl.maximum(total, 1.1754943508222875e-38)
 
         chunks = block * BLOCK_CHUNKS + tl.arange(0, BLOCK_CHUNKS)
@@ -421,36 +413,23 @@ if triton is not None:
 
     @triton.jit
     def _plan_kernel(
-        block_keys_ptr, merged_ptr, top_ptr, outlier_ptr, outlier_ids_ptr, slot_chunk_ptr, copy_pages_ptr,
-        copy_slots_ptr, counts_ptr, loaded_ptr, position_ptr, n_blocks, n_block_top,
-        stride_keys_head, stride_keys_block, stride_merged_head, stride_top_head, stride_outlier_head,
-        stride_outlier_ids_head, stride_slot_head, stride_counts_head,
+        block_keys_ptr, top_ptr, outlier_ptr, outlier_ids_ptr, slot_chunk_ptr, copy_pages_ptr, copy_slots_ptr,
+        counts_ptr, loaded_ptr, position_ptr, n_keys,
+        stride_keys_head, stride_top_head, stride_outlier_head, stride_outlier_ids_head, stride_slot_head,
+        stride_counts_head,
         CS: tl.constexpr, N_OUTLIER: tl.constexpr, N_SELECTED: tl.constexpr, N_LOCAL: tl.constexpr,
-        N_TOP: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_SLOTS: tl.constexpr, BLOCK_OUTLIER: tl.constexpr,
-        BLOCK_LOCAL: tl.constexpr,
+        N_TOP: tl.constexpr, BLOCK_KEYS: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_SLOTS: tl.constexpr,
+        BLOCK_OUTLIER: tl.constexpr, BLOCK_LOCAL: tl.constexpr,
     ):
         head = tl.program_id(0).to(tl.int64)
         position = tl.load(position_ptr).to(tl.int64)
         base = position // CS - N_LOCAL + 1
 
-        # The merge of the blocks' top chunks, one block at a time: the best keys so far (in merged_ptr) and the
-        # block's, sorted together in descending order, the first half kept.
-        places = tl.arange(0, 2 * BLOCK_TOP)
-        kept_half = places < BLOCK_TOP
-        merged = merged_ptr + head * stride_merged_head
-        tl.store(merged + places, tl.full([2 * BLOCK_TOP], -1, dtype=tl.int64), mask=kept_half)
-        tl.debug_barrier()
-        for block in range(0, n_blocks):
-            incoming = places - BLOCK_TOP
-            block_row = block_keys_ptr + head * stride_keys_head + block * stride_keys_block
-            pointers = tl.where(kept_half, merged + places, block_row + tl.maximum(incoming, 0))
-            keys = tl.load(pointers, mask=kept_half | (incoming < n_block_top), other=-1)
-            ranked = tl.sort(keys, descending=True)
-            tl.debug_barrier()
-            tl.store(merged + places, ranked, mask=kept_half)
-            tl.debug_barrier()
-        best = tl.load(merged + places, mask=places < N_TOP, other=-1)
-        tl.store(top_ptr + head * stride_top_head + places, 0xFFFFFFFF - (best & 0xFFFFFFFF), mask=places < N_TOP)
+        # The merge of the blocks' top chunks: the first N_TOP keys in descending order.
+        places = tl.arange(0, BLOCK_KEYS)
+        keys = tl.load(block_keys_ptr + head * stride_keys_head + places, mask=places < n_keys, other=-1)
+        ranked = tl.sort(keys, descending=True)
+        tl.store(top_ptr + head * stride_top_head + places, 0xFFFFFFFF - (ranked & 0xFFFFFFFF), mask=places < N_TOP)
         tl.debug_barrier()
 
         tops = tl.arange(0, BLOCK_TOP)
@@ -641,15 +620,17 @@ def select_and_plan_triton(layout: ShadowKVSlots, position, query, landmarks, is
         plan.scores.stride(0), plan.scores.stride(1), plan.block_max.stride(0), plan.block_max.stride(1),
         plan.probabilities.stride(0), plan.block_keys.stride(0), plan.block_keys.stride(1),
         GROUP=group, BLOCK_GROUP=triton.next_power_of_2(group), BLOCK_CHUNKS=plan.block_chunks,
-        BLOCK_TOP=plan.block_top, num_warps=8 if plan.block_chunks >= 1024 else 4,
+        BLOCK_BLOCKS=triton.next_power_of_2(plan.n_blocks), BLOCK_TOP=plan.block_top,
+        num_warps=8 if plan.block_chunks >= 1024 else 4,
     )
+    n_keys = plan.n_blocks * plan.block_top
     _plan_kernel[(n_kv_heads,)](
-        plan.block_keys, plan.merged_keys, plan.top, outlier, outlier_ids, slot_chunk, plan.copy_pages,
-        plan.copy_slots, plan.counts, plan.loaded, position, plan.n_blocks, plan.block_top,
-        plan.block_keys.stride(0), plan.block_keys.stride(1), plan.merged_keys.stride(0), plan.top.stride(0),
-        outlier.stride(0), outlier_ids.stride(0), slot_chunk.stride(0), plan.counts.stride(0),
+        plan.block_keys, plan.top, outlier, outlier_ids, slot_chunk, plan.copy_pages, plan.copy_slots, plan.counts,
+        plan.loaded, position, n_keys,
+        plan.block_keys.stride(0), plan.top.stride(0), outlier.stride(0), outlier_ids.stride(0), slot_chunk.stride(0),
+        plan.counts.stride(0),
         CS=layout.chunk_size, N_OUTLIER=layout.n_outlier, N_SELECTED=layout.n_selected, N_LOCAL=layout.n_local,
-        N_TOP=plan.n_top, BLOCK_TOP=triton.next_power_of_2(plan.n_top),
+        N_TOP=plan.n_top, BLOCK_KEYS=triton.next_power_of_2(n_keys), BLOCK_TOP=triton.next_power_of_2(plan.n_top),
         BLOCK_SLOTS=triton.next_power_of_2(layout.n_selected),
         BLOCK_OUTLIER=triton.next_power_of_2(max(1, layout.n_outlier)),
         BLOCK_LOCAL=triton.next_power_of_2(layout.n_local), num_warps=4 if layout.n_selected <= 64 else 8,
