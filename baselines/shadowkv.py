@@ -181,8 +181,6 @@ class ShadowKVKV(StaticDenseKV):
         self.chunk_size = config.chunk_size
         self.n_local, self.n_outlier, self.n_selected = chunk_split(config)
         self.layout = ShadowKVSlots(self.chunk_size, self.n_outlier, self.n_selected, self.n_local)
-        self.window_slot0 = self.n_outlier + self.n_selected
-        self.n_attended_slots = self.window_slot0 + self.n_local
         self.rotary = model.rotary if model.rotary is not None else _NoRotary()
         self.sparse = False
 
@@ -237,7 +235,7 @@ class ShadowKVKV(StaticDenseKV):
             self.pool_keys[slots, heads] = chunk_keys[heads, outliers]
             self.pool_values[slots, heads] = values[:, :split].reshape_as(chunk_keys)[heads, outliers]
         window = torch.arange(split, n_tokens, device=device)
-        ring = self.window_slot0 + (window // cs) % n_local
+        ring = self.layout.window_slot0 + (window // cs) % n_local
         self.pool_keys[ring, :, window % cs] = keys[:, split:].transpose(0, 1)
         self.pool_values[ring, :, window % cs] = values[:, split:].transpose(0, 1)
         self._keys = self._values = None  # the dense copy goes
@@ -247,7 +245,7 @@ class ShadowKVKV(StaticDenseKV):
     def _allocate_sparse(self, n_chunks, n_kv_heads, head_dim, rank, device, dtype) -> None:
         cs = self.chunk_size
         self.n_chunks = n_chunks
-        n_slots = self.n_attended_slots + 1
+        n_slots = self.layout.n_attended_slots + 1
         self.pool_keys = torch.zeros(n_slots, n_kv_heads, cs, head_dim, dtype=dtype, device=device)
         self.pool_values = torch.zeros_like(self.pool_keys)
         self.landmarks = torch.zeros(n_kv_heads, n_chunks + 1, head_dim, dtype=dtype, device=device)
@@ -260,7 +258,7 @@ class ShadowKVKV(StaticDenseKV):
         # From the host pool (kept across sequences): the prompt's candidates are copied in, the rest is cleared.
         self.store_values = self.seq.prompt_copies.take((n_chunks + 1, n_kv_heads, cs, head_dim), dtype, device)
         self._store_on_device = mapped_device_view(self.store_values, device) if pin else self.store_values
-        self._slot_table = torch.arange(self.n_attended_slots, device=device, dtype=torch.int32).expand(
+        self._slot_table = torch.arange(self.layout.n_attended_slots, device=device, dtype=torch.int32).expand(
             n_kv_heads, -1)
         self._step_plan = ShadowKVStepPlan(self.layout, n_kv_heads, self.model.n_heads // n_kv_heads, n_chunks + 1,
                                            device)

@@ -62,6 +62,21 @@ def rng():
     return torch.Generator().manual_seed(1234)
 
 
+def count_triton_calls(monkeypatch, module, names) -> dict[str, int]:
+    """Wrap ``module.<name>_triton`` for each name so that its calls are counted (the returned dict, updated in
+    place): a test that forces a dispatch onto the kernels checks that they really ran."""
+    calls = {name: 0 for name in names}
+    for name in names:
+        kernel = getattr(module, f"{name}_triton")
+
+        def counted(*args, kernel=kernel, name=name):
+            calls[name] += 1
+            return kernel(*args)
+
+        monkeypatch.setattr(module, f"{name}_triton", counted)
+    return calls
+
+
 def kernel_device() -> torch.device:
     """CUDA when the Triton kernels can run there, CPU under Triton's interpreter, otherwise skip."""
     if triton_runtime.available():

@@ -23,7 +23,7 @@ from icecache.core.kernels.arkvale_step import (
     recall_plan_triton,
 )
 from icecache.core.method import ModelInfo, SequenceContext
-from tests.conftest import kernel_device
+from tests.conftest import count_triton_calls, kernel_device
 
 
 def random_keys(shape, gen, dtype, device) -> torch.Tensor:
@@ -195,15 +195,7 @@ def test_arkvale_steps_with_the_kernels_equal_the_steps_with_the_references(monk
 
     prompt = qkv(45)
     # Count the kernels' calls: the forced dispatch must really run them.
-    calls = {"page_start": 0, "recall_plan": 0}
-    for name in calls:
-        kernel = getattr(arkvale_step, f"{name}_triton")
-
-        def counted(*args, kernel=kernel, name=name):
-            calls[name] += 1
-            return kernel(*args)
-
-        monkeypatch.setattr(arkvale_step, f"{name}_triton", counted)
+    calls = count_triton_calls(monkeypatch, arkvale_step, ("page_start", "recall_plan"))
     outputs = {use: [] for use in layers}
     steps = [qkv(1) for _ in range(70)]
     for use, layer in layers.items():

@@ -31,7 +31,7 @@ from icecache.core.kernels.shadowkv_step import (
     turn_window_triton,
 )
 from icecache.core.rope import Rotary
-from tests.conftest import kernel_device
+from tests.conftest import count_triton_calls, kernel_device
 
 HEAD_DIM, N_KV_HEADS, GROUP = 16, 2, 3
 ROTARY = Rotary(inv_freq=tuple(float(f) for f in 1.0 / (10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))),
@@ -229,15 +229,7 @@ def test_shadowkv_steps_with_the_kernels_match_the_steps_with_the_references(mon
                      for heads in (N_KV_HEADS * GROUP, N_KV_HEADS, N_KV_HEADS))
 
     prompt, steps = qkv(300), [qkv(1) for _ in range(30)]
-    calls = {"turn_window": 0, "select_and_plan": 0, "finish_step": 0}
-    for name in calls:
-        kernel = getattr(shadowkv_step, f"{name}_triton")
-
-        def counted(*args, kernel=kernel, name=name):
-            calls[name] += 1
-            return kernel(*args)
-
-        monkeypatch.setattr(shadowkv_step, f"{name}_triton", counted)
+    calls = count_triton_calls(monkeypatch, shadowkv_step, ("turn_window", "select_and_plan", "finish_step"))
     outputs = {use: [] for use in layers}
     for use, layer in layers.items():
         monkeypatch.setattr(shadowkv_step, "runs_triton", lambda tensor, use=use: use)
@@ -252,5 +244,6 @@ def test_shadowkv_steps_with_the_kernels_match_the_steps_with_the_references(mon
     fused, reference = layers[True], layers[False]
     assert fused.seq.counters.as_dict() == reference.seq.counters.as_dict()
     assert fused.seq.counters.as_dict()["pages_loaded"] > 0
-    torch.testing.assert_close(fused.pool_keys[: fused.n_attended_slots], reference.pool_keys[: fused.n_attended_slots])
+    attended = fused.layout.n_attended_slots
+    torch.testing.assert_close(fused.pool_keys[:attended], reference.pool_keys[:attended])
     torch.testing.assert_close(fused.coefficients, reference.coefficients)
