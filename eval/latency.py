@@ -31,6 +31,8 @@ MIN_DECODE_STEPS = 64
 # and a CUDA-graphed step), which is the fair reference; both run in every measurement.
 REFERENCES = ("full", "full_static")
 SEARCH_STATS = ("rows_read", "bytes_read", "scores", "lists")  # DCIIndex.last_query_stats, per decode step
+# Where the step's searches spent their time (QueryPhases in icecache/dci/src/dci.hpp), nanoseconds per decode step
+SEARCH_PHASES = ("fork", "descend", "group", "scan", "merge", "scan_busy")
 LOOKAHEAD_COUNTERS = ("lookahead_searches", "lookahead_misses")  # IceCache's look-ahead, per decode step
 
 
@@ -227,6 +229,7 @@ def summarise(measurements: list[dict[str, Any]]) -> list[dict[str, Any]]:
             row[key] = max(values) if values else None
         for key in ("mean_attended_tokens", "pages_loaded_per_step", "bytes_to_gpu_per_step",
                     *(f"search_{name}_per_step" for name in SEARCH_STATS),
+                    *(f"search_{name}_ns_per_step" for name in SEARCH_PHASES),
                     *(f"{name}_per_step" for name in LOOKAHEAD_COUNTERS)):  # mean over repeats
             values = [g[key] for g in group if g.get(key) is not None]
             row[key] = statistics.fmean(values) if values else None
@@ -266,6 +269,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         phases += "".join(f" prefill:{k}={v * 1000:.0f}" for k, v in r.get("prefill_phases_s", {}).items())
         if r.get("search_gbps"):
             phases += f" search={r['search_bytes_read_per_step'] / 1e6:.0f}MB@{r['search_gbps']:.1f}GB/s"
+        if r.get("search_scan_ns_per_step"):
+            phases += " [" + " ".join(f"{name}={r[f'search_{name}_ns_per_step'] / 1e6:.1f}"
+                                      for name in SEARCH_PHASES if name != "scan_busy") + "]"
         print(f"{r['context']:>8} {r['method']:<16} {fmt(r['ttft_s_median']):>8} {fmt(r['tt2t_s_median']):>8} "
               f"{fmt(r['tpot_s_median'], 1000, 2):>9} "
               f"{fmt(r['tpot_s_min'], 1000, 1) + '-' + fmt(r['tpot_s_max'], 1000, 1):>15} "
@@ -517,6 +523,8 @@ def measurement(model: str, name: str, method, context: int, process: int, round
         "bytes_to_gpu_per_step": counters.get("bytes_to_gpu", 0) / n_steps,
         **{f"search_{stat}_per_step": counters[f"search_{stat}"] / n_steps
            for stat in SEARCH_STATS if f"search_{stat}" in counters},
+        **{f"search_{phase}_ns_per_step": counters[f"search_{phase}_ns"] / n_steps
+           for phase in SEARCH_PHASES if f"search_{phase}_ns" in counters},
         **({f"{counter}_per_step": counters.get(counter, 0) / n_steps for counter in LOOKAHEAD_COUNTERS}
            if "lookahead_searches" in counters else {}),
     }

@@ -309,6 +309,14 @@ class DCIIndex:
         (children lists searched or scanned)."""
         return dict(self._forest.last_query_stats())
 
+    def last_query_phases(self) -> dict[str, int]:
+        """Where the last query's wall-clock time went, in nanoseconds, for a query with one direction (IceCache's):
+        ``fork`` (until the last OpenMP thread had started: the cost of waking the team), ``descend`` (every head
+        down to the last level), ``group`` (the heads' runs grouped by parent), ``scan`` (the shared last-level
+        scan) and ``merge`` (each head's result), each to the end of its barrier; ``scan_busy``, the scan's time in
+        work items summed over threads. All zero after a query with several directions."""
+        return dict(self._forest.last_query_phases())
+
     def memory_bytes(self) -> dict[str, int]:
         """Host bytes the index holds (reserved capacity included): ``keys`` (its key rows) and ``structure``
         (levels, trees, pages, projections)."""

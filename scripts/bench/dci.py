@@ -201,6 +201,7 @@ def bench_size(n: int, threads: list[int], repeats: int, seed: int, shared_aim: 
         timed = [(precision, variant) for variant in variants for precision in precisions]
         query_times: dict[tuple[str, KernelVariant], list[float]] = {key: [] for key in timed}
         results, bytes_read = {}, {}
+        phase_ns: dict[tuple[str, KernelVariant], list[dict[str, int]]] = {key: [] for key in timed}
         for _ in range(repeats):
             for precision, variant in timed:
                 variant.apply()
@@ -209,6 +210,7 @@ def bench_size(n: int, threads: list[int], repeats: int, seed: int, shared_aim: 
                 results[precision, variant] = query(index)
                 query_times[precision, variant].append(time.perf_counter() - t0)
                 bytes_read[precision, variant] = index.last_query_stats()["bytes_read"]
+                phase_ns[precision, variant].append(index.last_query_phases())
         variants[0].apply()
         torch.set_num_threads(t)
         exact_times = []
@@ -237,6 +239,9 @@ def bench_size(n: int, threads: list[int], repeats: int, seed: int, shared_aim: 
                 "query_ms_p90": 1e3 * float(np.percentile(query_times[key], 90)),
                 "query_ms_min": 1e3 * min(query_times[key]),
                 "exact_ms": 1e3 * statistics.median(exact_times),
+                # the median query's phases (QueryPhases): where a search's time goes at this thread count
+                "phases_ms": {name: 1e-6 * statistics.median(p[name] for p in phase_ns[key])
+                              for name in phase_ns[key][0]},
             }
             row.update(recall_metrics(index, scores, pages, tokens, ratio, exact_tokens))
             if reference is not None:
@@ -248,8 +253,15 @@ def bench_size(n: int, threads: list[int], repeats: int, seed: int, shared_aim: 
             share = "-" if row["read_share"] is None else f"{row['read_share']:.2f}"
             print(f"  n={n:>7} threads={t:>2} {precision:>7} {variant.label}: build {row['build_s']:.3f} s, "
                   f"query {row['query_ms']:.3f} ms, {row['search_gbps']:.1f} GB/s ({share} of the host's), "
-                  f"mass {row['mass_recall']:.3f}", flush=True)
+                  f"mass {row['mass_recall']:.3f}; " + phase_summary(row["phases_ms"], t), flush=True)
     return rows
+
+
+def phase_summary(phases_ms: dict[str, float], threads: int) -> str:
+    """A query's phases in ms, and how busy the threads were while scanning."""
+    text = " ".join(f"{name} {ms:.3f}" for name, ms in phases_ms.items() if name != "scan_busy")
+    scan = phases_ms.get("scan", 0.0)
+    return text + (f", scan busy {phases_ms['scan_busy'] / (threads * scan):.0%}" if scan else "")
 
 
 def provenance() -> dict:

@@ -62,6 +62,9 @@ def time_host_steps(length: int, steps: int, threads: int) -> dict[str, list[flo
     times["rest"] = [total - search - stage for total, search, stage in
                      zip(times["host_step"], times["search"], times["stage"])]
     times["pages_loaded_per_step"] = [layer.seq.counters.pages_loaded / steps]
+    extra = layer.seq.counters.extra  # the searches' phases (QueryPhases), summed over the steps
+    times["search_phases_ms_per_step"] = [{name.removeprefix("search_").removesuffix("_ns"): value / steps / 1e6
+                                           for name, value in extra.items() if name.endswith("_ns")}]
     return times
 
 
@@ -81,13 +84,16 @@ def main(argv: list[str] | None = None) -> Path:
     torch.set_num_threads(args.threads)
     times = time_host_steps(args.length, args.steps, args.threads)
     summary = {name: statistics.median(values[1:]) * 1e3 for name, values in times.items()
-               if name != "pages_loaded_per_step"}
+               if name not in ("pages_loaded_per_step", "search_phases_ms_per_step")}
+    phases = times["search_phases_ms_per_step"][0]
     print(f"{args.length} tokens, {args.threads} threads, median of steps 2..{args.steps} (ms per layer step): "
           + "  ".join(f"{name} {value:.3f}" for name, value in summary.items())
           + f"  pages loaded per step {times['pages_loaded_per_step'][0]:.1f}")
+    print("search phases, mean ms per step: " + "  ".join(f"{name} {ms:.3f}" for name, ms in phases.items()))
     payload = {"what": "one IceCache layer's host work per decode step, Llama-3.1-8B geometry, random bf16 keys "
                        "and queries; seconds per step", "length": args.length, "steps": args.steps,
-               "threads": args.threads, "median_ms": summary, "seconds": times, "provenance": provenance.collect()}
+               "threads": args.threads, "median_ms": summary, "search_phases_ms": phases, "seconds": times,
+               "provenance": provenance.collect()}
     return provenance.write_result(args.out, "host_step", payload)
 
 

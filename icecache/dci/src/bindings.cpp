@@ -84,6 +84,7 @@ PYBIND11_MODULE(_dci, m) {
       .def("memory_bytes", &Forest::memory_bytes)
       .def("gather_keys", &Forest::gather_keys)
       .def("last_query_stats", &Forest::last_query_stats)
+      .def("last_query_phases", &Forest::last_query_phases)
       .def_property("num_threads", &Forest::threads, &Forest::set_threads)
       .def("build", &Forest::build)
       .def("insert", &Forest::insert)

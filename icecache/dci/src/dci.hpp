@@ -179,6 +179,24 @@ struct alignas(64) SharedBars {
 struct SearchCounters {
   int64_t rows = 0, bytes = 0, scores = 0, lists = 0;  // bytes: of the rows read, at the width each was read in
 };
+
+// Where a grouped query's wall-clock time went, in nanoseconds, read by the thread that started it as it leaves
+// each phase's barrier (so a phase includes the wait for its slowest thread). fork: until the last thread of the
+// team had begun (what waking a sleeping team costs); descend, group, scan, merge: the phases of
+// Forest::query_grouped, the group phase with its serial concatenation. scan_busy: the scan phase's time in work
+// items summed over threads; over threads * scan it is how busy the team was while scanning.
+struct QueryPhases {
+  int64_t fork_ns = 0, descend_ns = 0, group_ns = 0, scan_ns = 0, merge_ns = 0, scan_busy_ns = 0;
+  QueryPhases& operator+=(const QueryPhases& o) {
+    fork_ns += o.fork_ns;
+    descend_ns += o.descend_ns;
+    group_ns += o.group_ns;
+    scan_ns += o.scan_ns;
+    merge_ns += o.merge_ns;
+    scan_busy_ns += o.scan_busy_ns;
+    return *this;
+  }
+};
 SearchCounters& search_counters();  // this thread's
 
 constexpr int kMaxGroupHeads = 16;  // query heads scored together in one pass over a parent's rows

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -182,6 +183,7 @@ class Forest {
     {
     py::gil_scoped_release nogil;
     std::atomic<int64_t> rows{0}, bytes{0}, scores{0}, lists{0};
+    last_phases_ = dci::QueryPhases{};
     if (cfg_.num_dirs() == 1) {
       query_grouped(q, nq, K, sc, ratio, P, T, PS, TS, rows, bytes, scores, lists);
     } else {
@@ -234,6 +236,19 @@ class Forest {
     return d;
   }
 
+  // Where the last query's time went (QueryPhases, nanoseconds), as a dict for Python; zeros for the per-head query.
+  static py::dict phases_dict(const dci::QueryPhases& p) {
+    py::dict d;
+    d["fork"] = p.fork_ns;
+    d["descend"] = p.descend_ns;
+    d["group"] = p.group_ns;
+    d["scan"] = p.scan_ns;
+    d["merge"] = p.merge_ns;
+    d["scan_busy"] = p.scan_busy_ns;
+    return d;
+  }
+  py::dict last_query_phases() const { return phases_dict(last_phases_); }
+
   void query_grouped(const float* q, int64_t nq, int K, const dci::SearchConfig& sc, int ratio, int32_t* P,
                      int32_t* T, float* PS, float* TS, std::atomic<int64_t>& rows, std::atomic<int64_t>& bytes,
                      std::atomic<int64_t>& scores, std::atomic<int64_t>& lists) {
@@ -251,9 +266,29 @@ class Forest {
       bars_.reset(new dci::SharedBars[nq]);
       bars_capacity_ = nq;
     }
+    using Clock = std::chrono::steady_clock;
+    const auto since = [](Clock::time_point t0) {
+      return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+    };
+    const Clock::time_point started = Clock::now();
+    std::atomic<int64_t> last_start_ns{0}, scan_busy_ns{0};
+    dci::QueryPhases& ph = last_phases_;
+    ph = dci::QueryPhases{};
+    Clock::time_point mark = started;
+    const auto lap = [&](int64_t& phase) {  // the master, leaving a phase's barrier
+      const Clock::time_point now = Clock::now();
+      phase = std::chrono::duration_cast<std::chrono::nanoseconds>(now - mark).count();
+      mark = now;
+    };
 #pragma omp parallel num_threads(nthreads)
     {
       const int tid = omp_get_thread_num();
+      {
+        const int64_t begun = since(started);
+        int64_t seen = last_start_ns.load(std::memory_order_relaxed);
+        while (begun > seen && !last_start_ns.compare_exchange_weak(seen, begun, std::memory_order_relaxed)) {
+        }
+      }
       dci::Scratch& s = scratch_[tid];
       dci::search_counters() = dci::SearchCounters{};
       ThreadAcc& acc = acc_[tid];
@@ -273,6 +308,8 @@ class Forest {
         bars_[h].tokens.store(hs.best_tokens.bar(), std::memory_order_relaxed);
         bars_[h].pages.store(hs.best_pages.bar(), std::memory_order_relaxed);
       }
+#pragma omp master
+      lap(ph.descend_ns);
       // group each instance's runs by parent: one work item = one parent and up to kMaxGroupHeads heads
 #pragma omp for schedule(dynamic, 1)
       for (int i = 0; i < I; ++i) {
@@ -314,8 +351,12 @@ class Forest {
           return a.cost > b.cost || (a.cost == b.cost && (a.inst < b.inst || (a.inst == b.inst && a.begin < b.begin)));
         });
       }
+#pragma omp master
+      lap(ph.group_ns);
       const int64_t n_items = static_cast<int64_t>(items_.size());
-#pragma omp for schedule(dynamic, 1)
+      const Clock::time_point scan_start = Clock::now();
+      int64_t busy = 0;
+#pragma omp for schedule(dynamic, 1) nowait
       for (int64_t w = 0; w < n_items; ++w) {
         const Item& it = items_[w];
         const Job* jb = jobs_[it.inst].data() + it.begin;
@@ -340,6 +381,11 @@ class Forest {
         if (nh > 0) inst_[it.inst]->scan_runs(jb[0].kid_slot, nh, probes, first, last, bt, bp, sb);
         acc.used = true;
       }
+      busy = since(scan_start);  // this thread's share of the scan: from its start to its last item's end
+      scan_busy_ns.fetch_add(busy, std::memory_order_relaxed);
+#pragma omp barrier
+#pragma omp master
+      lap(ph.scan_ns);
 #pragma omp for schedule(static)
       for (int64_t h = 0; h < nq; ++h) {
         HeadState& hs = heads_[h];
@@ -352,6 +398,10 @@ class Forest {
       }
       add_counters(rows, bytes, scores, lists);
     }
+    lap(ph.merge_ns);
+    ph.fork_ns = last_start_ns.load();
+    ph.descend_ns -= std::min(ph.descend_ns, ph.fork_ns);  // the descent's lap began at the fork
+    ph.scan_busy_ns = scan_busy_ns.load();
   }
 
   int num_instances() const { return static_cast<int>(inst_.size()); }
@@ -484,6 +534,7 @@ class Forest {
   std::unique_ptr<dci::SharedBars[]> bars_;  // [nq], for the half-precision scan
   int64_t bars_capacity_ = 0;
   dci::SearchCounters last_query_;
+  dci::QueryPhases last_phases_;
   int threads_;
 };
 

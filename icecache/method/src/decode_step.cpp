@@ -164,6 +164,7 @@ bool all_finite(const float* x, int64_t n) {
 dci::SearchCounters forest_query(Forest& f, const float* q, int64_t nq, int K, const dci::SearchConfig& sc, int ratio,
                                  int32_t* P, int32_t* T, float* PS, float* TS) {
   std::atomic<int64_t> rows{0}, bytes{0}, scores{0}, lists{0};
+  f.last_phases_ = dci::QueryPhases{};
   if (f.cfg_.num_dirs() == 1) {
     f.query_grouped(q, nq, K, sc, ratio, P, T, PS, TS, rows, bytes, scores, lists);
   } else {
@@ -357,6 +358,7 @@ struct Records {
   int64_t pages_loaded = 0, bytes_to_gpu = 0;
   int64_t searches = 0, rows_read = 0, bytes_read = 0, scores = 0, lists = 0;
   int64_t lookahead_searches = 0, lookahead_misses = 0;
+  dci::QueryPhases search_phases;  // summed over the searches the step waited for (not the look-ahead's)
   double query_s = 0, load_s = 0, insert_s = 0;
   int query_n = 0, load_n = 0, insert_n = 0;  // how many times each phase ran (a phase that ran is reported)
   std::vector<double> host_step, lookahead_search;
@@ -495,6 +497,7 @@ class DecodeStep {
     d["lists"] = r.lists;
     d["lookahead_searches"] = r.lookahead_searches;
     d["lookahead_misses"] = r.lookahead_misses;
+    d["search_phase_ns"] = Forest::phases_dict(r.search_phases);
     py::dict phases;
     if (r.query_n) phases["query"] = r.query_s;
     if (r.load_n) phases["load"] = r.load_s;
@@ -747,6 +750,8 @@ class DecodeStep {
       stats = search(query_, pages_.data());
       pages = pages_.data();
       add_phase(records_.query_s, records_.query_n, seconds_since(t));
+      std::lock_guard<std::mutex> lock(records_mutex_);
+      records_.search_phases += group.index().last_phases_;
     }
     merge_group_pages(pages, cfg_.n_kv_heads, group_size_, cfg_.n_selected, cfg_.n_selected, group.selection.data());
     std::lock_guard<std::mutex> lock(records_mutex_);

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One GPU-host call: where IceCache's index search spends its time on this host. Builds the extension, then prints
+# the phases of the search (fork, descend, group, scan, merge: DCIIndex.last_query_phases) for one layer's host step
+# at 32k under the thread settings given (scripts/bench/host_step.py), for the DCI bench's query (bf16 keys), and,
+# unless NO_LATENCY=1, for the latency engine's IceCache step beside both full caches. Results go to $OUT.
+# Usage: bash scripts/gpu_host/search_profile.sh ["<OpenMP settings, ;-separated>"] [scripts/bench/latency.py args]
+#   e.g. "OMP_WAIT_POLICY=passive;OMP_WAIT_POLICY=active"
+set -uo pipefail
+export PYTHONUNBUFFERED=1 OMP_PROC_BIND=false PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export ICECACHE_GIT_COMMIT=${ICECACHE_GIT_COMMIT:-unknown}
+out=${OUT:-results/bench}
+settings=${1:-"OMP_WAIT_POLICY=passive"}
+shift 1 2>/dev/null || shift $#
+mkdir -p "$out"
+python3 setup.py build_ext --inplace -q 2>&1 | grep -i " error"
+IFS=';' read -ra variants <<< "$settings"
+for variant in "${variants[@]}"; do
+    echo "== host step, 32k, 16 threads, $variant"
+    env $variant python3 scripts/bench/host_step.py --length 32768 --steps 32 --threads 16 --out "$out" 2>&1 | tail -2
+done
+python3 scripts/bench/dci.py --sizes 32768 --threads 16 --key-dtype bfloat16 --repeats 20 --out "$out" 2>&1 \
+    | grep "threads=16"
+if [ -z "${NO_LATENCY:-}" ]; then
+    python3 scripts/bench/latency.py --model llama31_8b --lengths 32768 --methods full full_static icecache \
+        icecache_reuse --budget 256 --repeats 2 --warmup 1 --warmup-length 8192 --threads 16 --out "$out" \
+        --no-handoff-probe "$@" 2>&1 | tail -8
+fi
