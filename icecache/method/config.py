@@ -38,6 +38,10 @@ class IceCacheConfig(MethodConfig):
     query_field_of_view: int | None = None  # None: max(int(1.5e-3 * tokens), 30)
     query_prop_to_retrieve: float = 0.8
     cpu_threads: int | None = None  # OpenMP threads of the index (None: all cores)
+    # How long the search team's threads spin for the next search before they sleep (None: 2 ms where the decode
+    # step runs on a GPU, which covers the GPU's work between two layers' searches; 0 on the CPU, where that gap is
+    # the model's own work on the same cores). Never changes a result.
+    search_team_spin_us: int | None = None
     # The prompt's layers are indexed by this many jobs at once, beside the prefill: a build gains little from more
     # threads (1.8x for 8x on the H200 host), so several builds with fewer threads each finish the prompt sooner. A
     # layer's index does not depend on its thread count, so the pages are the same.
@@ -116,6 +120,12 @@ class IceCacheConfig(MethodConfig):
         runs on its own thread while the step's host work goes on on another (two busy masters on as many cores as
         threads make every barrier of the search wait for a descheduled thread). Results do not depend on it."""
         return max(1, self.index_threads - 1) if self.lookahead else self.index_threads
+
+    def search_team_spin_s(self, device_type: str) -> float:
+        """Seconds the search team spins after a job (``search_team_spin_us``, or its default for the device)."""
+        if self.search_team_spin_us is not None:
+            return self.search_team_spin_us * 1e-6
+        return 2e-3 if device_type != "cpu" else 0.0
 
     @property
     def prompt_build_threads(self) -> int:

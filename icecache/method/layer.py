@@ -262,6 +262,7 @@ class IceCacheLayer(DenseKV):
         """The step's fixed buffers (``DecodeBuffers``), with the sink slots' counts, which never change; and the
         speculative query's exchange where this layer looks ahead."""
         cfg, ps, n_kv_heads = self.cfg, self.cfg.page_size, self.model.n_kv_heads
+        self.sequence.native.team_spin = cfg.search_team_spin_s(device.type)
         # A traced sequence of fixed trace width gets its trace in the buffers too: the host step writes it from
         # the host's state, so a captured step's trace is that of each replay.
         buffers = DecodeBuffers.make(

@@ -57,6 +57,10 @@ class IceCache(Method):
             raise ConfigError(f"dci_score_precision={cfg.dci_score_precision}: use float32 or half")
         if not -1.0 <= cfg.lookahead_min_cosine <= 1.0:
             raise ConfigError(f"lookahead_min_cosine={cfg.lookahead_min_cosine} is a cosine: use a value in [-1, 1]")
+        if cfg.search_team_spin_us is not None and (isinstance(cfg.search_team_spin_us, bool)
+                                                    or not isinstance(cfg.search_team_spin_us, int)
+                                                    or cfg.search_team_spin_us < 0):
+            raise ConfigError(f"search_team_spin_us={cfg.search_team_spin_us!r}: use microseconds >= 0, or null")
         if cfg.cpu_kv_dtype != "auto" and cfg.cpu_kv_dtype not in CPU_KV_DTYPES:
             raise ConfigError(f"cpu_kv_dtype={cfg.cpu_kv_dtype}: use auto, {', '.join(CPU_KV_DTYPES)}")
 

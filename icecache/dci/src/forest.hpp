@@ -17,6 +17,7 @@
 #include <stdexcept>
 
 #include "dci.hpp"
+#include "team.hpp"
 
 namespace dci_forest {
 
@@ -185,7 +186,7 @@ class Forest {
     std::atomic<int64_t> rows{0}, bytes{0}, scores{0}, lists{0};
     last_phases_ = dci::QueryPhases{};
     if (cfg_.num_dirs() == 1) {
-      query_grouped(q, nq, K, sc, ratio, P, T, PS, TS, rows, bytes, scores, lists);
+      query_grouped(q, nq, K, sc, ratio, P, T, PS, TS, rows, bytes, scores, lists, own_team());
     } else {
       const int nthreads = std::max(1, static_cast<int>(std::min<int64_t>(nq, threads_)));
       if (static_cast<int>(scratch_.size()) < nthreads) scratch_.resize(nthreads);
@@ -249,12 +250,20 @@ class Forest {
   }
   py::dict last_query_phases() const { return phases_dict(last_phases_); }
 
+  // The team the queries Python makes run on (made at the first, with the index's threads): an IceCache decode
+  // step passes its sequence's team instead (icecache/method/src/decode_step.cpp).
+  dci::Team& own_team() {
+    if (!own_team_ || own_team_->size() != std::max(1, threads_))
+      own_team_ = std::make_unique<dci::Team>(std::max(1, threads_), kOwnTeamSpinNs);
+    return *own_team_;
+  }
+
   void query_grouped(const float* q, int64_t nq, int K, const dci::SearchConfig& sc, int ratio, int32_t* P,
                      int32_t* T, float* PS, float* TS, std::atomic<int64_t>& rows, std::atomic<int64_t>& bytes,
-                     std::atomic<int64_t>& scores, std::atomic<int64_t>& lists) {
+                     std::atomic<int64_t>& scores, std::atomic<int64_t>& lists, dci::Team& team) {
     const int dim = cfg_.dim;
     const int I = num_instances();
-    const int nthreads = std::max(1, threads_);
+    const int nthreads = std::max(1, std::min(threads_, team.size()));
     if (static_cast<int>(scratch_.size()) < nthreads) scratch_.resize(nthreads);
     if (static_cast<int>(acc_.size()) < nthreads) acc_.resize(nthreads);
     if (static_cast<int64_t>(heads_.size()) < nq) heads_.resize(nq);
@@ -272,136 +281,140 @@ class Forest {
     };
     const Clock::time_point started = Clock::now();
     std::atomic<int64_t> last_start_ns{0}, scan_busy_ns{0};
+    std::atomic<int64_t> next_head{0}, next_inst{0}, next_item{0};  // the three shared loops' next index
     dci::QueryPhases& ph = last_phases_;
     ph = dci::QueryPhases{};
     Clock::time_point mark = started;
-    const auto lap = [&](int64_t& phase) {  // the master, leaving a phase's barrier
+    const auto lap = [&](int64_t& phase) {  // thread 0, leaving a phase's barrier
       const Clock::time_point now = Clock::now();
       phase = std::chrono::duration_cast<std::chrono::nanoseconds>(now - mark).count();
       mark = now;
     };
-#pragma omp parallel num_threads(nthreads)
-    {
-      const int tid = omp_get_thread_num();
+    team.run(nthreads, [&](const int tid) {
       {
         const int64_t begun = since(started);
         int64_t seen = last_start_ns.load(std::memory_order_relaxed);
         while (begun > seen && !last_start_ns.compare_exchange_weak(seen, begun, std::memory_order_relaxed)) {
         }
       }
-      dci::Scratch& s = scratch_[tid];
-      dci::search_counters() = dci::SearchCounters{};
       ThreadAcc& acc = acc_[tid];
-      // this thread's per-head accumulators, allocated by the thread itself (its own malloc arena)
-      if (static_cast<int64_t>(acc.topk.size()) < 2 * nq) acc.topk.resize(2 * nq);
-      for (int64_t i = 0; i < 2 * nq; ++i) acc.topk[i].reset(K);
-      acc.used = false;
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t h = 0; h < nq; ++h) {
-        HeadState& hs = heads_[h];
-        hs.runs.clear();
-        inst_[h / ratio]->descend(q + h * dim, K, sc, s, &hs.runs);
-        std::swap(hs.best_tokens, s.best_tokens);
-        std::swap(hs.best_pages, s.best_pages);
-        hs.probe = dci::Probe{q + h * dim, dci::dot(q + h * dim, q + h * dim, dim), true};
-        // the descent's fed points are part of the head's result: their K-th best is a bar for the half scan
-        bars_[h].tokens.store(hs.best_tokens.bar(), std::memory_order_relaxed);
-        bars_[h].pages.store(hs.best_pages.bar(), std::memory_order_relaxed);
-      }
-#pragma omp master
-      lap(ph.descend_ns);
-      // group each instance's runs by parent: one work item = one parent and up to kMaxGroupHeads heads
-#pragma omp for schedule(dynamic, 1)
-      for (int i = 0; i < I; ++i) {
-        auto& jobs = jobs_[i];
-        jobs.clear();
-        for (int64_t h = static_cast<int64_t>(i) * ratio; h < static_cast<int64_t>(i + 1) * ratio && h < nq; ++h)
-          for (const dci::LastLevelRun& r : heads_[h].runs)
-            jobs.push_back({r.kid_slot, static_cast<int32_t>(h), r.first, r.last});
-        std::sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) {
-          return a.kid_slot < b.kid_slot || (a.kid_slot == b.kid_slot && a.head < b.head);
-        });
-        inst_items_[i].clear();
-        if (chunk_rows > 0)
-          inst_[i]->group_items(i, jobs.data(), static_cast<int32_t>(jobs.size()), chunk_rows, inst_items_[i]);
-      }
-#pragma omp single
-      {
-        items_.clear();
-        for (int i = 0; i < I && chunk_rows > 0; ++i)
-          items_.insert(items_.end(), inst_items_[i].begin(), inst_items_[i].end());
-        for (int i = 0; i < I && chunk_rows == 0; ++i) {
-          const auto& jobs = jobs_[i];
-          size_t b = 0;
-          while (b < jobs.size()) {
-            size_t e = b + 1;
-            int lo = jobs[b].first, hi = jobs[b].last;
-            while (e < jobs.size() && jobs[e].kid_slot == jobs[b].kid_slot && e - b < dci::kMaxGroupHeads) {
-              lo = std::min(lo, jobs[e].first);
-              hi = std::max(hi, jobs[e].last);
-              ++e;
-            }
-            items_.push_back({i, static_cast<int32_t>(b), static_cast<int32_t>(e), lo, hi,
-                              static_cast<int64_t>(hi - lo) * static_cast<int64_t>(e - b + 1)});
-            b = e;
-          }
+      team.guarded([&] {
+        dci::search_counters() = dci::SearchCounters{};
+        // this thread's per-head accumulators, allocated by the thread itself (its own malloc arena)
+        if (static_cast<int64_t>(acc.topk.size()) < 2 * nq) acc.topk.resize(2 * nq);
+        for (int64_t i = 0; i < 2 * nq; ++i) acc.topk[i].reset(K);
+        acc.used = false;
+        dci::Scratch& s = scratch_[tid];
+        for (int64_t h; (h = dci::Team::next_index(next_head)) < nq;) {
+          HeadState& hs = heads_[h];
+          hs.runs.clear();
+          inst_[h / ratio]->descend(q + h * dim, K, sc, s, &hs.runs);
+          std::swap(hs.best_tokens, s.best_tokens);
+          std::swap(hs.best_pages, s.best_pages);
+          hs.probe = dci::Probe{q + h * dim, dci::dot(q + h * dim, q + h * dim, dim), true};
+          // the descent's fed points are part of the head's result: their K-th best is a bar for the half scan
+          bars_[h].tokens.store(hs.best_tokens.bar(), std::memory_order_relaxed);
+          bars_[h].pages.store(hs.best_pages.bar(), std::memory_order_relaxed);
         }
-        // largest first, so that the dynamic schedule ends balanced
-        if (chunk_rows == 0) std::sort(items_.begin(), items_.end(), [](const Item& a, const Item& b) {
-          return a.cost > b.cost || (a.cost == b.cost && (a.inst < b.inst || (a.inst == b.inst && a.begin < b.begin)));
-        });
-      }
-#pragma omp master
-      lap(ph.group_ns);
+      });
+      team.barrier();
+      if (tid == 0) lap(ph.descend_ns);
+      // group each instance's runs by parent: one work item = one parent and up to kMaxGroupHeads heads
+      team.guarded([&] {
+        for (int64_t i; (i = dci::Team::next_index(next_inst)) < I;) {
+          auto& jobs = jobs_[i];
+          jobs.clear();
+          for (int64_t h = i * ratio; h < (i + 1) * ratio && h < nq; ++h)
+            for (const dci::LastLevelRun& r : heads_[h].runs)
+              jobs.push_back({r.kid_slot, static_cast<int32_t>(h), r.first, r.last});
+          std::sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) {
+            return a.kid_slot < b.kid_slot || (a.kid_slot == b.kid_slot && a.head < b.head);
+          });
+          inst_items_[i].clear();
+          if (chunk_rows > 0)
+            inst_[i]->group_items(static_cast<int>(i), jobs.data(), static_cast<int32_t>(jobs.size()), chunk_rows,
+                                  inst_items_[i]);
+        }
+      });
+      team.barrier();
+      if (tid == 0) team.guarded([&] { collect_items(I, chunk_rows); });
+      team.barrier();
+      if (tid == 0) lap(ph.group_ns);
       const int64_t n_items = static_cast<int64_t>(items_.size());
       const Clock::time_point scan_start = Clock::now();
-      int64_t busy = 0;
-#pragma omp for schedule(dynamic, 1) nowait
-      for (int64_t w = 0; w < n_items; ++w) {
-        const Item& it = items_[w];
-        const Job* jb = jobs_[it.inst].data() + it.begin;
-        dci::Probe probes[dci::kMaxGroupHeads];
-        int32_t first[dci::kMaxGroupHeads], last[dci::kMaxGroupHeads];
-        dci::TopK* bt[dci::kMaxGroupHeads];
-        dci::TopK* bp[dci::kMaxGroupHeads];
-        dci::SharedBars* sb[dci::kMaxGroupHeads];
-        int nh = 0;
-        for (int g = 0; g < it.end - it.begin; ++g) {
-          // the head's run within the item's rows [lo, hi); a head with none there is left out
-          const int32_t f = std::max(jb[g].first, it.lo), l = std::min(jb[g].last, it.hi);
-          if (f >= l) continue;
-          sb[nh] = &bars_[jb[g].head];
-          probes[nh] = heads_[jb[g].head].probe;
-          first[nh] = f;
-          last[nh] = l;
-          bt[nh] = &acc.topk[2 * static_cast<int64_t>(jb[g].head)];
-          bp[nh] = &acc.topk[2 * static_cast<int64_t>(jb[g].head) + 1];
-          ++nh;
+      team.guarded([&] {
+        for (int64_t w; (w = dci::Team::next_index(next_item)) < n_items;) {
+          const Item& it = items_[w];
+          const Job* jb = jobs_[it.inst].data() + it.begin;
+          dci::Probe probes[dci::kMaxGroupHeads];
+          int32_t first[dci::kMaxGroupHeads], last[dci::kMaxGroupHeads];
+          dci::TopK* bt[dci::kMaxGroupHeads];
+          dci::TopK* bp[dci::kMaxGroupHeads];
+          dci::SharedBars* sb[dci::kMaxGroupHeads];
+          int nh = 0;
+          for (int g = 0; g < it.end - it.begin; ++g) {
+            // the head's run within the item's rows [lo, hi); a head with none there is left out
+            const int32_t f = std::max(jb[g].first, it.lo), l = std::min(jb[g].last, it.hi);
+            if (f >= l) continue;
+            sb[nh] = &bars_[jb[g].head];
+            probes[nh] = heads_[jb[g].head].probe;
+            first[nh] = f;
+            last[nh] = l;
+            bt[nh] = &acc.topk[2 * static_cast<int64_t>(jb[g].head)];
+            bp[nh] = &acc.topk[2 * static_cast<int64_t>(jb[g].head) + 1];
+            ++nh;
+          }
+          if (nh > 0) inst_[it.inst]->scan_runs(jb[0].kid_slot, nh, probes, first, last, bt, bp, sb);
+          acc.used = true;
         }
-        if (nh > 0) inst_[it.inst]->scan_runs(jb[0].kid_slot, nh, probes, first, last, bt, bp, sb);
-        acc.used = true;
-      }
-      busy = since(scan_start);  // this thread's share of the scan: from its start to its last item's end
-      scan_busy_ns.fetch_add(busy, std::memory_order_relaxed);
-#pragma omp barrier
-#pragma omp master
-      lap(ph.scan_ns);
-#pragma omp for schedule(static)
-      for (int64_t h = 0; h < nq; ++h) {
-        HeadState& hs = heads_[h];
-        for (int t = 0; t < nthreads; ++t) {
-          if (!acc_[t].used) continue;
-          for (const dci::Candidate& c : acc_[t].topk[2 * h].items) hs.best_tokens.push(c);
-          for (const dci::Candidate& c : acc_[t].topk[2 * h + 1].items) hs.best_pages.push(c);
+      });
+      scan_busy_ns.fetch_add(since(scan_start), std::memory_order_relaxed);  // to its last item's end
+      team.barrier();
+      if (tid == 0) lap(ph.scan_ns);
+      team.guarded([&] {
+        for (int64_t h = tid; h < nq; h += nthreads) {
+          HeadState& hs = heads_[h];
+          for (int t = 0; t < nthreads; ++t) {
+            if (!acc_[t].used) continue;
+            for (const dci::Candidate& c : acc_[t].topk[2 * h].items) hs.best_tokens.push(c);
+            for (const dci::Candidate& c : acc_[t].topk[2 * h + 1].items) hs.best_pages.push(c);
+          }
+          inst_[h / ratio]->emit(hs.best_tokens, hs.best_pages, K, P + h * K, T + h * K, PS + h * K, TS + h * K);
         }
-        inst_[h / ratio]->emit(hs.best_tokens, hs.best_pages, K, P + h * K, T + h * K, PS + h * K, TS + h * K);
-      }
-      add_counters(rows, bytes, scores, lists);
-    }
+        add_counters(rows, bytes, scores, lists);
+      });
+    });
     lap(ph.merge_ns);
     ph.fork_ns = last_start_ns.load();
     ph.descend_ns -= std::min(ph.descend_ns, ph.fork_ns);  // the descent's lap began at the fork
     ph.scan_busy_ns = scan_busy_ns.load();
+  }
+
+  // The work items of every instance in one list (instance order); with chunk_rows == 0, one item per parent
+  // (up to kMaxGroupHeads heads), largest first so that the shared loop ends balanced.
+  void collect_items(int I, int chunk_rows) {
+    items_.clear();
+    for (int i = 0; i < I && chunk_rows > 0; ++i) items_.insert(items_.end(), inst_items_[i].begin(), inst_items_[i].end());
+    if (chunk_rows > 0) return;
+    for (int i = 0; i < I; ++i) {
+      const auto& jobs = jobs_[i];
+      size_t b = 0;
+      while (b < jobs.size()) {
+        size_t e = b + 1;
+        int lo = jobs[b].first, hi = jobs[b].last;
+        while (e < jobs.size() && jobs[e].kid_slot == jobs[b].kid_slot && e - b < dci::kMaxGroupHeads) {
+          lo = std::min(lo, jobs[e].first);
+          hi = std::max(hi, jobs[e].last);
+          ++e;
+        }
+        items_.push_back({i, static_cast<int32_t>(b), static_cast<int32_t>(e), lo, hi,
+                          static_cast<int64_t>(hi - lo) * static_cast<int64_t>(e - b + 1)});
+        b = e;
+      }
+    }
+    std::sort(items_.begin(), items_.end(), [](const Item& a, const Item& b) {
+      return a.cost > b.cost || (a.cost == b.cost && (a.inst < b.inst || (a.inst == b.inst && a.begin < b.begin)));
+    });
   }
 
   int num_instances() const { return static_cast<int>(inst_.size()); }
@@ -535,6 +548,9 @@ class Forest {
   int64_t bars_capacity_ = 0;
   dci::SearchCounters last_query_;
   dci::QueryPhases last_phases_;
+  // Python's queries come at irregular times: the team sleeps soon after each
+  static constexpr int64_t kOwnTeamSpinNs = 50'000;
+  std::unique_ptr<dci::Team> own_team_;
   int threads_;
 };
 

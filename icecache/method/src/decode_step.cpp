@@ -161,12 +161,12 @@ bool all_finite(const float* x, int64_t n) {
 // ---------------------------------------------------------------------------------------------- the Forest, raw
 // What Forest::query does, into caller buffers and with no Python object: the pages P [nq, K] (and tokens, scores,
 // which the step does not use) of each query head, and what the search read.
-dci::SearchCounters forest_query(Forest& f, const float* q, int64_t nq, int K, const dci::SearchConfig& sc, int ratio,
-                                 int32_t* P, int32_t* T, float* PS, float* TS) {
+dci::SearchCounters forest_query(Forest& f, dci::Team& team, const float* q, int64_t nq, int K,
+                                 const dci::SearchConfig& sc, int ratio, int32_t* P, int32_t* T, float* PS, float* TS) {
   std::atomic<int64_t> rows{0}, bytes{0}, scores{0}, lists{0};
   f.last_phases_ = dci::QueryPhases{};
   if (f.cfg_.num_dirs() == 1) {
-    f.query_grouped(q, nq, K, sc, ratio, P, T, PS, TS, rows, bytes, scores, lists);
+    f.query_grouped(q, nq, K, sc, ratio, P, T, PS, TS, rows, bytes, scores, lists, team);
   } else {
     const int dim = f.cfg_.dim;
     const int nthreads = std::max(1, static_cast<int>(std::min<int64_t>(nq, f.threads_)));
@@ -276,6 +276,23 @@ class NativeSequence {
     std::lock_guard<std::mutex> lock(mutex_);
     return worker_.joinable();
   }
+  // The team the sequence's searches and page gathers run on (dci::Team), made at the first with `threads`
+  // threads; a later caller asking more gets that many at most. Its workers spin `team_spin_ns` after each job.
+  dci::Team& team(int threads) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!team_) team_ = std::make_unique<dci::Team>(threads, team_spin_ns_);
+    return *team_;
+  }
+  void set_team_spin(double seconds) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    team_spin_ns_ = static_cast<int64_t>(seconds * 1e9);
+    if (team_) team_->set_spin_ns(team_spin_ns_);
+  }
+  double team_spin() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return static_cast<double>(team_spin_ns_) * 1e-9;
+  }
+
   bool failed() const { return failed_.load(std::memory_order_acquire); }
   void fail(const std::string& message) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -302,6 +319,8 @@ class NativeSequence {
   bool stopping_ = false;
   std::atomic<bool> failed_{false};
   std::string error_;
+  int64_t team_spin_ns_ = 0;
+  std::unique_ptr<dci::Team> team_;  // last member: its threads end before the rest goes
 };
 
 struct ReuseGroup {
@@ -714,8 +733,8 @@ class DecodeStep {
     if (!(cfg_.query_prop_to_retrieve > 0.0 && cfg_.query_prop_to_retrieve <= 1.0))
       throw std::invalid_argument("prop_to_retrieve must lie in (0, 1]");
     dci::SearchConfig sc{fov, cfg_.query_prop_to_retrieve, 1.0};
-    return forest_query(f, query, cfg_.n_heads, cfg_.n_selected, sc, group_size_, pages, tokens_out_.data(),
-                        page_scores_.data(), token_scores_.data());
+    return forest_query(f, seq_->team(f.threads()), query, cfg_.n_heads, cfg_.n_selected, sc, group_size_, pages,
+                        tokens_out_.data(), page_scores_.data(), token_scores_.data());
   }
 
   // K distinct pages per KV head [n_kv, K] (-1 padded) for this step's query: the owner searches (or takes its
@@ -793,8 +812,10 @@ class DecodeStep {
     // it. Blocks are independent and each is written by one thread, so the bytes do not depend on the split.
     const int threads = std::max(1, std::min(std::max(1, f.threads() / 2), n / kBlocksPerGatherThread));
     std::atomic<bool> out_of_range{false};
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int r = 0; r < n; ++r) {
+    dci::Team& team = seq_->team(f.threads());
+    team.run(threads, [&](const int tid) {
+    const int share = std::min(threads, team.size());
+    for (int r = tid; r < n; r += share) {
       const int h = load_heads_[r];
       int32_t ids[dci::kPageSlots];
       forest_page_items(f, h, load_pages_[r], ids);
@@ -819,6 +840,7 @@ class DecodeStep {
         }
       }
     }
+    });
     if (out_of_range.load()) throw std::out_of_range("token id out of range");
     std::lock_guard<std::mutex> lock(records_mutex_);
     records_.pages_loaded += n;
@@ -953,6 +975,8 @@ void icecache_bind_decode_step(py::module_& m) {
   py::class_<NativeSequence, std::shared_ptr<NativeSequence>>(m, "NativeSequence")
       .def(py::init<>())
       .def("stop", &NativeSequence::stop, py::call_guard<py::gil_scoped_release>())
+      .def_property("team_spin", &NativeSequence::team_spin, &NativeSequence::set_team_spin,
+                    "seconds the search team's workers spin for the next job before they sleep")
       .def_property_readonly("running", &NativeSequence::running)
       .def("error", &NativeSequence::error)
       .def("clear_error", &NativeSequence::clear_error);
