@@ -535,13 +535,14 @@ def measurement(model: str, name: str, method, context: int, process: int, round
 # scripts/bench/host_step.py)
 
 
-def llama8b_layer_method(threads: int):
+def llama8b_layer_method(threads: int, search_team_spin_us: int | None = None):
     """IceCache at budget 256 for one sparsified layer of the Llama-3.1-8B geometry (32 query / 8 KV heads of 128
-    dimensions, bf16), its index on ``threads`` threads."""
+    dimensions, bf16), its index on ``threads`` threads (its search team spinning ``search_team_spin_us``)."""
     import torch
 
     from eval.plugins import build_method
     from icecache.core.method import ModelInfo
 
     info = ModelInfo(n_layers=1, n_heads=32, n_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
-    return build_method({"name": "icecache", "budget": 256, "n_dense_layers": 0, "cpu_threads": threads}, info)
+    return build_method({"name": "icecache", "budget": 256, "n_dense_layers": 0, "cpu_threads": threads,
+                         "search_team_spin_us": search_team_spin_us}, info)

@@ -811,3 +811,26 @@ def test_the_host_read_rate_is_measured(kernel_settings):
     assert 1e8 < rate < 1e13
     assert kernel_settings.search_read_share(2e9, 0.5, 8e9) == 0.5
     assert kernel_settings.search_read_share(0, 0.5, 8e9) is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The search team (src/team.hpp): the threads a decode step's searches and page gathers run on
+
+@pytest.mark.parametrize("spin_s", [0.0, 2e-3])
+def test_the_search_team_meets_at_every_barrier_and_shares_each_loop_index_once(spin_s):
+    """Runs of 1..4 threads on one team, asleep between runs (no spin) or spinning: after each barrier every thread
+    of the run has finished its phase, and the shared loop gave out each of its indices exactly once."""
+    from icecache.dci import _dci
+
+    held = _dci._team_check(size=4, runs=24, phases=5, items=37, spin_s=spin_s)
+    assert held == [True] * 24
+
+
+def test_a_failing_thread_ends_the_run_with_its_error_and_the_team_still_works():
+    """A thread that throws inside a phase: the run ends (its teammates do not wait at a barrier forever) and
+    raises that thread's error; the next run on a fresh team works."""
+    from icecache.dci import _dci
+
+    with pytest.raises(RuntimeError, match="thread 2 failed in phase 1"):
+        _dci._team_check(size=4, runs=4, phases=3, items=10, spin_s=0.0, fail_tid=2, fail_phase=1)
+    assert _dci._team_check(size=4, runs=4, phases=3, items=10, spin_s=0.0) == [True] * 4

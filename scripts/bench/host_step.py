@@ -27,13 +27,13 @@ from eval.latency import llama8b_layer_method
 REPO = Path(__file__).resolve().parents[2]
 
 
-def time_host_steps(length: int, steps: int, threads: int) -> dict[str, list[float]]:
+def time_host_steps(length: int, steps: int, threads: int, team_spin_us: int) -> dict[str, list[float]]:
     import torch
 
     from icecache.core.method import SequenceContext
     from icecache.core.timing import PhaseTimer
 
-    method = llama8b_layer_method(threads)
+    method = llama8b_layer_method(threads, team_spin_us)
     generator = torch.Generator().manual_seed(0)
     timer = PhaseTimer(enabled=True)
     seq = SequenceContext(timer=timer)
@@ -73,16 +73,18 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--length", type=int, default=32768)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--threads", type=int, default=16, help="OpenMP threads of the index and torch")
+    parser.add_argument("--team-spin-us", type=int, default=2000,
+                        help="how long the search team spins between steps (2000: the decode step's on a GPU)")
     parser.add_argument("--out", default=str(REPO / "results" / "bench"))
     args = parser.parse_args(argv)
-    if args.length < 1024 or args.steps < 2 or args.threads < 1:
-        parser.error("--length must be >= 1024 tokens, --steps >= 2 and --threads >= 1")
+    if args.length < 1024 or args.steps < 2 or args.threads < 1 or args.team_spin_us < 0:
+        parser.error("--length must be >= 1024 tokens, --steps >= 2, --threads >= 1 and --team-spin-us >= 0")
     import torch
 
     from eval import provenance
 
     torch.set_num_threads(args.threads)
-    times = time_host_steps(args.length, args.steps, args.threads)
+    times = time_host_steps(args.length, args.steps, args.threads, args.team_spin_us)
     summary = {name: statistics.median(values[1:]) * 1e3 for name, values in times.items()
                if name not in ("pages_loaded_per_step", "search_phases_ms_per_step")}
     phases = times["search_phases_ms_per_step"][0]
@@ -92,7 +94,8 @@ def main(argv: list[str] | None = None) -> Path:
     print("search phases, mean ms per step: " + "  ".join(f"{name} {ms:.3f}" for name, ms in phases.items()))
     payload = {"what": "one IceCache layer's host work per decode step, Llama-3.1-8B geometry, random bf16 keys "
                        "and queries; seconds per step", "length": args.length, "steps": args.steps,
-               "threads": args.threads, "median_ms": summary, "search_phases_ms": phases, "seconds": times,
+               "threads": args.threads, "team_spin_us": args.team_spin_us, "median_ms": summary,
+               "search_phases_ms": phases, "seconds": times,
                "provenance": provenance.collect()}
     return provenance.write_result(args.out, "host_step", payload)
 

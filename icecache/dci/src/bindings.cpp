@@ -2,6 +2,10 @@
 // (IceCache's decode step, icecache/method/src/decode_step.cpp, registered by icecache_bind_decode_step).
 #include <pybind11/pybind11.h>
 
+#include <atomic>
+#include <string>
+#include <vector>
+
 #include "forest.hpp"
 
 namespace py = pybind11;
@@ -22,6 +26,46 @@ PYBIND11_MODULE(_dci, m) {
     if (!dci::parse_isa(name, &isa)) throw std::invalid_argument("isa must be portable, avx2 or avx512, not " + name);
     dci::set_isa(isa);
   });
+  // The search team (team.hpp) exercised on its own, for its tests: `runs` runs of 1..size threads in turn, each
+  // with `phases` phases of a shared loop of `items` indices and a barrier. Returns, per run, whether after every
+  // barrier all of the run's threads had finished the phase and the loop had given out each index exactly once.
+  // Thread `fail_tid` throws in phase `fail_phase` of the last run (-1: never), which run rethrows.
+  m.def("_team_check", [](int size, int runs, int phases, int items, double spin_s, int fail_tid, int fail_phase) {
+    std::vector<bool> held;
+    {
+      py::gil_scoped_release nogil;
+      dci::Team team(size, static_cast<int64_t>(spin_s * 1e9));
+      for (int r = 0; r < runs; ++r) {
+        const int n = 1 + r % team.size();
+        const bool failing = r == runs - 1 && fail_tid >= 0;
+        std::vector<std::atomic<int>> finished(phases);
+        std::vector<std::atomic<int>> given(static_cast<size_t>(phases) * items);
+        std::vector<std::atomic<int64_t>> next(phases);
+        for (auto& x : finished) x = 0;
+        for (auto& x : given) x = 0;
+        for (auto& x : next) x = 0;
+        std::atomic<bool> ok{true};
+        team.run(n, [&](const int tid) {
+          for (int p = 0; p < phases; ++p) {
+            team.guarded([&] {
+              if (failing && tid == fail_tid && p == fail_phase)
+                throw std::runtime_error("thread " + std::to_string(tid) + " failed in phase " + std::to_string(p));
+              for (int64_t i; (i = dci::Team::next_index(next[p])) < items;) ++given[p * items + i];
+              ++finished[p];
+            });
+            team.barrier();
+            if (finished[p].load() != n) ok = false;
+            for (int i = 0; i < items; ++i)
+              if (given[p * items + i].load() != 1) ok = false;
+            team.barrier();  // nobody starts the next phase before everyone has checked this one
+          }
+        });
+        held.push_back(ok.load());
+      }
+    }
+    return held;
+  }, py::arg("size"), py::arg("runs"), py::arg("phases"), py::arg("items"), py::arg("spin_s"),
+     py::arg("fail_tid") = -1, py::arg("fail_phase") = -1);
   m.def("measure_read_rate", [](int64_t n_bytes, int threads, int passes) {
     py::gil_scoped_release nogil;
     return dci::measure_read_rate(n_bytes, threads, passes);

@@ -62,28 +62,16 @@ class Team {
   // fn(tid) on min(n, size) threads, tid 0 on the caller; returns when all have returned. One run at a time.
   void run(int n, const std::function<void(int)>& fn) {
     std::lock_guard<std::mutex> one_at_a_time(run_mutex_);
-    n = n < 1 ? 1 : (n > size_ ? size_ : n);
-    error_ = nullptr;
-    failed_.store(false, std::memory_order_relaxed);
-    active_ = n;
-    job_ = &fn;
-    arrived_.store(0, std::memory_order_relaxed);
-    done_.store(0, std::memory_order_relaxed);
-    generation_.fetch_add(1, std::memory_order_seq_cst);  // publishes the job: workers read it after this
-    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
-      std::lock_guard<std::mutex> lock(sleep_mutex_);
-      wake_.notify_all();
-    }
-    guarded([&] { fn(0); });
-    // every worker of the run passes the generation it saw, whether it had a share or not
-    const int workers = size_ - 1;
-    uint32_t spins = 0;
-    while (done_.load(std::memory_order_acquire) < workers) {
-      spin_pause();
-      if ((++spins & 0xffffu) == 0) std::this_thread::yield();
-    }
-    job_ = nullptr;
-    if (error_) std::rethrow_exception(error_);
+    run_locked(n, fn);
+  }
+
+  // run, unless another run holds the team: then nothing runs and it returns false (the caller does the work
+  // alone, e.g. a page gather while the look-ahead's search has the team).
+  bool try_run(int n, const std::function<void(int)>& fn) {
+    std::unique_lock<std::mutex> held(run_mutex_, std::try_to_lock);
+    if (!held.owns_lock()) return false;
+    run_locked(n, fn);
+    return true;
   }
 
   // Inside run: returns once every one of the run's threads has called it (the same number of times).
@@ -120,6 +108,32 @@ class Team {
 
  private:
   using Clock = std::chrono::steady_clock;
+
+  // run's work, with run_mutex_ held
+  void run_locked(int n, const std::function<void(int)>& fn) {
+    n = n < 1 ? 1 : (n > size_ ? size_ : n);
+    error_ = nullptr;
+    failed_.store(false, std::memory_order_relaxed);
+    active_ = n;
+    job_ = &fn;
+    arrived_.store(0, std::memory_order_relaxed);
+    done_.store(0, std::memory_order_relaxed);
+    generation_.fetch_add(1, std::memory_order_seq_cst);  // publishes the job: workers read it after this
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+      std::lock_guard<std::mutex> lock(sleep_mutex_);
+      wake_.notify_all();
+    }
+    guarded([&] { fn(0); });
+    // every worker of the run passes the generation it saw, whether it had a share or not
+    const int workers = size_ - 1;
+    uint32_t spins = 0;
+    while (done_.load(std::memory_order_acquire) < workers) {
+      spin_pause();
+      if ((++spins & 0xffffu) == 0) std::this_thread::yield();
+    }
+    job_ = nullptr;
+    if (error_) std::rethrow_exception(error_);
+  }
 
   void work(int tid) {
     uint64_t seen = 0;

@@ -812,35 +812,37 @@ class DecodeStep {
     // it. Blocks are independent and each is written by one thread, so the bytes do not depend on the split.
     const int threads = std::max(1, std::min(std::max(1, f.threads() / 2), n / kBlocksPerGatherThread));
     std::atomic<bool> out_of_range{false};
-    dci::Team& team = seq_->team(f.threads());
-    team.run(threads, [&](const int tid) {
-    const int share = std::min(threads, team.size());
-    for (int r = tid; r < n; r += share) {
-      const int h = load_heads_[r];
-      int32_t ids[dci::kPageSlots];
-      forest_page_items(f, h, load_pages_[r], ids);
-      char* out_k = block_keys_ + static_cast<size_t>(r) * ps * rb;
-      char* out_v = block_values_ + static_cast<size_t>(r) * ps * rb;
-      for (int t = 0; t < ps; ++t) {
-        // an id of -1 reads row 0 of the head from the store (any finite content: the slot's count masks it) and
-        // a zero row from the index, as the NumPy gather and DCIIndex.gather_keys did
-        const int64_t row = std::min<int64_t>(h * store_stride_ + std::max<int32_t>(ids[t], 0), store_rows - 1);
-        std::memcpy(out_v + t * rb, store_values_ + row * rb, rb);
-        if (store_keys_ != nullptr) {
-          std::memcpy(out_k + t * rb, store_keys_ + row * rb, rb);
-        } else if (ids[t] < 0) {
-          std::memset(out_k + t * rb, 0, rb);
-        } else {
-          const Instance& x = *f.inst_[h];
-          if (ids[t] >= x.num_tokens()) {
-            out_of_range.store(true, std::memory_order_relaxed);  // thrown below: nothing leaves a parallel region
-            continue;
+    const auto gather = [&](const int tid, const int share) {
+      for (int r = tid; r < n; r += share) {
+        const int h = load_heads_[r];
+        int32_t ids[dci::kPageSlots];
+        forest_page_items(f, h, load_pages_[r], ids);
+        char* out_k = block_keys_ + static_cast<size_t>(r) * ps * rb;
+        char* out_v = block_values_ + static_cast<size_t>(r) * ps * rb;
+        for (int t = 0; t < ps; ++t) {
+          // an id of -1 reads row 0 of the head from the store (any finite content: the slot's count masks it) and
+          // a zero row from the index, as the NumPy gather and DCIIndex.gather_keys did
+          const int64_t row = std::min<int64_t>(h * store_stride_ + std::max<int32_t>(ids[t], 0), store_rows - 1);
+          std::memcpy(out_v + t * rb, store_values_ + row * rb, rb);
+          if (store_keys_ != nullptr) {
+            std::memcpy(out_k + t * rb, store_keys_ + row * rb, rb);
+          } else if (ids[t] < 0) {
+            std::memset(out_k + t * rb, 0, rb);
+          } else {
+            const Instance& x = *f.inst_[h];
+            if (ids[t] >= x.num_tokens()) {
+              out_of_range.store(true, std::memory_order_relaxed);  // thrown below: nothing leaves a parallel region
+              continue;
+            }
+            std::memcpy(out_k + t * rb, x.key_bytes_of(ids[t]), rb);
           }
-          std::memcpy(out_k + t * rb, x.key_bytes_of(ids[t]), rb);
         }
       }
-    }
-    });
+    };
+    // With the look-ahead, its search may hold the team: the gather then runs on this thread alone.
+    dci::Team& team = seq_->team(f.threads());
+    const int share = std::min(threads, team.size());
+    if (share == 1 || !team.try_run(share, [&](const int tid) { gather(tid, share); })) gather(0, 1);
     if (out_of_range.load()) throw std::out_of_range("token id out of range");
     std::lock_guard<std::mutex> lock(records_mutex_);
     records_.pages_loaded += n;
