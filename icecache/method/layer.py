@@ -251,8 +251,9 @@ class IceCacheLayer(DenseKV):
         if records["searches"]:  # what the searches read (a measure of their floor)
             for name in SEARCH_COUNTERS:
                 counters.add(f"search_{name}", records[name])
-            for name, ns in records["search_phase_ns"].items():  # where the searches' time went (QueryPhases)
-                counters.add(f"search_{name}_ns", ns)
+            if timer.enabled:  # where the searches' time went (QueryPhases): a timing, kept out of plain runs'
+                for name, ns in records["search_phase_ns"].items():  # counters, which repeat run to run
+                    counters.add(f"search_{name}_ns", ns)
         for name, seconds in records["phases"].items():
             timer.add_host_phase(name, seconds)
         timer.add_spans("host_step", records["host_step"])
