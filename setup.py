@@ -27,6 +27,7 @@ ext_modules = [
         "icecache.dci._dci",
         sorted(glob("icecache/dci/src/*.cpp")) + sorted(glob("icecache/method/src/*.cpp")),
         include_dirs=["icecache/dci/src"],
+        depends=sorted(glob("icecache/dci/src/*.hpp")),  # a header's change rebuilds the module too
         cxx_std=17,
         extra_compile_args=["-O3", "-fno-math-errno", *openmp],
         extra_link_args=openmp if sys.platform != "darwin" else ["-lomp"],

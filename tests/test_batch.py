@@ -137,6 +137,26 @@ def test_batches_of_growing_size_continue_their_rows(case, device, row_by_row_li
     assert [len(row.generated) for row in rows] == [10, 7, 4]
 
 
+def test_the_rows_of_an_icecache_batch_search_on_one_team():
+    """A batch's rows take turns on the process's one search team: a team per row would keep every other row's
+    workers spinning through a row's search, on the cores that search needs."""
+    model, info = tiny_model("llama")[::2]
+    method = build_method(case_config("icecache"), info)
+    batch_requests = [GenerationRequest(prompt(200 + 20 * i, i), 4) for i in range(3)]
+    channel = HostFunctions()
+    caches = [HarnessCache(method, host_functions=channel) for _ in batch_requests]
+    try:
+        rows = [prefill_row(model, cache, request, reserved_new_tokens=4)
+                for cache, request in zip(caches, batch_requests)]
+        decode_batch(model, BatchCache(caches), rows, max_steps=3)
+        teams = {kv.sequence.native.team_id for cache in caches for kv in cache.layer_kvs
+                 if hasattr(kv, "sequence")}
+    finally:
+        for cache in caches:
+            cache.close()
+    assert len(teams) == 1 and 0 not in teams
+
+
 def test_a_batch_refuses_what_it_cannot_run():
     model, _, info = tiny_model("llama")
     method = build_method(case_config("quest"), info)

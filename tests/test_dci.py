@@ -834,3 +834,32 @@ def test_a_failing_thread_ends_the_run_with_its_error_and_the_team_still_works()
     with pytest.raises(RuntimeError, match="thread 2 failed in phase 1"):
         _dci._team_check(size=4, runs=4, phases=3, items=10, spin_s=0.0, fail_tid=2, fail_phase=1)
     assert _dci._team_check(size=4, runs=4, phases=3, items=10, spin_s=0.0) == [True] * 4
+
+
+def test_a_forked_process_searches_on_a_team_of_its_own():
+    """Indexes of one thread count share the process's team; a child forked while the parent holds that team gets
+    a new one (the copy it inherits has no threads behind it) and its searches finish with the parent's answer."""
+    import multiprocessing
+
+    rng = np.random.default_rng(4)
+    keys = clustered_keys(rng, 2, 3000, 16)
+    q = aimed_queries(rng, keys, 2)
+    held, other = DCIIndex(16, 2, num_threads=3), DCIIndex(16, 2, num_threads=3)
+    held.build(keys)
+    other.build(keys)  # built here: a build's OpenMP team does not survive a fork (libgomp's own limit)
+    expected = held.query(q, 8, ratio=2)  # the parent now holds the team of 3 threads
+
+    def search(queue):
+        queue.put(other.query(q, 8, ratio=2))
+
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    process = context.Process(target=search, args=(queue,), daemon=True)
+    process.start()
+    process.join(timeout=30)
+    hung = process.is_alive()
+    if hung:
+        process.kill()
+    assert not hung and process.exitcode == 0
+    for a, b in zip(queue.get(timeout=5), expected):
+        assert np.array_equal(a, b)

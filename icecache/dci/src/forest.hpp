@@ -250,11 +250,11 @@ class Forest {
   }
   py::dict last_query_phases() const { return phases_dict(last_phases_); }
 
-  // The team the queries Python makes run on (made at the first, with the index's threads): an IceCache decode
+  // The team the queries Python makes run on (the process's team of the index's threads): an IceCache decode
   // step passes its sequence's team instead (icecache/method/src/decode_step.cpp).
   dci::Team& own_team() {
     if (!own_team_ || own_team_->size() != std::max(1, threads_))
-      own_team_ = std::make_unique<dci::Team>(std::max(1, threads_), kOwnTeamSpinNs);
+      own_team_ = dci::shared_team(std::max(1, threads_), kOwnTeamSpinNs);
     return *own_team_;
   }
 
@@ -550,7 +550,7 @@ class Forest {
   dci::QueryPhases last_phases_;
   // Python's queries come at irregular times: the team sleeps soon after each
   static constexpr int64_t kOwnTeamSpinNs = 50'000;
-  std::unique_ptr<dci::Team> own_team_;
+  std::shared_ptr<dci::Team> own_team_;  // the process's team of threads_ (dci::shared_team)
   int threads_;
 };
 

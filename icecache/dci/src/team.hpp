@@ -20,9 +20,13 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#include <unistd.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -172,5 +176,27 @@ class Team {
   const std::function<void(int)>* job_ = nullptr;
   std::exception_ptr error_;
 };
+
+// The process's team of `size` threads, made at the first call (spinning `spin_ns`) and shared by every caller
+// until the last lets it go. Sharing is what keeps a batch fast: its rows' host steps run one after another, and
+// with a team each, every row's workers would spin through the next rows' searches on the cores those need. Runs
+// take turns (`run`), so a team shared is a team borrowed; no result depends on which team runs a search. A child
+// process gets teams of its own: a forked copy of a team has no threads behind it.
+inline std::shared_ptr<Team> shared_team(int size, int64_t spin_ns) {
+  struct Entry {
+    pid_t pid;
+    std::weak_ptr<Team> team;
+  };
+  static std::mutex mutex;
+  static std::map<int, Entry> teams;
+  std::lock_guard<std::mutex> lock(mutex);
+  Entry& entry = teams[size < 1 ? 1 : size];
+  std::shared_ptr<Team> team = entry.pid == getpid() ? entry.team.lock() : nullptr;
+  if (!team) {
+    team = std::make_shared<Team>(size, spin_ns);
+    entry = Entry{getpid(), team};
+  }
+  return team;
+}
 
 }  // namespace dci

@@ -276,11 +276,15 @@ class NativeSequence {
     std::lock_guard<std::mutex> lock(mutex_);
     return worker_.joinable();
   }
-  // The team the sequence's searches and page gathers run on (dci::Team), made at the first with `threads`
-  // threads; a later caller asking more gets that many at most. Its workers spin `team_spin_ns` after each job.
+  // The team the sequence's searches and page gathers run on: the process's team of `threads` threads
+  // (dci::shared_team, which the other sequences of a batch share), taken at the first call; a later caller asking
+  // more gets that many at most. Its workers spin `team_spin_ns` after each job.
   dci::Team& team(int threads) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!team_) team_ = std::make_unique<dci::Team>(threads, team_spin_ns_);
+    if (!team_) {
+      team_ = dci::shared_team(threads, team_spin_ns_);
+      team_->set_spin_ns(team_spin_ns_);
+    }
     return *team_;
   }
   void set_team_spin(double seconds) {
@@ -291,6 +295,11 @@ class NativeSequence {
   double team_spin() {
     std::lock_guard<std::mutex> lock(mutex_);
     return static_cast<double>(team_spin_ns_) * 1e-9;
+  }
+  // Which team the sequence runs on (an opaque number, equal for sequences sharing one; 0 before its first search).
+  uintptr_t team_id() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return reinterpret_cast<uintptr_t>(team_.get());
   }
 
   bool failed() const { return failed_.load(std::memory_order_acquire); }
@@ -320,7 +329,7 @@ class NativeSequence {
   std::atomic<bool> failed_{false};
   std::string error_;
   int64_t team_spin_ns_ = 0;
-  std::unique_ptr<dci::Team> team_;  // last member: its threads end before the rest goes
+  std::shared_ptr<dci::Team> team_;  // last member: let go before the rest goes
 };
 
 struct ReuseGroup {
@@ -979,6 +988,9 @@ void icecache_bind_decode_step(py::module_& m) {
       .def("stop", &NativeSequence::stop, py::call_guard<py::gil_scoped_release>())
       .def_property("team_spin", &NativeSequence::team_spin, &NativeSequence::set_team_spin,
                     "seconds the search team's workers spin for the next job before they sleep")
+      .def_property_readonly("team_id", &NativeSequence::team_id,
+                             "the team the sequence's searches run on: equal for sequences that share one, 0 before "
+                             "its first search")
       .def_property_readonly("running", &NativeSequence::running)
       .def("error", &NativeSequence::error)
       .def("clear_error", &NativeSequence::clear_error);
