@@ -13,6 +13,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # A git-archive copy has no .git: name the commit (ICECACHE_GIT_COMMIT=<sha> bash ...) so result files carry it.
 export ICECACHE_GIT_COMMIT=${ICECACHE_GIT_COMMIT:-unknown}
 out=${OUT:-results/bench}
+source scripts/gpu_host/runner_packages.sh  # the runner's wheels, before the build
 lengths=${1:-8192 32768}
 methods=${2:-icecache icecache_reuse arkvale quest h2o streaming_llm snapkv oracle_topk}
 shift 2 2>/dev/null || shift $#

@@ -9,6 +9,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 OMP_PROC_BIND=false PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export ICECACHE_GIT_COMMIT=${ICECACHE_GIT_COMMIT:-unknown}
 out=${OUT:-results/bench}
+source scripts/gpu_host/runner_packages.sh  # the runner's wheels, before the build
 settings=${1:-"OMP_WAIT_POLICY=passive"}
 shift 1 2>/dev/null || shift $#
 mkdir -p "$out"

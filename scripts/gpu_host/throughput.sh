@@ -13,6 +13,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # A git-archive copy has no .git: name the commit (ICECACHE_GIT_COMMIT=<sha> bash ...) so result files carry it.
 export ICECACHE_GIT_COMMIT=${ICECACHE_GIT_COMMIT:-unknown}
 out=${OUT:-results/bench}
+source scripts/gpu_host/runner_packages.sh  # the runner's wheels, before the build
 lengths=${1:-32768}
 methods=${2:-quest arkvale shadowkv icecache}
 batches=${3:-1 2 4 8 16}
