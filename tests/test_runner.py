@@ -75,6 +75,30 @@ def test_output_dir_is_a_pure_function_of_the_config(tmp_path):
     assert parts[:4] == ("passkey", "tiny-llama", "full", "budget-none")
 
 
+def test_a_setting_declared_outside_the_run_identity_keeps_the_run_where_it_is(tmp_path):
+    """A method field made with ``not_in_run_identity`` (IceCache's search team spin) names no directory: a run that
+    sets it, or one from before the field existed, is the same run; the method's other fields still name it."""
+    import dataclasses
+
+    from icecache.core.method import run_identity_keys
+    from icecache.method.config import IceCacheConfig
+
+    def icecache_run(**method):
+        values = {name: value for name, value in dataclasses.asdict(IceCacheConfig()).items()}
+        values.update(name="icecache", budget=96, **method)
+        return make_config(tmp_path, method=values)
+
+    plain = icecache_run()
+    assert icecache_run(search_team_spin_us=0).output_dir() == plain.output_dir()
+    assert icecache_run(search_team_spin_us=500).method["search_team_spin_us"] == 500  # config.yaml keeps it
+    assert icecache_run(query_prop_to_retrieve=0.5).output_dir() != plain.output_dir()
+    before_the_field = dict(plain.method)
+    del before_the_field["search_team_spin_us"]
+    assert make_config(tmp_path, method=before_the_field).output_dir() == plain.output_dir()
+    keys = run_identity_keys(IceCacheConfig)
+    assert "search_team_spin_us" not in keys and {"budget", "page_size", "cpu_threads"} <= keys
+
+
 def test_second_writer_is_refused(tmp_path):
     directory = tmp_path / "run"
     directory.mkdir()

@@ -12,6 +12,7 @@ decode step in a sparsified layer, sink, selected and recent tokens included.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -24,7 +25,20 @@ from .layer import DenseKV, LayerKV, ModelInfo, SequenceContext, storage_capacit
 from .static_kv import StaticDenseKV
 
 __all__ = ["METHODS", "DenseKV", "LayerKV", "Method", "MethodConfig", "ModelInfo", "SequenceContext",
-           "StaticDenseKV", "build_method", "method_class", "method_settings", "storage_capacity"]
+           "StaticDenseKV", "build_method", "method_class", "method_settings", "not_in_run_identity",
+           "run_identity_keys", "storage_capacity"]
+
+
+def not_in_run_identity(default: Any) -> Any:
+    """A config field that cannot change a run's numbers (how host threads wait, say), declared so: it is left out
+    of the run's identity, which names the run's directory, so that adding such a setting, or changing it, leaves
+    finished and half-finished runs where they are found."""
+    return dataclasses.field(default=default, metadata={"run_identity": False})
+
+
+def run_identity_keys(config_class: type) -> frozenset[str]:
+    """The fields of a method's config class that are part of a run's identity (all but ``not_in_run_identity``)."""
+    return frozenset(f.name for f in dataclasses.fields(config_class) if f.metadata.get("run_identity", True))
 
 
 BUDGET_TYPE_MESSAGE = "budget={value!r} must be a whole number of tokens (or null for budget-free methods)"

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from icecache.core.method import MethodConfig
+from icecache.core.method import MethodConfig, not_in_run_identity
 from icecache.errors import ConfigError
 
 DCI_LEAF_CAPACITY = 16
@@ -41,7 +41,7 @@ class IceCacheConfig(MethodConfig):
     # How long the search team's threads spin for the next search before they sleep (None: 2 ms where the decode
     # step runs on a GPU, which covers the GPU's work between two layers' searches; 0 on the CPU, where that gap is
     # the model's own work on the same cores). Never changes a result.
-    search_team_spin_us: int | None = None
+    search_team_spin_us: int | None = not_in_run_identity(None)
     # The prompt's layers are indexed by this many jobs at once, beside the prefill: a build gains little from more
     # threads (1.8x for 8x on the H200 host), so several builds with fewer threads each finish the prompt sooner. A
     # layer's index does not depend on its thread count, so the pages are the same.
