@@ -84,7 +84,7 @@ def test_a_setting_declared_outside_the_run_identity_keeps_the_run_where_it_is(t
     from icecache.method.config import IceCacheConfig
 
     def icecache_run(**method):
-        values = {name: value for name, value in dataclasses.asdict(IceCacheConfig()).items()}
+        values = dataclasses.asdict(IceCacheConfig())
         values.update(name="icecache", budget=96, **method)
         return make_config(tmp_path, method=values)
 

@@ -251,8 +251,10 @@ class IceCacheLayer(DenseKV):
         if records["searches"]:  # what the searches read (a measure of their floor)
             for name in SEARCH_COUNTERS:
                 counters.add(f"search_{name}", records[name])
-            if timer.enabled:  # where the searches' time went (QueryPhases): a timing, kept out of plain runs'
-                for name, ns in records["search_phase_ns"].items():  # counters, which repeat run to run
+            # Where the searches' time went (QueryPhases): timings, so only where a timer is on; a plain run's
+            # counters are the same every run.
+            if timer.enabled:
+                for name, ns in records["search_phase_ns"].items():
                     counters.add(f"search_{name}_ns", ns)
         for name, seconds in records["phases"].items():
             timer.add_host_phase(name, seconds)

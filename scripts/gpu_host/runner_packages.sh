@@ -5,12 +5,13 @@
 # PYTHONPATH then names. Neither: one line that says what to carry, and the script stops.
 runner_site=${ICECACHE_STAGE:-/tmp/icecache-stage}/site
 export PYTHONPATH=$runner_site${PYTHONPATH:+:$PYTHONPATH}
-if ! python3 -c "import hydra, omegaconf, jieba, rouge, fuzzywuzzy, wonderwords" >/dev/null 2>&1; then
+runner_imports="import hydra, omegaconf, jieba, rouge, fuzzywuzzy, wonderwords"
+if ! python3 -c "$runner_imports" >/dev/null 2>&1; then
     if ls .parts/w/*.whl >/dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$runner_site" \
             .parts/w/*.whl >/dev/null 2>&1
     fi
-    python3 -c "import hydra, omegaconf, jieba, rouge, fuzzywuzzy, wonderwords" >/dev/null 2>&1 || {
+    python3 -c "$runner_imports" >/dev/null 2>&1 || {
         echo "error: the runner's packages are missing on this host: carry .parts/w (made by scripts/gpu_host/pack.sh)"
         exit 2
     }
