@@ -68,6 +68,20 @@ def test_reused_layers_share_the_owner_selection(tiny):
     assert np.array_equal(owner.state.resident, reused.state.resident)
 
 
+def test_the_index_threads_are_the_process_s_share_unless_set():
+    """A sweep's worker sets torch's threads to its share of the host; the index must not take every core."""
+    from icecache.method.config import IceCacheConfig
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert IceCacheConfig().index_threads == 1 and IceCacheConfig(lookahead=True).search_threads == 1
+        torch.set_num_threads(2)
+        assert IceCacheConfig().index_threads == 2 and IceCacheConfig(cpu_threads=3).index_threads == 3
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_budget_too_small_is_refused_with_the_numbers():
     from tests.conftest import tiny_model
 

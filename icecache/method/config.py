@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +36,9 @@ class IceCacheConfig(MethodConfig):
     insert_prop_to_retrieve: float = 0.6
     query_field_of_view: int | None = None  # None: max(int(1.5e-3 * tokens), 30)
     query_prop_to_retrieve: float = 0.8
-    cpu_threads: int | None = None  # OpenMP threads of the index (None: all cores)
+    # OpenMP threads of the index (None: torch's CPU threads, the process's share of the host: the run's `threads`,
+    # which a sweep sets to cores / workers when it runs several jobs at once)
+    cpu_threads: int | None = None
     # How long the search team's threads spin for the next search before they sleep (None: 2 ms where the decode
     # step runs on a GPU, which covers the GPU's work between two layers' searches; 0 on the CPU, where that gap is
     # the model's own work on the same cores). Never changes a result.
@@ -109,10 +110,12 @@ class IceCacheConfig(MethodConfig):
 
     @property
     def index_threads(self) -> int:
-        """OpenMP threads of the index: ``cpu_threads``, or every core this process may run on."""
+        """OpenMP threads of the index: ``cpu_threads``, or torch's CPU threads. Not every core the process may run
+        on: 14 jobs of a sweep on 16 cores would each start 16 search threads (224 on 16 cores, a step's searches
+        waiting on descheduled threads), where each job's share is one."""
         if self.cpu_threads:
             return self.cpu_threads
-        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return torch.get_num_threads()
 
     @property
     def search_threads(self) -> int:
