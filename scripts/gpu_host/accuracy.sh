@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU-host call of the accuracy experiments (BENCHMARKS.md, "Accuracy with the selection diagnostic"), made to
+# One GPU-host call of the accuracy experiments (BENCHMARKS.md, "Accuracy"), made to
 # be repeated until it reports nothing left: unpacks the runs of the calls before (RUNS_TAR), runs the sweeps' jobs
 # that are not done, JOBS at once, for at most DEADLINE seconds, curates every finished run, and packs the runs back
 # into $OUT/runs.tar.gz beside the curated file and its figures. Needs python3 with torch, Hydra (hydra-core,

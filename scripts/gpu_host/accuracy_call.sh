@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The accuracy grid (BENCHMARKS.md, "Accuracy with the selection diagnostic") over calls to one warm GPU host that
+# The accuracy grid (BENCHMARKS.md, "Accuracy") over calls to one warm GPU host that
 # has no package registry: the same command in every call, only the folders it carries change, so that a call
 # follows the one before within the host's idle limit. Each call
 #   1. keeps the files of the folders given (scripts/gpu_host/stage.sh keep: the pieces scripts/gpu_host/pack.sh made,
