@@ -8,6 +8,8 @@ import time
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from icecache.dci import PAGE_SLOTS, DCIIndex
 
@@ -863,3 +865,48 @@ def test_a_forked_process_searches_on_a_team_of_its_own():
     assert not hung and process.exitcode == 0
     for a, b in zip(queue.get(timeout=5), expected):
         assert np.array_equal(a, b)
+
+
+def merged_run(sorted_values: np.ndarray, qp: float, count: int) -> tuple[int, int]:
+    """The children search's expanding merge, step by step: from qp's insertion point outwards, the right
+    neighbour first on equal distances (float32 arithmetic, as the C++ compares)."""
+    values = sorted_values.astype(np.float32)
+    n, q = len(values), np.float32(qp)
+    if count >= n:
+        return 0, n
+    hi = int(np.searchsorted(values, q, side="left"))
+    lo = hi - 1
+    for _ in range(count):
+        if lo < 0:
+            hi += 1
+        elif hi >= n:
+            lo -= 1
+        elif abs(values[hi] - q) <= abs(q - values[lo]):
+            hi += 1
+        else:
+            lo -= 1
+    return lo + 1, hi
+
+
+@given(st.lists(st.integers(-6, 6), min_size=1, max_size=40), st.integers(-7, 7), st.integers(0, 45),
+       st.sampled_from([0.0, 0.5, 0.25, -0.5]))
+@settings(max_examples=400, deadline=None)
+def test_the_scanned_run_is_the_merge_s_run_ties_included(values, at, count, offset):
+    """Small integers give many equal projections and equal distances on both sides of the query."""
+    from icecache.dci import _dci
+
+    projections = np.sort(np.asarray(values, dtype=np.float32))
+    qp = float(at) + offset
+    assert tuple(_dci._nearest_run(projections.tolist(), qp, count)) == merged_run(projections, qp, count)
+
+
+def test_the_scanned_run_is_the_merge_s_run_on_random_projections():
+    from icecache.dci import _dci
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(1, 3000))
+        projections = np.sort(rng.standard_normal(n).astype(np.float32))
+        qp = float(rng.choice([rng.standard_normal(), projections[rng.integers(n)]]))
+        count = int(rng.integers(0, n + 2))
+        assert tuple(_dci._nearest_run(projections.tolist(), qp, count)) == merged_run(projections, qp, count)

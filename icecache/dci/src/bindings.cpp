@@ -26,6 +26,10 @@ PYBIND11_MODULE(_dci, m) {
     if (!dci::parse_isa(name, &isa)) throw std::invalid_argument("isa must be portable, avx2 or avx512, not " + name);
     dci::set_isa(isa);
   });
+  // The run of projections a last-level scan reads (nearest_run), for its test against the merge it replaces.
+  m.def("_nearest_run", [](const std::vector<float>& sorted, float qp, int count) {
+    return dci::nearest_run(sorted.data(), static_cast<int>(sorted.size()), qp, count);
+  });
   // The search team (team.hpp) exercised on its own, for its tests: `runs` runs of 1..size threads in turn, each
   // with `phases` phases of a shared loop of `items` indices and a barrier. Returns, per run, whether after every
   // barrier all of the run's threads had finished the phase and the loop had given out each index exactly once.

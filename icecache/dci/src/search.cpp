@@ -178,21 +178,27 @@ static int popped_with_one_index(int n, int k, const SearchConfig& sc) {
   return static_cast<int>(std::min<int64_t>(n, rounds * kBatch));
 }
 
+// The c projections that the expanding left/right merge of search_children pops first from the sorted arr[0, n):
+// from the insertion point of qp outwards, the right one first on equal distances. They are the run [s, s + c) for
+// the least s at which the right end does not pop before the left one, |arr[s + c] - qp| > |qp - arr[s]|: the left
+// distances fall and the right ones rise as s grows, so a binary search finds s, where the merge takes c steps
+// (hundreds for a parent of a long prompt, once per parent and head). The comparisons are the merge's own, in
+// float, so the run is the merge's to the bit.
+std::pair<int, int> nearest_run(const float* arr, int n, float qp, int c) {
+  if (c >= n) return {0, n};
+  const int at = static_cast<int>(std::lower_bound(arr, arr + n, qp) - arr);  // arr[at - 1] < qp <= arr[at]
+  int lo = std::max(0, at - c), hi = std::min(at, n - c);  // s's range: the run holds every point between
+  while (lo < hi) {
+    const int s = lo + (hi - lo) / 2;  // s < at <= s + c < n: arr[s] is left of qp, arr[s + c] right of it
+    if (std::fabs(arr[s + c] - qp) <= std::fabs(qp - arr[s])) lo = s + 1;
+    else hi = s;
+  }
+  return {lo, lo + c};
+}
+
 std::pair<int, int> Instance::last_level_run(const ChildIndex& ci, float qp, int k, const SearchConfig& sc) const {
   const int n = ci.size();
-  // the run the expanding left/right merge of search_children pops: [lo + 1, hi)
-  const auto& arr = ci.proj[0];
-  const int c = popped_with_one_index(n, k, sc);
-  if (c >= n) return {0, n};
-  int hi = static_cast<int>(std::lower_bound(arr.begin(), arr.end(), qp) - arr.begin());
-  int lo = hi - 1;
-  for (int b = 0; b < c; ++b) {
-    if (lo < 0) ++hi;
-    else if (hi >= n) --lo;
-    else if (std::fabs(arr[hi] - qp) <= std::fabs(qp - arr[lo])) ++hi;
-    else --lo;
-  }
-  return {lo + 1, hi};
+  return nearest_run(ci.proj[0].data(), n, qp, popped_with_one_index(n, k, sc));
 }
 
 void Instance::scan_last_level(const ChildIndex& ci, float qp, const Probe& p, int k, const SearchConfig& sc,
