@@ -910,3 +910,30 @@ def test_the_scanned_run_is_the_merge_s_run_on_random_projections():
         qp = float(rng.choice([rng.standard_normal(), projections[rng.integers(n)]]))
         count = int(rng.integers(0, n + 2))
         assert tuple(_dci._nearest_run(projections.tolist(), qp, count)) == merged_run(projections, qp, count)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_tied_scores_rank_by_id_in_the_token_and_the_page_lists(threads):
+    """Keys of small integers give many equal inner products inside one page: the tokens rank by (score, -id) and
+    the pages by their best token so ranked, whichever row of a page the scan meets first."""
+    rng = np.random.default_rng(11)
+    keys = rng.integers(-1, 2, (2, 900, 16)).astype(np.float32)
+    keys[:, 450:] = keys[:, :450]  # every key twice
+    q = rng.integers(-1, 2, (4, 16)).astype(np.float32)
+    q[q.sum(1) == 0, 0] = 1.0
+    index = DCIIndex(16, 2, num_threads=threads)
+    index.build(keys)
+    K = 12
+    pages, tokens, page_scores, token_scores = index.query(q, K, field_of_view=900, prop_to_retrieve=1.0, ratio=2,
+                                                           return_scores=True)
+    for h in range(4):
+        scores = keys[h // 2] @ q[h]
+        ranked = np.lexsort((np.arange(900), -scores))  # by score, then id
+        assert np.array_equal(tokens[h], ranked[:K]) and np.array_equal(token_scores[h], scores[ranked[:K]])
+        page_of, _ = index.token_to_page(h // 2)
+        best: dict[int, int] = {}
+        for token in ranked:  # a page's best token is the first of it in the ranking
+            best.setdefault(int(page_of[token]), int(token))
+        expected = sorted(best, key=lambda page: ranked.tolist().index(best[page]))[:K]
+        assert pages[h].tolist() == expected
+        assert np.array_equal(page_scores[h], scores[[best[page] for page in expected]])
