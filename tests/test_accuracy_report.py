@@ -210,6 +210,10 @@ def test_tpot_is_matched_by_method_and_budget_then_model_then_context():
          "date": "2026-12-01", "file": "c"},
     ]
     assert A.tpot_for(row, bench)["file"] == "a"  # same budget; nearest context
+    at_16k = A.rows_of_run(payload("passkey", "quest", 256, 16384, 60.0))[0]
+    assert A.tpot_for(at_16k, bench)["file"] == "b"  # as near 8k as 32k by ratio: the newer file
+    bench[1]["date"] = bench[0]["date"]
+    assert A.tpot_for(at_16k, bench)["file"] == "b"  # and of one date, the longer context
     bench.append({"method": "quest", "budget": 256, "context": 65536, "model": "SmolLM2-135M",
                   "tpot_s_median": 0.04, "date": "2026-11-01", "file": "d"})
     assert A.tpot_for(row, bench)["file"] == "d"  # the same model wins over a nearer context

@@ -139,8 +139,9 @@ def with_share_of_full(rows: list[AccuracyRow]) -> list[AccuracyRow]:
 
 def tpot_for(row: AccuracyRow, bench: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The latency file row that times ``row``'s method: the same method and (for a method that uses it) the same
-    budget, preferring the same model, then the context nearest the row's length, then the newest file. None when
-    no file timed that method at that budget."""
+    budget, preferring the same model, then the context nearest the row's length by ratio (16k is as near 8k as
+    32k: contexts are measured on a doubling grid), then the newest file, then the longer context. None when no file
+    timed that method at that budget."""
     # a declared variant's row (``<name>+<variant>``) is timed by the latency rows of that label, whatever inline
     # settings named them there (``icecache:lookahead=true``)
     candidates = [b for b in bench if (b.get("method") == row.method
@@ -152,8 +153,9 @@ def tpot_for(row: AccuracyRow, bench: list[dict[str, Any]]) -> dict[str, Any] | 
 
     def rank(b: dict[str, Any]) -> tuple:
         same_model = str(b.get("model") or "").lower() == row.model.lower()
-        distance = abs((_length(b.get("context")) or 0) - (row.length or 0))
-        return (not same_model, distance, _negated(str(b.get("date") or "")))
+        context = _length(b.get("context")) or 0
+        distance = abs(math.log(context / row.length)) if context > 0 and row.length else math.inf
+        return (not same_model, round(distance, 9), _negated(str(b.get("date") or "")), -context)
 
     return min(candidates, key=rank)
 
@@ -170,6 +172,7 @@ class TradeoffPoint:
     high: float | None
     paired: bool  # the interval is the paired difference's (else the run's own, the full cache's spread ignored)
     timed_model: str | None = None
+    timed_context: int | None = None  # the context the TPOT was measured at
 
 
 def share_interval(row: AccuracyRow, full_score: float | None) -> tuple[float | None, float | None, bool]:
@@ -217,7 +220,8 @@ def tradeoff_points(rows: list[AccuracyRow], bench: list[dict[str, Any]]) -> lis
         if row.method == REFERENCE:
             low = high = None  # the reference against itself
         points.append(TradeoffPoint(row, float(timed["tpot_s_median"]) / static, share, low, high, paired,
-                                    str(timed.get("model")) if timed.get("model") else None))
+                                    str(timed.get("model")) if timed.get("model") else None,
+                                    _length(timed.get("context"))))
     return points
 
 

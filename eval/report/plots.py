@@ -702,8 +702,9 @@ def _label_points(fig: Figure, ax, points: list[tuple]) -> None:
     box = ax.get_window_extent()
     # from the top right down: the crowded full-cache corner is labelled first, nearest its points
     order = sorted(range(len(points)), key=lambda i: (-anchors[i][1], -anchors[i][0], i))
+    inset = 3.0  # a label that touches the frame reads as cut by it
     centres = place_labels([anchors[i] for i in order], [sizes[i] for i in order], obstacles,
-                           (box.x0, box.y0, box.x1, box.y1))
+                           (box.x0 + inset, box.y0 + inset, box.x1 - inset, box.y1 - inset))
     to_points = 72.0 / fig.dpi
     for i, (cx, cy) in zip(order, centres):
         x, y, _, _, text, tint = points[i]

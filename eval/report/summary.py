@@ -295,8 +295,11 @@ def accuracy_figures(rows: list[A.AccuracyRow], bench: list[dict], folder: Path,
         # The title says whose decode time it is; the files it comes from are BENCHMARKS.md's (a list of them
         # would bury the title).
         timed = sorted({p.timed_model for p in points if p.timed_model})
-        title = (f"{model}: score as % of the full cache's against TPOT / full_static's (timed on {', '.join(timed)})"
-                 if timed else "")
+        contexts = sorted({p.timed_context for p in points if p.timed_context})
+        at = f" at {length_label(contexts[0])}" if len(contexts) == 1 else (
+            f" at {length_label(contexts[0])}-{length_label(contexts[-1])}" if contexts else "")
+        title = (f"{model}: score as % of the full cache's against TPOT / full_static's (timed on "
+                 f"{', '.join(timed)}{at})" if timed else "")
         files += P.accuracy_vs_tpot_panels(points, folder / f"accuracy_vs_tpot_{name}", title=title)
         files += P.mass_by_layer_panels(mine, folder / f"mass_by_layer_{name}",
                                         title=f"Attention mass captured by layer, {model}")
