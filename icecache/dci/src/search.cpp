@@ -640,14 +640,26 @@ void Instance::descend(const float* q, int K, const SearchConfig& sc, Scratch& s
       for (const Candidate& c : cur) {
         const int32_t slot = nodes_[c.id].kid_slot;
         if (slot < 0) continue;
-        search_children(kids_[slot], qproj, probe, fov, K, sc, s, part);
+        // a parent with at most fov children gives all of them, which need no order of their own: `next` is
+        // ordered below
+        const ChildIndex& ci = kids_[slot];
+        search_children(ci, qproj, probe, fov, K, sc, s, part, /*all_scored=*/ci.size() <= fov);
         next.insert(next.end(), part.begin(), part.end());
       }
-      std::sort(next.begin(), next.end());
+      // Only the first max(fov, needed) of `next` are kept, in order: the best fov are ordered first, and the rest
+      // only if covering K pages needs more (ids are unique, so the order is total and the prefix the sort's).
+      const int n_next = static_cast<int>(next.size());
+      int ordered = std::min(fov, n_next);
+      std::nth_element(next.begin(), next.begin() + ordered, next.end());
+      std::sort(next.begin(), next.begin() + ordered);
       // keep enough to cover K pages: a new page counts its whole subtree, a repeated page one less
       int64_t cov = 0;
       int needed = 0;
-      while (needed < static_cast<int>(next.size()) && cov < K) {
+      while (needed < n_next && cov < K) {
+        if (needed == ordered) {
+          std::sort(next.begin() + ordered, next.end());
+          ordered = n_next;
+        }
         const int32_t id = next[needed++].id;
         uint8_t& seen = s.page_seen[nodes_[id].page];
         cov += cover(id) - (seen ? 1 : 0);
