@@ -90,11 +90,11 @@ struct Candidate {
   bool operator<(const Candidate& o) const { return dist < o.dist || (dist == o.dist && id < o.id); }
 };
 
-// The k best of a stream of candidates in (dist, id) order. Ids are unique, so the result does not depend on the
-// order in which candidates arrive (nor on the thread count).
 // [first, last) of the c entries of the sorted arr[0, n) nearest qp, as the children search pops them (search.cpp).
 std::pair<int, int> nearest_run(const float* arr, int n, float qp, int c);
 
+// The k best of a stream of candidates in (dist, id) order. Ids are unique, so the result does not depend on the
+// order in which candidates arrive (nor on the thread count).
 struct TopK {
   std::vector<Candidate> items;
   int cap = 0;
