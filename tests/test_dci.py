@@ -302,17 +302,26 @@ def test_results_do_not_depend_on_thread_count():
 
 
 @pytest.mark.parametrize("dim", [32, 24])  # 32: the multi-head kernel; 24: its per-row fallback
-def test_heads_of_a_group_get_exactly_what_each_gets_alone(dim):
+@pytest.mark.parametrize("isa", [None, "avx512bf16"])  # None: the default; avx512bf16 with bfloat16 keys
+def test_heads_of_a_group_get_exactly_what_each_gets_alone(kernel_settings, dim, isa):
     """The heads of a GQA group are scored together (each parent's key rows read once for all of them). Every head
     must still get bit for bit what it gets when it is the only head of its group (ratio 1). Ratio 6 exercises the
-    4-head and 2-head kernels; near-copies of one query make the heads' runs overlap without being equal."""
+    4-head and 2-head kernels; near-copies of one query make the heads' runs overlap without being equal. With
+    avx512bf16 the queries' bf16 splits are made once per query and shared by the heads' kernels."""
+    if isa is not None and isa != kernel_settings.supported_isa():
+        pytest.skip(f"this CPU does not run {isa}")
+    if isa is not None:
+        kernel_settings.set_isa(isa)
     rng = np.random.default_rng(21)
     n_inst, ratio = 2, 6
     keys = clustered_keys(rng, n_inst, 3000, dim)
+    if isa == "avx512bf16":  # bf16 keys; the exact scores below are those of the rounded keys
+        keys = torch.from_numpy(keys).to(torch.bfloat16).float().numpy()
     q = aimed_queries(rng, keys, ratio)
     q[:ratio] = q[0] + 0.05 * rng.standard_normal((ratio, dim)).astype(np.float32)  # group 0: near-copies
-    index = DCIIndex(dim, n_inst, num_threads=2)
-    index.build(keys)
+    q[ratio:2 * ratio] = torch.from_numpy(q[ratio:2 * ratio]).to(torch.bfloat16).float().numpy()  # bf16 queries too
+    index = DCIIndex(dim, n_inst, num_threads=2, key_dtype="bfloat16" if isa == "avx512bf16" else "float32")
+    index.build(torch.from_numpy(keys).to(torch.bfloat16) if isa == "avx512bf16" else keys)
     for fov, prop in ((30, 0.8), (12, 0.5), (4000, 1.0)):
         grouped = index.query(q, 12, field_of_view=fov, prop_to_retrieve=prop, ratio=ratio, return_scores=True)
         for r in range(ratio):
@@ -690,7 +699,7 @@ DIMS = [1, 5, 8, 15, 16, 17, 24, 31, 32, 48, 64, 100, 127, 128, 129, 256]
 def test_avx512_kernels_give_the_avx2_scores_bit_for_bit(kernel_settings, dim):
     """The AVX-512 kernels do the AVX2 kernels' FMAs into the same lanes and sum them in the same order: every score
     of every kernel, for float32 and bfloat16 rows, odd dims and odd head counts included, is the same float."""
-    if kernel_settings.supported_isa() != "avx512":
+    if kernel_settings.ISAS.index(kernel_settings.supported_isa()) < kernel_settings.ISAS.index("avx512"):
         pytest.skip("this CPU has no AVX-512")
     rng = np.random.default_rng(dim)
     for nq in (1, 2, 3, 4, 5, 7, 8, 9, 16):
@@ -703,7 +712,59 @@ def test_avx512_kernels_give_the_avx2_scores_bit_for_bit(kernel_settings, dim):
             assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), (dim, nq)
 
 
-@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+def _widen_bf16(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def _vdpbf16ps_scores(q: np.ndarray, rows_bf16: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """What the avx512bf16 kernels compute, written out in float32 NumPy: the query split into hi = bf16(q) and
+    lo = bf16(q - hi); per 32 elements, lane l (of 16) adds hi's product of element 2l + 1, then of element 2l (each
+    product of two bf16 values is exact in float32; each addition rounds to nearest even), then lo's the same way;
+    the 16 lanes summed as the avx512 kernels sum theirs."""
+    hi = _widen_bf16(_bf16_bits(q))
+    lo = _widen_bf16(_bf16_bits(q - hi))
+    keys = _widen_bf16(rows_bf16[ids])
+    nq, dim = q.shape
+    acc = np.zeros((nq, len(ids), 16), np.float32)
+    for c in range(0, dim, 32):
+        k = keys[:, c:c + 32].reshape(1, len(ids), 16, 2)
+        for part in (hi, lo):
+            p = part[:, c:c + 32].reshape(nq, 1, 16, 2)
+            acc = acc + p[..., 1] * k[..., 1]
+            acc = acc + p[..., 0] * k[..., 0]
+    s = acc[..., :8] + acc[..., 8:]
+    return ((s[..., 0] + s[..., 4]) + (s[..., 1] + s[..., 5])) + ((s[..., 2] + s[..., 6]) + (s[..., 3] + s[..., 7]))
+
+
+@pytest.mark.parametrize("dim", DIMS + [512, 544])
+def test_avx512bf16_kernels_add_the_exact_products_in_their_documented_order(kernel_settings, dim):
+    """The avx512bf16 kernels against their arithmetic written out (_vdpbf16ps_scores), bit for bit, for queries that
+    are bf16 vectors (lo = 0: its pass is skipped) and float32 ones, 1-16 heads per call; dims that are not a
+    multiple of 32, or above 512, run the avx512 kernels and get their values."""
+    from icecache.dci import _dci
+
+    if kernel_settings.supported_isa() != "avx512bf16":
+        pytest.skip("this CPU has no AVX-512 BF16")
+    rng = np.random.default_rng(dim)
+    for nq in (1, 2, 3, 4, 5, 7, 8, 9, 16):
+        for bf16_query in (True, False):
+            q = (rng.standard_normal((nq, dim)) * rng.lognormal(0, 2, (nq, 1))).astype(np.float32)
+            if bf16_query:
+                q = _widen_bf16(_bf16_bits(q))
+            rows = _bf16_bits((rng.standard_normal((41, dim)) * rng.lognormal(0, 2, (41, 1))).astype(np.float32))
+            ids = rng.integers(0, 41, size=int(rng.integers(1, 30))).astype(np.int32)
+            kernel_settings.set_isa("avx512bf16")
+            got = [_dci.kernel_scores(kernel, q, rows, ids) for kernel in ("rows", "multi")]
+            if dim % 32 == 0 and dim <= 512:
+                want = _vdpbf16ps_scores(q, rows, ids)
+            else:
+                kernel_settings.set_isa("avx512")
+                want = _dci.kernel_scores("multi", q, rows, ids)
+            for g in got:
+                assert np.array_equal(g.view(np.uint32), want.view(np.uint32)), (dim, nq, bf16_query)
+
+
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512", "avx512bf16"])
 def test_every_kernel_of_one_isa_gives_the_same_scores(kernel_settings, isa):
     """Within one instruction set a (query, row) score does not depend on the kernel, the row's position in a block
     or the number of heads scored with it (the index relies on it: a grouped scan equals the per-head one), and
@@ -733,6 +794,20 @@ def test_set_isa_refuses_unknown_names(kernel_settings):
         kernel_settings.set_isa("sse9")
     with pytest.raises(ValueError, match="must be >= 0"):
         kernel_settings.set_scan_tuning(-1, 0)
+    with pytest.raises(ValueError, match="prefetch_level must be 1 .L1. or 2 .L2."):
+        kernel_settings.set_scan_tuning(32, 256, prefetch_level=3)
+
+
+def test_kernel_settings_are_read_from_their_label_and_applied_process_wide(kernel_settings):
+    settings = kernel_settings.KernelSettings.parse("portable:5:16:1")
+    assert settings.label == "portable:5:16:1"
+    assert kernel_settings.KernelSettings.parse("portable:5:16") == kernel_settings.KernelSettings("portable", 5, 16, 2)
+    settings.apply()
+    assert kernel_settings.KernelSettings.current() == settings
+    assert kernel_settings.active_isa() == "portable"
+    for bad in ("sse9:1:2", "avx512:1", "avx512:a:2", "avx512:1:2:3:4"):
+        with pytest.raises(ValueError, match="kernel settings are ISA:PREFETCH_ROWS:CHUNK_ROWS"):
+            kernel_settings.KernelSettings.parse(bad)
 
 
 def test_the_isa_environment_variable_is_read_at_import():
@@ -744,12 +819,21 @@ def test_the_isa_environment_variable_is_read_at_import():
         env = {**__import__("os").environ, "ICECACHE_DCI_ISA": value}
         return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
 
+    from icecache import dci
+
     assert run("portable").stdout.strip() == "portable"
     bad = run("sse9")
-    assert bad.returncode != 0 and "ICECACHE_DCI_ISA=sse9: not one of portable, avx2, avx512" in bad.stderr
+    assert bad.returncode != 0 and "ICECACHE_DCI_ISA=sse9: not one of portable, avx2, avx512, avx512bf16" in bad.stderr
+    # unset: the widest exact set the CPU runs; avx512bf16 (another order of the sums) only when asked for
+    widest_exact = min(dci.ISAS.index(dci.supported_isa()), dci.ISAS.index("avx512"))
+    assert run("").stdout.strip() == dci.ISAS[widest_exact]
+    if dci.supported_isa() == "avx512bf16":
+        assert run("avx512bf16").stdout.strip() == "avx512bf16"
+    else:
+        assert "this CPU runs at most" in run("avx512bf16").stderr
 
 
-@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512", "avx512bf16"])
 def test_each_isa_builds_valid_trees_and_finds_the_exact_results(kernel_settings, isa):
     """Every instruction set, the portable one too (a CPU without AVX2 runs it): invariants after build and inserts,
     the exact top tokens when the budgets cover everything, and results independent of the thread count."""
@@ -781,10 +865,13 @@ def test_each_isa_builds_valid_trees_and_finds_the_exact_results(kernel_settings
 
 @pytest.mark.parametrize("precision", ["float32", "half"])
 def test_the_scan_settings_and_fma_isas_give_the_same_results(kernel_settings, precision):
-    """Prefetch distance, work-item chunking and the FMA instruction sets change only speed: pages, tokens and
-    scores are bit for bit the same for every setting, with bfloat16 and float32 keys, at 1 and 3 threads."""
-    isas = [i for i in ("avx2", "avx512")
-            if kernel_settings.ISAS.index(i) <= kernel_settings.ISAS.index(kernel_settings.supported_isa())]
+    """Prefetch distance and cache level, work-item chunking and the FMA instruction sets change only speed: pages,
+    tokens and scores are bit for bit the same for every setting, with bfloat16 and float32 keys, at 1 and 3
+    threads. avx512bf16 sums in its own order: the same holds within it (and the half pass, whose bound covers its
+    query split, gives its float32 results)."""
+    supported = kernel_settings.ISAS.index(kernel_settings.supported_isa())
+    families = [[i for i in family if kernel_settings.ISAS.index(i) <= supported]
+                for family in (("avx2", "avx512"), ("avx512bf16",))]
     rng = np.random.default_rng(8)
     keys = clustered_keys(rng, 3, 3000, 32, n_clusters=4)  # few clusters: parents with long runs, several chunks
     q = aimed_queries(rng, keys, 4)
@@ -794,18 +881,20 @@ def test_the_scan_settings_and_fma_isas_give_the_same_results(kernel_settings, p
         index.build(k[:, :2800])
         for begin in range(2800, 3000, 40):
             index.insert(k[:, begin:begin + 40])
-        reference = None
-        for isa in isas:
-            for prefetch_rows, chunk_rows in ((0, 0), (32, 256), (5, 16), (1000, 40)):
-                for threads in (1, 3):
-                    kernel_settings.set_isa(isa)
-                    kernel_settings.set_scan_tuning(prefetch_rows, chunk_rows)
-                    index.num_threads = threads
-                    out = index.query(q, 16, field_of_view=60, ratio=4, return_scores=True)
-                    if reference is None:
-                        reference = out
-                    for a, b in zip(out, reference):
-                        assert np.array_equal(a, b, equal_nan=True), (key_dtype, isa, prefetch_rows, chunk_rows)
+        for family in families:
+            reference = None
+            for isa in family:
+                for prefetch_rows, chunk_rows, level in ((0, 0, 2), (32, 256, 2), (32, 256, 1), (5, 16, 1),
+                                                         (1000, 40, 2)):
+                    for threads in (1, 3):
+                        kernel_settings.set_isa(isa)
+                        kernel_settings.set_scan_tuning(prefetch_rows, chunk_rows, level)
+                        index.num_threads = threads
+                        out = index.query(q, 16, field_of_view=60, ratio=4, return_scores=True)
+                        if reference is None:
+                            reference = out
+                        for a, b in zip(out, reference):
+                            assert np.array_equal(a, b, equal_nan=True), (key_dtype, isa, prefetch_rows, chunk_rows)
 
 
 def test_the_host_read_rate_is_measured(kernel_settings):

@@ -1,19 +1,22 @@
 """The DCI kernels' instruction set, and the host's read rate that a search's rate is measured against.
 
-The scoring kernels run in one of three builds (docs/dci.md, kernels): ``portable`` (the x86-64 baseline),
-``avx2`` (x86-64-v3: AVX2 + FMA) and ``avx512`` (x86-64-v4). ``avx2`` and ``avx512`` give bit-identical scores;
-``portable`` rounds each product before adding it, so its scores can differ in the last bits. The widest one the
-CPU runs is used unless the environment variable ``ICECACHE_DCI_ISA`` (read once, at import) or ``set_isa`` says
-otherwise.
+The scoring kernels run in one of four builds (docs/dci.md, kernels): ``portable`` (the x86-64 baseline),
+``avx2`` (x86-64-v3: AVX2 + FMA), ``avx512`` (x86-64-v4) and ``avx512bf16`` (``avx512`` with bfloat16 key rows
+scored by ``vdpbf16ps``, unwidened). ``avx2`` and ``avx512`` give bit-identical scores; ``portable`` rounds each
+product before adding it, and ``avx512bf16`` adds the exact products in another order, so their scores can differ
+in the last bits. The widest of ``portable``, ``avx2`` and ``avx512`` that the CPU runs is used unless the
+environment variable ``ICECACHE_DCI_ISA`` (read once, at import) or ``set_isa`` says otherwise: ``avx512bf16`` is
+asked for by name (``supported_isa`` says whether the CPU has it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from . import _dci
 
-ISAS = ("portable", "avx2", "avx512")  # narrowest first
+ISAS = ("portable", "avx2", "avx512", "avx512bf16")  # narrowest first
 
 
 def active_isa() -> str:
@@ -52,13 +55,48 @@ def search_read_share(bytes_read: float, seconds: float, read_rate: float) -> fl
 
 def scan_tuning() -> dict[str, int]:
     """The last-level scan's speed settings (they never change a result; docs/dci.md, kernels): ``prefetch_rows``
-    (how far ahead key rows are requested; 0: the next page's rows before each page) and ``chunk_rows`` (the most rows
-    of one parent's run in one work item of a grouped query; 0: one item per parent)."""
+    (how far ahead key rows are requested; 0: the next page's rows before each page), ``chunk_rows`` (the most rows
+    of one parent's run in one work item of a grouped query; 0: one item per parent) and ``prefetch_level`` (the
+    cache those rows are requested into: 2, L2; 1, L1)."""
     return dict(_dci.scan_tuning())
 
 
-def set_scan_tuning(prefetch_rows: int, chunk_rows: int) -> None:
-    """Set both ``scan_tuning`` values for every index in the process."""
+def set_scan_tuning(prefetch_rows: int, chunk_rows: int, prefetch_level: int = 2) -> None:
+    """Set the ``scan_tuning`` values for every index in the process."""
     if prefetch_rows < 0 or chunk_rows < 0:
         raise ValueError(f"prefetch_rows and chunk_rows must be >= 0, got {prefetch_rows} and {chunk_rows}")
-    _dci.set_scan_tuning(int(prefetch_rows), int(chunk_rows))
+    if prefetch_level not in (1, 2):
+        raise ValueError(f"prefetch_level must be 1 (L1) or 2 (L2), got {prefetch_level}")
+    _dci.set_scan_tuning(int(prefetch_rows), int(chunk_rows), int(prefetch_level))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSettings:
+    """The kernels' instruction set and the scan's speed settings, which are process-wide: what a benchmark sets,
+    and records, to time one variant against another in the same process (``ISA:PREFETCH_ROWS:CHUNK_ROWS[:LEVEL]``)."""
+
+    isa: str
+    prefetch_rows: int
+    chunk_rows: int
+    prefetch_level: int = 2
+
+    @classmethod
+    def parse(cls, text: str) -> KernelSettings:
+        parts = text.split(":")
+        if len(parts) not in (3, 4) or parts[0] not in ISAS or not all(p.isdigit() for p in parts[1:]):
+            raise ValueError(f"kernel settings are ISA:PREFETCH_ROWS:CHUNK_ROWS[:PREFETCH_LEVEL] with ISA one of "
+                             f"{', '.join(ISAS)}, got {text!r}")
+        return cls(parts[0], *(int(p) for p in parts[1:]))
+
+    @classmethod
+    def current(cls) -> KernelSettings:
+        tuning = scan_tuning()
+        return cls(active_isa(), tuning["prefetch_rows"], tuning["chunk_rows"], tuning["prefetch_level"])
+
+    @property
+    def label(self) -> str:
+        return f"{self.isa}:{self.prefetch_rows}:{self.chunk_rows}:{self.prefetch_level}"
+
+    def apply(self) -> None:
+        set_isa(self.isa)
+        set_scan_tuning(self.prefetch_rows, self.chunk_rows, self.prefetch_level)

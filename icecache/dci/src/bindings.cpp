@@ -23,7 +23,7 @@ PYBIND11_MODULE(_dci, m) {
   m.def("supported_isa", [] { return std::string(dci::isa_name(dci::supported_isa())); });
   m.def("set_isa", [](const std::string& name) {
     dci::Isa isa;
-    if (!dci::parse_isa(name, &isa)) throw std::invalid_argument("isa must be portable, avx2 or avx512, not " + name);
+    if (!dci::parse_isa(name, &isa)) throw std::invalid_argument("isa must be portable, avx2, avx512 or avx512bf16, not " + name);
     dci::set_isa(isa);
   });
   // The run of projections a last-level scan reads (nearest_run), for its test against the merge it replaces.
@@ -80,11 +80,12 @@ PYBIND11_MODULE(_dci, m) {
     py::dict d;
     d["prefetch_rows"] = t.prefetch_rows;
     d["chunk_rows"] = t.chunk_rows;
+    d["prefetch_level"] = t.prefetch_level;
     return d;
   });
-  m.def("set_scan_tuning", [](int prefetch_rows, int chunk_rows) {
-    dci::set_scan_tuning(dci::ScanTuning{prefetch_rows, chunk_rows});
-  }, py::arg("prefetch_rows"), py::arg("chunk_rows"));
+  m.def("set_scan_tuning", [](int prefetch_rows, int chunk_rows, int prefetch_level) {
+    dci::set_scan_tuning(dci::ScanTuning{prefetch_rows, chunk_rows, prefetch_level});
+  }, py::arg("prefetch_rows"), py::arg("chunk_rows"), py::arg("prefetch_level"));
   // The scoring kernels called directly (tests compare the instruction sets on them): queries [nq, dim] against
   // rows[ids] (float32, or uint16 bfloat16 bits) with `kernel` "dot", "rows" (one query at a time) or "multi".
   m.def("kernel_scores", [](const std::string& kernel, FArray queries, py::array rows,

@@ -159,7 +159,7 @@ void Instance::build(const void* keys, int64_t n, const SearchConfig& sc, const 
   }
   recount();
   std::fill(changed_.begin(), changed_.end(), 1);
-  if (cfg_->bf16_keys) std::vector<float>().swap(keys_);  // the bfloat16 rows are the index's keys from now on
+  if (cfg_->bf16_keys) RowVector<float>().swap(keys_);  // the bfloat16 rows are the index's keys from now on
   lay_out_rows_by_leaf();
 }
 

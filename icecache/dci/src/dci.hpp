@@ -9,13 +9,34 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <new>
 #include <random>
 #include <string>
 #include <utility>
 #include <vector>
 
 namespace dci {
+
+// A std::vector allocator on 64-byte boundaries: key rows of a multiple of 64 bytes (bf16 at dims 32k, float32 at
+// 16k) then start on cache lines, and no 64-byte load of a row spans two of them.
+template <typename T>
+struct CacheLineAllocator {
+  using value_type = T;
+  static constexpr std::align_val_t kAlign{64};
+  CacheLineAllocator() = default;
+  template <typename U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), kAlign)); }
+  void deallocate(T* p, size_t) { ::operator delete(p, kAlign); }
+  template <typename U>
+  bool operator==(const CacheLineAllocator<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const CacheLineAllocator<U>&) const { return false; }
+};
+template <typename T>
+using RowVector = std::vector<T, CacheLineAllocator<T>>;
 
 constexpr int kPageSlots = 16;           // BTREE_LEAF_MAX_NUM_SLOTS
 constexpr int kSplitHalf = 8;            // a full leaf splits 8 + 8
@@ -145,6 +166,16 @@ struct alignas(64) Scratch {
   std::vector<int32_t> pages_hit;      // pages whose page_best is set, to reset them afterwards
   std::vector<uint8_t> page_seen;      // [pages] distinct-page marks of the intermediate-level coverage
   TopK best_tokens, best_pages;        // the query's two result accumulators (the K best tokens, the K best pages)
+  std::vector<uint16_t> query_split;   // the descending query's bf16 split (Instance::split_query)
+};
+
+// A query's bfloat16 split, made once per query (split_bf16) for the avx512bf16 kernels, which score bf16 rows
+// with it: hi = bf16(q), lo = bf16(q - hi), dim values each. hi == nullptr: none made (those kernels split the
+// query themselves on every call; the other instruction sets never use it).
+struct Bf16Split {
+  const uint16_t* hi = nullptr;
+  const uint16_t* lo = nullptr;
+  bool inexact = false;  // some lo value is non-zero: q is not a bf16 vector
 };
 
 // What the distance of a child is measured against: a query (score -q.k in transform mode) or another key.
@@ -152,6 +183,7 @@ struct Probe {
   const float* vec = nullptr;   // query or key row, dim floats
   float sq_norm = 0.0f;
   bool is_query = true;
+  Bf16Split bf16;               // vec's split, where one was made
 };
 
 // The last level of one query head's descent, deferred (L = 1): positions [first, last) of the sorted children of
@@ -208,13 +240,16 @@ constexpr int kMaxGroupHeads = 16;  // query heads scored together in one pass o
 //   prefetch_rows  how far ahead (in rows of the run) key rows are requested while the current rows are scored;
 //                  0: the next leaf's rows, requested before each leaf is scored;
 //   chunk_rows     the most rows of a parent's run that one work item of a grouped query scans (cut at leaf
-//                  boundaries, so a page is never split); 0: one item per parent, items sorted largest first.
+//                  boundaries, so a page is never split); 0: one item per parent, items sorted largest first;
+//   prefetch_level the cache those rows are requested into: 2 (L2, prefetcht1) or 1 (L1 too, prefetcht0), which
+//                  holds an L1 miss buffer per line until it arrives, and the scan stalled on them.
 struct ScanTuning {
   int prefetch_rows = 32;
   int chunk_rows = 256;
+  int prefetch_level = 2;
 };
 ScanTuning scan_tuning();
-void set_scan_tuning(const ScanTuning& tuning);  // throws std::invalid_argument for negative values
+void set_scan_tuning(const ScanTuning& tuning);  // throws std::invalid_argument for a value out of range
 
 // One query head's last-level run over kids_[kid_slot], as Forest::query_grouped groups them.
 struct GroupJob {
@@ -247,6 +282,8 @@ class Instance {
   // Bytes the instance holds (capacity, not size), its keys and its structure apart.
   int64_t key_bytes() const;
   int64_t structure_bytes() const;
+  // q's bf16 split in buf where the rows are bf16 and the kernels use one (split_bf16), else none.
+  Bf16Split split_query(const float* q, std::vector<uint16_t>& buf) const;
   // The stored key rows, [n][dim] in row order (row(id)): bfloat16 bit patterns (bf16_keys) or float32. Valid
   // until the next insert.
   const void* key_data() const { return cfg_->bf16_keys ? static_cast<const void*>(keys_bf16_.data())
@@ -280,9 +317,9 @@ class Instance {
   void feed_page(const Leaf& lf, int base, int s0, int s1, int nh, const Probe* probes, const int32_t* first,
                  const int32_t* last, const float* dots, TopK* const* best_tokens, TopK* const* best_pages) const;
   // scan_runs' float32 scan with rows prefetched `ahead` rows ahead of the one being scored (ScanTuning).
-  void scan_rows_ahead(const ChildIndex& ci, int nh, const Probe* probes, const float* const* qs, const int32_t* first,
-                       const int32_t* last, int lo, int hi, int ahead, TopK* const* best_tokens,
-                       TopK* const* best_pages) const;
+  void scan_rows_ahead(const ChildIndex& ci, int nh, const Probe* probes, const float* const* qs,
+                       const Bf16Split* splits, const int32_t* first, const int32_t* last, int lo, int hi,
+                       const ScanTuning& tuning, TopK* const* best_tokens, TopK* const* best_pages) const;
   // scan_runs with the half-precision rows: the same fed points with the same scores, as far as they can matter.
   void scan_runs_half(int32_t kid_slot, int nh, const Probe* probes, const int32_t* first, const int32_t* last,
                       TopK* const* best_tokens, TopK* const* best_pages, SharedBars* const* bars) const;
@@ -322,8 +359,9 @@ class Instance {
   const float* key_row(int64_t id, float* buf) const;
   // Dot products of q with the key rows `ids` (one query), and of qs[j] with them (several, out[j * stride + r]):
   // the same sequence of operations whichever the storage, so a value never depends on it.
-  void dot_keys(const float* q, const int32_t* ids, int m, float* out) const;
-  void dot_keys_multi(const float* const* qs, int nq, const int32_t* ids, int m, float* out, int stride) const;
+  void dot_keys(const float* q, const int32_t* ids, int m, float* out, const Bf16Split* split = nullptr) const;
+  void dot_keys_multi(const float* const* qs, int nq, const int32_t* ids, int m, float* out, int stride,
+                      const Bf16Split* splits = nullptr) const;
   // A key row's cache lines requested ahead of its scoring (a page's rows lie anywhere in the key array).
   void prefetch_row(int32_t id) const {
     const int row_bytes = cfg_->dim * (cfg_->bf16_keys ? 2 : 4);
@@ -395,8 +433,8 @@ class Instance {
 
   // Key rows by token id, [n][dim]: float32 (keys_), or bfloat16 (keys_bf16_) with bf16_keys, where keys_ holds a
   // float32 copy only while a build runs (it reads every row many times) and is released at its end.
-  std::vector<float> keys_;
-  std::vector<uint16_t> keys_bf16_;
+  RowVector<float> keys_;
+  RowVector<uint16_t> keys_bf16_;
   // row_of_[id]: the storage row of token id (empty during a build: row = id). Only the layout changes with it:
   // ids, and so every tie-break and result, are those of id-ordered storage.
   std::vector<int32_t> row_of_;
@@ -426,7 +464,8 @@ class Instance {
 // The instruction set the dot-product kernels run with (docs/dci.md, kernels): portable x86-64, x86-64-v3 (AVX2 +
 // FMA) or AVX-512 (x86-64-v4). AVX2 and AVX-512 give bit-identical values; the portable build rounds each product
 // before adding it (no FMA). By default the widest the CPU runs; ICECACHE_DCI_ISA (read once) or set_isa choose.
-enum class Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2 };
+// Narrowest first. kAvx512Bf16 is kAvx512 with bf16 rows scored by vdpbf16ps (kernels.cpp).
+enum class Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 Isa supported_isa();  // the widest this CPU runs
 Isa active_isa();
 void set_isa(Isa isa);  // throws std::invalid_argument when the CPU cannot run it
@@ -439,8 +478,14 @@ bool parse_isa(const std::string& name, Isa* isa);
 double measure_read_rate(int64_t n_bytes, int threads, int passes);
 
 void dot_rows(const float* q, const float* rows, const int32_t* ids, int m, int dim, float* out);
-// dot_rows over bfloat16 rows (bit patterns), widened exactly: the values of dot_rows over their float32 copies.
-void dot_rows_bf16(const float* q, const uint16_t* rows, const int32_t* ids, int m, int dim, float* out);
+// dot_rows over bfloat16 rows (bit patterns), widened exactly: the values of dot_rows over their float32 copies,
+// except with the avx512bf16 kernels (kernels.cpp), which sum the exact products in their own order. `split` is
+// q's split (or null, or one with hi == nullptr); it changes the speed, never a value.
+void dot_rows_bf16(const float* q, const uint16_t* rows, const int32_t* ids, int m, int dim, float* out,
+                   const Bf16Split* split = nullptr);
+// q's split into hi and lo (2 * dim values of buf) when the active instruction set scores bf16 rows with it; a
+// Bf16Split with hi == nullptr otherwise. `buf` must live as long as the split is used.
+Bf16Split split_bf16(const float* q, int dim, uint16_t* buf);
 float dot(const float* a, const float* b, int dim);
 // out[j * out_stride + r] = qs[j] . rows[r] for j < nq (any nq), reading each row once; every value is bit-identical
 // to dot_rows' value for the same query and row.
@@ -450,13 +495,15 @@ void dot_rows_multi(const float* const* qs, int nq, const float* rows, int m, in
 struct RowsAhead {
   const int32_t* ids = nullptr;
   int n = 0;
+  bool to_l2 = true;  // into L2 only (ScanTuning::prefetch_level 2), else into L1
 };
 // dot_rows_multi over rows ids[0..m) of `rows` (float32 or bfloat16 bit patterns): the same values as dot_rows_multi
 // over those rows copied out contiguously. Rows ahead.ids[0..n) are prefetched meanwhile.
 void dot_rows_multi_ids(const float* const* qs, int nq, const float* rows, const int32_t* ids, int m, int dim,
                         float* out, int out_stride, const RowsAhead& ahead = RowsAhead{});
 void dot_rows_multi_ids_bf16(const float* const* qs, int nq, const uint16_t* rows, const int32_t* ids, int m, int dim,
-                             float* out, int out_stride, const RowsAhead& ahead = RowsAhead{});
+                             float* out, int out_stride, const RowsAhead& ahead = RowsAhead{},
+                             const Bf16Split* splits = nullptr);  // splits: nq of them, or null
 // bfloat16 bit patterns to float32 (exact).
 void bf16_to_float(const uint16_t* src, int n, float* dst);
 // IEEE binary16 conversions (round to nearest even; overflow gives infinity) and dot_rows_multi over half rows.

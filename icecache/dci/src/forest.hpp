@@ -311,7 +311,8 @@ class Forest {
           inst_[h / ratio]->descend(q + h * dim, K, sc, s, &hs.runs);
           std::swap(hs.best_tokens, s.best_tokens);
           std::swap(hs.best_pages, s.best_pages);
-          hs.probe = dci::Probe{q + h * dim, dci::dot(q + h * dim, q + h * dim, dim), true};
+          hs.probe = dci::Probe{q + h * dim, dci::dot(q + h * dim, q + h * dim, dim), true,
+                                inst_[h / ratio]->split_query(q + h * dim, hs.query_split)};
           // the descent's fed points are part of the head's result: their K-th best is a bar for the half scan
           bars_[h].tokens.store(hs.best_tokens.bar(), std::memory_order_relaxed);
           bars_[h].pages.store(hs.best_pages.bar(), std::memory_order_relaxed);
@@ -532,6 +533,7 @@ class Forest {
     dci::TopK best_tokens, best_pages;
     std::vector<dci::LastLevelRun> runs;
     dci::Probe probe;
+    std::vector<uint16_t> query_split;  // probe's bf16 split (it outlives the descent's Scratch)
   };
   struct alignas(64) ThreadAcc {
     std::vector<dci::TopK> topk;  // [2 * nq]: best tokens, best pages of each head

@@ -26,6 +26,7 @@
 #define DCI_X86 1
 #define DCI_TARGET_AVX2 __attribute__((target("arch=x86-64-v3")))
 #define DCI_TARGET_AVX512 __attribute__((target("arch=x86-64-v4")))
+#define DCI_TARGET_AVX512BF16 __attribute__((target("arch=x86-64-v4,avx512bf16")))
 #endif
 
 namespace dci {
@@ -43,23 +44,25 @@ Isa widest_supported() {
   const bool v4 = v3 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                   __builtin_cpu_supports("avx512cd");
-  return v4 ? Isa::kAvx512 : v3 ? Isa::kAvx2 : Isa::kPortable;
+  const bool bf16 = v4 && __builtin_cpu_supports("avx512bf16");
+  return bf16 ? Isa::kAvx512Bf16 : v4 ? Isa::kAvx512 : v3 ? Isa::kAvx2 : Isa::kPortable;
 #else
   return Isa::kPortable;
 #endif
 }
 
-// ICECACHE_DCI_ISA (portable | avx2 | avx512) when set, else the widest the CPU runs. A name that is unknown, or
-// that the CPU cannot run, is remembered and raised by check_isa_environment (the module's import).
+// ICECACHE_DCI_ISA (portable | avx2 | avx512 | avx512bf16) when set, else the widest of the exact ones that the CPU
+// runs (avx512bf16 changes the order of the sums, so it is asked for by name). A name that is unknown, or that the
+// CPU cannot run, is remembered and raised by check_isa_environment (the module's import).
 struct IsaState {
   std::atomic<int> active;
   std::string error;
-  IsaState() : active(static_cast<int>(supported_isa())) {
+  IsaState() : active(std::min(static_cast<int>(supported_isa()), static_cast<int>(Isa::kAvx512))) {
     const char* env = std::getenv("ICECACHE_DCI_ISA");
     if (env == nullptr || *env == '\0') return;
     Isa isa;
     if (!parse_isa(env, &isa))
-      error = std::string("ICECACHE_DCI_ISA=") + env + ": not one of portable, avx2, avx512";
+      error = std::string("ICECACHE_DCI_ISA=") + env + ": not one of portable, avx2, avx512, avx512bf16";
     else if (static_cast<int>(isa) > static_cast<int>(supported_isa()))
       error = std::string("ICECACHE_DCI_ISA=") + env + ": this CPU runs at most " + isa_name(supported_isa());
     else
@@ -94,6 +97,7 @@ void check_isa_environment() {
 
 const char* isa_name(Isa isa) {
   switch (isa) {
+    case Isa::kAvx512Bf16: return "avx512bf16";
     case Isa::kAvx512: return "avx512";
     case Isa::kAvx2: return "avx2";
     default: return "portable";
@@ -101,7 +105,7 @@ const char* isa_name(Isa isa) {
 }
 
 bool parse_isa(const std::string& name, Isa* isa) {
-  for (Isa i : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512})
+  for (Isa i : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16})
     if (name == isa_name(i)) {
       *isa = i;
       return true;
@@ -196,7 +200,10 @@ __attribute__((always_inline)) static inline void prefetch_ahead(const R* rows, 
   if (r >= ahead.n) return;
   const char* p = reinterpret_cast<const char*>(rows + static_cast<int64_t>(ahead.ids[r]) * dim);
   const int bytes = dim * static_cast<int>(sizeof(R));
-  for (int off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+  if (ahead.to_l2)
+    for (int off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
+  else
+    for (int off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
 }
 template <typename R>
 __attribute__((always_inline)) static inline void prefetch_rest(const R* rows, int dim, const RowsAhead& ahead, int m) {
@@ -432,17 +439,185 @@ DCI_TARGET_AVX512 void bf16_to_float(const uint16_t* src, int n, float* dst) {
 #endif
 
 // ---------------------------------------------------------------------------------------------------------------
+// AVX-512 BF16 kernels for bfloat16 rows whose dim is a multiple of 32, up to 512 (every other call runs the
+// avx512 code). vdpbf16ps takes 32 bf16 elements of the row as they lie in memory, no widening, against the query
+// in bf16: lane l of a 16-lane accumulator adds the product of elements 2l+1, then that of element 2l (each
+// product of two bf16 values is exact in float32, each addition rounded to nearest even; subnormal inputs and
+// results are flushed to zero). The query is split once per call into hi = bf16(q) and lo = bf16(q - hi), and a
+// chunk of 32 elements adds hi's products, then lo's: 16 bits of the query's 24. A query that came from a bf16
+// model (IceCache's on a GPU) is bf16 already, so lo is zero, its pass is skipped (adding +0 changes no lane)
+// and every product is the exact product of the avx512 kernels; only the order of the additions differs, so a
+// score can differ from theirs in the last bits and a near-tie can go the other way (docs/dci.md, kernels).
+// The lanes are then summed as the avx512 kernels sum theirs (hsum16, hsum16x4).
+
+#ifdef DCI_X86
+namespace avx512bf16 {
+
+using avx512::bf16_to_float;
+using avx512::dot;
+using avx512::dot_rows;
+using avx512::dot_rows_multi;
+
+constexpr int kMaxChunks = 16;  // dim <= 512
+
+DCI_TARGET_AVX512BF16 static inline __m512bh as_bh(__m512i x) {
+  __m512bh y;
+  std::memcpy(&y, &x, sizeof(y));
+  return y;
+}
+DCI_TARGET_AVX512BF16 static inline __m512i as_i(__m512bh x) {
+  __m512i y;
+  std::memcpy(&y, &x, sizeof(y));
+  return y;
+}
+DCI_TARGET_AVX512BF16 static inline __m512bh load_bh(const uint16_t* p) { return as_bh(_mm512_loadu_si512(p)); }
+
+// The float32 values of 16 bf16 bit patterns (exact).
+DCI_TARGET_AVX512BF16 static inline __m512 widen16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// q's hi and lo (dim values each; dim a multiple of 32); whether some lo is non-zero.
+DCI_TARGET_AVX512BF16 static bool split_query(const float* q, int dim, uint16_t* hi, uint16_t* lo) {
+  __mmask32 inexact = 0;
+  for (int i = 0; i < dim; i += 32) {
+    const __m512 a = _mm512_loadu_ps(q + i), b = _mm512_loadu_ps(q + i + 16);
+    const __m512i h = as_i(_mm512_cvtne2ps_pbh(b, a));  // elements 0-15 from a, 16-31 from b
+    const __m512 ha = widen16(_mm512_castsi512_si256(h)), hb = widen16(_mm512_extracti64x4_epi64(h, 1));
+    const __m512i l = as_i(_mm512_cvtne2ps_pbh(_mm512_sub_ps(b, hb), _mm512_sub_ps(a, ha)));
+    inexact |= _mm512_test_epi16_mask(l, l);
+    _mm512_storeu_si512(hi + i, h);
+    _mm512_storeu_si512(lo + i, l);
+  }
+  return inexact != 0;
+}
+
+// NH queries (hi[j], lo[j]) against ROWS rows at a time (ROWS * NH independent accumulators keep the dot-product
+// unit busy). LO: add lo's products too.
+template <int NH, int ROWS, bool LO>
+DCI_TARGET_AVX512BF16 static void heads_bf16(const uint16_t* const* hi, const uint16_t* const* lo, const uint16_t* rows,
+                                             const int32_t* ids, int m, int dim, float* out, int out_stride,
+                                             const RowsAhead& ahead) {
+  auto row = [&](int r) { return rows + static_cast<int64_t>(ids ? ids[r] : r) * dim; };
+  int r = 0;
+  for (; r + ROWS <= m; r += ROWS) {
+    const uint16_t* p[ROWS];
+    for (int k = 0; k < ROWS; ++k) {
+      prefetch_ahead(rows, dim, ahead, r + k);
+      p[k] = row(r + k);
+    }
+    __m512 acc[ROWS][NH];
+    for (int k = 0; k < ROWS; ++k)
+      for (int j = 0; j < NH; ++j) acc[k][j] = _mm512_setzero_ps();
+    for (int i = 0; i < dim; i += 32) {
+      __m512bh key[ROWS];
+      for (int k = 0; k < ROWS; ++k) key[k] = load_bh(p[k] + i);
+      for (int j = 0; j < NH; ++j) {
+        const __m512bh h = load_bh(hi[j] + i);
+        for (int k = 0; k < ROWS; ++k) acc[k][j] = _mm512_dpbf16_ps(acc[k][j], h, key[k]);
+        if constexpr (LO) {
+          const __m512bh l = load_bh(lo[j] + i);
+          for (int k = 0; k < ROWS; ++k) acc[k][j] = _mm512_dpbf16_ps(acc[k][j], l, key[k]);
+        }
+      }
+    }
+    if constexpr (NH == 4) {
+      for (int k = 0; k < ROWS; ++k) {
+        alignas(16) float v[4];
+        _mm_store_ps(v, avx512::hsum16x4(acc[k][0], acc[k][1], acc[k][2], acc[k][3]));
+        for (int j = 0; j < 4; ++j) out[j * out_stride + r + k] = v[j];
+      }
+    } else if constexpr (NH == 1 && ROWS == 4) {
+      _mm_storeu_ps(out + r, avx512::hsum16x4(acc[0][0], acc[1][0], acc[2][0], acc[3][0]));
+    } else {
+      for (int k = 0; k < ROWS; ++k)
+        for (int j = 0; j < NH; ++j) out[j * out_stride + r + k] = avx512::hsum16(acc[k][j]);
+    }
+  }
+  if (r < m)
+    heads_bf16<NH, 1, LO>(hi, lo, rows, ids ? ids + r : nullptr, m - r, dim, out + r, out_stride,
+                          RowsAhead{ahead.ids ? ahead.ids + r : nullptr, std::max(0, ahead.n - r), ahead.to_l2});
+  else
+    prefetch_rest(rows, dim, ahead, m);
+}
+
+static inline bool fits(int dim) { return (dim & 31) == 0 && dim <= 32 * kMaxChunks; }
+
+// Up to 4 queries, with their splits (made here where none was given: a split changes no value).
+template <int NH, int ROWS>
+DCI_TARGET_AVX512BF16 static void score_group(const float* const* qs, const Bf16Split* splits, const uint16_t* rows,
+                                              const int32_t* ids, int m, int dim, float* out, int out_stride,
+                                              const RowsAhead& ahead) {
+  alignas(64) uint16_t made[NH][2][32 * kMaxChunks];
+  const uint16_t *hi[NH], *lo[NH];
+  bool inexact = false;
+  for (int j = 0; j < NH; ++j) {
+    if (splits != nullptr && splits[j].hi != nullptr) {
+      hi[j] = splits[j].hi;
+      lo[j] = splits[j].lo;
+      inexact |= splits[j].inexact;
+    } else {
+      inexact |= split_query(qs[j], dim, made[j][0], made[j][1]);
+      hi[j] = made[j][0];
+      lo[j] = made[j][1];
+    }
+  }
+  // an exact query's lo is zero, and adding 0 * key leaves every lane as it is: its pass is skipped
+  if (inexact) heads_bf16<NH, ROWS, true>(hi, lo, rows, ids, m, dim, out, out_stride, ahead);
+  else heads_bf16<NH, ROWS, false>(hi, lo, rows, ids, m, dim, out, out_stride, ahead);
+}
+
+DCI_TARGET_AVX512BF16 Bf16Split split_bf16(const float* q, int dim, uint16_t* buf) {
+  if (!fits(dim)) return Bf16Split{};
+  const bool inexact = split_query(q, dim, buf, buf + dim);
+  return Bf16Split{buf, buf + dim, inexact};
+}
+
+DCI_TARGET_AVX512BF16 void dot_rows_bf16(const float* q, const uint16_t* rows, const int32_t* ids, int m, int dim,
+                                         float* out, const Bf16Split* split = nullptr) {
+  if (!fits(dim)) return avx512::dot_rows_bf16(q, rows, ids, m, dim, out);
+  score_group<1, 4>(&q, split, rows, ids, m, dim, out, 0, RowsAhead{});
+}
+
+DCI_TARGET_AVX512BF16 void dot_rows_multi_bf16(const float* const* qs, int nq, const uint16_t* rows,
+                                               const int32_t* ids, int m, int dim, float* out, int out_stride,
+                                               const RowsAhead& ahead, const Bf16Split* splits = nullptr) {
+  if (!fits(dim)) return avx512::dot_rows_multi_bf16(qs, nq, rows, ids, m, dim, out, out_stride, ahead);
+  // the rows ahead are requested during the first pass over the rows only
+  for (int j = 0; j < nq; j += 4) {
+    const RowsAhead a = j == 0 ? ahead : RowsAhead{};
+    const Bf16Split* sp = splits ? splits + j : nullptr;
+    float* o = out + static_cast<int64_t>(j) * out_stride;
+    switch (std::min(4, nq - j)) {
+      case 4: score_group<4, 2>(qs + j, sp, rows, ids, m, dim, o, out_stride, a); break;
+      case 3: score_group<3, 2>(qs + j, sp, rows, ids, m, dim, o, out_stride, a); break;
+      case 2: score_group<2, 2>(qs + j, sp, rows, ids, m, dim, o, out_stride, a); break;
+      default: score_group<1, 2>(qs + j, sp, rows, ids, m, dim, o, out_stride, a); break;
+    }
+  }
+}
+
+}  // namespace avx512bf16
+#endif
+
+// ---------------------------------------------------------------------------------------------------------------
 // The kernels the index calls: the build of the active instruction set.
 
 #ifdef DCI_X86
 #define DCI_DISPATCH(CALL)                               \
   switch (active_isa()) {                                \
+    case Isa::kAvx512Bf16: return avx512bf16::CALL;      \
     case Isa::kAvx512: return avx512::CALL;              \
     case Isa::kAvx2: return avx2::CALL;                  \
     default: return portable::CALL;                      \
   }
+// The bf16-row kernels: the avx512bf16 build takes the query's split (CALL_SPLIT), the others do not (CALL).
+#define DCI_DISPATCH_BF16(CALL_SPLIT, CALL)                                           \
+  if (active_isa() == Isa::kAvx512Bf16) return avx512bf16::CALL_SPLIT;               \
+  DCI_DISPATCH(CALL)
 #else
 #define DCI_DISPATCH(CALL) return portable::CALL;
+#define DCI_DISPATCH_BF16(CALL_SPLIT, CALL) return portable::CALL;
 #endif
 
 float dot(const float* a, const float* b, int dim) { DCI_DISPATCH(dot(a, b, dim)) }
@@ -453,8 +628,16 @@ void dot_rows(const float* q, const float* rows, const int32_t* ids, int m, int 
   DCI_DISPATCH(dot_rows(q, rows, ids, m, dim, out))
 }
 
-void dot_rows_bf16(const float* q, const uint16_t* rows, const int32_t* ids, int m, int dim, float* out) {
-  DCI_DISPATCH(dot_rows_bf16(q, rows, ids, m, dim, out))
+void dot_rows_bf16(const float* q, const uint16_t* rows, const int32_t* ids, int m, int dim, float* out,
+                   const Bf16Split* split) {
+  DCI_DISPATCH_BF16(dot_rows_bf16(q, rows, ids, m, dim, out, split), dot_rows_bf16(q, rows, ids, m, dim, out))
+}
+
+Bf16Split split_bf16(const float* q, int dim, uint16_t* buf) {
+#ifdef DCI_X86
+  if (active_isa() == Isa::kAvx512Bf16) return avx512bf16::split_bf16(q, dim, buf);
+#endif
+  return Bf16Split{};
 }
 
 void dot_rows_multi(const float* const* qs, int nq, const float* rows, int m, int dim, float* out, int out_stride) {
@@ -467,8 +650,9 @@ void dot_rows_multi_ids(const float* const* qs, int nq, const float* rows, const
 }
 
 void dot_rows_multi_ids_bf16(const float* const* qs, int nq, const uint16_t* rows, const int32_t* ids, int m, int dim,
-                             float* out, int out_stride, const RowsAhead& ahead) {
-  DCI_DISPATCH(dot_rows_multi_bf16(qs, nq, rows, ids, m, dim, out, out_stride, ahead))
+                             float* out, int out_stride, const RowsAhead& ahead, const Bf16Split* splits) {
+  DCI_DISPATCH_BF16(dot_rows_multi_bf16(qs, nq, rows, ids, m, dim, out, out_stride, ahead, splits),
+                    dot_rows_multi_bf16(qs, nq, rows, ids, m, dim, out, out_stride, ahead))
 }
 
 // ---------------------------------------------------------------------------------------------------------------

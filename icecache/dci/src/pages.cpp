@@ -115,24 +115,30 @@ void count_key_rows(int m, int nq, int dim, bool bf16) {
 }
 }  // namespace
 
-void Instance::dot_keys(const float* q, const int32_t* ids, int m, float* out) const {
+void Instance::dot_keys(const float* q, const int32_t* ids, int m, float* out, const Bf16Split* split) const {
   count_key_rows(m, 1, cfg_->dim, keys_.empty());
   const int32_t* rows = rows_of(row_of_, ids, m);
   if (!keys_.empty()) dot_rows(q, keys_.data(), rows, m, cfg_->dim, out);
-  else dot_rows_bf16(q, keys_bf16_.data(), rows, m, cfg_->dim, out);
+  else dot_rows_bf16(q, keys_bf16_.data(), rows, m, cfg_->dim, out, split);
 }
 
-void Instance::dot_keys_multi(const float* const* qs, int nq, const int32_t* ids, int m, float* out,
-                              int stride) const {
+void Instance::dot_keys_multi(const float* const* qs, int nq, const int32_t* ids, int m, float* out, int stride,
+                              const Bf16Split* splits) const {
   count_key_rows(m, nq, cfg_->dim, keys_.empty());
   const int32_t* rows = rows_of(row_of_, ids, m);
   if (!keys_.empty()) dot_rows_multi_ids(qs, nq, keys_.data(), rows, m, cfg_->dim, out, stride);
-  else dot_rows_multi_ids_bf16(qs, nq, keys_bf16_.data(), rows, m, cfg_->dim, out, stride);
+  else dot_rows_multi_ids_bf16(qs, nq, keys_bf16_.data(), rows, m, cfg_->dim, out, stride, RowsAhead{}, splits);
 }
 
-template <typename T>
-static void permute_rows(std::vector<T>& rows, const std::vector<int32_t>& order, int dim) {
-  std::vector<T> out;
+Bf16Split Instance::split_query(const float* q, std::vector<uint16_t>& buf) const {
+  if (!keys_.empty()) return Bf16Split{};  // float32 rows: no kernel uses a split
+  buf.resize(2 * static_cast<size_t>(cfg_->dim));
+  return split_bf16(q, cfg_->dim, buf.data());
+}
+
+template <typename Rows>
+static void permute_rows(Rows& rows, const std::vector<int32_t>& order, int dim) {
+  Rows out;
   out.reserve(rows.capacity());  // the room reserved for the announced length stays
   out.resize(rows.size());
   for (size_t r = 0; r < order.size(); ++r)
@@ -252,7 +258,8 @@ void Instance::encode_half_row(const float* key, uint16_t* half, float* slack) c
   const double sum_margin = 1.0 + 4.0 * dim * 0x1p-24;
   const double err = std::sqrt(sums[0] * sum_margin);
   const double norms = std::sqrt(sums[1] * sum_margin) + std::sqrt(sums[2] * sum_margin);
-  const double s = err + 2.0 * std::max(dim, 16) * 0x1p-24 * norms;
+  // the last term: the avx512bf16 kernels score a query that is not a bf16 vector as hi + lo, within 2^-18 |q| |k|
+  const double s = err + 2.0 * std::max(dim, 16) * 0x1p-24 * norms + 0x1p-17 * std::sqrt(sums[1] * sum_margin);
   // rounded up, and a relative 2^-20 more for the roundings in the lines above
   *slack = std::nextafter(static_cast<float>(s * (1.0 + 0x1p-20)), INFINITY);
 }

@@ -17,19 +17,24 @@ SearchCounters& search_counters() {
 }
 
 namespace {
-std::atomic<int> tuned_prefetch_rows{ScanTuning{}.prefetch_rows}, tuned_chunk_rows{ScanTuning{}.chunk_rows};
+std::atomic<int> tuned_prefetch_rows{ScanTuning{}.prefetch_rows}, tuned_chunk_rows{ScanTuning{}.chunk_rows},
+    tuned_prefetch_level{ScanTuning{}.prefetch_level};
 }  // namespace
 
 ScanTuning scan_tuning() {
   return ScanTuning{tuned_prefetch_rows.load(std::memory_order_relaxed),
-                    tuned_chunk_rows.load(std::memory_order_relaxed)};
+                    tuned_chunk_rows.load(std::memory_order_relaxed),
+                    tuned_prefetch_level.load(std::memory_order_relaxed)};
 }
 
 void set_scan_tuning(const ScanTuning& tuning) {
   if (tuning.prefetch_rows < 0 || tuning.chunk_rows < 0)
     throw std::invalid_argument("prefetch_rows and chunk_rows must be >= 0");
+  if (tuning.prefetch_level != 1 && tuning.prefetch_level != 2)
+    throw std::invalid_argument("prefetch_level must be 1 (L1) or 2 (L2)");
   tuned_prefetch_rows.store(tuning.prefetch_rows, std::memory_order_relaxed);
   tuned_chunk_rows.store(tuning.chunk_rows, std::memory_order_relaxed);
+  tuned_prefetch_level.store(tuning.prefetch_level, std::memory_order_relaxed);
 }
 
 // transform_compute_dist: M - a.b - sqrt((M - |a|^2)(M - |b|^2)) = |a' - b'|^2 / 2; squared Euclidean otherwise.
@@ -40,7 +45,7 @@ float Instance::key_dist(const float* a, float a_sq, const float* b, float b_sq)
 // Distances of rows `ids` to the probe: -q.k for a query in transform mode (transform_compute_dist_query),
 // |q - k|^2 for a query without it, the key-key distance for a key.
 void Instance::score(const Probe& p, const int32_t* ids, int m, float* out) const {
-  dot_keys(p.vec, ids, m, out);
+  dot_keys(p.vec, ids, m, out, &p.bf16);
   for (int r = 0; r < m; ++r) {
     const double ab = out[r];
     const double b_sq = sq_norm_[ids[r]];
@@ -225,11 +230,15 @@ void Instance::scan_runs(int32_t kid_slot, int nh, const Probe* probes, const in
     hi = std::max(hi, last[j]);
   }
   const float* qs[kMaxGroupHeads];
-  for (int j = 0; j < nh; ++j) qs[j] = probes[j].vec;
+  Bf16Split splits[kMaxGroupHeads];
+  for (int j = 0; j < nh; ++j) {
+    qs[j] = probes[j].vec;
+    splits[j] = probes[j].bf16;
+  }
   float dots[kMaxGroupHeads * kPageSlots];
-  const int ahead_rows = scan_tuning().prefetch_rows;
-  if (ahead_rows > 0) {
-    scan_rows_ahead(ci, nh, probes, qs, first, last, lo, hi, ahead_rows, best_tokens, best_pages);
+  const ScanTuning tuning = scan_tuning();
+  if (tuning.prefetch_rows > 0) {
+    scan_rows_ahead(ci, nh, probes, qs, splits, first, last, lo, hi, tuning, best_tokens, best_pages);
     return;
   }
   int pos = 0;
@@ -243,7 +252,7 @@ void Instance::scan_runs(int32_t kid_slot, int nh, const Probe* probes, const in
     const int base = pos;
     pos += lf.count;
     if (s0 >= s1) continue;
-    dot_keys_multi(qs, nh, lf.item + s0, s1 - s0, dots, kPageSlots);
+    dot_keys_multi(qs, nh, lf.item + s0, s1 - s0, dots, kPageSlots, splits);
     feed_page(lf, base, s0, s1, nh, probes, first, last, dots, best_tokens, best_pages);
   }
 }
@@ -285,8 +294,8 @@ thread_local AheadScanBuffers ahead_scan_buffers;
 // under the arithmetic of this one, whichever pages they are, and no burst of requests stalls the scan. The scores
 // and the points fed are scan_runs' own (the same kernel, the same rows, in the same order).
 void Instance::scan_rows_ahead(const ChildIndex& ci, int nh, const Probe* probes, const float* const* qs,
-                               const int32_t* first, const int32_t* last, int lo, int hi, int ahead,
-                               TopK* const* best_tokens, TopK* const* best_pages) const {
+                               const Bf16Split* splits, const int32_t* first, const int32_t* last, int lo, int hi,
+                               const ScanTuning& tuning, TopK* const* best_tokens, TopK* const* best_pages) const {
   AheadScanBuffers& buf = ahead_scan_buffers;
   buf.rows.clear();
   buf.spans.clear();
@@ -314,9 +323,11 @@ void Instance::scan_rows_ahead(const ChildIndex& ci, int nh, const Probe* probes
   for (const AheadSpan& sp : buf.spans) {
     const Leaf& lf = leaves_[sp.page];
     const int m = sp.s1 - sp.s0;
-    const RowsAhead next{rows + sp.k0 + ahead, std::max(0, std::min(m, total - (sp.k0 + ahead)))};
+    const int ahead = tuning.prefetch_rows;
+    const RowsAhead next{rows + sp.k0 + ahead, std::max(0, std::min(m, total - (sp.k0 + ahead))),
+                         tuning.prefetch_level == 2};
     if (float_rows) dot_rows_multi_ids(qs, nh, keys_.data(), rows + sp.k0, m, dim, dots, kPageSlots, next);
-    else dot_rows_multi_ids_bf16(qs, nh, keys_bf16_.data(), rows + sp.k0, m, dim, dots, kPageSlots, next);
+    else dot_rows_multi_ids_bf16(qs, nh, keys_bf16_.data(), rows + sp.k0, m, dim, dots, kPageSlots, next, splits);
     feed_page(lf, sp.base, sp.s0, sp.s1, nh, probes, first, last, dots, best_tokens, best_pages);
   }
 }
@@ -550,7 +561,7 @@ void Instance::scan_runs_half(int32_t kid_slot, int nh, const Probe* probes, con
         const bool for_page = page_in && !(row_lb[t] > pub[si]);
         if (!for_page && row_lb[t] > token_bar()) continue;
         float dot_f;
-        dot_keys_multi(&qs[j], 1, &lf.item[t], 1, &dot_f, 1);
+        dot_keys_multi(&qs[j], 1, &lf.item[t], 1, &dot_f, 1, &probes[j].bf16);
         const int32_t id = lf.item[t];
         const Candidate cand{query_distance(probes[j], id, dot_f), id};
         bt.push(cand);
@@ -601,7 +612,7 @@ void Instance::descend(const float* q, int K, const SearchConfig& sc, Scratch& s
   const float qnorm = cfg_->transform && q_sq > 0 ? std::sqrt(q_sq) : 1.0f;
   float qproj[64];
   for (int j = 0; j < L; ++j) qproj[j] = dot(dirs_ + static_cast<int64_t>(j) * stride, q, dim) / qnorm;
-  const Probe probe{q, q_sq, true};
+  const Probe probe{q, q_sq, true, split_query(q, s.query_split)};
 
   std::vector<Candidate>& cur = s.level_out;
   std::vector<Candidate>& next = s.next;
