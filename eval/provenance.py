@@ -108,4 +108,14 @@ def collect() -> dict[str, Any]:
         info["triton"] = triton.__version__
     except Exception:  # noqa: BLE001  triton is optional
         info["triton"] = None
+    # The DCI kernels' instruction set decides the order of a score's sums (docs/dci.md, kernels), and the scan's
+    # settings its speed: both are the process's, so both are recorded.
+    try:
+        from icecache import dci
+
+        info["dci_isa"] = dci.active_isa()
+        info["dci_supported_isa"] = dci.supported_isa()
+        info["dci_scan_tuning"] = dci.scan_tuning()
+    except Exception as exc:  # noqa: BLE001  an unbuilt extension must not stop a result from being written
+        info["dci_isa"] = f"unavailable: {exc}"
     return info

@@ -229,6 +229,22 @@ def test_provenance_records_the_numa_nodes_and_the_thread_binding(monkeypatch):
     assert info["numa_nodes"] == expected
 
 
+def test_provenance_records_the_dci_kernels_instruction_set_and_scan_settings():
+    from eval import provenance
+    from icecache import dci
+
+    before = dci.active_isa(), dci.scan_tuning()
+    try:
+        dci.set_isa("portable")
+        dci.set_scan_tuning(5, 16, prefetch_level=1)
+        info = provenance.collect()
+    finally:
+        dci.set_isa(before[0])
+        dci.set_scan_tuning(**before[1])
+    assert info["dci_isa"] == "portable" and info["dci_supported_isa"] == dci.supported_isa()
+    assert info["dci_scan_tuning"] == {"prefetch_rows": 5, "chunk_rows": 16, "prefetch_level": 1}
+
+
 def test_a_run_in_shards_gives_the_unsharded_run_and_resumes_a_killed_shard(tmp_path, monkeypatch):
     from icecache.core import generation
 
