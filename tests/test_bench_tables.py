@@ -169,6 +169,32 @@ def test_dci_keeps_the_newest_row_per_host_size_threads_and_precision(bench_tabl
     assert [(r[2], r[6], r[8], r[9]) for r in rows if r[2] == "bfloat16"] == [
         ("bfloat16", "`avx2:0:0`", "2.500", "0.35"), ("bfloat16", "`avx512:32:256`", "1.900", "0.48")]
 
+    # bf16 queries are rows of their own, said in the dtype column, beside the float32 queries of the same variant
+    bf16_queries = [{**v, "query_dtype": "bfloat16", "query_ms": 1.7} for v in variants[1:]]
+    dci_file("dci_box_20260105-000000.json", "2026-01-05T00:00:00+00:00", bf16_queries)
+    rows = table_rows(bench_tables.render_dci(tmp_path, {}))
+    assert sorted((r[2], r[8]) for r in rows if r[6] == "`avx512:32:256`") == [
+        ("bfloat16", "1.900"), ("bfloat16 (queries bfloat16)", "1.700")]
+
+
+def test_host_step_rows_are_per_kernel_setting_and_the_newest_per_host_threads_and_context(bench_tables, tmp_path):
+    def host_step_file(name, date, **data):
+        payload = {"provenance": provenance(date, "d"), "threads": 1, "length": 100, "steps": 8, **data}
+        (tmp_path / name).write_text(json.dumps(payload))
+
+    def ms(search):
+        return {"search": search, "stage": 0.1, "rest": 0.01, "host_step": search + 0.11}
+
+    host_step_file("host_step_box_20260101-000000.json", "2026-01-01T00:00:00+00:00", median_ms=ms(3.0))
+    host_step_file("host_step_box_20260102-000000.json", "2026-01-02T00:00:00+00:00", median_ms=ms(2.0),
+                   variants=[{"kernel_settings": "avx512:32:256:1", "median_ms": ms(2.0)},
+                             {"kernel_settings": "avx512bf16:32:256:2", "median_ms": ms(1.5)}])
+    rows = table_rows(bench_tables.render_host_step(tmp_path, {}))
+    assert [(r[3], r[4], r[9]) for r in rows] == [
+        ("-", "3.00", "`host_step_box_20260101-000000.json`"),
+        ("`avx512:32:256:1`", "2.00", "`host_step_box_20260102-000000.json`"),
+        ("`avx512bf16:32:256:2`", "1.50", "`host_step_box_20260102-000000.json`")]
+
 
 def run_record(method: str, date: str, command: str, score: float, budget=256) -> dict:
     return {"task": "passkey", "model": "tiny", "method": method, "budget": budget, "n_samples": 10,

@@ -403,14 +403,26 @@ def test_bench_host_step_times_the_parts_of_a_layer_step(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_host_step", REPO / "scripts" / "bench" / "host_step.py")
     bench_host_step = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench_host_step)
-    path = bench_host_step.main(["--length", "2048", "--steps", "20", "--threads", "1", "--out", str(tmp_path)])
+    from icecache import dci
+
+    before = dci.KernelSettings.current()
+    settings = [f"{dci.active_isa()}:32:256:1", "portable:0:0:2"]  # two settings taking turns on one layer
+    path = bench_host_step.main(["--length", "2048", "--steps", "20", "--threads", "1", "--out", str(tmp_path),
+                                 "--variants", *settings])
+    assert dci.KernelSettings.current() == dci.KernelSettings.parse(settings[0])  # the first one's left in force
+    before.apply()
     payload = json.loads(path.read_text())
-    seconds = payload["seconds"]
-    assert len(seconds["host_step"]) == len(seconds["search"]) == len(seconds["stage"]) == 20
-    for total, search, stage, rest in zip(seconds["host_step"], seconds["search"], seconds["stage"], seconds["rest"]):
-        assert 0 < search < total and 0 < stage < total and rest == pytest.approx(total - search - stage)
-    # random queries: most of the 12 selected pages of each of the 8 KV heads change at every step
-    assert 0 < seconds["pages_loaded_per_step"][0] <= 8 * 12
+    assert [v["kernel_settings"] for v in payload["variants"]] == settings
+    assert payload["median_ms"] == payload["variants"][0]["median_ms"]  # the first setting's at the top
+    for variant in payload["variants"]:
+        seconds = variant["seconds"]
+        assert len(seconds["host_step"]) == len(seconds["search"]) == len(seconds["stage"]) == 20
+        for total, search, stage, rest in zip(seconds["host_step"], seconds["search"], seconds["stage"],
+                                              seconds["rest"]):
+            assert 0 < search < total and 0 < stage < total and rest == pytest.approx(total - search - stage)
+        # random queries: most of the 12 selected pages of each of the 8 KV heads change at every step
+        assert 0 < variant["pages_loaded_per_step"] <= 8 * 12
+        assert variant["search_phases_ms"]["scan"] > 0
     assert payload["provenance"]["torch"]
 
 

@@ -746,15 +746,17 @@ def render_breakdown(results: Path, paper: dict[str, Any]) -> str:
 
 def render_host_step(results: Path, paper: dict[str, Any]) -> str:
     files = load(results, "host_step_*.json")
-    newest = newest_by([((f.host, f.data["threads"], f.data["length"]), f.order, f) for f in files])
+    # Files before --variants timed the one setting of their process, not recorded ("-").
+    newest = newest_by([((f.host, f.data["threads"], f.data["length"], v.get("kernel_settings", "-")), f.order, (v, f))
+                        for f in files for v in f.data.get("variants", [f.data])])
     rows = []
-    for (host, threads, length), f in sorted(newest.items()):
-        ms = f.data["median_ms"]
-        rows.append([host, str(threads), str(length), fmt(ms.get("search"), digits=2), fmt(ms.get("stage"), digits=2),
-                     fmt(ms.get("rest"), digits=2), fmt(ms.get("host_step"), digits=2), str(f.data["steps"]),
-                     f"`{f.name}`", f.commit])
-    header = ["host", "threads", "context", "search ms", "diff + gather ms", "rest ms", "host step ms", "steps",
-              "file", "commit"]
+    for (host, threads, length, kernels), (v, f) in sorted(newest.items()):
+        ms = v["median_ms"]
+        rows.append([host, str(threads), str(length), kernels if kernels == "-" else f"`{kernels}`",
+                     fmt(ms.get("search"), digits=2), fmt(ms.get("stage"), digits=2), fmt(ms.get("rest"), digits=2),
+                     fmt(ms.get("host_step"), digits=2), str(f.data["steps"]), f"`{f.name}`", f.commit])
+    header = ["host", "threads", "context", "kernels (ISA:prefetch:chunk:level)", "search ms", "diff + gather ms",
+              "rest ms", "host step ms", "steps", "file", "commit"]
     return table(header, rows)
 
 
@@ -797,13 +799,16 @@ def binding(f: Result) -> str:
 def render_dci(results: Path, paper: dict[str, Any]) -> str:
     files = load(results, "dci_*.json")
     # Files before the kernel variants searched float32 keys with the build's one kernel set.
+    # Files before --query-dtype scored float32 queries.
     newest = newest_by([((f.host, row["n"], row["threads"], row.get("score_precision") or "float32", binding(f),
-                          row.get("key_dtype", "float32"), row.get("variant", "-")), f.order, (row, f))
+                          row.get("key_dtype", "float32"), row.get("query_dtype", "float32"), row.get("variant", "-")),
+                         f.order, (row, f))
                         for f in files for row in f.data["rows"]])
     rows = []
-    for (host, n, threads, precision, bound, key_dtype, variant), (row, f) in sorted(newest.items()):
+    for (host, n, threads, precision, bound, key_dtype, query_dtype, variant), (row, f) in sorted(newest.items()):
         kernels = f"`{variant}`" if variant != "-" else "-"
-        rows.append([host, str(n), key_dtype, str(threads), bound, precision, kernels, fmt(row["build_s"], digits=3),
+        dtypes = key_dtype if query_dtype == "float32" else f"{key_dtype} (queries {query_dtype})"
+        rows.append([host, str(n), dtypes, str(threads), bound, precision, kernels, fmt(row["build_s"], digits=3),
                      fmt(row["query_ms"], digits=3), fmt(row.get("read_share"), digits=2),
                      fmt(row["exact_ms"], digits=2), fmt(row["page_recall"], digits=3),
                      fmt(row["token_recall"], digits=3), fmt(row["mass_recall"], digits=3), f"`{f.name}`", f.commit])
@@ -813,7 +818,8 @@ def render_dci(results: Path, paper: dict[str, Any]) -> str:
         rows.append([f"paper ({figure['hardware']})", f"~{figure['context_tokens']}", "-", "64", "-", "-", "-", "-",
                      f"~{per_layer:.1f} ({figure['ms']['query']} ms per token over 30 layers)", "-", "-", "-", "-",
                      "-", "-", "-"])
-    header = ["host", "keys", "key dtype", "threads", "threads bound", "first pass", "kernels (ISA:prefetch:chunk)",
+    header = ["host", "keys", "key dtype", "threads", "threads bound", "first pass",
+              "kernels (ISA:prefetch:chunk[:level])",
               "build s / layer", "query ms / layer", "search / host read", "exact top-k ms (torch)",
               "page recall", "token recall", "mass recall", "file", "commit"]
     return table(header, rows)

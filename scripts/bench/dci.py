@@ -16,21 +16,22 @@ query is aimed at a few keys of one cluster, so attention is concentrated as in 
 
 Score precision (--score-precision float32 half): one index per precision over the same keys and queries. Their
 queries are timed in alternation (one call each, round robin), so that load from elsewhere hits both alike.
-`same` is the fraction of query heads whose pages, tokens and scores equal the float32 index's bit for bit.
+`same` is the fraction of query heads whose pages, tokens and scores equal the float32 index's bit for bit, `pages`
+the fraction whose set of selected pages equals it (the selection alone).
 
 Key dtype (--key-dtype): the index holds float32 keys, or bfloat16 keys as a KV cache does (the keys rounded to
-bfloat16 first; the exact reference scores the same rounded values). Kernels (--variants): each variant
-ISA:PREFETCH_ROWS:CHUNK_ROWS sets the scoring kernels' instruction set (icecache.dci.set_isa) and the scan's speed
-settings (icecache.dci.set_scan_tuning); the variants are timed in alternation on the same indexes, like the
-precisions, and `same` then compares every row with the first variant's float32 result (default: one variant, the
-widest ISA the CPU runs and the default settings).
+bfloat16 first; the exact reference scores the same rounded values); --query-dtype bfloat16 rounds the queries too,
+as a bf16 model's are. Kernels (--variants): each variant ISA:PREFETCH_ROWS:CHUNK_ROWS[:PREFETCH_LEVEL] sets the
+scoring kernels' instruction set (icecache.dci.set_isa) and the scan's speed settings (icecache.dci.set_scan_tuning);
+the variants are timed in alternation on the same indexes, like the precisions, and `same` and `pages` then compare
+every row with the first variant's float32 result (default: one variant, the current ISA and settings).
 
 Read rate: for each thread count the host's read rate is measured first (icecache.dci.measure_read_rate, the same
 OpenMP threads summing a fresh --read-probe-gib buffer), and each row reports the search's own rate (the bytes
 ``last_query_stats`` says one query read, over its median time) and its share of the host's.
 
     python scripts/bench/dci.py --sizes 8192 32768 131072 --threads 1 4 16 [--shared-aim] \
-        [--score-precision float32 half] [--key-dtype bfloat16] [--variants avx2:0:0 avx512:32:256] \
+        [--score-precision float32 half] [--key-dtype bfloat16] [--variants avx512:32:256:1 avx512bf16:32:256:2] \
         [--out DIR_OR_FILE.json]
 writes results/bench/dci_<hostname>_<date>.json (or into/at --out) and prints a table.
 """
@@ -38,7 +39,6 @@ writes results/bench/dci_<hostname>_<date>.json (or into/at --out) and prints a 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as dt
 import json
 import math
@@ -54,45 +54,15 @@ import torch
 from eval.provenance import machine_label
 from icecache.dci import (
     DCIIndex,
-    active_isa,
+    KernelSettings,
     default_query_field_of_view,
     measure_read_rate,
-    scan_tuning,
     search_read_share,
-    set_isa,
-    set_scan_tuning,
 )
 
 REPO = Path(__file__).resolve().parents[2]
 
 N_KV_HEADS, N_Q_HEADS, HEAD_DIM, K_PAGES = 8, 32, 128, 12
-
-
-@dataclasses.dataclass(frozen=True)
-class KernelVariant:
-    """The scoring kernels' instruction set and the last-level scan's speed settings, applied process-wide."""
-
-    isa: str
-    prefetch_rows: int
-    chunk_rows: int
-
-    @classmethod
-    def parse(cls, text: str) -> KernelVariant:
-        isa, prefetch_rows, chunk_rows = text.split(":")
-        return cls(isa, int(prefetch_rows), int(chunk_rows))
-
-    @classmethod
-    def current(cls) -> KernelVariant:
-        tuning = scan_tuning()
-        return cls(active_isa(), tuning["prefetch_rows"], tuning["chunk_rows"])
-
-    @property
-    def label(self) -> str:
-        return f"{self.isa}:{self.prefetch_rows}:{self.chunk_rows}"
-
-    def apply(self) -> None:
-        set_isa(self.isa)
-        set_scan_tuning(self.prefetch_rows, self.chunk_rows)
 
 
 def make_keys(rng: np.random.Generator, n: int, n_heads: int = N_KV_HEADS, dim: int = HEAD_DIM,
@@ -168,8 +138,8 @@ def recall_metrics(index: DCIIndex, scores: torch.Tensor, pages: np.ndarray, tok
 def bench_size(n: int, threads: list[int], repeats: int, seed: int, shared_aim: bool = False,
                precisions: tuple[str, ...] = ("float32",), key_dtype: str = "float32",
                read_rates: dict[int, float] | None = None,
-               variants: tuple[KernelVariant, ...] | None = None) -> list[dict]:
-    variants = variants or (KernelVariant.current(),)
+               variants: tuple[KernelSettings, ...] | None = None, query_dtype: str = "float32") -> list[dict]:
+    variants = variants or (KernelSettings.current(),)
     rng = np.random.default_rng(seed)
     keys = make_keys(rng, n)
     if key_dtype == "bfloat16":  # the values a bfloat16 KV cache holds; the reference scores the same values
@@ -177,6 +147,8 @@ def bench_size(n: int, threads: list[int], repeats: int, seed: int, shared_aim: 
     index_keys = torch.from_numpy(keys).to(torch.bfloat16) if key_dtype == "bfloat16" else keys
     ratio = N_Q_HEADS // N_KV_HEADS
     queries = make_queries(rng, keys, ratio, shared_aim)
+    if query_dtype == "bfloat16":  # a bf16 model's queries: bf16 values, handed to the index as float32
+        queries = torch.from_numpy(queries).to(torch.bfloat16).float().numpy()
     keys_t, q_t = torch.from_numpy(keys), torch.from_numpy(queries)
     fov = default_query_field_of_view(n)
 
@@ -199,9 +171,9 @@ def bench_size(n: int, threads: list[int], repeats: int, seed: int, shared_aim: 
             indexes[precision], build_times[precision] = index, times
             query(index)  # warm-up
         timed = [(precision, variant) for variant in variants for precision in precisions]
-        query_times: dict[tuple[str, KernelVariant], list[float]] = {key: [] for key in timed}
+        query_times: dict[tuple[str, KernelSettings], list[float]] = {key: [] for key in timed}
         results, bytes_read = {}, {}
-        phase_ns: dict[tuple[str, KernelVariant], list[dict[str, int]]] = {key: [] for key in timed}
+        phase_ns: dict[tuple[str, KernelSettings], list[dict[str, int]]] = {key: [] for key in timed}
         for _ in range(repeats):
             for precision, variant in timed:
                 variant.apply()
@@ -227,8 +199,9 @@ def bench_size(n: int, threads: list[int], repeats: int, seed: int, shared_aim: 
             read_rate = (read_rates or {}).get(t)
             row = {
                 "n": n, "threads": t, "shared_aim": shared_aim, "score_precision": precision,
-                "key_dtype": key_dtype, "variant": variant.label, "isa": variant.isa,
+                "key_dtype": key_dtype, "query_dtype": query_dtype, "variant": variant.label, "isa": variant.isa,
                 "prefetch_rows": variant.prefetch_rows, "chunk_rows": variant.chunk_rows,
+                "prefetch_level": variant.prefetch_level,
                 "bytes_read": bytes_read[key], "search_gbps": bytes_read[key] / query_s / 1e9,
                 "host_read_gbps": read_rate / 1e9 if read_rate else None,
                 "read_share": search_read_share(bytes_read[key], query_s, read_rate or 0.0),
@@ -249,6 +222,9 @@ def bench_size(n: int, threads: list[int], repeats: int, seed: int, shared_aim: 
                 for mine, ref in zip(results[key], reference):
                     same &= np.array([np.array_equal(a, b, equal_nan=True) for a, b in zip(mine, ref)])
                 row["same_as_float32"] = float(same.mean())
+                # the selection alone: the same set of pages (another order of the sums can swap near-ties)
+                row["same_pages"] = float(np.mean([set(a[a >= 0].tolist()) == set(b[b >= 0].tolist())
+                                                   for a, b in zip(pages, reference[0])]))
             rows.append(row)
             share = "-" if row["read_share"] is None else f"{row['read_share']:.2f}"
             print(f"  n={n:>7} threads={t:>2} {precision:>7} {variant.label}: build {row['build_s']:.3f} s, "
@@ -289,15 +265,18 @@ def main() -> None:
                     help="DCIIndex score_precision values to bench side by side on the same data")
     ap.add_argument("--key-dtype", choices=["float32", "bfloat16"], default="float32",
                     help="the dtype the index holds its keys in (bfloat16: as a KV cache holds them)")
-    ap.add_argument("--variants", type=KernelVariant.parse, nargs="+",
-                    help="ISA:PREFETCH_ROWS:CHUNK_ROWS kernel settings timed in alternation (default: the current)")
+    ap.add_argument("--query-dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the queries' values (bfloat16: rounded, as a bf16 model's queries are)")
+    ap.add_argument("--variants", type=KernelSettings.parse, nargs="+",
+                    help="ISA:PREFETCH_ROWS:CHUNK_ROWS[:PREFETCH_LEVEL] kernel settings timed in alternation "
+                         "(default: the current)")
     ap.add_argument("--read-probe-gib", type=float, default=1.0,
                     help="buffer size of the host read-rate probe, per thread count (0: no probe)")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "bench",
                     help="a directory (gets dci_<host>_<date>.json) or a .json file path")
     args = ap.parse_args()
 
-    variants = tuple(dict.fromkeys(args.variants or [KernelVariant.current()]))
+    variants = tuple(dict.fromkeys(args.variants or [KernelSettings.current()]))
     read_rates = {t: measure_read_rate(int(args.read_probe_gib * 2**30), t) for t in args.threads} \
         if args.read_probe_gib > 0 else {}
     for t, rate in read_rates.items():
@@ -305,7 +284,8 @@ def main() -> None:
     rows = []
     for n in args.sizes:
         rows.extend(bench_size(n, args.threads, args.repeats, args.seed, args.shared_aim,
-                               tuple(dict.fromkeys(args.score_precision)), args.key_dtype, read_rates, variants))
+                               tuple(dict.fromkeys(args.score_precision)), args.key_dtype, read_rates, variants,
+                               args.query_dtype))
     info = provenance()
     info["threads"] = args.threads
     info["variants"] = [v.label for v in variants]
@@ -317,7 +297,8 @@ def main() -> None:
                      "promotion_prob": [0.01, 0.2], "build": {"field_of_view": 30, "prop_to_retrieve": 1.0,
                      "anchors": [60, 60, 1.02]}, "query": {"field_of_view": "max(int(1.5e-3*n), 30)",
                      "prop_to_retrieve": 0.8, "prop_to_visit": 1.0}, "score_precision": args.score_precision,
-                     "key_dtype": args.key_dtype, "variants": [v.label for v in variants]},
+                     "key_dtype": args.key_dtype, "query_dtype": args.query_dtype,
+                     "variants": [v.label for v in variants]},
         "rows": rows,
     }
     date = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -325,13 +306,14 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
 
-    head = (f"{'n':>7} {'thr':>3} {'scores':>7} {'variant':>16} {'lvls':>4} {'build s':>8} {'query ms':>9} "
+    head = (f"{'n':>7} {'thr':>3} {'scores':>7} {'variant':>20} {'lvls':>4} {'build s':>8} {'query ms':>9} "
             f"{'exact ms':>9} {'GB/s':>6} {'share':>5} {'page rec':>8} {'tok rec':>8} {'mass rec':>8} {'oracle':>7} "
-            f"{'same':>5}")
+            f"{'same':>5} {'pages':>5}")
     print(head)
     for r in rows:
         same = f"{r['same_as_float32']:>5.2f}" if "same_as_float32" in r else f"{'-':>5}"
-        print(f"{r['n']:>7} {r['threads']:>3} {r['score_precision']:>7} {r['variant']:>16} {r['levels']:>4} "
+        same += f" {r['same_pages']:>5.2f}" if "same_pages" in r else f" {'-':>5}"
+        print(f"{r['n']:>7} {r['threads']:>3} {r['score_precision']:>7} {r['variant']:>20} {r['levels']:>4} "
               f"{r['build_s']:>8.3f} "
               f"{r['query_ms']:>9.3f} {r['exact_ms']:>9.2f} {r['search_gbps']:>6.1f} "
               f"{'-' if r['read_share'] is None else format(r['read_share'], '.2f'):>5} "
