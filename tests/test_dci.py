@@ -863,6 +863,29 @@ def test_each_isa_builds_valid_trees_and_finds_the_exact_results(kernel_settings
         assert np.allclose(scores[tokens[h][:20]], token_scores[h][:20], rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("key_dtype", ["bfloat16", "float32"])
+def test_key_rows_past_two_mib_an_instance_are_held_and_searched_like_small_ones(key_dtype):
+    """Key arrays of 2 MiB or more are allocated on huge-page boundaries (CacheLineAllocator): an index that grows
+    across that size by inserts keeps valid trees and finds the exact top tokens when the budgets cover everything."""
+    rng = np.random.default_rng(4)
+    n, dim = 9000, 128  # 9000 x 128 bf16 = 2.2 MiB an instance (float32: 4.4 MiB); the build holds 7000 of them
+    keys = clustered_keys(rng, 2, n, dim)
+    if key_dtype == "bfloat16":
+        keys = torch.from_numpy(keys).to(torch.bfloat16).float().numpy()
+    held = torch.from_numpy(keys).to(torch.bfloat16) if key_dtype == "bfloat16" else keys
+    index = DCIIndex(dim, 2, num_threads=2, key_dtype=key_dtype)
+    index.build(held[:, :7000])
+    for begin in range(7000, n, 500):
+        index.insert(held[:, begin:begin + 500])
+    assert_page_invariants(index)
+    q = aimed_queries(rng, keys, 2)
+    _, tokens, _, token_scores = index.query(q, 64, field_of_view=10**6, prop_to_retrieve=1.0, ratio=2,
+                                             return_scores=True)
+    for h in range(4):
+        scores = keys[h // 2] @ q[h]
+        np.testing.assert_allclose(token_scores[h][:20], np.sort(scores)[::-1][:20], rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("precision", ["float32", "half"])
 def test_the_scan_settings_and_fma_isas_give_the_same_results(kernel_settings, precision):
     """Prefetch distance and cache level, work-item chunking and the FMA instruction sets change only speed: pages,
