@@ -798,7 +798,7 @@ def test_set_isa_refuses_unknown_names(kernel_settings):
         kernel_settings.set_scan_tuning(32, 256, prefetch_level=3)
 
 
-def test_kernel_settings_are_read_from_their_label_and_applied_process_wide(kernel_settings):
+def test_kernel_settings_are_read_from_their_label_and_applied_process_wide(kernel_settings, monkeypatch):
     settings = kernel_settings.KernelSettings.parse("portable:5:16:1")
     assert settings.label == "portable:5:16:1"
     assert kernel_settings.KernelSettings.parse("portable:5:16") == kernel_settings.KernelSettings("portable", 5, 16, 2)
@@ -808,6 +808,13 @@ def test_kernel_settings_are_read_from_their_label_and_applied_process_wide(kern
     for bad in ("sse9:1:2", "avx512:1", "avx512:a:2", "avx512:1:2:3:4"):
         with pytest.raises(ValueError, match="kernel settings are ISA:PREFETCH_ROWS:CHUNK_ROWS"):
             kernel_settings.KernelSettings.parse(bad)
+    # what the CPU cannot run is refused when read (before a benchmark's work), not when applied
+    from icecache.dci import kernels
+
+    monkeypatch.setattr(kernels, "supported_isa", lambda: "avx2")
+    with pytest.raises(ValueError, match="avx512:32:256: this CPU runs the DCI kernels at most as avx2"):
+        kernel_settings.KernelSettings.parse("avx512:32:256")
+    assert kernel_settings.KernelSettings.parse("avx2:32:256").isa == "avx2"
 
 
 def test_the_isa_environment_variable_is_read_at_import():

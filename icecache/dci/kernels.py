@@ -86,6 +86,8 @@ class KernelSettings:
         if len(parts) not in (3, 4) or parts[0] not in ISAS or not all(p.isdigit() for p in parts[1:]):
             raise ValueError(f"kernel settings are ISA:PREFETCH_ROWS:CHUNK_ROWS[:PREFETCH_LEVEL] with ISA one of "
                              f"{', '.join(ISAS)}, got {text!r}")
+        if ISAS.index(parts[0]) > ISAS.index(supported_isa()):
+            raise ValueError(f"{text}: this CPU runs the DCI kernels at most as {supported_isa()}")
         return cls(parts[0], *(int(p) for p in parts[1:]))
 
     @classmethod
