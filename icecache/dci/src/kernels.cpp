@@ -6,7 +6,8 @@
 // build (-ffp-contract=fast is its default for C++), and the AVX-512 kernels do the same FMAs into the same lanes
 // (one 16-lane register holds the two 8-lane accumulators of the AVX2 kernels side by side) and sum them in the
 // same order. The portable build has no FMA: it rounds each product before adding it, so its values can differ
-// from the other two in the last bits (and with them a near-tie between two keys).
+// from the other two in the last bits (and with them a near-tie between two keys). A fourth build, avx512bf16,
+// scores bf16 rows with vdpbf16ps (its section below): exact products, summed in another order.
 #include <omp.h>
 
 #include <atomic>
