@@ -23,9 +23,10 @@
 namespace dci {
 
 // The key rows' allocator. Rows of a multiple of 64 bytes (bf16 at dims 32k, float32 at 16k) start on cache lines, so
-// no 64-byte load of a row spans two. An array of 2 MiB or more is placed on 2 MiB boundaries and offered to the
-// kernel as transparent huge pages (madvise; where THP is off it stays in 4 KiB pages): a search reads rows all over
-// an instance's keys, and with 4 KiB pages nearly every row it reads costs a TLB miss.
+// no 64-byte load of a row spans two. An array of 2 MiB or more starts on a 2 MiB boundary, and its whole 2 MiB
+// chunks are offered to the kernel as transparent huge pages (madvise; where THP is off they stay in 4 KiB pages):
+// a search reads rows all over an instance's keys, and with 4 KiB pages nearly every row it reads costs a TLB miss.
+// The tail past the last whole chunk keeps 4 KiB pages, so no huge page is backed beyond the array.
 template <typename T>
 struct CacheLineAllocator {
   using value_type = T;
@@ -37,10 +38,9 @@ struct CacheLineAllocator {
   T* allocate(size_t n) {
     const size_t bytes = n * sizeof(T);
     if (bytes < kHugePage) return static_cast<T*>(::operator new(bytes, kAlign));
-    const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
     void* p = nullptr;
-    if (posix_memalign(&p, kHugePage, rounded) != 0) throw std::bad_alloc();
-    madvise(p, rounded, MADV_HUGEPAGE);  // advice only: its failure leaves 4 KiB pages
+    if (posix_memalign(&p, kHugePage, bytes) != 0) throw std::bad_alloc();
+    madvise(p, bytes / kHugePage * kHugePage, MADV_HUGEPAGE);  // advice only: its failure leaves 4 KiB pages
     return static_cast<T*>(p);
   }
   void deallocate(T* p, size_t n) {
