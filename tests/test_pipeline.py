@@ -397,7 +397,7 @@ def test_compare_runs_pairs_runs_by_task_model_method_budget_and_counts_identica
     assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "a")]) == 0
 
 
-def test_bench_host_step_times_the_parts_of_a_layer_step(tmp_path):
+def test_bench_host_step_times_the_parts_of_a_layer_step(tmp_path, capsys):
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_host_step", REPO / "scripts" / "bench" / "host_step.py")
@@ -411,6 +411,9 @@ def test_bench_host_step_times_the_parts_of_a_layer_step(tmp_path):
                                  "--variants", *settings])
     assert dci.KernelSettings.current() == dci.KernelSettings.parse(settings[0])  # the first one's left in force
     before.apply()
+    with pytest.raises(SystemExit):  # a malformed setting is the command line's one error, before any work
+        bench_host_step.main(["--variants", "avx512:32"])
+    assert "kernel settings are ISA:PREFETCH_ROWS:CHUNK_ROWS" in capsys.readouterr().err
     payload = json.loads(path.read_text())
     assert [v["kernel_settings"] for v in payload["variants"]] == settings
     assert payload["median_ms"] == payload["variants"][0]["median_ms"]  # the first setting's at the top

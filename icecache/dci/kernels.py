@@ -91,6 +91,16 @@ class KernelSettings:
         return cls(parts[0], *(int(p) for p in parts[1:]))
 
     @classmethod
+    def argument(cls, text: str) -> KernelSettings:
+        """``parse`` for argparse's ``type=``: its message becomes the command line's one error line."""
+        import argparse
+
+        try:
+            return cls.parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    @classmethod
     def current(cls) -> KernelSettings:
         tuning = scan_tuning()
         return cls(active_isa(), tuning["prefetch_rows"], tuning["chunk_rows"], tuning["prefetch_level"])

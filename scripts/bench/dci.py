@@ -267,7 +267,7 @@ def main() -> None:
                     help="the dtype the index holds its keys in (bfloat16: as a KV cache holds them)")
     ap.add_argument("--query-dtype", choices=["float32", "bfloat16"], default="float32",
                     help="the queries' values (bfloat16: rounded, as a bf16 model's queries are)")
-    ap.add_argument("--variants", type=KernelSettings.parse, nargs="+",
+    ap.add_argument("--variants", type=KernelSettings.argument, nargs="+",
                     help="ISA:PREFETCH_ROWS:CHUNK_ROWS[:PREFETCH_LEVEL] kernel settings timed in alternation "
                          "(default: the current)")
     ap.add_argument("--read-probe-gib", type=float, default=1.0,

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--threads", type=int, default=16, help="OpenMP threads of the index and torch")
     parser.add_argument("--team-spin-us", type=int, default=2000,
                         help="how long the search team spins between steps (2000: the decode step's on a GPU)")
-    parser.add_argument("--variants", type=KernelSettings.parse, nargs="+",
+    parser.add_argument("--variants", type=KernelSettings.argument, nargs="+",
                         help="ISA:PREFETCH_ROWS:CHUNK_ROWS[:PREFETCH_LEVEL] kernel settings taking turns step by step "
                              "on the same layer (default: the current ones)")
     parser.add_argument("--out", default=str(REPO / "results" / "bench"))
