@@ -31,8 +31,8 @@ OpenMP threads summing a fresh --read-probe-gib buffer), and each row reports th
 ``last_query_stats`` says one query read, over its median time) and its share of the host's.
 
     python scripts/bench/dci.py --sizes 8192 32768 131072 --threads 1 4 16 [--shared-aim] \
-        [--score-precision float32 half] [--key-dtype bfloat16] [--variants avx512:32:256:1 avx512bf16:32:256:2] \
-        [--out DIR_OR_FILE.json]
+        [--score-precision float32 half] [--key-dtype bfloat16] [--query-dtype bfloat16] \
+        [--variants avx512:32:256:1 avx512bf16:32:256:2] [--out DIR_OR_FILE.json]
 writes results/bench/dci_<hostname>_<date>.json (or into/at --out) and prints a table.
 """
 
