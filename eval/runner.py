@@ -201,8 +201,10 @@ def run(config: RunConfig) -> dict[str, Any] | None:
                   f"samples are dropped")
             predictions_path.unlink()
         rundir.truncate_torn_tail(predictions_path)
+        environment = provenance.collect()
+        check_same_dci_kernels(out_dir, predictions_path, environment)
         rundir.write_text_atomic(out_dir / rundir.CONFIG, OmegaConf.to_yaml(OmegaConf.create(config.identity())))
-        rundir.write_json_atomic(out_dir / rundir.ENV, provenance.collect())
+        rundir.write_json_atomic(out_dir / rundir.ENV, environment)
 
         model, tokenizer = loaded_model(config, tokenizer)
         done = set(rundir.run_records(out_dir))
@@ -220,6 +222,19 @@ def run(config: RunConfig) -> dict[str, Any] | None:
         if not sharded:
             return finish(config, task, samples, holds_run_lock=True)
     return finish(config, task, samples, holds_run_lock=False)
+
+
+def check_same_dci_kernels(out_dir: Path, predictions_path: Path, environment: dict[str, Any]) -> None:
+    """A run resumes with the DCI kernels' instruction set its written samples were made with: another one sums a
+    search's scores in another order (docs/dci.md, kernels), so one run would mix two arithmetics. Runs recorded
+    before the set was (no ``dci_isa``) resume as they are."""
+    env_path = out_dir / rundir.ENV
+    if not (env_path.exists() and rundir.read_records(predictions_path)):
+        return
+    before, now = json.loads(env_path.read_text(encoding="utf-8")).get("dci_isa"), environment.get("dci_isa")
+    if before and now and before != now and "unavailable" not in f"{before}{now}":
+        raise ConfigError(f"{out_dir}: its samples were made with the DCI kernels' {before} instruction set and this "
+                          f"process has {now}: resume with ICECACHE_DCI_ISA={before}, or restart it with resume=false")
 
 
 def run_sample(config: RunConfig, task, method, model, tokenizer, sample, default_eos) -> dict[str, Any]:

@@ -141,6 +141,54 @@ def test_bad_input_gives_one_line_and_exit_code_2(overrides, message, tmp_path):
     assert not any(tmp_path.iterdir())  # stopped before any work
 
 
+def test_a_run_resumes_only_with_the_dci_instruction_set_its_samples_were_made_with(tmp_path, monkeypatch):
+    """Another ISA sums the search's scores in another order: a killed run whose env.json names one is refused, in
+    one line, before the model loads, under another; under its own it resumes; resume=false restarts it."""
+    from icecache import dci
+    from icecache.core import generation
+
+    real = generation.greedy_generate
+    calls = []
+
+    def dying(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "greedy_generate", dying)
+    config = make_config(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(config)
+    monkeypatch.setattr(generation, "greedy_generate", real)
+    env_path = config.output_dir() / rundir.ENV
+    env = json.loads(env_path.read_text())
+    assert env["dci_isa"] == dci.active_isa()
+    runnable = dci.ISAS[:dci.ISAS.index(dci.supported_isa()) + 1]
+    other = next((isa for isa in runnable if isa != dci.active_isa()), "avx512")  # avx512: only a recorded name
+    env_path.write_text(json.dumps({**env, "dci_isa": other}))  # as if its samples came from another ISA
+    loads = []
+    monkeypatch.setattr(runner, "loaded_model", lambda *a, **k: loads.append(1) or pytest.fail("model loaded"))
+    with pytest.raises(ConfigError, match=f"resume with ICECACHE_DCI_ISA={other}, or restart it with resume=false"):
+        runner.run(config)
+    assert loads == [] and len(rundir.read_records(config.output_dir() / rundir.PREDICTIONS)) == 1
+    monkeypatch.undo()
+    predictions = config.output_dir() / rundir.PREDICTIONS
+    before = dci.active_isa()
+    if other in runnable:
+        try:
+            dci.set_isa(other)  # under its own instruction set it resumes and finishes
+            runner.run(config)
+        finally:
+            dci.set_isa(before)
+        assert len(rundir.read_records(predictions)) == 6 and (config.output_dir() / rundir.METRICS).exists()
+        assert json.loads(env_path.read_text())["dci_isa"] == other
+        (config.output_dir() / rundir.METRICS).unlink()
+    predictions.write_text("".join(line + "\n" for line in predictions.read_text().splitlines()[:2]))
+    runner.run(make_config(tmp_path, resume=False))  # a restart drops the samples: no refusal, all of them again
+    assert len(rundir.read_records(predictions)) == 6 and json.loads(env_path.read_text())["dci_isa"] == before
+
+
 def test_provenance_names_the_snapshot_commit_over_the_enclosing_checkout(monkeypatch):
     """A git-archive copy inside another checkout (the GPU host) must record the commit it was made from."""
     from eval import provenance
