@@ -6,11 +6,11 @@
 //   * one sorted projection array per direction: the simple indices the query walks.
 #pragma once
 
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <sys/mman.h>
-
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -316,7 +316,9 @@ class Instance {
              float* page_scores, float* token_scores) const;
   // The query without its output: leaves s.best_tokens / s.best_pages holding every fed point. With `runs` (and
   // L = 1) the last level is not scanned but appended to *runs, to be finished by scan_runs.
-  void descend(const float* q, int K, const SearchConfig& sc, Scratch& s, std::vector<LastLevelRun>* runs) const;
+  // `split`: q's bf16 split when the caller made one (it keeps it for the scan), else made here in s.
+  void descend(const float* q, int K, const SearchConfig& sc, Scratch& s, std::vector<LastLevelRun>* runs,
+               const Bf16Split* split = nullptr) const;
   // Scores the union of the heads' runs over one parent's children once, each key row against all `nh` probes
   // (nh <= kMaxGroupHeads), and feeds head j only the rows of its own run [first[j], last[j]). Per head this feeds
   // exactly what scan_last_level would, with bit-identical scores.

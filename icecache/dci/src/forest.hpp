@@ -308,11 +308,12 @@ class Forest {
         for (int64_t h; (h = dci::Team::next_index(next_head)) < nq;) {
           HeadState& hs = heads_[h];
           hs.runs.clear();
-          inst_[h / ratio]->descend(q + h * dim, K, sc, s, &hs.runs);
-          std::swap(hs.best_tokens, s.best_tokens);
-          std::swap(hs.best_pages, s.best_pages);
+          // the head's bf16 split, made once: its descent and the group's scan both score with it
           hs.probe = dci::Probe{q + h * dim, dci::dot(q + h * dim, q + h * dim, dim), true,
                                 inst_[h / ratio]->split_query(q + h * dim, hs.query_split)};
+          inst_[h / ratio]->descend(q + h * dim, K, sc, s, &hs.runs, &hs.probe.bf16);
+          std::swap(hs.best_tokens, s.best_tokens);
+          std::swap(hs.best_pages, s.best_pages);
           // the descent's fed points are part of the head's result: their K-th best is a bar for the half scan
           bars_[h].tokens.store(hs.best_tokens.bar(), std::memory_order_relaxed);
           bars_[h].pages.store(hs.best_pages.bar(), std::memory_order_relaxed);

@@ -575,14 +575,14 @@ DCI_TARGET_AVX512BF16 Bf16Split split_bf16(const float* q, int dim, uint16_t* bu
 }
 
 DCI_TARGET_AVX512BF16 void dot_rows_bf16(const float* q, const uint16_t* rows, const int32_t* ids, int m, int dim,
-                                         float* out, const Bf16Split* split = nullptr) {
+                                         float* out, const Bf16Split* split) {
   if (!fits(dim)) return avx512::dot_rows_bf16(q, rows, ids, m, dim, out);
   score_group<1, 4>(&q, split, rows, ids, m, dim, out, 0, RowsAhead{});
 }
 
 DCI_TARGET_AVX512BF16 void dot_rows_multi_bf16(const float* const* qs, int nq, const uint16_t* rows,
                                                const int32_t* ids, int m, int dim, float* out, int out_stride,
-                                               const RowsAhead& ahead, const Bf16Split* splits = nullptr) {
+                                               const RowsAhead& ahead, const Bf16Split* splits) {
   if (!fits(dim)) return avx512::dot_rows_multi_bf16(qs, nq, rows, ids, m, dim, out, out_stride, ahead);
   // the rows ahead are requested during the first pass over the rows only
   for (int j = 0; j < nq; j += 4) {
@@ -605,17 +605,15 @@ DCI_TARGET_AVX512BF16 void dot_rows_multi_bf16(const float* const* qs, int nq, c
 // The kernels the index calls: the build of the active instruction set.
 
 #ifdef DCI_X86
-#define DCI_DISPATCH(CALL)                               \
+// The bf16-row kernels of the avx512bf16 build take the query's split (CALL_SPLIT), the others' do not (CALL).
+#define DCI_DISPATCH_BF16(CALL_SPLIT, CALL)              \
   switch (active_isa()) {                                \
-    case Isa::kAvx512Bf16: return avx512bf16::CALL;      \
+    case Isa::kAvx512Bf16: return avx512bf16::CALL_SPLIT; \
     case Isa::kAvx512: return avx512::CALL;              \
     case Isa::kAvx2: return avx2::CALL;                  \
     default: return portable::CALL;                      \
   }
-// The bf16-row kernels: the avx512bf16 build takes the query's split (CALL_SPLIT), the others do not (CALL).
-#define DCI_DISPATCH_BF16(CALL_SPLIT, CALL)                                           \
-  if (active_isa() == Isa::kAvx512Bf16) return avx512bf16::CALL_SPLIT;               \
-  DCI_DISPATCH(CALL)
+#define DCI_DISPATCH(CALL) DCI_DISPATCH_BF16(CALL, CALL)
 #else
 #define DCI_DISPATCH(CALL) return portable::CALL;
 #define DCI_DISPATCH_BF16(CALL_SPLIT, CALL) return portable::CALL;

@@ -602,7 +602,7 @@ void Instance::query(const float* q, int K, const SearchConfig& sc, Scratch& s, 
 }
 
 void Instance::descend(const float* q, int K, const SearchConfig& sc, Scratch& s,
-                       std::vector<LastLevelRun>* runs) const {
+                       std::vector<LastLevelRun>* runs, const Bf16Split* split) const {
   s.best_tokens.reset(std::max(K, 0));
   s.best_pages.reset(std::max(K, 0));
   if (levels_.empty() || K <= 0) return;
@@ -612,7 +612,7 @@ void Instance::descend(const float* q, int K, const SearchConfig& sc, Scratch& s
   const float qnorm = cfg_->transform && q_sq > 0 ? std::sqrt(q_sq) : 1.0f;
   float qproj[64];
   for (int j = 0; j < L; ++j) qproj[j] = dot(dirs_ + static_cast<int64_t>(j) * stride, q, dim) / qnorm;
-  const Probe probe{q, q_sq, true, split_query(q, s.query_split)};
+  const Probe probe{q, q_sq, true, split ? *split : split_query(q, s.query_split)};
 
   std::vector<Candidate>& cur = s.level_out;
   std::vector<Candidate>& next = s.next;
