@@ -871,6 +871,38 @@ def test_each_isa_builds_valid_trees_and_finds_the_exact_results(kernel_settings
 
 
 @pytest.mark.parametrize("key_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512", "avx512bf16"])
+def test_the_build_makes_its_reference_index_node_for_node(kernel_settings, isa, key_dtype):
+    """The build's fast paths (bf16 keys scored widened in place instead of through a float32 copy, the anchor
+    shortcut scored a segment of points at a time, brute-force parents a block at a time with vector distances)
+    build what the reference build (the per-point code over float32 copies) builds, node for node and bit for bit:
+    levels, parents, parent distances, projections, pages and the row layout, in every instruction set, for dims
+    that fill a vector and one that does not, at 1 and 3 threads, also where the level above is searched with DCI
+    rather than brute force; and inserts afterwards go where they go in the reference's index."""
+    if kernel_settings.ISAS.index(isa) > kernel_settings.ISAS.index(kernel_settings.supported_isa()):
+        pytest.skip(f"this CPU does not run {isa}")
+    kernel_settings.set_isa(isa)
+    rng = np.random.default_rng(8)
+    for dim, threads, brute in ((128, 1, 3000), (24, 3, 3000), (32, 3, 12)):
+        keys = clustered_keys(rng, 2, 4200, dim)  # > 3000 level-0 points: the anchor shortcut runs
+        held = torch.from_numpy(keys).to(torch.bfloat16) if key_dtype == "bfloat16" else keys
+        fast, reference = (DCIIndex(dim, 2, num_threads=threads, key_dtype=key_dtype) for _ in range(2))
+        fast.build(held[:, :4000], brute_force_threshold=brute)
+        reference.build(held[:, :4000], brute_force_threshold=brute, reference=True)
+        for index in (fast, reference):
+            index.insert(held[:, 4000:], as_batch=False)
+        for i in range(2):
+            expected, built = reference.node_info(i), fast.node_info(i)
+            assert expected.keys() == built.keys()
+            for name in expected:
+                assert np.array_equal(np.asarray(built[name]), np.asarray(expected[name])), (dim, name)
+            assert np.array_equal(fast.page_tokens(i), reference.page_tokens(i))
+            assert np.array_equal(fast.key_storage_rows(i), reference.key_storage_rows(i))
+            assert torch.equal(torch.as_tensor(fast.keys(i)), torch.as_tensor(reference.keys(i)))
+        assert_page_invariants(fast)
+
+
+@pytest.mark.parametrize("key_dtype", ["bfloat16", "float32"])
 def test_key_rows_past_two_mib_an_instance_are_held_and_searched_like_small_ones(key_dtype):
     """Key arrays of 2 MiB or more are allocated on huge-page boundaries (CacheLineAllocator): an index that grows
     across that size by inserts keeps valid trees and finds the exact top tokens when the budgets cover everything."""

@@ -184,12 +184,15 @@ class DCIIndex:
         anchor_neighbours: int = 60,
         anchor_threshold: float = 1.02,
         brute_force_threshold: int = BRUTE_FORCE_THRESHOLD,
+        reference: bool = False,
     ) -> None:
         """Bulk-build every instance from scratch over keys [num_instances, n, dim] (docs/dci.md, bulk build).
 
         field_of_view / prop_to_retrieve / prop_to_visit are the construction search settings used when a level
         above has more than `brute_force_threshold` points; the anchor settings enable the level-0 shortcut
         (anchor_interval 0 disables it). Any previous content is dropped; all pages are marked changed.
+        reference=True builds the same index the slow way the build was first written (a float32 copy of bf16 keys,
+        the shortcut's distances one pair at a time): what the tests hold the default build to, node for node.
         """
         keys = self._check_keys(keys)
         if keys.shape[1] >= 2**31 - 1:
@@ -199,7 +202,7 @@ class DCIIndex:
             raise ValueError("anchor settings must be non-negative")
         self._forest.build(
             keys, int(field_of_view), float(prop_to_retrieve), float(prop_to_visit), int(anchor_interval),
-            int(anchor_neighbours), float(anchor_threshold), int(brute_force_threshold),
+            int(anchor_neighbours), float(anchor_threshold), int(brute_force_threshold), bool(reference),
         )
 
     def insert(

@@ -10,14 +10,15 @@
 namespace dci {
 
 void Instance::assign_parents(int level, const SearchConfig& sc, const AnchorConfig& ac, int brute_threshold,
-                              int threads, std::vector<int32_t>& parent, std::vector<float>& pdist) {
+                              int threads, bool reference, std::vector<int32_t>& parent, std::vector<float>& pdist) {
   const std::vector<int32_t>& pts = levels_[level];
   const int64_t n = static_cast<int64_t>(pts.size());
   parent.assign(n, -1);
   pdist.assign(n, 0.0f);
   auto exact = [&](const std::vector<int64_t>& which) {
     const int64_t m = static_cast<int64_t>(which.size());
-    if (static_cast<int64_t>(levels_[level + 1].size()) <= brute_threshold) {  // what nearest_parent would do
+    // what nearest_parent would do, for a block of points at a time (the reference asks it point by point)
+    if (!reference && static_cast<int64_t>(levels_[level + 1].size()) <= brute_threshold) {
       brute_parents(pts, which, levels_[level + 1], threads, parent, pdist);
       return;
     }
@@ -51,7 +52,10 @@ void Instance::assign_parents(int level, const SearchConfig& sc, const AnchorCon
   std::vector<uint8_t> accepted(n, 0);
   for (int64_t a : anchors) accepted[a] = 1;
   const int X = std::max(1, ac.neighbours);
-  const float* keys = keys_.data();  // held through a build (bf16_keys too)
+  if (!reference) {
+    shortcut_segments(anchors, X, ac.threshold, max_child, threads, parent, pdist, accepted);
+  } else {
+  const float* keys = keys_.data();  // the reference build holds a float32 copy of every key
   const int dim = cfg_->dim;
 #pragma omp parallel num_threads(threads)
   {
@@ -88,17 +92,72 @@ void Instance::assign_parents(int level, const SearchConfig& sc, const AnchorCon
       }
     }
   }
+  }
   std::vector<int64_t> fallback;
   for (int64_t i = 0; i < n; ++i)
     if (!accepted[i]) fallback.push_back(i);
   exact(fallback);
 }
 
+void Instance::shortcut_segments(const std::vector<int64_t>& anchors, int X, double threshold,
+                                 const std::vector<float>& max_child, int threads, std::vector<int32_t>& parent,
+                                 std::vector<float>& pdist, std::vector<uint8_t>& accepted) const {
+  const std::vector<int32_t>& pts = levels_[0];
+  const int dim = cfg_->dim;
+  const int64_t n_segments = static_cast<int64_t>(anchors.size());
+#pragma omp parallel num_threads(threads) if (n_segments > 16)
+  {
+    std::vector<int32_t> cand;
+    std::vector<int64_t> seen_by(nodes_.size(), 0);  // a stamp per parent: distinct, in order of first appearance
+    std::vector<float> rows, dots;
+    std::vector<const float*> qs;
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t j = 1; j < n_segments; ++j) {
+      const int64_t first = anchors[j - 1] + 1, last = anchors[j];
+      if (first >= last) continue;
+      // the reference's list for a point i of this segment (upper_bound(anchors, i) == j), in the same order
+      cand.clear();
+      for (int64_t a = j - 1; a >= std::max<int64_t>(0, j - X); --a)
+        if (seen_by[parent[anchors[a]]] != j) { seen_by[parent[anchors[a]]] = j; cand.push_back(parent[anchors[a]]); }
+      for (int64_t a = j; a < std::min<int64_t>(n_segments, j + X); ++a)
+        if (seen_by[parent[anchors[a]]] != j) { seen_by[parent[anchors[a]]] = j; cand.push_back(parent[anchors[a]]); }
+      const int nq = static_cast<int>(last - first), nc = static_cast<int>(cand.size());
+      rows.resize(static_cast<size_t>(nq) * dim);
+      qs.resize(nq);
+      for (int q = 0; q < nq; ++q) qs[q] = key_row(pts[first + q], rows.data() + static_cast<size_t>(q) * dim);
+      dots.resize(static_cast<size_t>(nq) * nc);
+      // point . candidate: the product key_dist takes, operand for operand (dot_keys_multi keeps dot's sequence)
+      if (nc > 0) dot_keys_multi(qs.data(), nq, cand.data(), nc, dots.data(), nc);
+      for (int q = 0; q < nq; ++q) {
+        const int32_t v = pts[first + q];
+        int32_t best = -1;
+        float bd = INFINITY;
+        for (int c = 0; c < nc; ++c) {
+          const float d = key_dist_from_dot(dots[static_cast<size_t>(q) * nc + c], sq_norm_[v], sq_norm_[cand[c]]);
+          if (best < 0 || d < bd) { bd = d; best = cand[c]; }
+        }
+        if (best >= 0 && bd <= threshold * max_child[best]) {
+          parent[first + q] = best;
+          pdist[first + q] = bd;
+          accepted[first + q] = 1;
+        }
+      }
+    }
+  }
+}
+
 void Instance::build(const void* keys, int64_t n, const SearchConfig& sc, const AnchorConfig& ac,
-                     int brute_threshold, int threads) {
+                     int brute_threshold, int threads, bool reference) {
   reset();
   if (n <= 0) return;
-  append_points(keys, n, true);
+  // Without a float32 copy of bf16 keys, every score widens the rows (widen_bf16_rows_): the same values, half the
+  // memory written and faulted in per build.
+  append_points(keys, n, reference);
+  struct WidenWhileBuilding {
+    bool& flag;
+    explicit WidenWhileBuilding(bool& f) : flag(f) { flag = true; }
+    ~WidenWhileBuilding() { flag = false; }
+  } widen(widen_bf16_rows_);
   project(0, n, threads);
   for (int64_t i = 0; i < n; ++i) {
     const int l = next_level();
@@ -118,7 +177,7 @@ void Instance::build(const void* keys, int64_t n, const SearchConfig& sc, const 
   std::vector<int32_t> parent;
   std::vector<float> pdist;
   for (int l = top - 1; l >= 0; --l) {
-    assign_parents(l, sc, ac, brute_threshold, threads, parent, pdist);
+    assign_parents(l, sc, ac, brute_threshold, threads, reference, parent, pdist);
     const std::vector<int32_t>& pts = levels_[l];
     const std::vector<int32_t>& ups = levels_[l + 1];
     // group the children by parent, in the parents' level order; page ids are handed out in that order

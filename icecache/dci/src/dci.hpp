@@ -290,8 +290,10 @@ class Instance {
 
   // bulk build (docs/dci.md)
   // `keys` is float32 [n][dim], or bfloat16 bit patterns [n][dim] when the index holds bfloat16 keys.
+  // `reference`: the build as first written (a float32 copy of bf16 keys, the shortcut's distances one pair at a
+  // time), which the default build must match node for node (tests).
   void build(const void* keys, int64_t n, const SearchConfig& sc, const AnchorConfig& ac, int brute_threshold,
-             int threads);
+             int threads, bool reference = false);
   // insertion (docs/dci.md); `keys` as for build
   void insert(const void* keys, int64_t m, const SearchConfig& sc, bool as_batch, int brute_threshold);
   // Room for n tokens in every per-token array, so that inserting up to n tokens reallocates none of them.
@@ -377,7 +379,8 @@ class Instance {
   // a build with them), else the bfloat16 row widened into `buf` (dim floats), which is returned.
   const float* key_row(int64_t id, float* buf) const;
   // Dot products of q with the key rows `ids` (one query), and of qs[j] with them (several, out[j * stride + r]):
-  // the same sequence of operations whichever the storage, so a value never depends on it.
+  // the same sequence of operations whichever the storage, so a value never depends on it (during a build, bf16
+  // rows are widened whatever the instruction set: see widen_bf16_rows_).
   void dot_keys(const float* q, const int32_t* ids, int m, float* out, const Bf16Split* split = nullptr) const;
   void dot_keys_multi(const float* const* qs, int nq, const int32_t* ids, int m, float* out, int stride,
                       const Bf16Split* splits = nullptr) const;
@@ -416,6 +419,9 @@ class Instance {
       return static_cast<float>(M_ - ab - std::sqrt(std::max(0.0, M_ - a_sq) * std::max(0.0, M_ - b_sq)));
     return static_cast<float>(a_sq + b_sq - 2.0 * ab);
   }
+  // key_dist_from_dot(dots[i], a_sq, b_sq[i]) for i < m (out may be dots): the same value element by element, eight
+  // at a time where the CPU has AVX-512 (key_dists_transform).
+  void key_dists_from_dots(const float* dots, const double* b_sq, int64_t m, double a_sq, float* out) const;
   void score(const Probe& p, const int32_t* ids, int m, float* out) const;
   // all_scored: return every scored child unsorted (the last level of a query) instead of the best k.
   void search_children(const ChildIndex& ci, const float* qproj, const Probe& p, int k, int coverage,
@@ -443,7 +449,13 @@ class Instance {
   std::pair<int32_t, float> dci_parent(int32_t point, int upper_level, const SearchConfig& sc, Scratch& s,
                                        bool refresh);
   void assign_parents(int level, const SearchConfig& sc, const AnchorConfig& ac, int brute_threshold, int threads,
-                      std::vector<int32_t>& parent, std::vector<float>& pdist);
+                      bool reference, std::vector<int32_t>& parent, std::vector<float>& pdist);
+  // The anchor shortcut's candidates for every point strictly between anchors[j - 1] and anchors[j], for every j:
+  // such points share their X nearest anchors on each side, so each segment scores its points against its list in
+  // one multi-query call. Sets parent, pdist and accepted for the points it places.
+  void shortcut_segments(const std::vector<int64_t>& anchors, int X, double threshold,
+                         const std::vector<float>& max_child, int threads, std::vector<int32_t>& parent,
+                         std::vector<float>& pdist, std::vector<uint8_t>& accepted) const;
   void insert_point(int32_t id, const SearchConfig& sc, int brute_threshold, Scratch& s);
 
   const IndexConfig* cfg_;
@@ -475,6 +487,9 @@ class Instance {
   std::vector<int32_t> free_pages_;
   std::vector<uint8_t> changed_;
   double M_ = 0.0;                // running max squared key norm
+  // Set while a build runs over bf16 keys without a float32 copy: the key scores widen the rows in every
+  // instruction set, so the tree is the one the float32 copy gave (avx512bf16's kernels sum in another order).
+  bool widen_bf16_rows_ = false;
   std::vector<int64_t> level_count_;
   int next_target_ = 0;
 };
@@ -523,6 +538,15 @@ void dot_rows_multi_ids(const float* const* qs, int nq, const float* rows, const
 void dot_rows_multi_ids_bf16(const float* const* qs, int nq, const uint16_t* rows, const int32_t* ids, int m, int dim,
                              float* out, int out_stride, const RowsAhead& ahead = RowsAhead{},
                              const Bf16Split* splits = nullptr);  // splits: nq of them, or null
+// dot_rows_bf16 and dot_rows_multi_ids_bf16 with the rows widened to float32 in every instruction set, avx512bf16
+// included: bit for bit the values of dot_rows and dot_rows_multi over the rows' float32 copies. A build scores
+// with these, so that its tree never depends on the bf16 kernels.
+void dot_rows_bf16_widened(const float* q, const uint16_t* rows, const int32_t* ids, int m, int dim, float* out);
+void dot_rows_multi_ids_bf16_widened(const float* const* qs, int nq, const uint16_t* rows, const int32_t* ids, int m,
+                                     int dim, float* out, int out_stride);
+// out[i] = float(M - dots[i] - sqrt(a_room * max(0, M - b_sq[i]))), bit for bit in every instruction set (out may
+// be dots): the MIPS-transformed key-key distance of Instance::key_dist_from_dot for m rows at once.
+void key_dists_transform(const float* dots, const double* b_sq, int64_t m, double M, double a_room, float* out);
 // bfloat16 bit patterns to float32 (exact).
 void bf16_to_float(const uint16_t* src, int n, float* dst);
 // IEEE binary16 conversions (round to nearest even; overflow gives infinity) and dot_rows_multi over half rows.

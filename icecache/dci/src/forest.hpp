@@ -63,7 +63,8 @@ class Forest {
   }
   size_t row_bytes() const { return static_cast<size_t>(cfg_.dim) * (cfg_.bf16_keys ? 2 : 4); }
 
-  void build(py::array keys, int fov, double pr, double pv, int interval, int X, double thr, int brute) {
+  void build(py::array keys, int fov, double pr, double pv, int interval, int X, double thr, int brute,
+             bool reference) {
     const int I = static_cast<int>(inst_.size());
     const int64_t n = keys.shape(1);
     const char* base = key_base(keys);
@@ -75,7 +76,7 @@ class Forest {
     const int inner = std::max(1, threads_ / outer);
     omp_set_max_active_levels(2);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(outer)
-    for (int i = 0; i < I; ++i) inst_[i]->build(base + static_cast<int64_t>(i) * n * rb, n, sc, ac, brute, inner);
+    for (int i = 0; i < I; ++i) inst_[i]->build(base + static_cast<int64_t>(i) * n * rb, n, sc, ac, brute, inner, reference);
   }
 
   void insert(py::array keys, int fov, double pr, double pv, bool as_batch, int brute) {

@@ -654,6 +654,59 @@ void dot_rows_multi_ids_bf16(const float* const* qs, int nq, const uint16_t* row
                     dot_rows_multi_bf16(qs, nq, rows, ids, m, dim, out, out_stride, ahead))
 }
 
+// key_dists_transform: out[i] = float(M - dots[i] - sqrt(a_room * max(0, M - b_sq[i]))), key_dist_from_dot's
+// expression with a_room = max(0, M - a_sq). Square roots, products and differences of doubles are rounded alike in
+// every lane and in scalar code, and no product feeds a sum (nothing to contract), so every build gives the same bits.
+static void key_dists_transform_scalar(const float* dots, const double* b_sq, int64_t m, double M, double a_room,
+                                       float* out) {
+  for (int64_t i = 0; i < m; ++i)
+    out[i] = static_cast<float>(M - dots[i] - std::sqrt(a_room * std::max(0.0, M - b_sq[i])));
+}
+#ifdef DCI_X86
+// max(x, 0) with 0 as the second operand returns 0 for a NaN x and +0 for -0, as std::max(0.0, x) does.
+DCI_TARGET_AVX512 static void key_dists_transform_avx512(const float* dots, const double* b_sq, int64_t m, double M,
+                                                         double a_room, float* out) {
+  const __m512d vm = _mm512_set1_pd(M), va = _mm512_set1_pd(a_room), zero = _mm512_setzero_pd();
+  int64_t i = 0;
+  for (; i + 8 <= m; i += 8) {
+    const __m512d room = _mm512_max_pd(_mm512_sub_pd(vm, _mm512_loadu_pd(b_sq + i)), zero);
+    const __m512d root = _mm512_sqrt_pd(_mm512_mul_pd(va, room));
+    const __m512d d = _mm512_sub_pd(_mm512_sub_pd(vm, _mm512_cvtps_pd(_mm256_loadu_ps(dots + i))), root);
+    _mm256_storeu_ps(out + i, _mm512_cvtpd_ps(d));
+  }
+  key_dists_transform_scalar(dots + i, b_sq + i, m - i, M, a_room, out + i);
+}
+#endif
+
+void key_dists_transform(const float* dots, const double* b_sq, int64_t m, double M, double a_room, float* out) {
+#ifdef DCI_X86
+  if (static_cast<int>(active_isa()) >= static_cast<int>(Isa::kAvx512))
+    return key_dists_transform_avx512(dots, b_sq, m, M, a_room, out);
+#endif
+  key_dists_transform_scalar(dots, b_sq, m, M, a_room, out);
+}
+
+// The avx512bf16 build scores bf16 rows with the avx512 kernels here: widened, the float32 kernels' values.
+#ifdef DCI_X86
+#define DCI_DISPATCH_WIDENED(CALL)                                         \
+  switch (active_isa()) {                                                  \
+    case Isa::kAvx512Bf16: case Isa::kAvx512: return avx512::CALL;         \
+    case Isa::kAvx2: return avx2::CALL;                                    \
+    default: return portable::CALL;                                        \
+  }
+#else
+#define DCI_DISPATCH_WIDENED(CALL) return portable::CALL;
+#endif
+
+void dot_rows_bf16_widened(const float* q, const uint16_t* rows, const int32_t* ids, int m, int dim, float* out) {
+  DCI_DISPATCH_WIDENED(dot_rows_bf16(q, rows, ids, m, dim, out))
+}
+
+void dot_rows_multi_ids_bf16_widened(const float* const* qs, int nq, const uint16_t* rows, const int32_t* ids, int m,
+                                     int dim, float* out, int out_stride) {
+  DCI_DISPATCH_WIDENED(dot_rows_multi_bf16(qs, nq, rows, ids, m, dim, out, out_stride, RowsAhead{}))
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // The host's read rate: every thread sums its share of one large buffer (first touched by that thread, so that its
 // pages lie near it), the best of a few passes. What the last-level scan's rate is set against.

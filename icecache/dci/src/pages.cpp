@@ -119,6 +119,7 @@ void Instance::dot_keys(const float* q, const int32_t* ids, int m, float* out, c
   count_key_rows(m, 1, cfg_->dim, keys_.empty());
   const int32_t* rows = rows_of(row_of_, ids, m);
   if (!keys_.empty()) dot_rows(q, keys_.data(), rows, m, cfg_->dim, out);
+  else if (widen_bf16_rows_) dot_rows_bf16_widened(q, keys_bf16_.data(), rows, m, cfg_->dim, out);
   else dot_rows_bf16(q, keys_bf16_.data(), rows, m, cfg_->dim, out, split);
 }
 
@@ -127,6 +128,7 @@ void Instance::dot_keys_multi(const float* const* qs, int nq, const int32_t* ids
   count_key_rows(m, nq, cfg_->dim, keys_.empty());
   const int32_t* rows = rows_of(row_of_, ids, m);
   if (!keys_.empty()) dot_rows_multi_ids(qs, nq, keys_.data(), rows, m, cfg_->dim, out, stride);
+  else if (widen_bf16_rows_) dot_rows_multi_ids_bf16_widened(qs, nq, keys_bf16_.data(), rows, m, cfg_->dim, out, stride);
   else dot_rows_multi_ids_bf16(qs, nq, keys_bf16_.data(), rows, m, cfg_->dim, out, stride, RowsAhead{}, splits);
 }
 

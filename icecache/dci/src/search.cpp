@@ -42,6 +42,14 @@ float Instance::key_dist(const float* a, float a_sq, const float* b, float b_sq)
   return key_dist_from_dot(dot(a, b, cfg_->dim), a_sq, b_sq);
 }
 
+void Instance::key_dists_from_dots(const float* dots, const double* b_sq, int64_t m, double a_sq, float* out) const {
+  if (cfg_->transform) {
+    key_dists_transform(dots, b_sq, m, M_, std::max(0.0, M_ - a_sq), out);
+  } else {  // compiled for the baseline x86-64 (no FMA to contract 2 ab into the sum): key_dist_from_dot's rounding
+    for (int64_t i = 0; i < m; ++i) out[i] = static_cast<float>(a_sq + b_sq[i] - 2.0 * dots[i]);
+  }
+}
+
 // Distances of rows `ids` to the probe: -q.k for a query in transform mode (transform_compute_dist_query),
 // |q - k|^2 for a query without it, the key-key distance for a key.
 void Instance::score(const Probe& p, const int32_t* ids, int m, float* out) const {
@@ -751,13 +759,13 @@ void Instance::brute_parents(const std::vector<int32_t>& points, const std::vect
       for (int j = 0; j < nb; ++j) qs[j] = key_row(points[which[first + j]], rows.data() + j * dim);
       if (nu > 0) dot_rows_multi(qs, nb, packed.data(), static_cast<int>(nu), dim, d.data(), static_cast<int>(nu));
       for (int j = 0; j < nb; ++j) {
-        const float a_sq = sq_norm_[points[which[first + j]]];
+        float* dist = d.data() + j * nu;
+        key_dists_from_dots(dist, upper_sq.data(), nu, sq_norm_[points[which[first + j]]], dist);
         int32_t best = -1;
         float bd = INFINITY;
         for (int64_t u = 0; u < nu; ++u) {
-          const float dist = key_dist_from_dot(d[j * nu + u], a_sq, upper_sq[u]);
-          if (dist < bd || best < 0) {
-            bd = dist;
+          if (dist[u] < bd || best < 0) {
+            bd = dist[u];
             best = upper[u];
           }
         }
