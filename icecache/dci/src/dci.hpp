@@ -524,6 +524,10 @@ float dot(const float* a, const float* b, int dim);
 // out[j * out_stride + r] = qs[j] . rows[r] for j < nq (any nq), reading each row once; every value is bit-identical
 // to dot_rows' value for the same query and row.
 void dot_rows_multi(const float* const* qs, int nq, const float* rows, int m, int dim, float* out, int out_stride);
+// dot_rows_multi for many queries over contiguous rows (the build's brute-force parents): the same values, four
+// queries by four rows at a time where the CPU has AVX-512.
+void dot_rows_multi_packed(const float* const* qs, int nq, const float* rows, int m, int dim, float* out,
+                           int out_stride);
 // Rows of the same array to be scored next: their cache lines are requested while the current rows are scored (one
 // row's lines per row scored; what is left after the last one).
 struct RowsAhead {

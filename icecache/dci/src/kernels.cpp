@@ -409,6 +409,43 @@ DCI_TARGET_AVX512 static void multi16(const float* const* qs, int nq, const R* r
   }
 }
 
+// Four queries against four contiguous rows at a time, 16 accumulators: each row load serves four FMAs and each
+// query load four, where heads16 loads six vectors for eight FMAs. Every (query, row) value is dot16's: one FMA per
+// 16 elements into one accumulator, in order, then hsum16x4 (hsum16's sums for four registers).
+DCI_TARGET_AVX512 static void tile4x4(const float* const* qs, const float* rows, int m, int dim, float* out,
+                                      int out_stride) {
+  int r = 0;
+  for (; r + 4 <= m; r += 4) {
+    const float* p = rows + static_cast<int64_t>(r) * dim;
+    __m512 z[4][4];
+    for (int j = 0; j < 4; ++j)
+      for (int k = 0; k < 4; ++k) z[j][k] = _mm512_setzero_ps();
+    for (int i = 0; i < dim; i += 16) {
+      const __m512 r0 = _mm512_loadu_ps(p + i), r1 = _mm512_loadu_ps(p + dim + i),
+                   r2 = _mm512_loadu_ps(p + 2 * dim + i), r3 = _mm512_loadu_ps(p + 3 * dim + i);
+      for (int j = 0; j < 4; ++j) {
+        const __m512 qj = _mm512_loadu_ps(qs[j] + i);
+        z[j][0] = _mm512_fmadd_ps(qj, r0, z[j][0]);
+        z[j][1] = _mm512_fmadd_ps(qj, r1, z[j][1]);
+        z[j][2] = _mm512_fmadd_ps(qj, r2, z[j][2]);
+        z[j][3] = _mm512_fmadd_ps(qj, r3, z[j][3]);
+      }
+    }
+    for (int j = 0; j < 4; ++j) _mm_storeu_ps(out + j * out_stride + r, hsum16x4(z[j][0], z[j][1], z[j][2], z[j][3]));
+  }
+  for (; r < m; ++r)
+    for (int j = 0; j < 4; ++j) out[j * out_stride + r] = dot16(qs[j], rows + static_cast<int64_t>(r) * dim, dim);
+}
+
+DCI_TARGET_AVX512 void dot_rows_multi_packed(const float* const* qs, int nq, const float* rows, int m, int dim,
+                                             float* out, int out_stride) {
+  if ((dim & 15) != 0) return avx2::dot_rows_multi(qs, nq, rows, nullptr, m, dim, out, out_stride, RowsAhead{});
+  int j = 0;
+  for (; j + 4 <= nq; j += 4) tile4x4(qs + j, rows, m, dim, out + static_cast<int64_t>(j) * out_stride, out_stride);
+  if (j < nq) multi16(qs + j, nq - j, rows, static_cast<const int32_t*>(nullptr), m, dim,
+                      out + static_cast<int64_t>(j) * out_stride, out_stride, RowsAhead{});
+}
+
 DCI_TARGET_AVX512 float dot(const float* a, const float* b, int dim) {
   return (dim & 15) == 0 ? dot16(a, b, dim) : avx2::dot(a, b, dim);
 }
@@ -641,6 +678,15 @@ Bf16Split split_bf16(const float* q, int dim, uint16_t* buf) {
 
 void dot_rows_multi(const float* const* qs, int nq, const float* rows, int m, int dim, float* out, int out_stride) {
   DCI_DISPATCH(dot_rows_multi(qs, nq, rows, nullptr, m, dim, out, out_stride, RowsAhead{}))
+}
+
+void dot_rows_multi_packed(const float* const* qs, int nq, const float* rows, int m, int dim, float* out,
+                           int out_stride) {
+#ifdef DCI_X86
+  if (static_cast<int>(active_isa()) >= static_cast<int>(Isa::kAvx512))
+    return avx512::dot_rows_multi_packed(qs, nq, rows, m, dim, out, out_stride);
+#endif
+  dot_rows_multi(qs, nq, rows, m, dim, out, out_stride);
 }
 
 void dot_rows_multi_ids(const float* const* qs, int nq, const float* rows, const int32_t* ids, int m, int dim,

@@ -757,7 +757,8 @@ void Instance::brute_parents(const std::vector<int32_t>& points, const std::vect
       const int nb = static_cast<int>(std::min<int64_t>(kBlock, m - first));
       const float* qs[kBlock];
       for (int j = 0; j < nb; ++j) qs[j] = key_row(points[which[first + j]], rows.data() + j * dim);
-      if (nu > 0) dot_rows_multi(qs, nb, packed.data(), static_cast<int>(nu), dim, d.data(), static_cast<int>(nu));
+      if (nu > 0)
+        dot_rows_multi_packed(qs, nb, packed.data(), static_cast<int>(nu), dim, d.data(), static_cast<int>(nu));
       for (int j = 0; j < nb; ++j) {
         float* dist = d.data() + j * nu;
         key_dists_from_dots(dist, upper_sq.data(), nu, sq_norm_[points[which[first + j]]], dist);
