@@ -5,7 +5,8 @@
 # queries), and, unless NO_LATENCY=1, for the latency engine's IceCache step beside both full caches. The DCI
 # kernel settings in $KERNELS (ISA:PREFETCH_ROWS:CHUNK_ROWS[:PREFETCH_LEVEL], docs/dci.md) take turns in the host
 # step and the DCI bench; those the CPU cannot run are left out. LATENCY_ISAS="avx512 avx512bf16" times the latency
-# once per instruction set (ICECACHE_DCI_ISA), each file with both full caches. Results go to $OUT.
+# once per instruction set (ICECACHE_DCI_ISA), each file with both full caches. It also times one layer's prompt
+# job (the index build TT2T waits for: scripts/bench/prompt_index.py) at 32k and 128k. Results go to $OUT.
 # Usage: bash scripts/gpu_host/search_profile.sh ["<OpenMP settings, ;-separated>"] [scripts/bench/latency.py args]
 #   e.g. "OMP_WAIT_POLICY=passive;OMP_WAIT_POLICY=active"
 set -uo pipefail
@@ -33,6 +34,8 @@ for variant in "${variants[@]}"; do
 done
 python3 scripts/bench/dci.py --sizes 32768 --threads 16 --key-dtype bfloat16 --query-dtype bfloat16 --repeats 20 \
     --variants "${kernels[@]}" --out "$out" 2>&1 | grep "threads=16"
+python3 scripts/bench/prompt_index.py --lengths 32768 131072 --threads 16 --repeats 2 --out "$out" 2>&1 \
+    | grep "tokens, first"
 if [ -z "${NO_LATENCY:-}" ]; then
     for isa in ${LATENCY_ISAS:-avx512}; do
         ICECACHE_DCI_ISA=$isa python3 scripts/bench/latency.py --model llama31_8b --lengths 32768 --methods full \

@@ -52,9 +52,20 @@ void Instance::assign_parents(int level, const SearchConfig& sc, const AnchorCon
   std::vector<uint8_t> accepted(n, 0);
   for (int64_t a : anchors) accepted[a] = 1;
   const int X = std::max(1, ac.neighbours);
-  if (!reference) {
-    shortcut_segments(anchors, X, ac.threshold, max_child, threads, parent, pdist, accepted);
-  } else {
+  if (reference) shortcut_points(anchors, X, ac.threshold, max_child, threads, parent, pdist, accepted);
+  else shortcut_segments(anchors, X, ac.threshold, max_child, threads, parent, pdist, accepted);
+  std::vector<int64_t> fallback;
+  for (int64_t i = 0; i < n; ++i)
+    if (!accepted[i]) fallback.push_back(i);
+  exact(fallback);
+}
+
+// The reference shortcut: point by point, each candidate's distance through key_dist over the float32 copies.
+void Instance::shortcut_points(const std::vector<int64_t>& anchors, int X, double threshold,
+                               const std::vector<float>& max_child, int threads, std::vector<int32_t>& parent,
+                               std::vector<float>& pdist, std::vector<uint8_t>& accepted) const {
+  const std::vector<int32_t>& pts = levels_[0];
+  const int64_t n = static_cast<int64_t>(pts.size());
   const float* keys = keys_.data();  // the reference build holds a float32 copy of every key
   const int dim = cfg_->dim;
 #pragma omp parallel num_threads(threads)
@@ -85,18 +96,13 @@ void Instance::assign_parents(int level, const SearchConfig& sc, const AnchorCon
                                  keys + static_cast<int64_t>(c) * dim, sq_norm_[c]);
         if (best < 0 || d < bd) { bd = d; best = c; }
       }
-      if (best >= 0 && bd <= ac.threshold * max_child[best]) {
+      if (best >= 0 && bd <= threshold * max_child[best]) {
         parent[i] = best;
         pdist[i] = bd;
         accepted[i] = 1;
       }
     }
   }
-  }
-  std::vector<int64_t> fallback;
-  for (int64_t i = 0; i < n; ++i)
-    if (!accepted[i]) fallback.push_back(i);
-  exact(fallback);
 }
 
 void Instance::shortcut_segments(const std::vector<int64_t>& anchors, int X, double threshold,

@@ -456,6 +456,10 @@ class Instance {
   void shortcut_segments(const std::vector<int64_t>& anchors, int X, double threshold,
                          const std::vector<float>& max_child, int threads, std::vector<int32_t>& parent,
                          std::vector<float>& pdist, std::vector<uint8_t>& accepted) const;
+  // The same, point by point over the float32 copies of the keys (the reference build's).
+  void shortcut_points(const std::vector<int64_t>& anchors, int X, double threshold,
+                       const std::vector<float>& max_child, int threads, std::vector<int32_t>& parent,
+                       std::vector<float>& pdist, std::vector<uint8_t>& accepted) const;
   void insert_point(int32_t id, const SearchConfig& sc, int brute_threshold, Scratch& s);
 
   const IndexConfig* cfg_;

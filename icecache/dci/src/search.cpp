@@ -730,10 +730,10 @@ std::pair<int32_t, float> Instance::brute_parent(int32_t point, const std::vecto
 }
 
 // brute_parent for points[which[i]], all i, at once: the upper level's keys are packed once, contiguous, and scanned
-// for kBlock points at a time (dot_rows_multi), so each row read serves several points and no row is gathered from
-// the whole key array again. Every (point, row) dot product is the same sequence of operations as brute_parent's
-// (dot_rows and dot_rows_multi guarantee it), the distance is the same expression, and ties go to the first row:
-// the same parents and distances as calling brute_parent per point.
+// for kBlock points at a time (dot_rows_multi_packed), so each row read serves several points and no row is gathered
+// from the whole key array again. Every (point, row) dot product is the same sequence of operations as
+// brute_parent's (dot_rows and dot_rows_multi_packed guarantee it), the distance is the same value
+// (key_dists_from_dots), and ties go to the first row: the same parents and distances as brute_parent per point.
 void Instance::brute_parents(const std::vector<int32_t>& points, const std::vector<int64_t>& which,
                              const std::vector<int32_t>& upper, int threads, std::vector<int32_t>& parent,
                              std::vector<float>& pdist) const {
