@@ -123,10 +123,14 @@ void Instance::shortcut_segments(const std::vector<int64_t>& anchors, int X, dou
       if (first >= last) continue;
       // the reference's list for a point i of this segment (upper_bound(anchors, i) == j), in the same order
       cand.clear();
-      for (int64_t a = j - 1; a >= std::max<int64_t>(0, j - X); --a)
-        if (seen_by[parent[anchors[a]]] != j) { seen_by[parent[anchors[a]]] = j; cand.push_back(parent[anchors[a]]); }
-      for (int64_t a = j; a < std::min<int64_t>(n_segments, j + X); ++a)
-        if (seen_by[parent[anchors[a]]] != j) { seen_by[parent[anchors[a]]] = j; cand.push_back(parent[anchors[a]]); }
+      auto add = [&](int64_t a) {
+        if (seen_by[parent[anchors[a]]] != j) {
+          seen_by[parent[anchors[a]]] = j;
+          cand.push_back(parent[anchors[a]]);
+        }
+      };
+      for (int64_t a = j - 1; a >= std::max<int64_t>(0, j - X); --a) add(a);
+      for (int64_t a = j; a < std::min<int64_t>(n_segments, j + X); ++a) add(a);
       const int nq = static_cast<int>(last - first), nc = static_cast<int>(cand.size());
       rows.resize(static_cast<size_t>(nq) * dim);
       qs.resize(nq);

@@ -376,7 +376,7 @@ class Instance {
   // in order), so that a scan over a parent's children reads one contiguous block.
   void lay_out_rows_by_leaf();
   // Key row `id` as float32: a pointer into the float32 rows when they are held (always without bf16_keys; during
-  // a build with them), else the bfloat16 row widened into `buf` (dim floats), which is returned.
+  // a reference build with them), else the bfloat16 row widened into `buf` (dim floats), which is returned.
   const float* key_row(int64_t id, float* buf) const;
   // Dot products of q with the key rows `ids` (one query), and of qs[j] with them (several, out[j * stride + r]):
   // the same sequence of operations whichever the storage, so a value never depends on it (during a build, bf16
@@ -467,7 +467,7 @@ class Instance {
   std::mt19937_64 rng_;
 
   // Key rows by token id, [n][dim]: float32 (keys_), or bfloat16 (keys_bf16_) with bf16_keys, where keys_ holds a
-  // float32 copy only while a build runs (it reads every row many times) and is released at its end.
+  // float32 copy only while a reference build runs (build(reference=true)) and is released at its end.
   RowVector<float> keys_;
   RowVector<uint16_t> keys_bf16_;
   // row_of_[id]: the storage row of token id (empty during a build: row = id). Only the layout changes with it:

@@ -642,18 +642,23 @@ DCI_TARGET_AVX512BF16 void dot_rows_multi_bf16(const float* const* qs, int nq, c
 // The kernels the index calls: the build of the active instruction set.
 
 #ifdef DCI_X86
-// The bf16-row kernels of the avx512bf16 build take the query's split (CALL_SPLIT), the others' do not (CALL).
-#define DCI_DISPATCH_BF16(CALL_SPLIT, CALL)              \
-  switch (active_isa()) {                                \
-    case Isa::kAvx512Bf16: return avx512bf16::CALL_SPLIT; \
-    case Isa::kAvx512: return avx512::CALL;              \
-    case Isa::kAvx2: return avx2::CALL;                  \
-    default: return portable::CALL;                      \
+// BF16_CALL is what the avx512bf16 build runs (qualified), CALL what the others run in their namespace.
+#define DCI_SWITCH_ISA(BF16_CALL, CALL)        \
+  switch (active_isa()) {                      \
+    case Isa::kAvx512Bf16: return BF16_CALL;   \
+    case Isa::kAvx512: return avx512::CALL;    \
+    case Isa::kAvx2: return avx2::CALL;        \
+    default: return portable::CALL;            \
   }
+// The bf16-row kernels of the avx512bf16 build take the query's split (CALL_SPLIT), the others' do not (CALL).
+#define DCI_DISPATCH_BF16(CALL_SPLIT, CALL) DCI_SWITCH_ISA(avx512bf16::CALL_SPLIT, CALL)
 #define DCI_DISPATCH(CALL) DCI_DISPATCH_BF16(CALL, CALL)
+// The avx512bf16 build scores bf16 rows with the avx512 kernels here: widened, the float32 kernels' values.
+#define DCI_DISPATCH_WIDENED(CALL) DCI_SWITCH_ISA(avx512::CALL, CALL)
 #else
 #define DCI_DISPATCH(CALL) return portable::CALL;
 #define DCI_DISPATCH_BF16(CALL_SPLIT, CALL) return portable::CALL;
+#define DCI_DISPATCH_WIDENED(CALL) return portable::CALL;
 #endif
 
 float dot(const float* a, const float* b, int dim) { DCI_DISPATCH(dot(a, b, dim)) }
@@ -731,18 +736,6 @@ void key_dists_transform(const float* dots, const double* b_sq, int64_t m, doubl
 #endif
   key_dists_transform_scalar(dots, b_sq, m, M, a_room, out);
 }
-
-// The avx512bf16 build scores bf16 rows with the avx512 kernels here: widened, the float32 kernels' values.
-#ifdef DCI_X86
-#define DCI_DISPATCH_WIDENED(CALL)                                         \
-  switch (active_isa()) {                                                  \
-    case Isa::kAvx512Bf16: case Isa::kAvx512: return avx512::CALL;         \
-    case Isa::kAvx2: return avx2::CALL;                                    \
-    default: return portable::CALL;                                        \
-  }
-#else
-#define DCI_DISPATCH_WIDENED(CALL) return portable::CALL;
-#endif
 
 void dot_rows_bf16_widened(const float* q, const uint16_t* rows, const int32_t* ids, int m, int dim, float* out) {
   DCI_DISPATCH_WIDENED(dot_rows_bf16(q, rows, ids, m, dim, out))

@@ -61,7 +61,7 @@ int Instance::next_level() {
   return t;
 }
 
-// `widen`: also hold the float32 rows (a build with bf16_keys; always without them).
+// `widen`: also hold float32 copies of bf16 keys (the reference build's; float32 keys are always held as they are).
 void Instance::append_points(const void* keys, int64_t m, bool widen) {
   const int dim = cfg_->dim;
   const int64_t n0 = num_tokens();

@@ -45,8 +45,8 @@ float Instance::key_dist(const float* a, float a_sq, const float* b, float b_sq)
 void Instance::key_dists_from_dots(const float* dots, const double* b_sq, int64_t m, double a_sq, float* out) const {
   if (cfg_->transform) {
     key_dists_transform(dots, b_sq, m, M_, std::max(0.0, M_ - a_sq), out);
-  } else {  // compiled for the baseline x86-64 (no FMA to contract 2 ab into the sum): key_dist_from_dot's rounding
-    for (int64_t i = 0; i < m; ++i) out[i] = static_cast<float>(a_sq + b_sq[i] - 2.0 * dots[i]);
+  } else {
+    for (int64_t i = 0; i < m; ++i) out[i] = key_dist_from_dot(dots[i], a_sq, b_sq[i]);
   }
 }
 
