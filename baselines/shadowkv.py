@@ -26,20 +26,22 @@ and 256 selected chunks; at budget 256, 4 window, 4 outlier and 24 selected chun
 ``chunk_size``. A sequence that fits the budget (its announced length at most ``budget``) keeps its cache whole
 (``StaticDenseKV``) and is attended in full. Otherwise, after the prompt's last chunk: the pre-RoPE keys of the whole
 prompt are factorised (``rank`` at or above ``n_kv_heads * head_dim``: the factorisation is the identity, and rebuilt
-keys are exact); the chunks before the window are candidates, their landmarks computed and their outliers chosen per KV
-head; everything goes into one device pool of chunk slots (outliers, selected, window ring, one scratch slot) and the
-candidates' values into the host store (a buffer of the core's host pool, pinned on CUDA and read in place by
-the copy kernel; the copy runs on a side stream beside the next layers' prefill). The factor kept per token is
-its coefficients on the rank-``r`` basis (``pre-RoPE key @ basis^T``, which is ``U S`` of the SVD for a prompt token),
-so a chunk that leaves the window later gets its coefficients, landmark and host copy of its values the same way and
-becomes a candidate (outliers are chosen once, at the prompt, as in ShadowKV). A decode step, every decision on the
-device and its shapes fixed, is captured in a CUDA graph on CUDA; its operations are ``core.kernels.shadowkv_step``'s
-(Triton kernels on CUDA, their PyTorch references elsewhere): ``turn_window`` (when a chunk starts, the chunk leaving
-the window becomes a candidate), ``select_and_plan`` (score the landmarks, take each KV head's top chunks, keep the
-chunks already resident and plan the others into the freed slots), the values of the missing chunks from the host
-store with ``copy_blocks`` (``core.kernels.block_copy``; its two block arrays are the two halves of each chunk) on a
-side stream, while the main stream runs ``finish_step`` (the new token, the loaded chunks' keys rebuilt and rotated,
-the counters; phase ``rebuild``); then one paged attention over all slots.
+keys are exact; ``basis_solver``: ``svd``, the top right singular vectors from the SVD of the tall matrix's R factor, or
+``gram``, the same vectors as the top eigenvectors of its float64 Gram matrix, one GEMM and one small symmetric
+eigensolve instead of a QR of the tall matrix and an SVD) ; the chunks before the window are candidates, their landmarks
+computed and their outliers chosen per KV head; everything goes into one device pool of chunk slots (outliers, selected,
+window ring, one scratch slot) and the candidates' values into the host store (a buffer of the core's host pool, pinned
+on CUDA and read in place by the copy kernel; the copy runs on a side stream beside the next layers' prefill). The
+factor kept per token is its coefficients on the rank-``r`` basis (``pre-RoPE key @ basis^T``, which is ``U S`` of the
+SVD for a prompt token), so a chunk that leaves the window later gets its coefficients, landmark and host copy of its
+values the same way and becomes a candidate (outliers are chosen once, at the prompt, as in ShadowKV). A decode step,
+every decision on the device and its shapes fixed, is captured in a CUDA graph on CUDA; its operations are
+``core.kernels.shadowkv_step``'s (Triton kernels on CUDA, their PyTorch references elsewhere): ``turn_window`` (when a
+chunk starts, the chunk leaving the window becomes a candidate), ``select_and_plan`` (score the landmarks, take each KV
+head's top chunks, keep the chunks already resident and plan the others into the freed slots), the values of the missing
+chunks from the host store with ``copy_blocks`` (``core.kernels.block_copy``; its two block arrays are the two halves of
+each chunk) on a side stream, while the main stream runs ``finish_step`` (the new token, the loaded chunks' keys rebuilt
+and rotated, the counters; phase ``rebuild``); then one paged attention over all slots.
 
 Differences from the paper: the first ``n_dense_layers`` (default 2) layers keep the full cache (ShadowKV sparsifies
 every layer of its prompts over 4k tokens); the window is a fixed ring of chunks, so tokens generated after the prompt
@@ -87,6 +89,7 @@ class ShadowKVConfig(MethodConfig):
     rank: int = 160  # rank of the pre-RoPE key factorisation (all KV heads together)
     n_local_chunks: int = 4  # the window, in chunks, the current one included
     n_outlier_chunks: int | None = None  # None: 48 in 304 of the chunks besides the window (the paper's share)
+    basis_solver: str = "svd"  # how the prompt's key basis is found: "svd" (QR, then SVD) or "gram" (float64 eigh)
 
     def check_budget(self) -> None:
         super().check_budget()
@@ -115,19 +118,44 @@ def chunk_split(config: ShadowKVConfig) -> tuple[int, int, int]:
 # --- the paper's definitions ---------------------------------------------------------------------------------------
 
 
-def key_basis(pre_rope_keys: torch.Tensor, rank: int) -> torch.Tensor:
+def _basis_by_svd(matrix: torch.Tensor, rank: int) -> torch.Tensor:
+    """The top right singular vectors of the float32 ``matrix [T, W]``: the SVD of its R factor when it is tall
+    (the right singular vectors of a tall matrix are those of R, which is far smaller)."""
+    if matrix.shape[0] > matrix.shape[1]:
+        matrix = torch.linalg.qr(matrix, mode="r").R
+    _, _, vh = torch.linalg.svd(matrix, full_matrices=False)
+    return vh[:rank]
+
+
+def _basis_by_gram(matrix: torch.Tensor, rank: int, rows_per_block: int = 8192) -> torch.Tensor:
+    """The same vectors as the eigenvectors of the Gram matrix ``matrix^T matrix [W, W]`` with the largest
+    eigenvalues, the Gram summed in float64 a block of rows at a time (squaring the singular values halves the
+    digits they keep, which float64 more than covers). One GEMM and one symmetric eigensolve of ``W x W``, no
+    factorisation of the tall matrix (which ShadowKV's prompt cost is mostly: docs/performance.md)."""
+    width = matrix.shape[1]
+    gram = torch.zeros(width, width, dtype=torch.float64, device=matrix.device)
+    for start in range(0, matrix.shape[0], rows_per_block):
+        block = matrix[start : start + rows_per_block].double()
+        gram.addmm_(block.T, block)
+    _, vectors = torch.linalg.eigh(gram)  # eigenvalues ascending
+    return vectors[:, -rank:].flip(-1).T.float()
+
+
+# How the basis is computed (``ShadowKVConfig.basis_solver``): the same subspace up to float rounding.
+BASIS_SOLVERS = {"svd": _basis_by_svd, "gram": _basis_by_gram}
+
+
+def key_basis(pre_rope_keys: torch.Tensor, rank: int, solver: str = "svd") -> torch.Tensor:
     """The rank-``rank`` basis of ``pre_rope_keys [Hkv, T, D]``, all heads together: the top right singular vectors
     of the ``[T, Hkv * D]`` matrix, ``[r, Hkv * D]`` float32 with ``r = min(rank, T, Hkv * D)``; the identity when
-    ``rank`` covers every dimension (then a rebuilt key is the key itself)."""
+    ``rank`` covers every dimension (then a rebuilt key is the key itself). ``solver`` names how
+    (``BASIS_SOLVERS``); a singular vector's sign is either, which the factorisation does not see."""
     n_kv_heads, n_tokens, head_dim = pre_rope_keys.shape
     width = n_kv_heads * head_dim
     if rank >= width:
         return torch.eye(width, device=pre_rope_keys.device)
     matrix = pre_rope_keys.float().transpose(0, 1).reshape(n_tokens, width)
-    if n_tokens > width:  # the right singular vectors of a tall matrix are those of its R factor (far smaller)
-        matrix = torch.linalg.qr(matrix, mode="r").R
-    _, _, vh = torch.linalg.svd(matrix, full_matrices=False)
-    return vh[: min(rank, vh.shape[0])]
+    return BASIS_SOLVERS[solver](matrix, min(rank, n_tokens, width))
 
 
 def chunk_landmarks(keys: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -209,7 +237,7 @@ class ShadowKVKV(StaticDenseKV):
         self._inv_freq = self.rotary.frequencies(device)
         positions = torch.arange(n_tokens, device=device)
         pre_rope = self.rotary.invert(keys, positions, self._inv_freq)
-        basis = key_basis(pre_rope, self.cfg.rank)
+        basis = key_basis(pre_rope, self.cfg.rank, self.cfg.basis_solver)
         self.basis = basis.to(dtype)  # [r, Hkv * D]
 
         # Capacity in chunks, plus one scratch chunk (and its rows) that fixed-shape writes go to when idle.
@@ -380,6 +408,8 @@ class ShadowKV(Method):
             raise ConfigError(f"shadowkv: chunk_size={cs} must be even and >= 2")
         if self.model.device.type == "cuda" and (cs & (cs - 1) or cs > 64):
             raise ConfigError(f"shadowkv: chunk_size={cs} must be a power of two <= 64 for the CUDA paged attention")
+        if c.basis_solver not in BASIS_SOLVERS:
+            raise ConfigError(f"shadowkv: basis_solver={c.basis_solver!r} must be one of {sorted(BASIS_SOLVERS)}")
         if c.rank < 1 or c.n_local_chunks < 1 or (c.n_outlier_chunks is not None and c.n_outlier_chunks < 0):
             raise ConfigError(f"shadowkv: rank={c.rank} and n_local_chunks={c.n_local_chunks} must be >= 1, "
                               f"n_outlier_chunks={c.n_outlier_chunks} >= 0 or null")

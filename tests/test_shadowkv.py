@@ -12,7 +12,14 @@ import torch
 from transformers import AutoConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from baselines.shadowkv import ShadowKVConfig, chunk_landmarks, chunk_split, key_basis, outlier_chunks
+from baselines.shadowkv import (
+    BASIS_SOLVERS,
+    ShadowKVConfig,
+    chunk_landmarks,
+    chunk_split,
+    key_basis,
+    outlier_chunks,
+)
 from eval.plugins import build_method
 from icecache.core.cache import HarnessCache
 from icecache.core.generation import GenerationRequest, greedy_generate
@@ -96,6 +103,55 @@ def test_rebuild_is_the_best_rank_r_approximation_of_all_heads_keys_together():
     assert torch.equal(rebuild_keys(key_coefficients(keys, basis), basis, 2), keys)
 
 
+@pytest.mark.parametrize("n_tokens, rank", [(200, 6), (300, 12), (10, 20)])
+def test_the_gram_solver_finds_the_svds_subspace(n_tokens, rank):
+    """The eigenvectors of the float64 Gram matrix span what the SVD's top right singular vectors span (the
+    projectors agree to float32 rounding), also when the prompt has fewer tokens than the rank; both are
+    orthonormal, and both are the identity when the rank covers every channel. Blocks of 64 rows sum the Gram."""
+    gen = torch.Generator().manual_seed(n_tokens)
+    spectrum = torch.logspace(1, -3, 32)  # distinct singular values: the top-r subspace is well defined
+    mixing = torch.linalg.qr(torch.randn(32, 32, generator=gen)).Q
+    matrix = (torch.randn(n_tokens, 32, generator=gen) * spectrum) @ mixing
+    keys = matrix.view(n_tokens, 2, 16).transpose(0, 1)
+    by_svd = key_basis(keys, rank, "svd")
+    by_gram = BASIS_SOLVERS["gram"](matrix, min(rank, n_tokens), rows_per_block=64)
+    assert by_svd.shape == by_gram.shape == (min(rank, n_tokens), 32)
+    torch.testing.assert_close(key_basis(keys, rank, "gram"), by_gram)
+    for basis in (by_svd, by_gram):
+        torch.testing.assert_close(basis @ basis.T, torch.eye(basis.shape[0]), atol=1e-5, rtol=0)
+    if n_tokens > rank:
+        torch.testing.assert_close(by_gram.T @ by_gram, by_svd.T @ by_svd, atol=1e-4, rtol=0)
+    for solver in BASIS_SOLVERS:
+        assert torch.equal(key_basis(keys, 32, solver), torch.eye(32))
+
+
+def test_an_unknown_basis_solver_is_refused_with_the_known_ones():
+    with pytest.raises(ConfigError, match=r"basis_solver='qr' must be one of \['gram', 'svd'\]"):
+        build_method({"name": "shadowkv", "budget": 64, "basis_solver": "qr"}, INFO)
+
+
+def test_a_layer_built_with_the_gram_solver_chooses_what_the_svd_one_does():
+    """Rank 4 of 32 over random keys: the two solvers' bases differ by rounding and by each vector's sign, which
+    the rebuilt keys do not see: the same chunks resident and attended, outputs within float tolerance."""
+    runs = {}
+    for solver in BASIS_SOLVERS:
+        gen = torch.Generator().manual_seed(11)
+        values = {"name": "shadowkv", "budget": 64, "rank": 4, "n_local_chunks": 2, "n_dense_layers": 0,
+                  "basis_solver": solver}
+        layer = build_method(values, INFO).make_layer(0, SequenceContext(trace_selection=True))
+        layer.forward(torch.randn(1, 4, 300, 16, generator=gen), torch.randn(1, 2, 300, 16, generator=gen),
+                      torch.randn(1, 2, 300, 16, generator=gen), None, SCALING)
+        steps = []
+        for _ in range(12):
+            q, k, v = (torch.randn(1, 4, 1, 16, generator=gen), torch.randn(1, 2, 1, 16, generator=gen),
+                       torch.randn(1, 2, 1, 16, generator=gen))
+            steps.append((layer.forward(q, k, v, None, SCALING), layer.last_attended.clone()))
+        runs[solver] = steps
+    for (out_svd, att_svd), (out_gram, att_gram) in zip(runs["svd"], runs["gram"]):
+        assert torch.equal(att_svd, att_gram)
+        torch.testing.assert_close(out_gram, out_svd, atol=1e-5, rtol=1e-5)
+
+
 def test_landmarks_outliers_and_scores_by_their_definitions():
     gen = torch.Generator().manual_seed(2)
     keys = torch.randn(2, 10 * CS, 16, generator=gen)
@@ -133,8 +189,9 @@ def test_budget_split_follows_the_papers_llama31_setting():
 
 
 # ------------------------------------------------------------------------------------------------------ the layer
-def sparse_layer(gen, n_prompt=160, budget=64, rank=4, device="cpu", info=INFO, announced=None):
-    values = {"name": "shadowkv", "budget": budget, "rank": rank, "n_local_chunks": 2, "n_dense_layers": 0}
+def sparse_layer(gen, n_prompt=160, budget=64, rank=4, device="cpu", info=INFO, announced=None, solver="svd"):
+    values = {"name": "shadowkv", "budget": budget, "rank": rank, "n_local_chunks": 2, "n_dense_layers": 0,
+              "basis_solver": solver}
     info = dataclasses.replace(info, device=torch.device(device))
     seq = SequenceContext(trace_selection=True, max_total_tokens=announced)
     layer = build_method(values, info).make_layer(0, seq)
@@ -256,14 +313,16 @@ def test_generation_on_a_tiny_model_keeps_the_budget_with_a_low_rank():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_path_chooses_and_computes_what_the_cpu_path_does():
+@pytest.mark.parametrize("solver", sorted(BASIS_SOLVERS))
+def test_gpu_path_chooses_and_computes_what_the_cpu_path_does(solver):
     """float32 on both: the same chunks chosen and resident, the same attended positions, outputs within float
-    tolerance (the SVD and the kernels differ in rounding only), over steps that turn the window and reload. (The
-    slot table is updated in place, so each step's is cloned: ``.cpu()`` of a CPU tensor is the tensor itself.)"""
+    tolerance (the basis solver and the kernels differ in rounding only), over steps that turn the window and
+    reload. (The slot table is updated in place, so each step's is cloned: ``.cpu()`` of a CPU tensor is the tensor
+    itself.)"""
     layers = {}
     for device in ("cpu", "cuda"):
         gen = torch.Generator().manual_seed(7)
-        layers[device] = sparse_layer(gen, n_prompt=300, budget=64, rank=8, device=device)[0]
+        layers[device] = sparse_layer(gen, n_prompt=300, budget=64, rank=8, device=device, solver=solver)[0]
         outputs = []
         for _ in range(20):
             q, k, v = (torch.randn(1, 4, 1, 16, generator=gen), torch.randn(1, 2, 1, 16, generator=gen),
@@ -318,3 +377,28 @@ def test_a_slow_value_copy_still_reads_the_chunks_it_was_given():
                 assert torch.equal(pool_cpu[n_outlier + slot_cpu, head], pool_gpu[n_outlier + slot_gpu, head]), \
                     f"step {step}: chunk {chunk} of KV head {head}"
         torch.testing.assert_close(out_gpu, out_cpu, atol=1e-4, rtol=1e-4)
+
+
+def test_the_basis_probe_times_every_solver_and_finds_them_agreeing(tmp_path):
+    """scripts/diagnostics/basis_probe.py on the CPU at a small size: one row per solver, the first its own
+    reference, the others within float32 rounding of its subspace with the same rebuild error, and a result file;
+    an unknown solver is refused in one line before any work."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "diagnostics" / "basis_probe.py"
+    spec = importlib.util.spec_from_file_location("basis_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    rows = probe.main(["--tokens", "600", "--kv-heads", "2", "--head-dim", "32", "--rank", "24", "--repeats", "1",
+                       "--device", "cpu", "--out", str(tmp_path)])
+    assert [row["solver"] for row in rows] == list(BASIS_SOLVERS)
+    assert rows[0]["projector_diff_to_first"] == 0.0
+    for row in rows[1:]:
+        assert row["rank"] == 24 and row["projector_diff_to_first"] < 1e-3
+        assert row["rebuild_error"] == pytest.approx(rows[0]["rebuild_error"], rel=1e-4)
+    (written,) = tmp_path.glob("basis_probe_*.json")
+    assert json.loads(written.read_text())["rows"] == rows
+    with pytest.raises(SystemExit, match=r"--solvers qr: not a solver; the solvers are \['gram', 'svd'\]"):
+        probe.main(["--tokens", "64", "--solvers", "qr", "--out", str(tmp_path)])
