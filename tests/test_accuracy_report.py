@@ -588,3 +588,65 @@ def test_the_same_sweep_run_twice_generates_the_same_and_a_changed_sample_is_cou
     [run_a] = [p.parent for p in (tmp_path / "a").rglob("predictions.jsonl")
                if p.parent.name == predictions.parent.name]
     assert compare(run_a, predictions.parent)["by_method"]["quest"]["differ"] == 1
+
+
+def _captured_figure(monkeypatch):
+    from eval.report import plots as P
+
+    figures = []
+    monkeypatch.setattr(P, "save", lambda fig, stem: figures.append(fig) or [])
+    return P, figures
+
+
+def test_the_trade_off_figures_names_keep_a_gap_between_them(tmp_path, monkeypatch):
+    """Twelve methods crowded at the full cache's score near full_static's TPOT: every name drawn, and no two
+    names' boxes closer than 2 pixels (names that touch read as one)."""
+    from itertools import combinations
+
+    from matplotlib.text import Text
+
+    P, figures = _captured_figure(monkeypatch)
+    methods = ["arkvale", "quest", "snapkv", "omnikv", "shadowkv", "oracle_topk", "icecache", "icecache_reuse",
+               "pqcache", "magicpig", "h2o", "streaming_llm"]
+    points = [A.TradeoffPoint(row=A.AccuracyRow("passkey", "m", 16384, method, 256, 100.0, None, 20),
+                              tpot_ratio=0.9 + 0.04 * i, share=100.0, low=None, high=None, paired=False)
+              for i, method in enumerate(methods)]
+    full = A.AccuracyRow("passkey", "m", 16384, "full_static", None, 100.0, None, 20)
+    points.append(A.TradeoffPoint(row=full, tpot_ratio=1.0, share=100.0, low=None, high=None, paired=False))
+    P.accuracy_vs_tpot_panels(points, tmp_path / "tradeoff")
+    [fig] = figures
+    fig.canvas.draw()  # the names' offsets are applied when drawn
+    renderer = fig.canvas.get_renderer()
+    names = [text for ax in fig.axes for text in ax.texts]
+    assert len(names) == len(points)
+    # the name's own box (an annotation's extent would take in its leader)
+    boxes = [Text.get_window_extent(text, renderer).padded(1.0) for text in names]
+    for (a, text_a), (b, text_b) in combinations(zip(boxes, names), 2):
+        assert not a.overlaps(b), f"{text_a.get_text()!r} and {text_b.get_text()!r} touch"
+
+
+def test_the_budget_figures_full_cache_lines_stop_where_the_names_begin(tmp_path, monkeypatch):
+    """The full caches' dashed lines and bands end at the lines' end, left of the names at that end, so that no
+    name is drawn across a line; each name that had to move is joined to its line's end by a level-then-upright
+    leader."""
+    from matplotlib.text import Text
+
+    P, figures = _captured_figure(monkeypatch)
+    rows = [A.AccuracyRow("ruler", "m", 16384, "full", None, 60.0, (55.0, 65.0), 130)]
+    rows += [A.AccuracyRow("ruler", "m", 16384, method, budget, 60.0 - shift, (55.0 - shift, 65.0 - shift), 130)
+             for shift, method in ((0.0, "quest"), (0.5, "arkvale"), (1.0, "shadowkv"))
+             for budget in (128, 256, 512)]
+    P.accuracy_vs_budget_panels(rows, tmp_path / "budget")
+    [fig] = figures
+    [ax] = [ax for ax in fig.axes if ax.texts]
+    fig.canvas.draw()  # the names' offsets are applied when drawn
+    renderer = fig.canvas.get_renderer()
+    dashed = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
+    assert len(dashed) == 1
+    line_end = ax.transAxes.transform((dashed[0].get_xdata()[1], 0))[0]  # an axhline's x is in axes fractions
+    names = ax.texts
+    assert {text.get_text() for text in names} == {"FULL", "Quest", "ArkVale", "ShadowKV"}
+    for text in names:
+        assert Text.get_window_extent(text, renderer).x0 > line_end  # the name's own box, not its leader
+    leaders = [text.arrow_patch for text in names if text.arrow_patch is not None]
+    assert leaders and all("angle" in type(a.get_connectionstyle()).__name__.lower() for a in leaders)

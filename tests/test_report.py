@@ -481,3 +481,32 @@ def test_notebook_reads_the_runs_it_is_pointed_at(results, tmp_path, monkeypatch
     assert sorted(runs["method"]) == (["icecache", "quest"] if target == "output_root" else ["quest"])
     assert set(runs["task"]) == {"passkey"}  # nothing of results/runs
     assert (tmp_path / "nb_summary" / "plots" / "score_vs_budget_passkey_tiny-llama.png").exists()
+
+
+def test_a_latency_point_of_older_code_is_faded_and_left_off_its_methods_line(tmp_path, monkeypatch):
+    """A method measured at 32k and 128k on its newest commit and at 8k on an earlier one: the solid line joins
+    32k and 128k only, the 8k point is drawn faded (and the whole curve faint and dotted), and the legend says
+    what faded means. A method whose rows are all of one commit has no faded point."""
+    from eval.report import plots as P
+    from eval.report.summary import current_code
+
+    methods = pd.Series(["icecache", "icecache", "icecache", "quest", "quest"])
+    dates = pd.Series(["2026-12-01", "2026-12-05", "2026-12-05", "2026-12-01", "2026-12-01"])
+    commits = pd.Series(["aaaaaaa", "bbbbbbb", "bbbbbbb", "ccccccc", "ccccccc"])
+    current = current_code(methods, dates, commits)
+    assert current.tolist() == [False, True, True, True, True]
+    assert current_code(methods, dates, None).all()  # files without a commit: nothing to tell apart
+
+    figures = []
+    monkeypatch.setattr(P, "save", lambda fig, stem: figures.append(fig) or [])
+    curve = pd.DataFrame({"method": methods, "context": [8192.0, 32768.0, 131072.0, 8192.0, 32768.0],
+                          "tpot_ms": [90.0, 34.0, 81.0, 9.0, 9.5], "current": current})
+    P.latency_vs_context(curve, None, tmp_path / "curve")
+    [fig] = figures
+    [ax] = fig.axes
+    solid = [line for line in ax.get_lines() if line.get_linestyle() == "-" and line.get_alpha() is None]
+    faded = [line for line in ax.get_lines() if line.get_alpha() == P.OLDER_CODE_ALPHA]
+    solid_x = sorted(tuple(line.get_xdata()) for line in solid)
+    assert solid_x == [(8192.0, 32768.0), (32768.0, 131072.0)]  # quest's line, icecache's newest code
+    assert any(tuple(line.get_xdata()) == (8192.0,) and line.get_linestyle() == "None" for line in faded)
+    assert any(text.get_text().startswith("faded") for text in ax.get_legend().get_texts())

@@ -437,6 +437,7 @@ def load_bench(roots: str | Path | Iterable[str | Path]) -> pd.DataFrame:
                 row["host"] = provenance.get("host")
                 row["gpu"] = provenance.get("gpu")
                 row["date"] = provenance.get("date")
+                row["commit"] = (provenance.get("git_commit") or "")[:7] or None
                 row["file"] = str(path)
                 rows.append(row)
     return pd.DataFrame(rows)

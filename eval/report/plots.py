@@ -118,6 +118,8 @@ def _source_legend(ax, methods: list[str], loc: str = "best", sources: set[str] 
     ax.legend(handles=handles, fontsize=7, loc=loc, framealpha=0.9, ncol=2 if len(handles) > 8 else 1)
 
 
+OLDER_CODE_ALPHA = 0.3  # a latency point measured on older code than its method's newest
+
 # Line styles and markers that tell apart the variants (settings) of one method, which share its colour.
 VARIANT_STYLES = [("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"), ((0, (5, 1)), "v"), ((0, (1, 1)), "P")]
 
@@ -317,22 +319,34 @@ def tpot_breakdown(breakdowns: dict[str, dict[str, float]], paper: dict[str, dic
 
 def latency_vs_context(ours: pd.DataFrame, paper: pd.DataFrame | None, stem: str | Path,
                        title: str = "Decode latency vs context length") -> list[Path]:
-    """TPOT (ms) against context length, one line per method; the paper's points hollow.
+    """TPOT (ms) against context length, one line per method; the paper's points hollow; a point measured on older
+    code than its method's newest point faded, so that a step between code versions does not read as the
+    context's doing.
 
-    ``ours`` columns: method, context, tpot_ms (and optionally tpot_ms_min / tpot_ms_max);
-    ``paper``: method, context_tokens, tpot_ms.
+    ``ours`` columns: method, context, tpot_ms (and optionally tpot_ms_min / tpot_ms_max, and ``current``:
+    False for a point of older code); ``paper``: method, context_tokens, tpot_ms.
     """
     fig = Figure(figsize=(6.4, 4.2))
     ax = fig.add_subplot()
     drawn: list[str] = []
+    older = False
     for method, group in sorted(ours.groupby("method"), key=lambda item: sort_key(item[0])):
         group = group.dropna(subset=["tpot_ms"]).sort_values("context")
         if group.empty:
             continue
-        ax.plot(group["context"], group["tpot_ms"], marker="o", color=color(method),
-                linestyle="--" if "+" in method else "-")  # a variant dashed, in a colour of its own
-        if "tpot_ms_min" in group and group["tpot_ms_min"].notna().all():
-            ax.fill_between(group["context"], group["tpot_ms_min"], group["tpot_ms_max"], color=color(method),
+        # the line joins the points of the method's newest code only (a variant dashed, in a colour of its own)
+        current = group["current"].astype(bool) if "current" in group else pd.Series(True, index=group.index)
+        ax.plot(group["context"][current], group["tpot_ms"][current], marker="o", color=color(method),
+                linestyle="--" if "+" in method else "-")
+        if (~current).any():  # older points faded, and the whole curve faint and dotted beneath
+            ax.plot(group["context"][~current], group["tpot_ms"][~current], marker="o", color=color(method),
+                    linestyle="none", alpha=OLDER_CODE_ALPHA)
+            ax.plot(group["context"], group["tpot_ms"], color=color(method), linestyle=":", linewidth=1,
+                    alpha=OLDER_CODE_ALPHA)
+            older = True
+        spread = group[current]
+        if "tpot_ms_min" in spread and len(spread) > 1 and spread["tpot_ms_min"].notna().all():
+            ax.fill_between(spread["context"], spread["tpot_ms_min"], spread["tpot_ms_max"], color=color(method),
                             alpha=0.15, linewidth=0)
         drawn.append(method)
     sources = {"ours"} if drawn else set()
@@ -356,7 +370,9 @@ def latency_vs_context(ours: pd.DataFrame, paper: pd.DataFrame | None, stem: str
     _plain_log_ticks(ax, values, axis="y")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    _source_legend(ax, drawn, sources=sources, outside=True)
+    lines = [Line2D([], [], marker="o", color="k", linestyle="none", alpha=OLDER_CODE_ALPHA,
+                    label="faded, dotted: older code\nthan the solid line's points")] if older else None
+    _source_legend(ax, drawn, sources=sources, lines=lines, outside=True)
     return save(fig, stem)
 
 
@@ -486,6 +502,11 @@ def accuracy_vs_budget_panels(rows: list, stem: str | Path, title: str = "") -> 
         here = [r for r in rows if (r.task, r.length) == (task, length)]
         budgets = sorted({r.budget for r in here if r.budget is not None})
         budgeted = sorted({r.method for r in here if r.budget is not None}, key=sort_key)
+        # the x range: room on the right for each line's name at its end, where the full caches' lines stop too
+        # (a name drawn across a line reads as struck through)
+        x_range = (budgets[0] / 2 ** 0.4, budgets[-1] * 2 ** 1.9) if budgets else None
+        line_end = (math.log2(budgets[-1] * 2 ** 0.45 / x_range[0]) / math.log2(x_range[1] / x_range[0])
+                    if budgets else 1.0)
         ends.append((ax, budgets[-1] * 2 ** 0.45 if budgets else None,
                      [(max((r for r in here if r.method == m), key=lambda r: r.budget or 0).score, m)
                       for m in sorted({r.method for r in here}, key=sort_key)]))
@@ -496,9 +517,9 @@ def accuracy_vs_budget_panels(rows: list, stem: str | Path, title: str = "") -> 
             dodge = 2 ** (0.5 * ((budgeted.index(method) + 0.5) / len(budgeted) - 0.5)) if method in budgeted else 1
             if points[0].budget is None:
                 row = points[0]
-                ax.axhline(row.score, color=color(method), linestyle="--", linewidth=1)
+                ax.axhline(row.score, xmax=line_end, color=color(method), linestyle="--", linewidth=1)
                 if row.interval is not None:
-                    ax.axhspan(*row.interval, color=color(method), alpha=0.08, linewidth=0)
+                    ax.axhspan(*row.interval, xmax=line_end, color=color(method), alpha=0.08, linewidth=0)
             else:
                 errors = [_error(r) or [[0.0], [0.0]] for r in points]
                 ax.errorbar([r.budget * dodge for r in points], [r.score for r in points], color=color(method),
@@ -510,8 +531,7 @@ def accuracy_vs_budget_panels(rows: list, stem: str | Path, title: str = "") -> 
             ax.set_xscale("log", base=2)
             ax.set_xticks(budgets, [str(b) for b in budgets])
             ax.xaxis.set_minor_locator(NullLocator())
-            # room on the right for each line's name at its end
-            ax.set_xlim(budgets[0] / 2 ** 0.4, budgets[-1] * 2 ** 1.9)
+            ax.set_xlim(*x_range)
         ax.set_xlabel("KV budget per query head (tokens)")
         ax.set_ylabel("score (%)")
         ax.set_title(_panel_title(task, length), fontsize=9)
@@ -527,11 +547,12 @@ def accuracy_vs_budget_panels(rows: list, stem: str | Path, title: str = "") -> 
 
 def _label_line_ends(fig: Figure, ax, right: float, ends: list[tuple[float, str]]) -> None:
     """Each line's name right of its last point, moved up or down only as far as keeps the names apart
-    (``spread_vertically``), a thin line back to the end it names where it moved."""
+    (``spread_vertically``), where it moved a thin leader back to the end it names: level from the name, then
+    upright at the lines' end, so that leaders run beside the names and never across one."""
     size = 6.5
     box = ax.get_window_extent()
     ys = [ax.transData.transform((right, score))[1] for score, _ in ends]
-    heights = [_text_size(fig, method_label(method), size)[1] for _, method in ends]
+    heights = [_text_size(fig, method_label(method), size)[1] + LABEL_GAP for _, method in ends]
     placed = spread_vertically(ys, heights, box.y0, box.y1)
     to_points = 72.0 / fig.dpi
     for (score, method), y, target in zip(ends, ys, placed):
@@ -539,7 +560,8 @@ def _label_line_ends(fig: Figure, ax, right: float, ends: list[tuple[float, str]
         ax.annotate(method_label(method), (right, score), xytext=(8 * to_points, (target - y) * to_points),
                     textcoords="offset points", ha="left", va="center", fontsize=size, color=ink(color(method)),
                     annotation_clip=False,
-                    arrowprops=dict(arrowstyle="-", color=color(method), linewidth=0.5, shrinkA=0, shrinkB=0)
+                    arrowprops=dict(arrowstyle="-", color=color(method), linewidth=0.5, shrinkA=0, shrinkB=0,
+                                    connectionstyle="angle,angleA=0,angleB=90,rad=0")
                     if moved else None).set_in_layout(False)
 
 
@@ -552,6 +574,7 @@ Box = tuple[float, float, float, float]  # x0, y0, x1, y1 in display pixels
 # Where a label may go around its point, in the order tried: right, then above-right, below-right, left, ...
 _DIRECTIONS = [(1, 0), (1, 1), (1, -1), (-1, 0), (-1, 1), (-1, -1), (0, 1), (0, -1)]
 _RADII = (6.0, 12.0, 20.0, 32.0, 48.0)  # pixels between a point and the nearest edge of its label
+LABEL_GAP = 4.0  # pixels kept free between two labels
 
 
 def _overlap(a: Box, b: Box) -> float:
@@ -698,7 +721,9 @@ def _label_points(fig: Figure, ax, points: list[tuple]) -> None:
         if low is not None:
             bottom, top = ax.transData.transform((x, low))[1], ax.transData.transform((x, high))[1]
             obstacles.append((px - 1.5, bottom, px + 1.5, top))
-    sizes = [_text_size(fig, text, size) for *_, text, _ in points]
+    # each label's box taken LABEL_GAP wider and taller, so that two placed side by side keep a gap between them
+    # (names that touch read as one: "ArkValeQuest")
+    sizes = [tuple(v + LABEL_GAP for v in _text_size(fig, text, size)) for *_, text, _ in points]
     box = ax.get_window_extent()
     # from the top right down: the crowded full-cache corner is labelled first, nearest its points
     order = sorted(range(len(points)), key=lambda i: (-anchors[i][1], -anchors[i][0], i))

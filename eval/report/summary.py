@@ -306,6 +306,16 @@ def accuracy_figures(rows: list[A.AccuracyRow], bench: list[dict], folder: Path,
     return files
 
 
+def current_code(methods: pd.Series, dates: pd.Series, commits: pd.Series | None) -> pd.Series:
+    """Per latency row, whether it was measured on the commit of its method's newest row: a curve that joins
+    points of older code to newer ones draws a change of code as a change with the context."""
+    if commits is None:
+        return pd.Series(True, index=methods.index)
+    frame = pd.DataFrame({"method": methods, "date": dates, "commit": commits})
+    newest = frame.sort_values("date").groupby("method")["commit"].last()
+    return frame["commit"].isna() | (frame["commit"] == frame["method"].map(newest))
+
+
 def _latency_plots(bench: pd.DataFrame, references: References, plot_dir: Path) -> list[Path]:
     files: list[Path] = []
     for model, frame in bench.groupby("model"):
@@ -336,6 +346,7 @@ def _latency_plots(bench: pd.DataFrame, references: References, plot_dir: Path) 
             "tpot_ms_max": 1000 * frame["tpot_s_max"] if "tpot_s_max" in frame else None,
         })
         curve = curve.dropna(subset=["method"])
+        curve["current"] = current_code(curve["method"], frame["date"], frame.get("commit"))
         paper_curve = None
         if references.scaling is not None:
             paper_curve = references.scaling[references.scaling["model"].map(canonical_model) == canonical_model(model)]
