@@ -184,6 +184,7 @@ struct alignas(64) Scratch {
   std::vector<uint8_t> page_seen;      // [pages] distinct-page marks of the intermediate-level coverage
   TopK best_tokens, best_pages;        // the query's two result accumulators (the K best tokens, the K best pages)
   std::vector<uint16_t> query_split;   // the descending query's bf16 split (Instance::split_query)
+  std::vector<float> key_buf;          // a key row widened to float32 (the parent search of a point)
 };
 
 // A query's bfloat16 split, made once per query (split_bf16) for the avx512bf16 kernels, which score bf16 rows
@@ -424,9 +425,10 @@ class Instance {
   void key_dists_from_dots(const float* dots, const double* b_sq, int64_t m, double a_sq, float* out) const;
   void score(const Probe& p, const int32_t* ids, int m, float* out) const;
   // all_scored: return every scored child unsorted (the last level of a query) instead of the best k.
+  // ordered = false (with coverage 0): the best k in no particular order, for a caller that selects again.
   void search_children(const ChildIndex& ci, const float* qproj, const Probe& p, int k, int coverage,
                        const SearchConfig& sc, Scratch& s, std::vector<Candidate>& out,
-                       bool all_scored = false) const;
+                       bool all_scored = false, bool ordered = true) const;
   // Last level of a query with one direction (L = 1): the children search pops a contiguous run of the sorted
   // projections, and the leaves hold the children in that same order, so the run is scored leaf by leaf straight
   // from the page key buffers and fed to the accumulators without building a candidate list.

@@ -65,10 +65,10 @@ void Instance::score(const Probe& p, const int32_t* ids, int m, float* out) cons
 // up to 128 projections nearest to the query's from the highest-priority simple index of every composite index; a
 // point popped by all simple indices of a composite index becomes a candidate and gets its exact distance. Stops once
 // there are k candidates and either the visit or the retrieve budget is spent. Returns candidates sorted by
-// distance: the best k, extended until they cover `coverage` finest-level pages.
+// distance: the best k, extended until they cover `coverage` finest-level pages (unsorted when !ordered).
 void Instance::search_children(const ChildIndex& ci, const float* qproj, const Probe& p, int k, int coverage,
                                const SearchConfig& sc, Scratch& s, std::vector<Candidate>& out,
-                               bool all_scored) const {
+                               bool all_scored, bool ordered) const {
   out.clear();
   const int n = ci.size();
   if (n == 0 || k <= 0) return;
@@ -162,10 +162,14 @@ void Instance::search_children(const ChildIndex& ci, const float* qproj, const P
   }
   // only the best k need ordering; the rest is sorted only when coverage asks for more
   int keep = std::min<int>(k, static_cast<int>(cands.size()));
-  if (keep < static_cast<int>(cands.size())) {
+  if (keep == 1 && coverage <= 0) {
+    // the nearest alone (a parent search's last level, once per expanded parent): one pass, the same candidate
+    // nth_element would put first (the order is total: ids are distinct)
+    std::iter_swap(cands.begin(), std::min_element(cands.begin(), cands.end()));
+  } else if (keep < static_cast<int>(cands.size())) {
     std::nth_element(cands.begin(), cands.begin() + keep, cands.end());
-    std::sort(cands.begin(), cands.begin() + keep);
-  } else {
+    if (ordered || coverage > 0) std::sort(cands.begin(), cands.begin() + keep);
+  } else if (ordered || coverage > 0) {
     std::sort(cands.begin(), cands.end());
   }
   if (coverage > 0) {
@@ -783,13 +787,16 @@ void Instance::brute_parents(const std::vector<int32_t>& points, const std::vect
 std::pair<int32_t, float> Instance::dci_parent(int32_t point, int upper_level, const SearchConfig& sc, Scratch& s,
                                                bool refresh) {
   const int L = cfg_->num_dirs();
-  std::vector<float> buf(cfg_->dim);
-  const float* a = key_row(point, buf.data());
+  s.key_buf.resize(cfg_->dim);
+  const float* a = key_row(point, s.key_buf.data());
   const Probe probe{a, sq_norm_[point], false};
   const float* qproj = &proj_[static_cast<int64_t>(point) * L];
   const int top = num_levels() - 1;
   const int fov = std::max(1, sc.field_of_view);
-  std::vector<Candidate> cur, next, part;
+  // the Scratch's candidate lists (a build or insert never holds a descent's in them)
+  std::vector<Candidate>& cur = s.level_out;
+  std::vector<Candidate>& next = s.next;
+  std::vector<Candidate>& part = s.part;
   if (refresh) refresh_stale(-1);
   search_children(kids_[kRootSlot], qproj, probe, top == upper_level ? 1 : fov, 0, sc, s, cur);
   for (int level = top; level > upper_level; --level) {
@@ -798,11 +805,17 @@ std::pair<int32_t, float> Instance::dci_parent(int32_t point, int upper_level, c
     for (const Candidate& c : cur) {
       if (nodes_[c.id].kid_slot < 0) continue;
       if (refresh) refresh_stale(c.id);
-      search_children(kids_[nodes_[c.id].kid_slot], qproj, probe, last ? 1 : fov, 0, sc, s, part);
+      // each parent's best, in no order: the level's best are chosen from all of them below
+      search_children(kids_[nodes_[c.id].kid_slot], qproj, probe, last ? 1 : fov, 0, sc, s, part, false,
+                      /*ordered=*/false);
       next.insert(next.end(), part.begin(), part.end());
     }
+    // the best `keep` in order: the ids are distinct (each child has one parent), so the order is total and this
+    // prefix is the one a full sort gives
+    const size_t keep = std::min<size_t>(next.size(), last ? 1 : fov);
+    if (keep < next.size()) std::nth_element(next.begin(), next.begin() + keep, next.end());
+    next.resize(keep);
     std::sort(next.begin(), next.end());
-    next.resize(std::min<size_t>(next.size(), last ? 1 : fov));
     cur.swap(next);
   }
   if (cur.empty()) return brute_parent(point, levels_[upper_level]);
