@@ -1088,3 +1088,22 @@ def test_tied_scores_rank_by_id_in_the_token_and_the_page_lists(threads):
         expected = sorted(best, key=lambda page: ranked.tolist().index(best[page]))[:K]
         assert pages[h].tolist() == expected
         assert np.array_equal(page_scores[h], scores[[best[page] for page in expected]])
+
+
+@pytest.mark.parametrize("key_dtype", ["bfloat16", "float32"])
+def test_a_dci_parent_search_with_budgets_that_cover_everything_finds_the_brute_force_parents(key_dtype):
+    """The build's DCI parent search (a level above of more than brute_force_threshold points) with a field of view
+    and retrieve budget that cover every point is exact: it gives every node the parent, and parent distance, that
+    brute force over the level above gives (no anchor shortcut, so every level-0 point is searched too)."""
+    rng = np.random.default_rng(12)
+    keys = clustered_keys(rng, 2, 3000, 16)
+    held = torch.from_numpy(keys).to(torch.bfloat16) if key_dtype == "bfloat16" else keys
+    searched, brute = (DCIIndex(16, 2, num_threads=2, key_dtype=key_dtype) for _ in range(2))
+    everything = dict(field_of_view=10**6, prop_to_retrieve=1.0, prop_to_visit=1.0, anchor_interval=0)
+    searched.build(held, brute_force_threshold=8, **everything)
+    brute.build(held, brute_force_threshold=10**9, **everything)
+    for i in range(2):
+        expected, built = brute.node_info(i), searched.node_info(i)
+        assert len(set(np.asarray(built["level"]).tolist())) >= 3  # levels above 1 searched too
+        for name in expected:
+            assert np.array_equal(np.asarray(built[name]), np.asarray(expected[name])), name
