@@ -75,7 +75,10 @@ void Instance::search_children(const ChildIndex& ci, const float* qproj, const P
   search_counters().lists += 1;
   auto& cands = s.cands;
   cands.clear();
-  if (k >= n) {  // brute force over all children
+  // Brute force over all children when the budgets take them all anyway: with k >= n, or with both proportions at
+  // 1 (the build's settings), the prioritized rounds below stop only once every child is a candidate, and the best
+  // of a set do not depend on the order it was scored in.
+  if (k >= n || (sc.prop_to_visit >= 1.0 && sc.prop_to_retrieve >= 1.0)) {
     s.dots.resize(n);
     score(p, ci.ids[0].data(), n, s.dots.data());
     for (int i = 0; i < n; ++i) cands.push_back({s.dots[i], ci.ids[0][i]});
