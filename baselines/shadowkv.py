@@ -28,7 +28,7 @@ and 256 selected chunks; at budget 256, 4 window, 4 outlier and 24 selected chun
 prompt are factorised (``rank`` at or above ``n_kv_heads * head_dim``: the factorisation is the identity, and rebuilt
 keys are exact; ``basis_solver``: ``svd``, the top right singular vectors from the SVD of the tall matrix's R factor, or
 ``gram``, the same vectors as the top eigenvectors of its float64 Gram matrix, one GEMM and one small symmetric
-eigensolve instead of a QR of the tall matrix and an SVD) ; the chunks before the window are candidates, their landmarks
+eigensolve instead of a QR of the tall matrix and an SVD); the chunks before the window are candidates, their landmarks
 computed and their outliers chosen per KV head; everything goes into one device pool of chunk slots (outliers, selected,
 window ring, one scratch slot) and the candidates' values into the host store (a buffer of the core's host pool, pinned
 on CUDA and read in place by the copy kernel; the copy runs on a side stream beside the next layers' prefill). The
