@@ -13,6 +13,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <stdexcept>
 
@@ -282,6 +283,9 @@ class Forest {
     };
     const Clock::time_point started = Clock::now();
     std::atomic<int64_t> last_start_ns{0}, scan_busy_ns{0};
+    // the earliest scan start (ns since started): thread 0 may be preempted between the group barrier and its lap,
+    // while the others already scan, so the scan phase begins at whichever thread started first
+    std::atomic<int64_t> first_scan_ns{std::numeric_limits<int64_t>::max()};
     std::atomic<int64_t> next_head{0}, next_inst{0}, next_item{0};  // the three shared loops' next index
     dci::QueryPhases& ph = last_phases_;
     ph = dci::QueryPhases{};
@@ -345,6 +349,12 @@ class Forest {
       if (tid == 0) lap(ph.group_ns);
       const int64_t n_items = static_cast<int64_t>(items_.size());
       const Clock::time_point scan_start = Clock::now();
+      {
+        const int64_t at = std::chrono::duration_cast<std::chrono::nanoseconds>(scan_start - started).count();
+        int64_t seen = first_scan_ns.load(std::memory_order_relaxed);
+        while (at < seen && !first_scan_ns.compare_exchange_weak(seen, at, std::memory_order_relaxed)) {
+        }
+      }
       team.guarded([&] {
         for (int64_t w; (w = dci::Team::next_index(next_item)) < n_items;) {
           const Item& it = items_[w];
@@ -373,7 +383,18 @@ class Forest {
       });
       scan_busy_ns.fetch_add(since(scan_start), std::memory_order_relaxed);  // to its last item's end
       team.barrier();
-      if (tid == 0) lap(ph.scan_ns);
+      if (tid == 0) {
+        const Clock::time_point scan_mark = mark;  // where thread 0's lap put the group phase's end
+        lap(ph.scan_ns);
+        // time some thread spent scanning before thread 0's lap belongs to the scan, not to the group phase
+        const int64_t early = std::chrono::duration_cast<std::chrono::nanoseconds>(scan_mark - started).count() -
+                              first_scan_ns.load(std::memory_order_relaxed);
+        if (early > 0) {
+          const int64_t moved = std::min(early, ph.group_ns);
+          ph.group_ns -= moved;
+          ph.scan_ns += moved;
+        }
+      }
       team.guarded([&] {
         for (int64_t h = tid; h < nq; h += nthreads) {
           HeadState& hs = heads_[h];
