@@ -7,6 +7,10 @@
 #include <cmath>
 #include <stdexcept>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "dci.hpp"
 
 namespace dci {
@@ -19,6 +23,30 @@ SearchCounters& search_counters() {
 namespace {
 std::atomic<int> tuned_prefetch_rows{ScanTuning{}.prefetch_rows}, tuned_chunk_rows{ScanTuning{}.chunk_rows},
     tuned_prefetch_level{ScanTuning{}.prefetch_level};
+
+// The largest of x[0, n), and whether any of them is NaN (then the largest means nothing).
+float max_of(const float* x, int n, bool& nan) {
+  float top = -INFINITY;
+  int i = 0;
+  nan = false;
+#if defined(__SSE2__)
+  __m128 top4 = _mm_set1_ps(-INFINITY), bad = _mm_setzero_ps();
+  for (; i + 4 <= n; i += 4) {
+    const __m128 v = _mm_loadu_ps(x + i);
+    bad = _mm_or_ps(bad, _mm_cmpunord_ps(v, v));
+    top4 = _mm_max_ps(top4, v);
+  }
+  top4 = _mm_max_ps(top4, _mm_shuffle_ps(top4, top4, _MM_SHUFFLE(1, 0, 3, 2)));
+  top4 = _mm_max_ps(top4, _mm_shuffle_ps(top4, top4, _MM_SHUFFLE(2, 3, 0, 1)));
+  top = _mm_cvtss_f32(top4);
+  nan = _mm_movemask_ps(bad) != 0;
+#endif
+  for (; i < n; ++i) {
+    nan |= x[i] != x[i];
+    top = x[i] > top ? x[i] : top;
+  }
+  return top;
+}
 }  // namespace
 
 ScanTuning scan_tuning() {
@@ -275,12 +303,21 @@ void Instance::scan_runs(int32_t kid_slot, int nh, const Probe* probes, const in
 void Instance::feed_page(const Leaf& lf, int base, int s0, int s1, int nh, const Probe* probes, const int32_t* first,
                          const int32_t* last, const float* dots, TopK* const* best_tokens,
                          TopK* const* best_pages) const {
+    const bool mips = cfg_->transform;  // the distance is -dot, exactly: query_distance
     for (int j = 0; j < nh; ++j) {
       // head j's own rows of this page, as scan_last_level would take them
       const int t0 = std::max(first[j] - base, s0), t1 = std::min(last[j] - base, s1);
       if (t0 >= t1) continue;
       const float* dj = dots + j * kPageSlots - s0;
       TopK& bt = *best_tokens[j];
+      const TopK& bp = *best_pages[j];
+      if (mips && bt.cap > 0 && bt.full() && bp.cap > 0 && bp.full()) {
+        // Most pages hold nothing that either accumulator keeps: a page whose best distance (-dot) is worse than
+        // both K-th bests, strictly, feeds nothing, and one pass over its dots says so (a NaN takes the long way).
+        bool nan;
+        const float top = max_of(dj + t0, t1 - t0, nan);
+        if (!nan && -top > bt.items[bt.worst].dist && -top > bp.items[bp.worst].dist) continue;
+      }
       Candidate best{INFINITY, -1};
       for (int t = t0; t < t1; ++t) {
         const int32_t id = lf.item[t];
