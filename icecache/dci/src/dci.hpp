@@ -236,9 +236,11 @@ struct SearchCounters {
 // Where a grouped query's wall-clock time went, in nanoseconds, read by the thread that started it as it leaves
 // each phase's barrier (so a phase includes the wait for its slowest thread). fork: until the last thread of the
 // team had begun (what waking a sleeping team costs); descend, group, scan, merge: the phases of
-// Forest::query_grouped, the group phase with its serial concatenation; the scan begins when its first thread
-// starts (thread 0 may be descheduled past that moment). scan_busy: the scan phase's time in work
-// items summed over threads; over threads * scan it is how busy the team was while scanning.
+// Forest::query_grouped. An instance is grouped as soon as its heads have descended, under the other heads'
+// descents, so descend ends when the last descent does and group is what grouping and the items' collection added
+// after it. The scan begins when its first thread starts (thread 0 may be descheduled past that moment).
+// scan_busy: the scan phase's time in work items summed over threads; over threads * scan it is how busy the
+// team was while scanning.
 struct QueryPhases {
   int64_t fork_ns = 0, descend_ns = 0, group_ns = 0, scan_ns = 0, merge_ns = 0, scan_busy_ns = 0;
   QueryPhases& operator+=(const QueryPhases& o) {

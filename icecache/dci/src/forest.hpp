@@ -286,7 +286,35 @@ class Forest {
     // the earliest scan start (ns since started): thread 0 may be preempted between the group barrier and its lap,
     // while the others already scan, so the scan phase begins at whichever thread started first
     std::atomic<int64_t> first_scan_ns{std::numeric_limits<int64_t>::max()};
-    std::atomic<int64_t> next_head{0}, next_inst{0}, next_item{0};  // the three shared loops' next index
+    std::atomic<int64_t> next_head{0}, next_item{0};  // the two shared loops' next index
+    // An instance is grouped by the thread that finishes the last of its heads' descents, while other heads still
+    // descend, and the items are collected by the thread that groups the last instance: no barrier in between.
+    const int64_t busy_instances = std::min<int64_t>(I, (nq + ratio - 1) / ratio);
+    if (inst_done_capacity_ < I) {
+      inst_done_.reset(new std::atomic<int>[I]);
+      inst_done_capacity_ = I;
+    }
+    for (int i = 0; i < I; ++i) inst_done_[i].store(0, std::memory_order_relaxed);
+    for (int64_t i = busy_instances; i < I; ++i) {  // instances without a query head: nothing to scan
+      jobs_[i].clear();
+      inst_items_[i].clear();
+    }
+    if (busy_instances == 0) collect_items(I, chunk_rows);
+    std::atomic<int64_t> instances_grouped{0}, descents_end_ns{0};
+    const auto group_instance = [&](const int64_t i) {
+      auto& jobs = jobs_[i];
+      jobs.clear();
+      for (int64_t h = i * ratio; h < (i + 1) * ratio && h < nq; ++h)
+        for (const dci::LastLevelRun& r : heads_[h].runs) jobs.push_back({r.kid_slot, static_cast<int32_t>(h), r.first, r.last});
+      std::sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) {
+        return a.kid_slot < b.kid_slot || (a.kid_slot == b.kid_slot && a.head < b.head);
+      });
+      inst_items_[i].clear();
+      if (chunk_rows > 0)
+        inst_[i]->group_items(static_cast<int>(i), jobs.data(), static_cast<int32_t>(jobs.size()), chunk_rows,
+                              inst_items_[i]);
+      if (instances_grouped.fetch_add(1, std::memory_order_acq_rel) + 1 == busy_instances) collect_items(I, chunk_rows);
+    };
     dci::QueryPhases& ph = last_phases_;
     ph = dci::QueryPhases{};
     Clock::time_point mark = started;
@@ -322,31 +350,30 @@ class Forest {
           // the descent's fed points are part of the head's result: their K-th best is a bar for the half scan
           bars_[h].tokens.store(hs.best_tokens.bar(), std::memory_order_relaxed);
           bars_[h].pages.store(hs.best_pages.bar(), std::memory_order_relaxed);
+          {
+            const int64_t ended = since(started);
+            int64_t seen = descents_end_ns.load(std::memory_order_relaxed);
+            while (ended > seen && !descents_end_ns.compare_exchange_weak(seen, ended, std::memory_order_relaxed)) {
+            }
+          }
+          // the last of an instance's heads groups its runs by parent: one work item = one parent and up to
+          // kMaxGroupHeads heads (the counter's acquire makes the other heads' runs visible)
+          const int64_t i = h / ratio;
+          const int64_t heads_of_i = std::min<int64_t>(ratio, nq - i * ratio);
+          if (inst_done_[i].fetch_add(1, std::memory_order_acq_rel) + 1 == heads_of_i) group_instance(i);
         }
       });
       team.barrier();
-      if (tid == 0) lap(ph.descend_ns);
-      // group each instance's runs by parent: one work item = one parent and up to kMaxGroupHeads heads
-      team.guarded([&] {
-        for (int64_t i; (i = dci::Team::next_index(next_inst)) < I;) {
-          auto& jobs = jobs_[i];
-          jobs.clear();
-          for (int64_t h = i * ratio; h < (i + 1) * ratio && h < nq; ++h)
-            for (const dci::LastLevelRun& r : heads_[h].runs)
-              jobs.push_back({r.kid_slot, static_cast<int32_t>(h), r.first, r.last});
-          std::sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) {
-            return a.kid_slot < b.kid_slot || (a.kid_slot == b.kid_slot && a.head < b.head);
-          });
-          inst_items_[i].clear();
-          if (chunk_rows > 0)
-            inst_[i]->group_items(static_cast<int>(i), jobs.data(), static_cast<int32_t>(jobs.size()), chunk_rows,
-                                  inst_items_[i]);
-        }
-      });
-      team.barrier();
-      if (tid == 0) team.guarded([&] { collect_items(I, chunk_rows); });
-      team.barrier();
-      if (tid == 0) lap(ph.group_ns);
+      if (tid == 0) {
+        // From the start to here: the fork (until the last thread had begun; every thread has, past the barrier),
+        // the descents, and what grouping added after the last descent ended (the rest ran under descents).
+        int64_t total = 0;
+        lap(total);
+        ph.fork_ns = std::min(total, last_start_ns.load(std::memory_order_relaxed));
+        const int64_t descents = std::clamp(descents_end_ns.load(std::memory_order_relaxed), ph.fork_ns, total);
+        ph.descend_ns = descents - ph.fork_ns;
+        ph.group_ns = total - descents;
+      }
       const int64_t n_items = static_cast<int64_t>(items_.size());
       const Clock::time_point scan_start = Clock::now();
       {
@@ -386,13 +413,14 @@ class Forest {
       if (tid == 0) {
         const Clock::time_point scan_mark = mark;  // where thread 0's lap put the group phase's end
         lap(ph.scan_ns);
-        // time some thread spent scanning before thread 0's lap belongs to the scan, not to the group phase
-        const int64_t early = std::chrono::duration_cast<std::chrono::nanoseconds>(scan_mark - started).count() -
-                              first_scan_ns.load(std::memory_order_relaxed);
-        if (early > 0) {
-          const int64_t moved = std::min(early, ph.group_ns);
-          ph.group_ns -= moved;
+        // time some thread spent scanning before thread 0's lap belongs to the scan, not to the phases before it
+        int64_t early = std::chrono::duration_cast<std::chrono::nanoseconds>(scan_mark - started).count() -
+                        first_scan_ns.load(std::memory_order_relaxed);
+        for (int64_t* before : {&ph.group_ns, &ph.descend_ns}) {
+          const int64_t moved = std::max<int64_t>(0, std::min(early, *before));
+          *before -= moved;
           ph.scan_ns += moved;
+          early -= moved;
         }
       }
       team.guarded([&] {
@@ -409,8 +437,6 @@ class Forest {
       });
     });
     lap(ph.merge_ns);
-    ph.fork_ns = last_start_ns.load();
-    ph.descend_ns -= std::min(ph.descend_ns, ph.fork_ns);  // the descent's lap began at the fork
     ph.scan_busy_ns = scan_busy_ns.load();
   }
 
@@ -569,6 +595,8 @@ class Forest {
   std::vector<std::vector<Job>> jobs_;
   std::vector<Item> items_;
   std::vector<std::vector<Item>> inst_items_;  // per instance, with ScanTuning::chunk_rows > 0
+  std::unique_ptr<std::atomic<int>[]> inst_done_;  // per instance, its heads whose descent has ended
+  int inst_done_capacity_ = 0;
   std::unique_ptr<dci::SharedBars[]> bars_;  // [nq], for the half-precision scan
   int64_t bars_capacity_ = 0;
   dci::SearchCounters last_query_;
