@@ -107,9 +107,10 @@ void Instance::search_children(const ChildIndex& ci, const float* qproj, const P
   // 1 (the build's settings), the prioritized rounds below stop only once every child is a candidate, and the best
   // of a set do not depend on the order it was scored in.
   if (k >= n || (sc.prop_to_visit >= 1.0 && sc.prop_to_retrieve >= 1.0)) {
-    s.dots.resize(n);
+    if (s.dots.size() < static_cast<size_t>(n)) s.dots.resize(n);  // grown once, never shrunk: no refill per call
     score(p, ci.ids[0].data(), n, s.dots.data());
-    for (int i = 0; i < n; ++i) cands.push_back({s.dots[i], ci.ids[0][i]});
+    cands.resize(n);
+    for (int i = 0; i < n; ++i) cands[i] = {s.dots[i], ci.ids[0][i]};
   } else {
     const int nc = cfg_->num_comp, m = cfg_->num_simp, L = nc * m;
     const int64_t to_visit = static_cast<int64_t>(std::ceil(sc.prop_to_visit * n * m));
@@ -172,9 +173,11 @@ void Instance::search_children(const ChildIndex& ci, const float* qproj, const P
       }
       if (!s.pending.empty()) {
         const int np = static_cast<int>(s.pending.size());
-        s.dots.resize(np);
+        if (s.dots.size() < static_cast<size_t>(np)) s.dots.resize(np);
         score(p, s.pending.data(), np, s.dots.data());
-        for (int i = 0; i < np; ++i) cands.push_back({s.dots[i], s.pending[i]});
+        const size_t had = cands.size();
+        cands.resize(had + np);
+        for (int i = 0; i < np; ++i) cands[had + i] = {s.dots[i], s.pending[i]};
       }
       if (!progressed) break;
       const int64_t got = static_cast<int64_t>(cands.size());
