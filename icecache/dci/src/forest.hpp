@@ -283,7 +283,7 @@ class Forest {
     };
     const Clock::time_point started = Clock::now();
     std::atomic<int64_t> last_start_ns{0}, scan_busy_ns{0};
-    // the earliest scan start (ns since started): thread 0 may be preempted between the group barrier and its lap,
+    // the earliest scan start (ns since started): thread 0 may be preempted between the barrier and its lap,
     // while the others already scan, so the scan phase begins at whichever thread started first
     std::atomic<int64_t> first_scan_ns{std::numeric_limits<int64_t>::max()};
     std::atomic<int64_t> next_head{0}, next_item{0};  // the two shared loops' next index
@@ -411,7 +411,7 @@ class Forest {
       scan_busy_ns.fetch_add(since(scan_start), std::memory_order_relaxed);  // to its last item's end
       team.barrier();
       if (tid == 0) {
-        const Clock::time_point scan_mark = mark;  // where thread 0's lap put the group phase's end
+        const Clock::time_point scan_mark = mark;  // where thread 0's lap ended the phases before the scan
         lap(ph.scan_ns);
         // time some thread spent scanning before thread 0's lap belongs to the scan, not to the phases before it
         int64_t early = std::chrono::duration_cast<std::chrono::nanoseconds>(scan_mark - started).count() -
