@@ -313,13 +313,14 @@ void Instance::feed_page(const Leaf& lf, int base, int s0, int s1, int nh, const
       if (t0 >= t1) continue;
       const float* dj = dots + j * kPageSlots - s0;
       TopK& bt = *best_tokens[j];
-      const TopK& bp = *best_pages[j];
-      if (mips && bt.cap > 0 && bt.full() && bp.cap > 0 && bp.full()) {
-        // Most pages hold nothing that either accumulator keeps: a page whose best distance (-dot) is worse than
-        // both K-th bests, strictly, feeds nothing, and one pass over its dots says so (a NaN takes the long way).
+      // Most pages hold nothing that either accumulator keeps: a page whose best distance (-dot) is strictly worse
+      // than both bars feeds nothing, and one pass over its dots says so (a NaN takes the long way). The bar of an
+      // accumulator that is not full yet is +inf, so then there is nothing to test.
+      const float bar = std::max(bt.bar(), best_pages[j]->bar());
+      if (mips && bar < INFINITY) {
         bool nan;
         const float top = max_of(dj + t0, t1 - t0, nan);
-        if (!nan && -top > bt.items[bt.worst].dist && -top > bp.items[bp.worst].dist) continue;
+        if (!nan && -top > bar) continue;
       }
       Candidate best{INFINITY, -1};
       for (int t = t0; t < t1; ++t) {
