@@ -265,6 +265,8 @@ class Forest {
                      std::atomic<int64_t>& scores, std::atomic<int64_t>& lists, dci::Team& team) {
     const int dim = cfg_.dim;
     const int I = num_instances();
+    // every instance has its `ratio` heads (both callers check it), so each is grouped once its last head descends
+    if (ratio < 1 || nq != static_cast<int64_t>(I) * ratio) throw std::invalid_argument("nq must be instances * ratio");
     const int nthreads = std::max(1, std::min(threads_, team.size()));
     if (static_cast<int>(scratch_.size()) < nthreads) scratch_.resize(nthreads);
     if (static_cast<int>(acc_.size()) < nthreads) acc_.resize(nthreads);
@@ -289,22 +291,16 @@ class Forest {
     std::atomic<int64_t> next_head{0}, next_item{0};  // the two shared loops' next index
     // An instance is grouped by the thread that finishes the last of its heads' descents, while other heads still
     // descend, and the items are collected by the thread that groups the last instance: no barrier in between.
-    const int64_t busy_instances = std::min<int64_t>(I, (nq + ratio - 1) / ratio);
     if (inst_done_capacity_ < I) {
       inst_done_.reset(new std::atomic<int>[I]);
       inst_done_capacity_ = I;
     }
     for (int i = 0; i < I; ++i) inst_done_[i].store(0, std::memory_order_relaxed);
-    for (int64_t i = busy_instances; i < I; ++i) {  // instances without a query head: nothing to scan
-      jobs_[i].clear();
-      inst_items_[i].clear();
-    }
-    if (busy_instances == 0) collect_items(I, chunk_rows);
     std::atomic<int64_t> instances_grouped{0}, descents_end_ns{0};
     const auto group_instance = [&](const int64_t i) {
       auto& jobs = jobs_[i];
       jobs.clear();
-      for (int64_t h = i * ratio; h < (i + 1) * ratio && h < nq; ++h)
+      for (int64_t h = i * ratio; h < (i + 1) * ratio; ++h)
         for (const dci::LastLevelRun& r : heads_[h].runs) jobs.push_back({r.kid_slot, static_cast<int32_t>(h), r.first, r.last});
       std::sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) {
         return a.kid_slot < b.kid_slot || (a.kid_slot == b.kid_slot && a.head < b.head);
@@ -313,7 +309,7 @@ class Forest {
       if (chunk_rows > 0)
         inst_[i]->group_items(static_cast<int>(i), jobs.data(), static_cast<int32_t>(jobs.size()), chunk_rows,
                               inst_items_[i]);
-      if (instances_grouped.fetch_add(1, std::memory_order_acq_rel) + 1 == busy_instances) collect_items(I, chunk_rows);
+      if (instances_grouped.fetch_add(1, std::memory_order_acq_rel) + 1 == I) collect_items(I, chunk_rows);
     };
     dci::QueryPhases& ph = last_phases_;
     ph = dci::QueryPhases{};
@@ -359,8 +355,7 @@ class Forest {
           // the last of an instance's heads groups its runs by parent: one work item = one parent and up to
           // kMaxGroupHeads heads (the counter's acquire makes the other heads' runs visible)
           const int64_t i = h / ratio;
-          const int64_t heads_of_i = std::min<int64_t>(ratio, nq - i * ratio);
-          if (inst_done_[i].fetch_add(1, std::memory_order_acq_rel) + 1 == heads_of_i) group_instance(i);
+          if (inst_done_[i].fetch_add(1, std::memory_order_acq_rel) + 1 == ratio) group_instance(i);
         }
       });
       team.barrier();
