@@ -195,8 +195,8 @@ class ArkValeKV(DenseKV):
         if not self.seq.more_prefill_chunks:
             with self.seq.timer.phase("offload"):
                 key_pages, value_pages, n_full = self._place_prompt(query[0, :, -1], self.keys[0], self.values[0])
-            # The backups, on the side stream beside the next layers' prefill (outside the timed phase, whose
-            # closing synchronisation would wait for them).
+            # The backups, on the side stream beside the next layers' prefill (after the timed phase, which times the
+            # model stream's part of the offload).
             if n_full:
                 self.seq.prompt_copies.copy(self.store_keys[:n_full], key_pages[:n_full])
                 self.seq.prompt_copies.copy(self.store_values[:n_full], value_pages[:n_full])

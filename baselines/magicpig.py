@@ -237,8 +237,8 @@ class MagicPIGKV(DenseKV):
         if not self.seq.more_prefill_chunks:
             with self.seq.timer.phase("offload"):
                 host_copies = self._offload(self.keys[0], self.values[0])
-            # The host store and tables, on the side stream beside the next layers' prefill (outside the timed
-            # phase, whose closing synchronisation would wait for them).
+            # The host store and tables, on the side stream beside the next layers' prefill (after the timed phase,
+            # which times the model stream's part of the offload).
             for destination, source in host_copies:
                 self.seq.prompt_copies.copy(destination, source)
             self._keys = self._values = None

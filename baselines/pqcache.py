@@ -215,7 +215,8 @@ class PQCacheKV(RingSlotsKV):
                 self._codebooks = self._worker().submit(_build_codebooks, self.host_keys, begin, n_prompt,
                                                         self.config, seed, None)
         if keys.is_cuda:
-            # Queued outside the timed phase: the phase's closing synchronisation would wait for the side streams.
+            # Queued after the timed phase, which times the model stream's part of the offload: the side streams'
+            # work overlaps the next layers' prefill, timed or not (a phase waits for its own stream, core.timing).
             self._codebooks = self._queue_on_side_streams(keys, values, begin, seed)
 
     def _queue_on_side_streams(self, keys: torch.Tensor, values: torch.Tensor, begin: int,

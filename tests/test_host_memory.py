@@ -185,3 +185,59 @@ def test_pinned_buffers_are_exact_mapped_and_filled_beside_the_model_stream(shap
     copies.close()
     again = PromptCopies(pool).take(shape, torch.bfloat16, device)
     assert again.data_ptr() == destination.data_ptr() and pool.allocations == 1
+
+
+class _RecordingStream:
+    def __init__(self):
+        self.synchronized = 0
+
+    def synchronize(self):
+        self.synchronized += 1
+
+
+def test_a_timed_phase_waits_for_its_own_stream_and_not_for_the_device(monkeypatch):
+    """A phase on a CUDA device synchronises the current stream when it starts and when it ends, and never the
+    whole device: a layer's prompt copy on the side stream goes on under the next layers' phases (what the GPU
+    test below checks on a device)."""
+    from icecache.core.timing import PhaseTimer
+
+    stream = _RecordingStream()
+
+    def device_wide(*args, **kwargs):
+        raise AssertionError("a phase waited for every stream of the device")
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", device_wide)
+    timer = PhaseTimer(torch.device("cuda"), enabled=True)
+    with timer.phase("offload"):
+        assert stream.synchronized == 1
+    assert stream.synchronized == 2
+    assert set(timer.take_step()) == {"offload"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_timed_phase_does_not_wait_for_a_prompt_copy_on_the_side_stream():
+    """A phase timed on another stream ends while a prompt copy still waits on the side stream (held there by a
+    long kernel it must follow), and ``join`` then makes the model's stream wait for the copy: timing a phase
+    serialises nothing beside it."""
+    from icecache.core.timing import PhaseTimer
+
+    device = torch.device("cuda")
+    copies = PromptCopies(HostPool())
+    destination = copies.take((4, 1024), torch.float32, device)
+    source = torch.randn(4, 1024, device=device)
+    expected = source.cpu()
+    torch.cuda._sleep(2_000_000_000)  # the model's stream is busy for about a second, and the copy follows it
+    done = copies.copy(destination, source)
+    timer = PhaseTimer(device, enabled=True)
+    other = torch.cuda.Stream(device)
+    with torch.cuda.stream(other), timer.phase("offload"):
+        torch.ones(8, device=device).sum()
+    assert not done.query()
+    copies.join()
+    torch.cuda.current_stream(device).synchronize()
+    assert done.query() and torch.equal(destination, expected)
+    assert timer.take_step()["offload"] > 0
+    copies.close()

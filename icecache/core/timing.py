@@ -1,7 +1,11 @@
 """Phase timers for decode-step breakdowns and KV memory accounting.
 
-A phase is timed with wall clock between device synchronisations, so that the parts of a step add up to the
-step's time; synchronising costs a little, so timers are enabled only for latency measurements.
+A phase is timed with wall clock between synchronisations of the stream it runs on, so that the parts of a step add
+up to the step's time; synchronising costs a little, so timers are enabled only for latency measurements. A phase
+waits for its own stream only, not for the whole device: work a method queues on a side stream (a layer's prompt
+copies to host memory, PQCache's clustering) runs under the next layers' prefill whether or not the run is timed.
+A device-wide wait at every phase would have made each layer's prefill wait for the previous layer's side work in
+timed runs alone, and so counted that work in their TTFT.
 """
 
 from __future__ import annotations
@@ -17,9 +21,17 @@ import torch
 
 
 def synchronize(device: torch.device | str) -> None:
+    """Wait for everything queued on ``device``, every stream (the start and end of a step or of a generation)."""
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def synchronize_stream(device: torch.device | str) -> None:
+    """Wait for what is queued on ``device``'s current stream, and for what that stream was made to wait for."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 class PhaseTimer:
@@ -42,12 +54,12 @@ class PhaseTimer:
         if not self.enabled or (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             yield
             return
-        synchronize(self.device)
+        synchronize_stream(self.device)
         start = time.perf_counter()
         try:
             yield
         finally:
-            synchronize(self.device)
+            synchronize_stream(self.device)
             self._step[name] += time.perf_counter() - start
 
     @contextmanager
