@@ -16,16 +16,17 @@ computation cost (the share of full attention's work, about 2% for both), not by
 This code. The prompt is attended densely; after its last chunk each sparsified layer keeps 4 sink tokens and a window
 of 64 (the public code's ``num_sink_tokens`` and ``num_local_tokens``) in device buffers and copies every token to host
 memory, with the norm of its centred key. The device hashes the middle of the prompt (after the sinks) with one set of
-``K * L`` Gaussian projections (the same for every layer, seeded) and sorts each table by bucket (prefill phase
-``hash_tables``); the host keeps the tables (``HashTables``: per KV head and table, the tokens in bucket order and each
-bucket's span). The host store and tables are buffers of the core's host pool (``core.host_memory``: pinned on CUDA,
-kept from one sequence to the next), filled on a side stream beside the next layers' prefill. A decode step writes the
-new token into the window ring (slot ``4 + (t - 4) % 64``; the token it overwrites is in host memory already and joins
-the middle), hashes the query and the new key on the device (phase ``hash``), and sends them to the host with the new
-key and value in one fixed-size copy (``core.host_step.HostExchange``). The host's part is one C++ call with the GIL
-released (``icecache/core/kernels/src/magicpig_host.cpp``, ``_magicpig_host.HostStep``, on buffers Python allocates once
-and the C++ step reads in place): it stores the token (key and value in the store's dtype, the norm of its centred key,
-its codes), counts for each query head the tables in which each middle token shares its bucket (the prompt's through the
+``K * L`` Gaussian projections (the same for every layer, seeded) and sorts each table by bucket, on CUDA on a side
+stream beside the next layers' prefill (``MagicPIGSequence``); the host keeps the tables (``HashTables``: per KV head
+and table, the tokens in bucket order and each bucket's span). The host store and tables are buffers of the core's host
+pool (``core.host_memory``: pinned on CUDA, kept from one sequence to the next), filled on a side stream beside the next
+layers' prefill. A decode step writes the new token into the window ring (slot ``4 + (t - 4) % 64``; the token it
+overwrites is in host memory already and joins the middle), hashes the query and the new key on the device (phase
+``hash``), and sends them to the host with the new key and value in one fixed-size copy
+(``core.host_step.HostExchange``). The host's part is one C++ call with the GIL released
+(``icecache/core/kernels/src/magicpig_host.cpp``, ``_magicpig_host.HostStep``, on buffers Python allocates once and the
+C++ step reads in place): it stores the token (key and value in the store's dtype, the norm of its centred key, its
+codes), counts for each query head the tables in which each middle token shares its bucket (the prompt's through the
 tables, later tokens directly), samples the tokens with at least two collisions and weighs them (phase ``select``; the
 angle's chance in float64), and computes their attention with the log-weights ``-log(u + 1e-4)`` (the public code's
 floor) and its log-sum-exp (phase ``cpu_attention``), the query heads spread over torch's CPU threads (OpenMP); the
@@ -65,6 +66,7 @@ step against its torch definition (``tests/magicpig_reference.py``): ``tests/tes
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -216,6 +218,19 @@ def grown_along(tensor: torch.Tensor, size: int, dim: int) -> torch.Tensor:
 # --- the layer -----------------------------------------------------------------------------------------------------
 
 
+class MagicPIGSequence:
+    """What a sequence's MagicPIG layers share: on CUDA the side stream that hashes and sorts each layer's prompt,
+    in layer order, beside the prefill of the later layers on the model's stream."""
+
+    def __init__(self):
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def hashing_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+
 class MagicPIGKV(DenseKV):
     """Sinks and window on the device (``n_sink_tokens + n_local_tokens`` slots, the window a ring); every token in
     host memory; the prompt's hash tables on the host; the sampled attention on the host."""
@@ -235,12 +250,10 @@ class MagicPIGKV(DenseKV):
             raise ValueError("sparse KV methods run with batch size 1")
         out = super().prefill(query, key, value, attention_mask, scaling)
         if not self.seq.more_prefill_chunks:
+            # The phase times the model stream's part; the copies to the host and the hashing run on side streams
+            # beside the next layers' prefill (a phase waits for its own stream only).
             with self.seq.timer.phase("offload"):
-                host_copies = self._offload(self.keys[0], self.values[0])
-            # The host store and tables, on the side stream beside the next layers' prefill (after the timed phase,
-            # which times the model stream's part of the offload).
-            for destination, source in host_copies:
-                self.seq.prompt_copies.copy(destination, source)
+                self._offload(self.keys[0], self.values[0])
             self._keys = self._values = None
             self.length = 0
         return out
@@ -248,9 +261,9 @@ class MagicPIGKV(DenseKV):
     def _ring_slot(self, position: torch.Tensor) -> torch.Tensor:
         return torch.where(position < self.n_sink, position, self.n_sink + (position - self.n_sink) % self.n_local)
 
-    def _offload(self, keys: torch.Tensor, values: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The device's sinks and window, the host store's buffers, the hash tables and the native step; returns the
-        copies into host memory for the caller to queue, ``(destination, source)`` pairs."""
+    def _offload(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The device's sinks and window, the host store (its fill queued on the prompt copies' stream), the hash
+        tables and the native step."""
         cfg, device = self.cfg, keys.device
         n_kv_heads, n_tokens, head_dim = keys.shape
         self.prompt_len = n_tokens
@@ -275,25 +288,20 @@ class MagicPIGKV(DenseKV):
         middle_end = max(self.n_sink, n_tokens - self.n_local)
         centred_on = keys[:, self.n_sink : middle_end] if middle_end > self.n_sink else keys
         self.mean_key = centred_on.float().mean(dim=1)  # [Hkv, D], on the device
-        self.mean_key_host = self.mean_key.cpu()
+        # Copied with the store rather than read back at once: reading it here would stall the launches of the
+        # next layers' prefill on every layer.
+        self.mean_key_host = take(tuple(self.mean_key.shape), torch.float32, device)
+        self.seq.prompt_copies.copy(self.mean_key_host, self.mean_key)
         self.store_norms = take((n_kv_heads, capacity), torch.float32, device)
         norms = (keys.float() - self.mean_key[:, None]).norm(dim=-1)
-        host_copies = []  # one per KV head: each head's rows are contiguous in the store
-        for head in range(n_kv_heads):
-            host_copies += [(self.store_keys[head, :n_tokens], keys[head]),
-                            (self.store_values[head, :n_tokens], values[head]),
-                            (self.store_norms[head, :n_tokens], norms[head])]
+        for head in range(n_kv_heads):  # one copy per KV head: each head's rows are contiguous in the store
+            for destination, source in ((self.store_keys[head, :n_tokens], keys[head]),
+                                        (self.store_values[head, :n_tokens], values[head]),
+                                        (self.store_norms[head, :n_tokens], norms[head])):
+                self.seq.prompt_copies.copy(destination, source)
 
         self.projections = hash_projections(head_dim, cfg.K, cfg.L, cfg.seed).to(device)
-        with self.seq.timer.phase("hash_tables"):
-            middle = keys[:, self.n_sink :]
-            codes = torch.cat([
-                simhash_codes(middle[:, begin : begin + HASH_BLOCK_TOKENS].float() - self.mean_key[:, None],
-                              self.projections, cfg.K)
-                for begin in range(0, middle.shape[1], HASH_BLOCK_TOKENS)
-            ], dim=1) if middle.shape[1] else None
-            self.tables = (HashTables(codes, self.n_sink, cfg.K, self.seq.prompt_copies, host_copies)
-                           if codes is not None else None)
+        self.tables = self._hash_prompt(keys)
         self.tail_codes = torch.zeros(n_kv_heads, capacity - n_tokens, cfg.L, dtype=torch.int32)
 
         f32, i32 = torch.float32, torch.int32
@@ -312,7 +320,33 @@ class MagicPIGKV(DenseKV):
         self.scaling = 1.0
         self.native = self._make_native_step(keys.dtype)
         self.offloaded = True
-        return host_copies
+
+    def _hash_prompt(self, keys: torch.Tensor) -> HashTables | None:
+        """The hash tables of the prompt's middle (after the sinks), their host arrays' fills queued. On CUDA the
+        codes, the sort and the fills run on the sequence's hashing stream after the model's stream has produced the
+        keys and their mean, beside the next layers' prefill; the fills follow the sort on the copy stream, so the
+        first decode step's ``prompt_copies.join()`` waits for both."""
+        middle = keys[:, self.n_sink :]
+        if not middle.shape[1]:
+            return None
+        side = self.seq.state(MagicPIGSequence).hashing_stream(keys.device) if keys.is_cuda else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(keys.device))
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            codes = torch.cat([
+                simhash_codes(middle[:, begin : begin + HASH_BLOCK_TOKENS].float() - self.mean_key[:, None],
+                              self.projections, self.cfg.K)
+                for begin in range(0, middle.shape[1], HASH_BLOCK_TOKENS)
+            ], dim=1)
+            fills: list[tuple[torch.Tensor, torch.Tensor]] = []
+            tables = HashTables(codes, self.n_sink, self.cfg.K, self.seq.prompt_copies, fills)
+            for destination, source in fills:  # queued while the hashing stream is current: they follow the sort
+                self.seq.prompt_copies.copy(destination, source)
+        if side is not None:
+            # The model's stream may reuse the prompt's memory only once the hashing stream is past its reads.
+            for tensor in (keys, self.mean_key, self.projections):
+                tensor.record_stream(side)
+        return tables
 
     def _make_native_step(self, store_dtype: torch.dtype):
         """The layer's C++ host step (``_magicpig_host.HostStep``), pointed at the tables, the mean key and the

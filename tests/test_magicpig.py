@@ -342,9 +342,24 @@ def test_settings_that_cannot_work_are_refused_and_a_small_budget_shrinks_the_wi
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_path_samples_and_computes_what_the_cpu_path_does():
+@pytest.mark.parametrize("slow_hashing", [False, True])
+def test_gpu_path_samples_and_computes_what_the_cpu_path_does(monkeypatch, slow_hashing):
     """float32 on both: the device hashes the query and the new key, the host samples and attends; the same
-    samples and weights as the CPU path, outputs within float tolerance, while the window turns."""
+    samples and weights as the CPU path, outputs within float tolerance, while the window turns. The prompt is
+    hashed on a side stream, not the model's; held there by a long kernel, its tables still reach the host before
+    the first step reads them."""
+    import baselines.magicpig as magicpig
+
+    hashed_on = []
+
+    def hashing(vectors, projections, K):
+        if vectors.is_cuda and vectors.dim() == 3:  # a block of the prompt, not a step's query or key
+            hashed_on.append(torch.cuda.current_stream(vectors.device))
+            if slow_hashing:
+                torch.cuda._sleep(500_000_000)
+        return simhash_codes(vectors, projections, K)
+
+    monkeypatch.setattr(magicpig, "simhash_codes", hashing)
     runs = {}
     for device in ("cpu", "cuda"):
         gen = torch.Generator().manual_seed(6)
@@ -353,6 +368,7 @@ def test_gpu_path_samples_and_computes_what_the_cpu_path_does():
         for _ in range(20):
             *_, out = step(layer, gen, device)
             runs[device].append((out.cpu(), layer.last_attended.cpu(), layer.last_log_weights.cpu()))
+    assert hashed_on and all(stream != torch.cuda.default_stream() for stream in hashed_on)
     for (out_cpu, att_cpu, w_cpu), (out_gpu, att_gpu, w_gpu) in zip(runs["cpu"], runs["cuda"]):
         assert torch.equal(att_cpu, att_gpu)
         torch.testing.assert_close(w_gpu, w_cpu, atol=1e-4, rtol=1e-4)
