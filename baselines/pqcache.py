@@ -24,25 +24,27 @@ PQCache sizes its parts as fractions of the prompt; here they are the budget's. 
 **This code.** The window is a ``RingSlotsKV`` of ``budget`` slots per KV head: the sinks pinned, the local window a
 ring, and the last ``n_topk`` slots holding the step's selection. After the prompt, every token's key and value is in a
 host store (pinned on CUDA, read in place through ``core.paged.mapped_device_view``). On CUDA, a layer's prompt is
-copied into the store (one asynchronous copy per KV head, the core's prompt copies: ``core.host_memory``, into
-buffers the method keeps from one sequence to the next) on the sequence's copy stream and clustered on the device
-from the device's keys on a side stream of its own, each waiting for the model's stream only for the keys, so that
-layer ``l``'s copy and k-means run beside layer ``l + 1``'s prefill; the layer's first decode step makes the model's
-stream wait for both (no host synchronisation; TT2T includes what is left of the wait). On the CPU a worker thread of
-the sequence runs the layers' k-means, layer after layer, while the prefill goes on, and the first decode step waits for
-its layer's codebooks. The codes are kept on the device as int32 rows ``(h * m + j) * C + code`` of the query-centroid
-table. The k-means is seeded with distinct keys drawn on the CPU with ``seed + layer`` (the same draw on every
-device). Each step, on the device: the new token goes to the ring and the host store and is encoded;
-``core.kernels.pq_votes`` scores every token through the table (``core.product_quantization.pq_scores``) and gives the
-candidates (after the sinks, before the window) a softmax per query head, summed per KV head (on CUDA two Triton
-kernels); a top-k on keys that order by vote, then by position (``first_of_stable_sort``), keeps the ``n_topk`` tokens
-per KV head that a stable sort would put first (tokens with the same codes tie; ties go to the earlier position on
-every device); the chosen tokens held by the block cache are gathered from it and the others are read from the host
-store with ``copy_blocks`` (``core.kernels.block_copy``) (one kernel, skipped entries read nothing); then the cache
-update: the ``cache_topk_blocks`` complete blocks with the most selected tokens (all KV heads counted; ties to the lower
-block; only blocks with one at least) are inserted in LFU order (a hit adds one to a block's count; a missing block
-takes an empty slot or evicts the slot with the lowest count, the oldest among equals, never one of the step's blocks)
-and copied in from the host store. The step reads no host value, so on CUDA it replays from a CUDA graph.
+copied into the store (one asynchronous copy per KV head, the core's prompt copies: ``core.host_memory``, into buffers
+the method keeps from one sequence to the next) on the sequence's copy stream and clustered on the device from the
+device's keys on a side stream of its own, each waiting for the model's stream only for the keys, so that layer ``l``'s
+copy and k-means run beside layer ``l + 1``'s prefill; the layer's first decode step makes the model's stream wait for
+both (no host synchronisation; TT2T includes what is left of the wait). On the CPU a worker thread of the sequence runs
+the layers' k-means, layer after layer, while the prefill goes on, and the first decode step waits for its layer's
+codebooks. The codes are kept on the device as int32 rows ``(h * m + j) * C + code`` of the query-centroid table. The
+k-means is seeded with distinct keys drawn on the CPU with ``seed + layer`` (the same draw on every device). Each step,
+on the device: the new token goes to the ring and the host store and is encoded; ``core.kernels.pq_votes`` scores every
+token through the table (``core.product_quantization.pq_scores``) and gives the candidates (after the sinks, before the
+window) a softmax per query head, summed per KV head (on CUDA two Triton kernels); a top-k on keys that order by vote,
+then by position (``first_of_stable_sort``), keeps the ``n_topk`` tokens per KV head that a stable sort would put first
+(tokens with the same codes tie; ties go to the earlier position on every device); the chosen tokens held by the block
+cache are gathered from it and the others are read from the host store with ``copy_blocks``
+(``core.kernels.block_copy``) (one kernel, skipped entries read nothing); then the cache update: the
+``cache_topk_blocks`` complete blocks with the most selected tokens (all KV heads counted; ties to the lower block; only
+blocks with one at least) are inserted in LFU order (a hit adds one to a block's count; a missing block takes an empty
+slot or evicts the slot with the lowest count, the oldest among equals, never one of the step's blocks) and copied in
+from the host store; on CUDA the update runs on a side stream beside the rest of the step, as in PQCache, and the next
+layer's fetch waits for it (the last layer's update is joined before the step ends). The step reads no host value, so on
+CUDA it replays from a CUDA graph.
 
 **Deviations.** The number of k-means iterations is fixed (``kmeans_iters``, default 10); PQCache's code picks it per
 layer from a timing model so that clustering ends within the GPU's work on the following layers (3 to 300 iterations),
@@ -51,18 +53,16 @@ point). On CUDA the clustering runs on the model's GPU, on a side stream (PQCach
 cores; the CPU path here keeps one Python worker thread whose PyTorch operations use the process's CPU threads). The
 GPU's k-means is the CPU's code on CUDA tensors from the same draw, with the clusters' sums taken as a one-hot product
 (the same bits at every run, where CUDA's ``scatter_add_`` is not), so its codebooks equal the CPU's up to float32
-rounding: a key whose two nearest centroids are equal to rounding may take the other one, and then both centroids move
-a little. On PQCache's sizes (bfloat16 keys, 6 bits, 10 iterations) no code of 65,536 differed between float32 and
-float64 k-means on the CPU, none of 96,000 between an H200 and the CPU (``tests/test_pqcache.py`` bounds the GPU's
-share at one in a thousand); GPU and CPU runs may therefore choose different tokens where a key is that close to a
-tie. A token's code is computed when it arrives rather than when it leaves the window (the same code: the centroids
-are fixed after the prompt). The block cache takes a step's blocks as one batch (PQCache's LFU inserts them one by
-one, so a block of a step can evict another of the same step), only complete blocks are cached, and its update runs in
-the step's stream after the fetch (PQCache overlaps it on a side stream). ``pages_loaded`` counts (token, KV head)
-entries read from host memory plus (block, KV head) blocks copied into the cache; ``bytes_to_gpu`` their bytes. A
-prompt with fewer middle tokens than centroids makes every middle token a centroid (exact scores); one with none
-leaves all centroids at zero, so later tokens score alike until they are the middle.
-"""
+rounding: a key whose two nearest centroids are equal to rounding may take the other one, and then both centroids move a
+little. On PQCache's sizes (bfloat16 keys, 6 bits, 10 iterations) no code of 65,536 differed between float32 and float64
+k-means on the CPU, none of 96,000 between an H200 and the CPU (``tests/test_pqcache.py`` bounds the GPU's share at one
+in a thousand); GPU and CPU runs may therefore choose different tokens where a key is that close to a tie. A token's
+code is computed when it arrives rather than when it leaves the window (the same code: the centroids are fixed after the
+prompt). The block cache takes a step's blocks as one batch (PQCache's LFU inserts them one by one, so a block of a step
+can evict another of the same step), and only complete blocks are cached. ``pages_loaded`` counts (token, KV head)
+entries read from host memory plus (block, KV head) blocks copied into the cache; ``bytes_to_gpu`` their bytes. A prompt
+with fewer middle tokens than centroids makes every middle token a centroid (exact scores); one with none leaves all
+centroids at zero, so later tokens score alike until they are the middle. """
 
 from __future__ import annotations
 
@@ -91,6 +91,12 @@ class PQCacheSequence:
     def __init__(self):
         self._worker: ThreadPoolExecutor | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.cache_streams: dict[torch.device, torch.cuda.Stream] = {}
+        # The counters of the cache updates queued on the cache stream and not yet joined, in DecodeCounters'
+        # device layout (float64 [steps, attended, pages, bytes]): added to on that stream only, folded into the
+        # sequence's counters by the model's stream when it joins.
+        self.cache_counts: dict[torch.device, torch.Tensor] = {}
+        self.cache_update_pending = False
 
     def worker(self) -> ThreadPoolExecutor:
         if self._worker is None:
@@ -101,6 +107,13 @@ class PQCacheSequence:
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
+
+    def cache_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The stream of the layers' block-cache updates, each queued after its layer's fetch."""
+        if device not in self.cache_streams:
+            self.cache_streams[device] = torch.cuda.Stream(device)
+            self.cache_counts[device] = torch.zeros(4, dtype=torch.float64, device=device)
+        return self.cache_streams[device]
 
     def close(self) -> None:
         if self._worker is not None:
@@ -361,6 +374,7 @@ class PQCacheKV(RingSlotsKV):
     def _fetch(self, picks: torch.Tensor, chosen: torch.Tensor, position: torch.Tensor) -> None:
         """The chosen tokens' keys and values into the selection slots: from the block cache where it holds them,
         else from the host store; then the cache takes the step's most selected blocks."""
+        self._join_cache_updates()  # the block cache as the updates queued so far leave it
         n_kv_heads, k = picks.shape
         heads = self._heads[:, None].expand(-1, k)
         blocks = picks // self.block_size
@@ -382,14 +396,49 @@ class PQCacheKV(RingSlotsKV):
         self.slot_keys[:, self.window : self.window + k] = keys
         self.slot_values[:, self.window : self.window + k] = values
         self.slot_positions[:, self.window : self.window + k] = torch.where(chosen, picks, -1)
-        item = self.fetch_keys.element_size()
         n_missed = miss.sum()
-        loaded, n_bytes = n_missed, n_missed * 2 * self.model.head_dim * item
+        row_bytes = 2 * self.model.head_dim * self.fetch_keys.element_size()
+        self.seq.counters.record_on_device(pages_loaded=n_missed, bytes_to_gpu=n_missed * row_bytes)
         if self.n_cache_blocks:
-            n_blocks_loaded = self._update_cache(blocks, chosen, position)
-            loaded = loaded + n_blocks_loaded * n_kv_heads
-            n_bytes = n_bytes + n_blocks_loaded * n_kv_heads * 2 * self.block_size * self.model.head_dim * item
-        self.seq.counters.record_on_device(pages_loaded=loaded, bytes_to_gpu=n_bytes)
+            self._queue_cache_update(blocks, chosen, position)
+
+    def _queue_cache_update(self, blocks: torch.Tensor, chosen: torch.Tensor, position: torch.Tensor) -> None:
+        """The block-cache update, which only later fetches read. On CUDA it runs on the sequence's cache stream
+        beside the rest of the step, as PQCache overlaps it: the next layer's fetch (or this layer's next one) makes
+        the model's stream wait for it, and the model's last layer joins it, so that a step, and a captured graph,
+        ends with every update done. On the CPU it runs here."""
+        item = self.fetch_keys.element_size()
+        per_block = self.model.n_kv_heads * 2 * self.block_size * self.model.head_dim * item
+        if not blocks.is_cuda:
+            n_blocks = self._update_cache(blocks, chosen, position)
+            self.seq.counters.record_on_device(pages_loaded=n_blocks * self.model.n_kv_heads,
+                                               bytes_to_gpu=n_blocks * per_block)
+            return
+        shared = self.seq.state(PQCacheSequence)
+        side = shared.cache_stream(blocks.device)
+        side.wait_stream(torch.cuda.current_stream(blocks.device))
+        with torch.cuda.stream(side):
+            n_blocks = self._update_cache(blocks, chosen, position)
+            counts = shared.cache_counts[blocks.device]
+            counts[2] += n_blocks * self.model.n_kv_heads
+            counts[3] += n_blocks * per_block
+        for tensor in (blocks, chosen, position):  # read on the cache stream after the model's stream drops them
+            tensor.record_stream(side)
+        shared.cache_update_pending = True
+        if self.layer_idx == self.model.n_layers - 1:
+            self._join_cache_updates()
+
+    def _join_cache_updates(self) -> None:
+        """The model's stream waits for the block-cache updates queued so far, and takes their counts."""
+        shared = self.seq.state(PQCacheSequence)
+        if not shared.cache_update_pending:
+            return
+        shared.cache_update_pending = False
+        for device, side in shared.cache_streams.items():
+            torch.cuda.current_stream(device).wait_stream(side)
+            counts = shared.cache_counts[device]
+            self.seq.counters.device_totals(device).add_(counts)
+            counts.zero_()
 
     def _update_cache(self, blocks: torch.Tensor, chosen: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """LFU insertion of the ``cache_topk_blocks`` complete blocks with the most chosen tokens; returns how many

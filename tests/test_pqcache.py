@@ -289,10 +289,26 @@ def test_settings_that_cannot_work_are_refused(setting, message):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_gpu_layer_chooses_and_attends_what_the_cpu_layer_does():
+@pytest.mark.parametrize("slow_cache_update", [False, True])
+def test_the_gpu_layer_chooses_and_attends_what_the_cpu_layer_does(monkeypatch, slow_cache_update):
     """float32 on both: each layer clusters the same keys from the same initial draw on its own device (the GPU's
     on a side stream), which gives the same codebooks up to float32 rounding on these keys (no point near a tie),
-    so the same tokens, read on the GPU from the pinned store in place and from the block cache."""
+    so the same tokens, read on the GPU from the pinned store in place and from the block cache. The GPU's block-cache
+    updates run on a side stream, and held there by a long kernel they are still done before a fetch reads the
+    cache: the same tokens and counters."""
+    from baselines.pqcache import PQCacheKV
+
+    update = PQCacheKV._update_cache
+    updated_on = []
+
+    def watched_update(self, blocks, chosen, position):
+        if blocks.is_cuda:
+            updated_on.append(torch.cuda.current_stream(blocks.device))
+            if slow_cache_update:
+                torch.cuda._sleep(100_000_000)
+        return update(self, blocks, chosen, position)
+
+    monkeypatch.setattr(PQCacheKV, "_update_cache", watched_update)
     # Head dim 16: the paged kernel's tile product needs at least 16 (every real model has 64 or more).
     cpu_info = ModelInfo(n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16)
     gpu_info = dataclasses.replace(cpu_info, device=torch.device("cuda"))
@@ -309,6 +325,7 @@ def test_the_gpu_layer_chooses_and_attends_what_the_cpu_layer_does():
         torch.testing.assert_close(outs["cuda"].cpu(), outs["cpu"], atol=1e-5, rtol=1e-5)
     counters = {device: layer.seq.counters.as_dict() for device, layer in layers.items()}
     assert counters["cuda"] == counters["cpu"]
+    assert len(updated_on) == 20 and all(stream != torch.cuda.default_stream() for stream in updated_on)
 
     torch.testing.assert_close(layers["cuda"].centroids.cpu(), layers["cpu"].centroids, rtol=1e-5, atol=1e-5)
 
