@@ -31,17 +31,19 @@ keys are exact; ``basis_solver``: ``svd``, the top right singular vectors from t
 eigensolve instead of a QR of the tall matrix and an SVD); the chunks before the window are candidates, their landmarks
 computed and their outliers chosen per KV head; everything goes into one device pool of chunk slots (outliers, selected,
 window ring, one scratch slot) and the candidates' values into the host store (a buffer of the core's host pool, pinned
-on CUDA and read in place by the copy kernel; the copy runs on a side stream beside the next layers' prefill). The
-factor kept per token is its coefficients on the rank-``r`` basis (``pre-RoPE key @ basis^T``, which is ``U S`` of the
-SVD for a prompt token), so a chunk that leaves the window later gets its coefficients, landmark and host copy of its
-values the same way and becomes a candidate (outliers are chosen once, at the prompt, as in ShadowKV). A decode step,
-every decision on the device and its shapes fixed, is captured in a CUDA graph on CUDA; its operations are
-``core.kernels.shadowkv_step``'s (Triton kernels on CUDA, their PyTorch references elsewhere): ``turn_window`` (when a
-chunk starts, the chunk leaving the window becomes a candidate), ``select_and_plan`` (score the landmarks, take each KV
-head's top chunks, keep the chunks already resident and plan the others into the freed slots), the values of the missing
-chunks from the host store with ``copy_blocks`` (``core.kernels.block_copy``; its two block arrays are the two halves of
-each chunk) on a side stream, while the main stream runs ``finish_step`` (the new token, the loaded chunks' keys rebuilt
-and rotated, the counters; phase ``rebuild``); then one paged attention over all slots.
+on CUDA and read in place by the copy kernel). On CUDA all of this but the buffers' allocation runs on a worker thread
+and a side stream beside the next layers' prefill, since the first token needs none of it; the layer's first decode step
+waits for it, so TT2T carries what the prefill did not hide. The factor kept per token is its coefficients on the
+rank-``r`` basis (``pre-RoPE key @ basis^T``, which is ``U S`` of the SVD for a prompt token), so a chunk that leaves
+the window later gets its coefficients, landmark and host copy of its values the same way and becomes a candidate
+(outliers are chosen once, at the prompt, as in ShadowKV). A decode step, every decision on the device and its shapes
+fixed, is captured in a CUDA graph on CUDA; its operations are ``core.kernels.shadowkv_step``'s (Triton kernels on CUDA,
+their PyTorch references elsewhere): ``turn_window`` (when a chunk starts, the chunk leaving the window becomes a
+candidate), ``select_and_plan`` (score the landmarks, take each KV head's top chunks, keep the chunks already resident
+and plan the others into the freed slots), the values of the missing chunks from the host store with ``copy_blocks``
+(``core.kernels.block_copy``; its two block arrays are the two halves of each chunk) on a side stream, while the main
+stream runs ``finish_step`` (the new token, the loaded chunks' keys rebuilt and rotated, the counters; phase
+``rebuild``); then one paged attention over all slots.
 
 Differences from the paper: the first ``n_dense_layers`` (default 2) layers keep the full cache (ShadowKV sparsifies
 every layer of its prompts over 4k tokens); the window is a fixed ring of chunks, so tokens generated after the prompt
@@ -57,6 +59,7 @@ references: ``tests/test_shadowkv_kernels.py``.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -177,9 +180,50 @@ def outlier_chunks(keys: torch.Tensor, chunk_size: int, n_outliers: int) -> torc
 
 @dataclass
 class ShadowKVSequence:
-    """What a sequence's ShadowKV layers share: one side stream for the value copies, made at the first step."""
+    """What a sequence's ShadowKV layers share: one side stream for the value copies, made at the first step; on
+    CUDA, the worker thread and stream that factorise the layers' prompts, in layer order, beside the prefill of
+    the later layers."""
 
     copy_stream: torch.cuda.Stream | None = None
+    prompt_worker: ThreadPoolExecutor | None = None
+    prompt_stream: torch.cuda.Stream | None = None
+
+    def enter_sparse_later(self, layer: "ShadowKVKV", n_tokens: int) -> Future:
+        """Queue ``layer``'s factorisation of its first ``n_tokens`` (``ShadowKVKV._fill_sparse``) on the prompt
+        worker: it runs on the prompt stream after what the model's stream has queued so far (the layer's keys and
+        values), and its future gives the event that ends it, for the layer's first decode step to wait for."""
+        device = layer._keys.device
+        if self.prompt_worker is None:
+            self.prompt_worker = ThreadPoolExecutor(1, thread_name_prefix="shadowkv-prompt")
+            self.prompt_stream = torch.cuda.Stream(device)
+        side = self.prompt_stream
+        produced = torch.cuda.current_stream(device).record_event()
+        # The dense buffers are read on the prompt stream and dropped by the worker: the model's stream may reuse
+        # their memory only once the prompt stream is past them.
+        layer._keys.record_stream(side)
+        layer._values.record_stream(side)
+
+        model_stream = torch.cuda.current_stream(device)
+
+        @torch.inference_mode()
+        def run() -> torch.cuda.Event:
+            with torch.cuda.stream(side), layer.seq.timer.span("prompt_factorisation"):
+                side.wait_event(produced)
+                values_copy = layer._fill_sparse(n_tokens)
+                if values_copy is not None:
+                    destination, source = values_copy
+                    destination.copy_(source, non_blocking=True)  # pinned: queued on the prompt stream
+                for kept in (layer.basis, layer._inv_freq):  # made here, read by the model's stream from now on
+                    if kept is not None:
+                        kept.record_stream(model_stream)
+                return side.record_event()
+
+        return self.prompt_worker.submit(run)
+
+    def close(self) -> None:
+        if self.prompt_worker is not None:
+            self.prompt_worker.shutdown(wait=True)
+            self.prompt_worker = None
 
 
 class _NoRotary:
@@ -211,6 +255,7 @@ class ShadowKVKV(StaticDenseKV):
         self.layout = ShadowKVSlots(self.chunk_size, self.n_outlier, self.n_selected, self.n_local)
         self.rotary = model.rotary if model.rotary is not None else _NoRotary()
         self.sparse = False
+        self._entering: Future | None = None  # the prompt's factorisation on the worker (CUDA), until joined
 
     # --- prompt ----------------------------------------------------------------------------------------------------
     def prefill(self, query, key, value, attention_mask, scaling):
@@ -219,17 +264,38 @@ class ShadowKVKV(StaticDenseKV):
             n_tokens = self.seq_len + key.shape[2]
             announced = self.seq.max_total_tokens
             if (announced if announced is not None else n_tokens + 1) > self.budget:
-                with self.seq.timer.phase("offload"):
-                    values_copy = self._enter_sparse(n_tokens)
-                # On the side stream, beside the next layers' prefill (outside the timed phase, whose closing
-                # synchronisation would wait for it).
-                if values_copy is not None:
-                    self.seq.prompt_copies.copy(*values_copy)
+                if self._keys.is_cuda:
+                    # The first token needs none of it: the factorisation and the rest run on a worker thread
+                    # and a side stream beside the next layers' prefill, and the first decode step waits for them.
+                    self._prepare_sparse(n_tokens)
+                    self._entering = self.seq.state(ShadowKVSequence).enter_sparse_later(self, n_tokens)
+                else:
+                    with self.seq.timer.phase("offload"):
+                        values_copy = self._enter_sparse(n_tokens)
+                    if values_copy is not None:
+                        self.seq.prompt_copies.copy(*values_copy)
         return out
 
     def _enter_sparse(self, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Factorise, pick landmarks and outliers, lay out the pool and the host store; the dense buffers go.
         Returns the host store's fill for the caller to queue, ``(destination, source)`` (None: no candidates)."""
+        self._prepare_sparse(n_tokens)
+        return self._fill_sparse(n_tokens)
+
+    def _prepare_sparse(self, n_tokens: int) -> None:
+        """The sparse layout's buffers for ``n_tokens`` (device tensors and the host store, from the sequence's
+        pool), made on the thread that runs the model."""
+        n_kv_heads, _, head_dim = self._keys.shape
+        width = n_kv_heads * head_dim
+        rank = width if self.cfg.rank >= width else min(self.cfg.rank, n_tokens, width)  # key_basis's rows
+        # Capacity in chunks, plus one scratch chunk (and its rows) that fixed-shape writes go to when idle.
+        n_chunks = -(-storage_capacity(self.seq, n_tokens + 1, 0) // self.chunk_size)
+        self._allocate_sparse(n_chunks, n_kv_heads, head_dim, rank, self._keys.device, self._keys.dtype)
+
+    def _fill_sparse(self, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Factorise the prompt into the buffers ``_prepare_sparse`` made, pick landmarks and outliers and lay out
+        the pool; the dense buffers go. Returns the host store's fill, ``(destination, source)`` (None: no
+        candidates)."""
         cs, n_local = self.chunk_size, self.n_local
         keys, values = self._keys[:, :n_tokens], self._values[:, :n_tokens]
         n_kv_heads, _, head_dim = keys.shape
@@ -239,10 +305,6 @@ class ShadowKVKV(StaticDenseKV):
         pre_rope = self.rotary.invert(keys, positions, self._inv_freq)
         basis = key_basis(pre_rope, self.cfg.rank, self.cfg.basis_solver)
         self.basis = basis.to(dtype)  # [r, Hkv * D]
-
-        # Capacity in chunks, plus one scratch chunk (and its rows) that fixed-shape writes go to when idle.
-        n_chunks = -(-storage_capacity(self.seq, n_tokens + 1, 0) // cs)
-        self._allocate_sparse(n_chunks, n_kv_heads, head_dim, basis.shape[0], device, dtype)
         self.coefficients[:n_tokens] = key_coefficients(pre_rope, basis).to(dtype)
 
         # The window of the last prompt token; the chunks before it are candidates.
@@ -316,6 +378,7 @@ class ShadowKVKV(StaticDenseKV):
     def decode(self, query, key, value, scaling):
         if query.shape[0] != 1:
             raise ValueError("sparse KV methods run with batch size 1")
+        self._join_prompt_work(key.device)
         if not self.sparse:
             if self.seq_len + 1 <= self.budget:
                 self.seq.counters.record_on_device((self.decode_position(key.device) + 1).float())
@@ -379,7 +442,21 @@ class ShadowKVKV(StaticDenseKV):
         valid = (offsets < counts[..., None]) & (chunks[..., None] >= 0)
         return attended_from_positions(positions, valid, self.trace_width(), self.model.n_heads // chunks.shape[0])
 
+    def _join_prompt_work(self, device: torch.device | None = None) -> None:
+        """Wait for the prompt's factorisation queued at the prefill, if any (on CUDA): the worker's end on the host,
+        then its stream's on ``device``'s current stream, or on the host when no device is named. A failure on the
+        worker is raised here."""
+        if self._entering is None:
+            return
+        entering, self._entering = self._entering, None
+        done = entering.result()
+        if device is None:
+            done.synchronize()
+        else:
+            torch.cuda.current_stream(device).wait_event(done)
+
     def gpu_kv_bytes(self) -> int:
+        self._join_prompt_work()
         if not self.sparse:
             return super().gpu_kv_bytes()
         if self.pool_keys.device.type != "cuda":
@@ -388,6 +465,7 @@ class ShadowKVKV(StaticDenseKV):
                 + self.basis.nbytes)
 
     def cpu_kv_bytes(self) -> int:
+        self._join_prompt_work()
         return self.store_values.nbytes if self.sparse else 0
 
 

@@ -402,3 +402,42 @@ def test_the_basis_probe_times_every_solver_and_finds_them_agreeing(tmp_path):
     assert json.loads(written.read_text())["rows"] == rows
     with pytest.raises(SystemExit, match=r"--solvers qr: not a solver; the solvers are \['gram', 'svd'\]"):
         probe.main(["--tokens", "64", "--solvers", "qr", "--out", str(tmp_path)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_prompt_is_factorised_beside_the_prefill_and_waited_for_by_the_first_step(monkeypatch):
+    """On CUDA the prompt's factorisation runs on a worker thread and a side stream: the prefill returns while it is
+    still held back (here by the test), and the first decode step waits for it, so the steps are the CPU path's."""
+    import threading
+
+    import baselines.shadowkv as shadowkv
+
+    release = threading.Event()
+    ran_on = []
+
+    def held_basis(pre_rope_keys, rank, solver="svd"):
+        if pre_rope_keys.is_cuda:
+            ran_on.append((threading.current_thread(), torch.cuda.current_stream(pre_rope_keys.device)))
+            assert release.wait(timeout=30), "the prefill waited for the factorisation"
+        return key_basis(pre_rope_keys, rank, solver)
+
+    monkeypatch.setattr(shadowkv, "key_basis", held_basis)
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        gen = torch.Generator().manual_seed(21)
+        layer = sparse_layer(gen, n_prompt=300, budget=64, rank=8, device=device)[0]
+        if device == "cuda":
+            assert not layer.sparse  # the prefill is back; the worker is still held
+            release.set()
+        steps = []
+        for _ in range(6):
+            q, k, v = (torch.randn(1, 4, 1, 16, generator=gen), torch.randn(1, 2, 1, 16, generator=gen),
+                       torch.randn(1, 2, 1, 16, generator=gen))
+            steps.append(layer.forward(q.to(device), k.to(device), v.to(device), None, SCALING).cpu())
+        outputs[device] = steps
+        layer.seq.close()
+    (thread, stream), = ran_on
+    assert thread is not threading.main_thread() and stream != torch.cuda.default_stream()
+    for out_cpu, out_gpu in zip(outputs["cpu"], outputs["cuda"]):
+        torch.testing.assert_close(out_gpu, out_cpu, atol=1e-4, rtol=1e-4)
