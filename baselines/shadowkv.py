@@ -210,9 +210,8 @@ class ShadowKVSequence:
             with torch.cuda.stream(side), layer.seq.timer.span("prompt_factorisation"):
                 side.wait_event(produced)
                 values_copy = layer._fill_sparse(n_tokens)
-                if values_copy is not None:
-                    destination, source = values_copy
-                    destination.copy_(source, non_blocking=True)  # pinned: queued on the prompt stream
+                if values_copy is not None:  # after the factorisation's stream; the first step joins it
+                    layer.seq.prompt_copies.copy(*values_copy)
                 for kept in (layer.basis, layer._inv_freq):  # made here, read by the model's stream from now on
                     if kept is not None:
                         kept.record_stream(model_stream)

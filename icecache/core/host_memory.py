@@ -28,6 +28,7 @@ On a CPU there is no pinning and no stream: buffers are plain tensors and copies
 from __future__ import annotations
 
 import ctypes
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -136,6 +137,9 @@ class PromptCopies:
     _leases: list[torch.Tensor] = field(default_factory=list, repr=False)
     _streams: dict[int, torch.cuda.Stream] = field(default_factory=dict, repr=False)
     _pending: set[int] = field(default_factory=set, repr=False)  # devices with copies the model's stream awaits
+    # copy and join may be called from a worker of the sequence (ShadowKV queues its prompt's copy from the thread
+    # that factorises it) while the model's thread joins.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         # A sequence dropped without ``close`` still gives its buffers back when it is collected.
@@ -172,27 +176,27 @@ class PromptCopies:
             destination.copy_(source)
             return None
         index = source.device.index if source.device.index is not None else torch.cuda.current_device()
-        stream = self._streams.get(index)
-        if stream is None:
-            stream = self._streams[index] = torch.cuda.Stream(source.device)
-        stream.wait_stream(torch.cuda.current_stream(source.device))
-        with torch.cuda.stream(stream):
-            destination.copy_(source, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-        # The source's memory is reused by the model's stream only once the side stream is past it.
-        source.record_stream(stream)
-        self._pending.add(index)
+        with self._lock:
+            stream = self._streams.get(index)
+            if stream is None:
+                stream = self._streams[index] = torch.cuda.Stream(source.device)
+            stream.wait_stream(torch.cuda.current_stream(source.device))
+            with torch.cuda.stream(stream):
+                destination.copy_(source, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(stream)
+            # The source's memory is reused by the model's stream only once the side stream is past it.
+            source.record_stream(stream)
+            self._pending.add(index)
         return done
 
     def join(self) -> None:
         """The current streams wait (on the device) for every copy queued so far: what a decode step needs before
         it reads the host buffers. Free when nothing is pending, so every decode step may call it."""
-        if not self._pending:
-            return
-        for index in self._pending:
-            torch.cuda.current_stream(index).wait_stream(self._streams[index])
-        self._pending.clear()
+        with self._lock:
+            for index in self._pending:
+                torch.cuda.current_stream(index).wait_stream(self._streams[index])
+            self._pending.clear()
 
     def close(self) -> None:
         """The sequence has ended: wait for its copies, then give its buffers back to the pool."""
