@@ -53,6 +53,7 @@ class ThroughputSettings:
     prefill_chunk_size: int | None = 8192
     layer_by_layer: bool = True  # prefill one decoder layer at a time: what lets long prompts fit beside a batch
     residual_on_host: bool = False
+    row_streams: bool = False  # each row attends on a stream of its own (core.batch)
     set: list[str] = field(default_factory=list)  # METHOD.KEY=VALUE overrides of a method config
     device: str = "auto"
     dtype: str = "auto"
@@ -86,7 +87,8 @@ class ThroughputSettings:
 
 # The settings a resumed command must share with the file it completes.
 RESUME_SETTINGS = ("model", "source", "lengths", "methods", "budget", "batch_sizes", "decode_steps", "threads",
-                   "prefill_chunk_size", "layer_by_layer", "residual_on_host", "set", "device", "dtype", "seed")
+                   "prefill_chunk_size", "layer_by_layer", "residual_on_host", "row_streams", "set", "device",
+                   "dtype", "seed")
 
 
 def read_unfinished(path: Path, settings: ThroughputSettings) -> dict[str, Any]:
@@ -101,7 +103,9 @@ def read_unfinished(path: Path, settings: ThroughputSettings) -> dict[str, Any]:
     if payload.get("complete"):
         raise ConfigError(f"--resume {path}: the file is complete; start a new run instead")
     ours = dataclasses.asdict(settings)
-    differ = [key for key in RESUME_SETTINGS if payload["settings"].get(key) != ours[key]]
+    # A setting newer than the file is the default it ran with.
+    defaults = dataclasses.asdict(ThroughputSettings())
+    differ = [key for key in RESUME_SETTINGS if payload["settings"].get(key, defaults[key]) != ours[key]]
     if differ:
         raise ConfigError(f"--resume {path}: its settings differ in {', '.join(differ)}; resume with the file's")
     return payload
@@ -282,7 +286,7 @@ def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None =
                         prefill_s = time.perf_counter() - prefill_start
                         prefill_peak = torch.cuda.max_memory_allocated(device) if is_cuda else None
                         stage = "decode"
-                        batch = BatchCache(caches[:batch_size])
+                        batch = BatchCache(caches[:batch_size], row_streams=settings.row_streams)
                         result = decode_batch(model, batch, decoding[:batch_size], max_steps=settings.decode_steps)
                     except Exception as error:  # noqa: BLE001  only allocation failures are a limit; others raise
                         kind = out_of_memory(error)

@@ -99,6 +99,36 @@ def test_a_batch_reproduces_each_sequence_alone(case, arch, device, row_by_row_l
             assert all(torch.equal(ours, theirs) for ours, theirs in zip(row.logits, eager.logits))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", CASES)
+def test_rows_on_streams_of_their_own_reproduce_each_sequence_alone(case, row_by_row_linear, monkeypatch):
+    """With ``row_streams`` each row attends on a stream of its own, side by side, in eager and captured steps: the
+    rows are still their batch-1 selves bit for bit. A method with host work in its step (its channel in use) keeps
+    its rows in turn on the model's stream."""
+    from icecache.core.cache import KVHandle
+
+    model, info = tiny_model_on("llama", "cuda")
+    method = build_method(case_config(case), info)
+    batch_requests = requests()
+    singles = [alone(model, method, request) for request in batch_requests]
+    attend, streams = KVHandle.attend, []
+
+    def watched(self, query, attention_mask, scaling):
+        if type(self) is KVHandle and query.shape[-2] == 1:
+            streams.append(torch.cuda.current_stream(query.device))
+        return attend(self, query, attention_mask, scaling)
+
+    monkeypatch.setattr(KVHandle, "attend", watched)
+    rows, result = batched_greedy_generate(model, method, batch_requests, keep_logits=True, row_streams=True)
+    assert [row.generated for row in rows] == [single.token_ids for single in singles]
+    for row, single in zip(rows, singles):
+        assert all(torch.equal(ours, theirs) for ours, theirs in zip(row.logits, single.logits))
+    assert result.counters.get("graph_replays", 0) > 0 or not method.captures_decode_step
+    if "host_channel" not in result.counters:
+        assert len(set(streams)) >= len(batch_requests)
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_a_full_cache_batch_differs_from_batch_one_only_by_rounding(arch):
     model, _, info = tiny_model(arch)

@@ -11,6 +11,13 @@ in the order of a matrix-vector product); the tests hold tokens equal at batch B
 The sequences of a batch share the one stream they decode on, and so its hand-off channel
 (``HarnessCache(host_functions=...)``): one host worker serves every row's host step in stream order, instead of B
 workers spinning on the cores the host steps' own threads need.
+
+With ``row_streams`` (``BatchCache(..., row_streams=True)``) each row's attention runs on a stream of its own on
+CUDA, forked from the model's stream and joined back before the rows' outputs are concatenated, in eager steps and in
+captured ones alike: a sparse method's step is mostly small dependent kernels, so rows one after another leave the
+GPU mostly idle, while rows side by side overlap. A row computes what it computes alone, on any stream. Rows whose
+method hands work to the host (the channel is in use: IceCache, MagicPIG) keep taking turns on the model's stream,
+since their one channel serves its requests in stream order.
 """
 
 from __future__ import annotations
@@ -29,29 +36,48 @@ class BatchKVHandle(KVHandle):
     """``update``'s answer for a batch: every row's layer (``layers[b]``) and the step's keys and values."""
 
     layers: tuple[LayerKV, ...] = ()
+    streams: tuple[torch.cuda.Stream, ...] | None = None  # one per row: the rows attend side by side
 
     def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         if query.shape[-2] != 1:
             raise ValueError("a batch decodes one token per row; prefill each sequence on its own HarnessCache")
         # A decode step attends to its own sequence only: no mask (padding never enters a row's cache).
-        rows = [KVHandle(layer, self.key[b : b + 1], self.value[b : b + 1]).attend(query[b : b + 1], None, scaling)
-                for b, layer in enumerate(self.layers)]
+        if self.streams is None or self.layers[0].seq.host_functions.kind is not None:
+            rows = [KVHandle(layer, self.key[b : b + 1], self.value[b : b + 1]).attend(query[b : b + 1], None, scaling)
+                    for b, layer in enumerate(self.layers)]
+            return torch.cat(rows, dim=0)
+        current = torch.cuda.current_stream(query.device)
+        rows = []
+        for b, (layer, stream) in enumerate(zip(self.layers, self.streams)):
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                row = KVHandle(layer, self.key[b : b + 1], self.value[b : b + 1]).attend(query[b : b + 1], None,
+                                                                                        scaling)
+            row.record_stream(current)  # made on the row's stream, read by the model's below
+            rows.append(row)
+        for stream in self.streams:
+            for tensor in (query, self.key, self.value):  # the model's step may drop them while a row still reads
+                tensor.record_stream(stream)
+            current.wait_stream(stream)
         return torch.cat(rows, dim=0)
 
 
 class BatchCacheLayer(HarnessCacheLayer):
     """One layer of every row of the batch (``kv`` is the first row's)."""
 
-    def __init__(self, kvs: list[LayerKV]):
+    def __init__(self, kvs: list[LayerKV], row_streams: "RowStreams | None" = None):
         super().__init__(kvs[0])
         self.kvs = tuple(kvs)
+        self.row_streams = row_streams
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != len(self.kvs):
             raise ValueError(f"a step of {key_states.shape[0]} rows on a batch of {len(self.kvs)} sequences")
-        return BatchKVHandle(self.kv, key_states, value_states, layers=self.kvs), None
+        streams = (self.row_streams.on(key_states.device)
+                   if self.row_streams is not None and key_states.is_cuda and len(self.kvs) > 1 else None)
+        return BatchKVHandle(self.kv, key_states, value_states, layers=self.kvs, streams=streams), None
 
     def get_seq_length(self) -> int:
         # Only the mask sizes read it (positions are explicit per row), and decode attends unmasked.
@@ -73,11 +99,26 @@ def forward_step(model, cache: HarnessCache | BatchCache, input_ids: torch.Tenso
     return out.logits[:, -1]
 
 
+class RowStreams:
+    """A batch's streams, one per row, made on first use on a device and kept for the batch's life (a captured step
+    replays on them)."""
+
+    def __init__(self, n_rows: int):
+        self.n_rows = n_rows
+        self._streams: dict[torch.device, tuple[torch.cuda.Stream, ...]] = {}
+
+    def on(self, device: torch.device) -> tuple[torch.cuda.Stream, ...]:
+        if device not in self._streams:
+            self._streams[device] = tuple(torch.cuda.Stream(device) for _ in range(self.n_rows))
+        return self._streams[device]
+
+
 class BatchCache(Cache):
     """The rows of a batch: one ``HarnessCache`` per sequence, each prefilled on its own, decoded together. Closing
-    the batch closes every row."""
+    the batch closes every row. ``row_streams``: on CUDA, each row attends on a stream of its own (module
+    docstring)."""
 
-    def __init__(self, caches: list[HarnessCache]):
+    def __init__(self, caches: list[HarnessCache], row_streams: bool = False):
         if not caches:
             raise ValueError("a batch needs at least one sequence")
         n_layers = {len(cache.layers) for cache in caches}
@@ -91,7 +132,9 @@ class BatchCache(Cache):
                              "host_functions=<one HostFunctions>")
         self.caches = list(caches)
         self.method = caches[0].method
-        layers = [BatchCacheLayer([cache.layers[i].kv for cache in caches]) for i in range(n_layers.pop())]
+        self.row_streams = RowStreams(len(caches)) if row_streams else None
+        layers = [BatchCacheLayer([cache.layers[i].kv for cache in caches], self.row_streams)
+                  for i in range(n_layers.pop())]
         super().__init__(layers=layers)
 
     @property
