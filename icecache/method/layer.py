@@ -181,6 +181,7 @@ class IceCacheLayer(DenseKV):
             query_field_of_view=-1 if cfg.query_field_of_view is None else cfg.query_field_of_view,
             query_prop_to_retrieve=cfg.query_prop_to_retrieve, insert_field_of_view=cfg.insert_field_of_view,
             insert_prop_to_retrieve=cfg.insert_prop_to_retrieve, lookahead_min_cosine=cfg.lookahead_min_cosine,
+            lookahead_after_host_step=self.layer_idx - 1 >= cfg.n_dense_layers,
         )
 
     # ------------------------------------------------------------------ decode

@@ -20,6 +20,12 @@ is the time it still waits for the search. The job runs in C++ (``_dci.DecodeSte
 hands the job over, called through the query's ``HostExchange.run_native``, so that the query's copy and the start
 are captured in the step's CUDA graph like the rest of the host work; the layer's host step waits for the job. Only
 owners look ahead (a reusing layer reads its owner's selection), and never layer 0 (there is no layer before it).
+
+In stream order layer l's look-ahead starts before layer l-1's own host step, and both want the search team. The job
+is therefore held back until layer l-1's host step is done with the team (``NativeSequence::defer``, released at the
+end of every host step, or by layer l's own step if none ran): started at once, its search held the team through
+layer l-1's page gather (which then ran on one thread) and made a missed speculation's exact search wait for the
+whole speculative one. After a dense layer, which has no host step, it starts at once.
 """
 
 from __future__ import annotations

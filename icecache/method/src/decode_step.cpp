@@ -249,19 +249,44 @@ class NativeSequence {
  public:
   ~NativeSequence() { stop(); }
 
-  // The look-ahead job of `step` queued for the worker thread (started at the first job).
+  // The look-ahead job of `step` queued for the worker thread at once.
   void submit(DecodeStep* step) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!worker_.joinable()) {
-      stopping_ = false;
-      worker_ = std::thread([this] { work(); });
-    }
+    start_worker();
     queue_.push_back(step);
     wake_.notify_one();
   }
 
-  // Ends the worker after the jobs it has (the sequence has ended).
+  // The look-ahead job of `step`, held back until the host step in flight has finished with the team (`release`).
+  // In stream order layer l+1's look-ahead starts before layer l's host step; queued at once, its search would take
+  // the team, and layer l's page gather would then run on one thread and a missed speculation's exact search
+  // would wait for the whole look-ahead search: the step's critical path would pay for the work meant to hide.
+  void defer(DecodeStep* step) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    deferred_.push_back(step);
+  }
+
+  // Queue held-back jobs for the worker thread (started at the first job): `only`'s, if held (its own step needs
+  // it now), or with nullptr every one (a host step has finished with the team).
+  void release(DecodeStep* only) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (deferred_.empty()) return;
+    start_worker();
+    if (only == nullptr) {
+      queue_.insert(queue_.end(), deferred_.begin(), deferred_.end());
+      deferred_.clear();
+    } else {
+      const auto held = std::find(deferred_.begin(), deferred_.end(), only);
+      if (held == deferred_.end()) return;
+      deferred_.erase(held);
+      queue_.push_back(only);
+    }
+    wake_.notify_one();
+  }
+
+  // Ends the worker after the jobs it has, the held-back ones included (the sequence has ended).
   void stop() {
+    release(nullptr);
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (!worker_.joinable()) return;
@@ -320,10 +345,16 @@ class NativeSequence {
 
  private:
   void work();
+  void start_worker() {  // with mutex_ held
+    if (worker_.joinable()) return;
+    stopping_ = false;
+    worker_ = std::thread([this] { work(); });
+  }
 
   std::mutex mutex_;
   std::condition_variable wake_;
   std::deque<DecodeStep*> queue_;
+  std::vector<DecodeStep*> deferred_;  // look-ahead jobs started in stream order, not yet released to the worker
   std::thread worker_;
   bool stopping_ = false;
   std::atomic<bool> failed_{false};
@@ -378,6 +409,9 @@ struct StepConfig {
   int insert_field_of_view = 20;
   double insert_prop_to_retrieve = 0.6;
   double lookahead_min_cosine = 0.9;
+  // The layer before this one runs a host step of its own (it is sparse): the look-ahead's search waits for that
+  // step to be done with the team (NativeSequence::defer). After a dense layer it starts at once.
+  bool lookahead_after_host_step = true;
 };
 
 // What the step counted and timed since Python last took it (DecodeStep::take_records).
@@ -480,7 +514,8 @@ class DecodeStep {
         job_pending_ = true;
         job_done_ = false;
       }
-      seq_->submit(this);
+      if (cfg_.lookahead_after_host_step) seq_->defer(this);
+      else seq_->submit(this);
     } catch (const std::exception& error) {
       seq_->fail(where() + error.what());
     }
@@ -593,6 +628,7 @@ class DecodeStep {
   }
 
   void wait_lookahead() {
+    seq_->release(this);
     std::unique_lock<std::mutex> lock(job_mutex_);
     job_wake_.wait(lock, [this] { return !job_pending_ || job_done_; });
   }
@@ -602,6 +638,7 @@ class DecodeStep {
     if (query_ == nullptr) throw std::runtime_error("the decode buffers are not set");
     if (store_values_ == nullptr) throw std::runtime_error("the token store is not set");
     bool ahead = false;
+    seq_->release(this);  // this layer's look-ahead, if still held back (no host step ran since it started)
     {
       std::unique_lock<std::mutex> lock(job_mutex_);
       if (job_pending_) {  // before anything else: the job offloads the window page that was due
@@ -627,6 +664,7 @@ class DecodeStep {
     }
     const double mean = write_counts();
     if (attended_ != nullptr) trace(attended_, trace_width_);
+    seq_->release(nullptr);  // done with the team: the next layers' look-aheads may search
     std::lock_guard<std::mutex> lock(records_mutex_);
     records_.attended.push_back(mean);
     records_.host_step.push_back(seconds_since(start));
@@ -1008,7 +1046,7 @@ void icecache_bind_decode_step(py::module_& m) {
                        int n_heads, int n_kv_heads, int head_dim, int page_size, int n_sink_pages, int n_selected,
                        int n_window_pages, int first_window_slot, bool owner, bool keys_in_index, int host_dtype,
                        int query_field_of_view, double query_prop_to_retrieve, int insert_field_of_view,
-                       double insert_prop_to_retrieve, double lookahead_min_cosine) {
+                       double insert_prop_to_retrieve, double lookahead_min_cosine, bool lookahead_after_host_step) {
              StepConfig c;
              c.layer = layer;
              c.n_heads = n_heads;
@@ -1027,13 +1065,15 @@ void icecache_bind_decode_step(py::module_& m) {
              c.insert_field_of_view = insert_field_of_view;
              c.insert_prop_to_retrieve = insert_prop_to_retrieve;
              c.lookahead_min_cosine = lookahead_min_cosine;
+             c.lookahead_after_host_step = lookahead_after_host_step;
              return std::make_unique<DecodeStep>(std::move(seq), std::move(group), c);
            }),
            py::arg("sequence"), py::arg("group"), py::arg("layer"), py::arg("n_heads"), py::arg("n_kv_heads"),
            py::arg("head_dim"), py::arg("page_size"), py::arg("n_sink_pages"), py::arg("n_selected"),
            py::arg("n_window_pages"), py::arg("first_window_slot"), py::arg("owner"), py::arg("keys_in_index"),
            py::arg("host_dtype"), py::arg("query_field_of_view"), py::arg("query_prop_to_retrieve"),
-           py::arg("insert_field_of_view"), py::arg("insert_prop_to_retrieve"), py::arg("lookahead_min_cosine"))
+           py::arg("insert_field_of_view"), py::arg("insert_prop_to_retrieve"), py::arg("lookahead_min_cosine"),
+           py::arg("lookahead_after_host_step") = true)
       .def("set_window", &DecodeStep::set_window)
       .def("set_positions", &DecodeStep::set_positions)
       .def("set_sink_len", &DecodeStep::set_sink_len)
