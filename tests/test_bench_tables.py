@@ -476,3 +476,14 @@ def test_throughput_comes_from_the_newest_file_of_each_context_with_its_limits(b
     assert rows["`full_static`"][1:4] == ["110", "200", "-"]
     assert rows["`full_static`"][5:7] == ["1.00x", "gpu memory at 4"]
     assert rows["`quest`"][4:7] == ["360 (4)", "1.80x", "none up to 4"]
+    assert "side by side" not in text
+
+    # A later file whose rows ran side by side gets a table of its own beside the newest one whose rows took turns.
+    write("throughput_h200_20261203-100000.json", "2026-12-03", [row("full_static", 1, 120.0)], [])
+    side = json.loads((tmp_path / "throughput_h200_20261203-100000.json").read_text())
+    side["settings"]["row_streams"] = True
+    (tmp_path / "throughput_h200_20261203-100000.json").write_text(json.dumps(side))
+    text = bench_tables.render_throughput(tmp_path, {})
+    in_turn, side_by_side = text.split("\n\n", 2)[0], text.split("\n\n")[2]
+    assert "20261202-100000" in in_turn and "side by side" not in in_turn
+    assert "20261203-100000" in side_by_side and "side by side on streams of their own" in side_by_side
