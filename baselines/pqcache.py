@@ -42,9 +42,9 @@ cache are gathered from it and the others are read from the host store with ``co
 ``cache_topk_blocks`` complete blocks with the most selected tokens (all KV heads counted; ties to the lower block; only
 blocks with one at least) are inserted in LFU order (a hit adds one to a block's count; a missing block takes an empty
 slot or evicts the slot with the lowest count, the oldest among equals, never one of the step's blocks) and copied in
-from the host store; on CUDA the update runs on a side stream beside the rest of the step, as in PQCache, and the next
-layer's fetch waits for it (the last layer's update is joined before the step ends). The step reads no host value, so on
-CUDA it replays from a CUDA graph.
+from the host store; on CUDA the updates run on a side stream beside the rest of the step, as in PQCache, and the last
+layer makes the model's stream wait for them all before the step ends. The step reads no host value, so on CUDA it
+replays from a CUDA graph.
 
 **Deviations.** The number of k-means iterations is fixed (``kmeans_iters``, default 10); PQCache's code picks it per
 layer from a timing model so that clustering ends within the GPU's work on the following layers (3 to 300 iterations),
@@ -96,7 +96,7 @@ class PQCacheSequence:
         # device layout (float64 [steps, attended, pages, bytes]): added to on that stream only, folded into the
         # sequence's counters by the model's stream when it joins.
         self.cache_counts: dict[torch.device, torch.Tensor] = {}
-        self.cache_update_pending = False
+        self.unjoined_updates: set[int] = set()  # layers whose cache update the model's stream has not waited for
 
     def worker(self) -> ThreadPoolExecutor:
         if self._worker is None:
@@ -374,7 +374,8 @@ class PQCacheKV(RingSlotsKV):
     def _fetch(self, picks: torch.Tensor, chosen: torch.Tensor, position: torch.Tensor) -> None:
         """The chosen tokens' keys and values into the selection slots: from the block cache where it holds them,
         else from the host store; then the cache takes the step's most selected blocks."""
-        self._join_cache_updates()  # the block cache as the updates queued so far leave it
+        if self.layer_idx in self.seq.state(PQCacheSequence).unjoined_updates:
+            self._join_cache_updates()  # this layer's last update (no last layer has joined it: a lone layer)
         n_kv_heads, k = picks.shape
         heads = self._heads[:, None].expand(-1, k)
         blocks = picks // self.block_size
@@ -403,10 +404,10 @@ class PQCacheKV(RingSlotsKV):
             self._queue_cache_update(blocks, chosen, position)
 
     def _queue_cache_update(self, blocks: torch.Tensor, chosen: torch.Tensor, position: torch.Tensor) -> None:
-        """The block-cache update, which only later fetches read. On CUDA it runs on the sequence's cache stream
-        beside the rest of the step, as PQCache overlaps it: the next layer's fetch (or this layer's next one) makes
-        the model's stream wait for it, and the model's last layer joins it, so that a step, and a captured graph,
-        ends with every update done. On the CPU it runs here."""
+        """The block-cache update, which only this layer's next fetch reads. On CUDA it runs on the sequence's cache
+        stream beside the rest of the step, as PQCache overlaps it, and the model's last layer makes the model's
+        stream wait for every update, so that a step, and a captured graph, ends with them done (a layer decoded
+        alone joins its own at its next fetch). On the CPU it runs here."""
         item = self.fetch_keys.element_size()
         per_block = self.model.n_kv_heads * 2 * self.block_size * self.model.head_dim * item
         if not blocks.is_cuda:
@@ -424,16 +425,16 @@ class PQCacheKV(RingSlotsKV):
             counts[3] += n_blocks * per_block
         for tensor in (blocks, chosen, position):  # read on the cache stream after the model's stream drops them
             tensor.record_stream(side)
-        shared.cache_update_pending = True
+        shared.unjoined_updates.add(self.layer_idx)
         if self.layer_idx == self.model.n_layers - 1:
             self._join_cache_updates()
 
     def _join_cache_updates(self) -> None:
         """The model's stream waits for the block-cache updates queued so far, and takes their counts."""
         shared = self.seq.state(PQCacheSequence)
-        if not shared.cache_update_pending:
+        if not shared.unjoined_updates:
             return
-        shared.cache_update_pending = False
+        shared.unjoined_updates.clear()
         for device, side in shared.cache_streams.items():
             torch.cuda.current_stream(device).wait_stream(side)
             counts = shared.cache_counts[device]
