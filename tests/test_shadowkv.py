@@ -441,3 +441,13 @@ def test_the_prompt_is_factorised_beside_the_prefill_and_waited_for_by_the_first
     assert thread is not threading.main_thread() and stream != torch.cuda.default_stream()
     for out_cpu, out_gpu in zip(outputs["cpu"], outputs["cuda"]):
         torch.testing.assert_close(out_gpu, out_cpu, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("n_prompt, rank, rows", [(40, 20, 20), (12, 20, 12), (100, 32, 32), (100, 64, 32)])
+def test_the_sparse_layout_is_sized_for_the_basis_the_prompt_gives(n_prompt, rank, rows):
+    """The buffers are made before the factorisation (on CUDA it runs later, on a worker): their rank is the
+    basis's, min(rank, prompt, width), or the whole width (32) when the rank covers it, also for a prompt shorter
+    than the rank in a sequence announced past the budget."""
+    gen = torch.Generator().manual_seed(5)
+    layer = sparse_layer(gen, n_prompt=n_prompt, budget=32, rank=rank, announced=n_prompt + 64)[0]
+    assert layer.sparse and layer.basis.shape == (rows, 32) and layer.coefficients.shape[1] == rows
