@@ -148,6 +148,12 @@ def _basis_by_gram(matrix: torch.Tensor, rank: int, rows_per_block: int = 8192) 
 BASIS_SOLVERS = {"svd": _basis_by_svd, "gram": _basis_by_gram}
 
 
+def basis_rows(rank: int, n_tokens: int, width: int) -> int:
+    """How many rows ``key_basis`` returns for ``n_tokens`` keys of ``width`` channels: the whole width (the
+    identity) when ``rank`` covers it, else ``min(rank, n_tokens, width)``."""
+    return width if rank >= width else min(rank, n_tokens, width)
+
+
 def key_basis(pre_rope_keys: torch.Tensor, rank: int, solver: str = "svd") -> torch.Tensor:
     """The rank-``rank`` basis of ``pre_rope_keys [Hkv, T, D]``, all heads together: the top right singular vectors
     of the ``[T, Hkv * D]`` matrix, ``[r, Hkv * D]`` float32 with ``r = min(rank, T, Hkv * D)``; the identity when
@@ -158,7 +164,7 @@ def key_basis(pre_rope_keys: torch.Tensor, rank: int, solver: str = "svd") -> to
     if rank >= width:
         return torch.eye(width, device=pre_rope_keys.device)
     matrix = pre_rope_keys.float().transpose(0, 1).reshape(n_tokens, width)
-    return BASIS_SOLVERS[solver](matrix, min(rank, n_tokens, width))
+    return BASIS_SOLVERS[solver](matrix, basis_rows(rank, n_tokens, width))
 
 
 def chunk_landmarks(keys: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -196,14 +202,12 @@ class ShadowKVSequence:
         if self.prompt_worker is None:
             self.prompt_worker = ThreadPoolExecutor(1, thread_name_prefix="shadowkv-prompt")
             self.prompt_stream = torch.cuda.Stream(device)
-        side = self.prompt_stream
-        produced = torch.cuda.current_stream(device).record_event()
+        side, model_stream = self.prompt_stream, torch.cuda.current_stream(device)
+        produced = model_stream.record_event()
         # The dense buffers are read on the prompt stream and dropped by the worker: the model's stream may reuse
         # their memory only once the prompt stream is past them.
         layer._keys.record_stream(side)
         layer._values.record_stream(side)
-
-        model_stream = torch.cuda.current_stream(device)
 
         @torch.inference_mode()
         def run() -> torch.cuda.Event:
@@ -285,8 +289,7 @@ class ShadowKVKV(StaticDenseKV):
         """The sparse layout's buffers for ``n_tokens`` (device tensors and the host store, from the sequence's
         pool), made on the thread that runs the model."""
         n_kv_heads, _, head_dim = self._keys.shape
-        width = n_kv_heads * head_dim
-        rank = width if self.cfg.rank >= width else min(self.cfg.rank, n_tokens, width)  # key_basis's rows
+        rank = basis_rows(self.cfg.rank, n_tokens, n_kv_heads * head_dim)
         # Capacity in chunks, plus one scratch chunk (and its rows) that fixed-shape writes go to when idle.
         n_chunks = -(-storage_capacity(self.seq, n_tokens + 1, 0) // self.chunk_size)
         self._allocate_sparse(n_chunks, n_kv_heads, head_dim, rank, self._keys.device, self._keys.dtype)

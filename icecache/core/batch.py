@@ -41,18 +41,20 @@ class BatchKVHandle(KVHandle):
     def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         if query.shape[-2] != 1:
             raise ValueError("a batch decodes one token per row; prefill each sequence on its own HarnessCache")
-        # A decode step attends to its own sequence only: no mask (padding never enters a row's cache).
+
+        def attend_row(b: int) -> torch.Tensor:
+            # A decode step attends to its own sequence only: no mask (padding never enters a row's cache).
+            return KVHandle(self.layers[b], self.key[b : b + 1], self.value[b : b + 1]).attend(query[b : b + 1], None,
+                                                                                              scaling)
+
         if self.streams is None or self.layers[0].seq.host_functions.kind is not None:
-            rows = [KVHandle(layer, self.key[b : b + 1], self.value[b : b + 1]).attend(query[b : b + 1], None, scaling)
-                    for b, layer in enumerate(self.layers)]
-            return torch.cat(rows, dim=0)
+            return torch.cat([attend_row(b) for b in range(len(self.layers))], dim=0)
         current = torch.cuda.current_stream(query.device)
         rows = []
-        for b, (layer, stream) in enumerate(zip(self.layers, self.streams)):
+        for b, stream in enumerate(self.streams):
             stream.wait_stream(current)
             with torch.cuda.stream(stream):
-                row = KVHandle(layer, self.key[b : b + 1], self.value[b : b + 1]).attend(query[b : b + 1], None,
-                                                                                        scaling)
+                row = attend_row(b)
             row.record_stream(current)  # made on the row's stream, read by the model's below
             rows.append(row)
         for stream in self.streams:
