@@ -224,6 +224,19 @@ class MagicPIGSequence:
 
     def __init__(self):
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._projections: dict[tuple, torch.Tensor] = {}
+
+    def projections(self, device: torch.device, head_dim: int, K: int, L: int, seed: int) -> torch.Tensor:
+        """``hash_projections`` on ``device``, drawn once per sequence: every layer uses the same ones, and a draw
+        and a copy from pageable memory at each layer would make the model's thread wait for the layer's queued
+        prefill (a copy from pinned memory does not)."""
+        key = (device, head_dim, K, L, seed)
+        if key not in self._projections:
+            drawn = hash_projections(head_dim, K, L, seed)
+            if device.type == "cuda":
+                drawn = drawn.pin_memory()
+            self._projections[key] = drawn.to(device, non_blocking=True)
+        return self._projections[key]
 
     def hashing_stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
@@ -300,7 +313,9 @@ class MagicPIGKV(DenseKV):
                                         (self.store_norms[head, :n_tokens], norms[head])):
                 self.seq.prompt_copies.copy(destination, source)
 
-        self.projections = hash_projections(head_dim, cfg.K, cfg.L, cfg.seed).to(device)
+        # A layer's own copy (counted in its device bytes), copied on the device from the sequence's draw.
+        self.projections = self.seq.state(MagicPIGSequence).projections(device, head_dim, cfg.K, cfg.L,
+                                                                         cfg.seed).clone()
         self.tables = self._hash_prompt(keys)
         self.tail_codes = torch.zeros(n_kv_heads, capacity - n_tokens, cfg.L, dtype=torch.int32)
 

@@ -208,9 +208,10 @@ class PQCacheKV(RingSlotsKV):
 
     # --- prompt -----------------------------------------------------------------------------------------------
     def place_prompt(self, n_prompt):
-        sinks = torch.arange(min(self.n_pinned, n_prompt))
-        recent = torch.arange(max(self.n_pinned, n_prompt - self.ring_size), n_prompt)
-        kept = torch.cat([sinks, recent]).to(self.keys.device).expand(self.model.n_kv_heads, -1)
+        device = self.keys.device  # on the device: no wait for the layer's queued prefill (as StreamingLLM)
+        sinks = torch.arange(min(self.n_pinned, n_prompt), device=device)
+        recent = torch.arange(max(self.n_pinned, n_prompt - self.ring_size), n_prompt, device=device)
+        kept = torch.cat([sinks, recent]).expand(self.model.n_kv_heads, -1)
         return kept, self.ring_slots(kept)
 
     def on_prompt_placed(self, kept, slots):

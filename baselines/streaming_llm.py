@@ -47,10 +47,12 @@ class StreamingKV(RingSlotsKV):
 
     def place_prompt(self, n_prompt):
         # Sinks, then as much of the prompt's end as the window holds (the first step's token replaces its oldest).
-        sinks = torch.arange(min(self.n_pinned, n_prompt))
-        recent = torch.arange(max(self.n_pinned, n_prompt - self.ring_size), n_prompt)
-        kept = torch.cat([sinks, recent]).to(self.keys.device)
-        kept = kept.expand(self.model.n_kv_heads, -1)
+        # Made on the device: a copy from pageable host memory would make the model's thread wait for the layer's
+        # queued prefill, and the GPU for the thread, at every layer.
+        device = self.keys.device
+        sinks = torch.arange(min(self.n_pinned, n_prompt), device=device)
+        recent = torch.arange(max(self.n_pinned, n_prompt - self.ring_size), n_prompt, device=device)
+        kept = torch.cat([sinks, recent]).expand(self.model.n_kv_heads, -1)
         return kept, self.ring_slots(kept)
 
 

@@ -4,7 +4,10 @@ and every method's captured decode step replays bitwise the logits of its eager 
 Run with `pytest -m gpu tests/test_gpu_methods.py` (make test-gpu); skipped without CUDA.
 """
 
+import contextlib
 import gc
+import threading
+import warnings
 
 import pytest
 import torch
@@ -231,3 +234,63 @@ def test_residual_on_host_gives_the_same_logits_with_less_device_memory():
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
     # The device-resident residual is [12000, 64] bf16; on the host only a chunk of it is on the device at once.
     assert peak_above_start[True] < peak_above_start[False]
+
+
+@contextlib.contextmanager
+def synchronising_calls_of_this_thread():
+    """The synchronising CUDA calls (torch's sync debug mode: a read of a device value, a copy from pageable host
+    memory, a stream or device synchronisation) that this thread makes inside the block, each as "file:line:
+    message" (worker threads may wait on the device: they hold up no launch)."""
+    calls: list[str] = []
+    thread = threading.get_ident()
+    previous = torch.cuda.get_sync_debug_mode()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if threading.get_ident() == thread and "synchroniz" in str(message):
+            calls.append(f"{filename}:{lineno}: {message}")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield calls
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_synchronising_call_recorder_sees_a_pageable_copy_and_a_read():
+    with synchronising_calls_of_this_thread() as calls:
+        torch.arange(4).to("cuda")
+        torch.ones(1, device="cuda").item()
+    assert len(calls) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", METHODS.names())
+def test_a_prefill_never_makes_the_model_thread_wait_for_the_device(name, monkeypatch):
+    """A prefill queues its layers without waiting: a synchronising call on the model's thread at a layer leaves
+    the GPU idle while the thread does the layer's host work, which TTFT then pays at every layer. The second
+    sequence of a method is checked (the first may pin the host buffers it keeps for the next)."""
+    from icecache.core import generation
+    from tests.conftest import tiny_model_on
+
+    gpu_model, gpu_info = tiny_model_on("llama", "cuda", torch.float32)
+    method = build_method(method_config(name, SMALL_BUDGET), gpu_info)
+    ids = torch.randint(0, 500, (300,), generator=torch.Generator().manual_seed(12)).tolist()
+    request = GenerationRequest(ids, 3)
+    first = greedy_generate(gpu_model, HarnessCache(method), request)
+    calls: list[str] = []
+    prefill = generation.prefill_sequence
+
+    def recorded_prefill(*args, **kwargs):
+        with synchronising_calls_of_this_thread() as found:
+            out = prefill(*args, **kwargs)
+        calls.extend(found)
+        return out
+
+    monkeypatch.setattr(generation, "prefill_sequence", recorded_prefill)
+    second = greedy_generate(gpu_model, HarnessCache(method), request)
+    assert calls == []
+    assert second.token_ids == first.token_ids

@@ -114,7 +114,10 @@ def prefill_sequence(model, cache: HarnessCache, request: GenerationRequest, res
     """The prompt and the suffix of ``request`` into ``cache``, with room announced for ``reserved_new_tokens``
     generated ones; returns the logits of the first generated token and the position of the next."""
     device = model.device
-    prompt = torch.tensor(list(request.input_ids), dtype=torch.long, device=device)
+    prompt = torch.tensor(list(request.input_ids), dtype=torch.long)
+    if device.type == "cuda":  # through pinned memory: a pageable copy would wait for the device's queued work
+        prompt = prompt.pin_memory()
+    prompt = prompt.to(device, non_blocking=True)
     n_prompt = prompt.shape[0]
     chunk = prefill_chunk_size or n_prompt
     cache.seq.max_total_tokens = n_prompt + len(request.suffix_ids) + reserved_new_tokens
