@@ -14,7 +14,7 @@ import torch
 from baselines.pqcache import budget_split, first_of_stable_sort
 from eval.plugins import build_method
 from icecache.core.method import ModelInfo, SequenceContext
-from icecache.core.product_quantization import cluster_sums, code_rows, kmeans, pq_build, pq_scores
+from icecache.core.product_quantization import cluster_sums, code_rows, kmeans, pq_build, pq_scores, smallest_draws
 
 INFO = ModelInfo(n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8)
 GROUP = INFO.n_heads // INFO.n_kv_heads
@@ -65,6 +65,17 @@ def test_kmeans_codes_are_nearest_centroids_and_a_small_set_is_encoded_exactly()
     centroids, codes = kmeans(few, 8, 4, torch.Generator().manual_seed(4))
     decoded = centroids.gather(1, codes[..., None].expand(-1, -1, 4))
     torch.testing.assert_close(decoded, few)
+
+
+def test_the_initial_draw_is_a_stable_sorts_first_indices_equal_draws_included():
+    # 131,072 draws per row: equal values among the 64 smallest come up in most draws of 16 rows.
+    draws = torch.rand(16, 131072, generator=torch.Generator().manual_seed(5))
+    rows_with_ties = sum(int(draws[r].sort().values[:64].unique().numel() < 64) for r in range(16))
+    assert rows_with_ties > 0
+    assert torch.equal(smallest_draws(draws, 64), draws.argsort(dim=-1, stable=True)[:, :64])
+    # Hand-made ties: equal values go in index order.
+    tied = torch.tensor([[0.5, 0.25, 0.5, 0.25, 0.75]])
+    assert smallest_draws(tied, 4).tolist() == [[1, 3, 0, 2]]
 
 
 def test_pq_scores_are_the_sum_of_subspace_products_with_the_codes_centroids():

@@ -58,7 +58,7 @@ def kmeans(points: torch.Tensor, n_centroids: int, n_iters: int,
     # The draw is made on the CPU whatever the points' device, so that a seed picks the same initial centroids on
     # every device; only the chosen indices move (through pinned memory: no wait for the device's queued work).
     if n_points >= n_centroids:
-        order = torch.rand(n_sets, n_points, generator=generator).argsort(dim=-1)[:, :n_centroids]
+        order = smallest_draws(torch.rand(n_sets, n_points, generator=generator), n_centroids)
     else:
         order = (torch.arange(n_centroids) % n_points).expand(n_sets, -1)
     if points.is_cuda:
@@ -71,6 +71,19 @@ def kmeans(points: torch.Tensor, n_centroids: int, n_iters: int,
         sums = cluster_sums(points, codes, n_centroids)
         centroids = torch.where(counts[..., None] > 0, sums / counts.clamp(min=1)[..., None], centroids)
     return centroids, nearest_centroids(points, centroids)
+
+
+def smallest_draws(draws: torch.Tensor, k: int) -> torch.Tensor:
+    """``[G, k]``: the indices of the ``k`` smallest of each row of uniform ``draws [G, N]`` (float32 from
+    ``torch.rand``), in order, ties to the lower index: the first ``k`` of a stable argsort.
+
+    A top-k of ``(value, index)`` keys rather than a sort: a tenth of the time at 128k points, and the order of
+    equal draws is fixed (among the 64 smallest of 131,072 draws equal values come up every few rows, and an
+    unstable sort may put them either way). ``torch.rand``'s float32 values are whole multiples of ``2**-24``,
+    so ``value * 2**24 * N + index`` is a whole number that orders by value, then index."""
+    n_points = draws.shape[-1]
+    keys = (draws.double() * 2**24).long() * n_points + torch.arange(n_points, device=draws.device)
+    return keys.topk(k, dim=-1, largest=False, sorted=True).indices
 
 
 def cluster_sums(points: torch.Tensor, codes: torch.Tensor, n_centroids: int,
