@@ -246,7 +246,7 @@ def synchronising_calls_of_this_thread():
     previous = torch.cuda.get_sync_debug_mode()
 
     def record(message, category, filename, lineno, file=None, line=None):
-        if threading.get_ident() == thread and "synchroniz" in str(message):
+        if threading.get_ident() == thread and "called a synchronizing" in str(message):
             calls.append(f"{filename}:{lineno}: {message}")
 
     with warnings.catch_warnings():
