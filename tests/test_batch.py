@@ -101,11 +101,13 @@ def test_a_batch_reproduces_each_sequence_alone(case, arch, device, row_by_row_l
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("row_streams", [True, False])
 @pytest.mark.parametrize("case", CASES)
-def test_rows_on_streams_of_their_own_reproduce_each_sequence_alone(case, row_by_row_linear, monkeypatch):
-    """With ``row_streams`` each row attends on a stream of its own, side by side, in eager and captured steps: the
-    rows are still their batch-1 selves bit for bit. A method with host work in its step (its channel in use) keeps
-    its rows in turn on the model's stream."""
+def test_rows_side_by_side_or_in_turn_reproduce_each_sequence_alone(case, row_streams, row_by_row_linear,
+                                                                     monkeypatch):
+    """With ``row_streams`` (the default) each row attends on a stream of its own, side by side, in eager and
+    captured steps; without, the rows take turns on the model's stream. Either way the rows are their batch-1 selves
+    bit for bit. A method with host work in its step (its channel in use) keeps its rows in turn."""
     from icecache.core.cache import KVHandle
 
     model, info = tiny_model_on("llama", "cuda")
@@ -120,13 +122,15 @@ def test_rows_on_streams_of_their_own_reproduce_each_sequence_alone(case, row_by
         return attend(self, query, attention_mask, scaling)
 
     monkeypatch.setattr(KVHandle, "attend", watched)
-    rows, result = batched_greedy_generate(model, method, batch_requests, keep_logits=True, row_streams=True)
+    rows, result = batched_greedy_generate(model, method, batch_requests, keep_logits=True, row_streams=row_streams)
     assert [row.generated for row in rows] == [single.token_ids for single in singles]
     for row, single in zip(rows, singles):
         assert all(torch.equal(ours, theirs) for ours, theirs in zip(row.logits, single.logits))
     assert result.counters.get("graph_replays", 0) > 0 or not method.captures_decode_step
-    if "host_channel" not in result.counters:
+    if row_streams and "host_channel" not in result.counters:
         assert len(set(streams)) >= len(batch_requests)
+    else:
+        assert len(set(streams)) == 1
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -515,9 +515,9 @@ def line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 
 def render_throughput(results: Path, paper: dict[str, Any]) -> str:
-    """Per model, context and way of running a batch's rows (in turn, or side by side on streams of their own:
-    ``--row-streams``), from the newest throughput file that measured it (``full_static`` in the same file): decode
-    tokens per second at each batch size, the limit, and the best over ``full_static``'s best."""
+    """Per model, context and way of running a batch's rows (side by side on streams of their own, the default, or
+    in turn: ``--rows-in-turn``), from the newest throughput file that measured it (``full_static`` in the same
+    file): decode tokens per second at each batch size, the limit, and the best over ``full_static``'s best."""
     files = load(results, "throughput_*.json")
     newest = newest_by([((model_of(f), row["context"], bool((f.data.get("settings") or {}).get("row_streams"))),
                          f.order, f) for f in files for row in f.data.get("rows", [])])
@@ -546,7 +546,9 @@ def render_throughput(results: Path, paper: dict[str, Any]) -> str:
         header = ["method", *(f"B={b}" for b in batches), "best tok/s (batch)", "x full_static's best", "out of memory",
                   "peak GPU GiB", "+<10% after"]
         settings = f.data.get("settings") or {}
-        rows_run = ", the rows side by side on streams of their own (`--row-streams`)" if side_by_side else ""
+        rows_run = (", the rows side by side on streams of their own" if side_by_side
+                    else ", the rows in turn on the model's stream (`--rows-in-turn`; a file that records no "
+                         "`row_streams` ran them so)")
         note = (f"{model} at {context_label(context)} tokens, budget {settings.get('budget')}, "
                 f"{settings.get('decode_steps')} steps per batch{rows_run}; `{f.name}`, commit {f.commit}, "
                 f"{f.provenance.get('gpu') or settings.get('device_resolved') or '?'}. Decode tokens per second "

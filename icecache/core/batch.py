@@ -12,12 +12,13 @@ The sequences of a batch share the one stream they decode on, and so its hand-of
 (``HarnessCache(host_functions=...)``): one host worker serves every row's host step in stream order, instead of B
 workers spinning on the cores the host steps' own threads need.
 
-With ``row_streams`` (``BatchCache(..., row_streams=True)``) each row's attention runs on a stream of its own on
-CUDA, forked from the model's stream and joined back before the rows' outputs are concatenated, in eager steps and in
-captured ones alike: a sparse method's step is mostly small dependent kernels, so rows one after another leave the
-GPU mostly idle, while rows side by side overlap. A row computes what it computes alone, on any stream. Rows whose
-method hands work to the host (the channel is in use: IceCache, MagicPIG) keep taking turns on the model's stream,
-since their one channel serves its requests in stream order.
+With ``row_streams`` (``BatchCache``'s default; ``row_streams=False`` keeps the rows in turn on the model's
+stream) each row's attention runs on a stream of its own on CUDA, forked from the model's stream and joined back
+before the rows' outputs are concatenated, in eager steps and in captured ones alike: a sparse method's step is
+mostly small dependent kernels, so rows one after another leave the GPU mostly idle, while rows side by side
+overlap. A row computes what it computes alone, on any stream. Rows whose method hands work to the host (the
+channel is in use: IceCache, MagicPIG) keep taking turns on the model's stream, since their one channel serves its
+requests in stream order.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ class BatchCache(Cache):
     the batch closes every row. ``row_streams``: on CUDA, each row attends on a stream of its own (module
     docstring)."""
 
-    def __init__(self, caches: list[HarnessCache], row_streams: bool = False):
+    def __init__(self, caches: list[HarnessCache], row_streams: bool = True):
         if not caches:
             raise ValueError("a batch needs at least one sequence")
         n_layers = {len(cache.layers) for cache in caches}

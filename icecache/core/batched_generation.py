@@ -153,7 +153,7 @@ def decode_batch(model, batch: BatchCache, rows: list[DecodingRow], *, max_steps
 def batched_greedy_generate(model, method, requests: list[GenerationRequest], *, tokenizer=None,
                             prefill_chunk_size: int | None = None, layer_by_layer: bool = False,
                             residual_on_host: bool = False, cuda_graph: bool = True, keep_logits: bool = False,
-                            row_streams: bool = False, **cache_options) -> tuple[list[DecodingRow], BatchDecodeResult]:
+                            row_streams: bool = True, **cache_options) -> tuple[list[DecodingRow], BatchDecodeResult]:
     """Greedy decoding of ``requests`` as one batch under ``method``: each prompt prefilled on its own
     ``HarnessCache`` (``cache_options`` passed to it), then decoded together (``row_streams``: each row attends on a
     CUDA stream of its own, ``core.batch``); the batch is closed at the end."""

@@ -36,9 +36,10 @@ def parser() -> argparse.ArgumentParser:
                         help="prefill the whole model at once instead of one decoder layer at a time")
     parser.add_argument("--residual-on-host", action="store_true", default=None,
                         help="keep the layer-by-layer prefill's residual stream in host memory")
-    parser.add_argument("--row-streams", action="store_true", default=None,
-                        help="each row of a batch attends on a CUDA stream of its own (rows side by side; methods "
-                             "with host work in their step keep taking turns)")
+    parser.add_argument("--rows-in-turn", dest="row_streams", action="store_false", default=None,
+                        help="the rows of a batch attend one after the other on the model's stream (default: each "
+                             "on a CUDA stream of its own, side by side; methods with host work in their step keep "
+                             "taking turns either way)")
     parser.add_argument("--set", nargs="*", action="extend", default=[], metavar="METHOD.KEY=VALUE",
                         help="method setting overrides, e.g. icecache.n_reuse_layers=4")
     parser.add_argument("--device", default="auto")
