@@ -31,7 +31,8 @@ copy and k-means run beside layer ``l + 1``'s prefill; the layer's first decode 
 both (no host synchronisation; TT2T includes what is left of the wait). On the CPU a worker thread of the sequence runs
 the layers' k-means, layer after layer, while the prefill goes on, and the first decode step waits for its layer's
 codebooks. The codes are kept on the device as int32 rows ``(h * m + j) * C + code`` of the query-centroid table. The
-k-means is seeded with distinct keys drawn on the CPU with ``seed + layer`` (the same draw on every device). Each step,
+k-means is seeded with distinct keys drawn on the CPU with ``seed + layer`` (the same draw on every device: the keys
+whose uniform draws are smallest, equal draws in index order, ``product_quantization.smallest_draws``). Each step,
 on the device: the new token goes to the ring and the host store and is encoded; ``core.kernels.pq_votes`` scores every
 token through the table (``core.product_quantization.pq_scores``) and gives the candidates (after the sinks, before the
 window) a softmax per query head, summed per KV head (on CUDA two Triton kernels); a top-k on keys that order by vote,
