@@ -102,11 +102,17 @@ def test_cluster_sums_by_product_are_the_scattered_sums():
     """The one-hot product (what CUDA runs, for the same bits at every run) against the CPU's scatter_add_, over
     more points than one chunk and with an empty cluster."""
     gen = torch.Generator().manual_seed(13)
-    points = torch.randn(3, 17000, 4, generator=gen)
-    codes = torch.randint(0, 7, (3, 17000), generator=gen)  # cluster 7 of 8 stays empty
-    scattered = cluster_sums(points, codes, 8)
-    torch.testing.assert_close(cluster_sums(points, codes, 8, by_product=True), scattered, rtol=1e-5, atol=1e-3)
-    assert (scattered[:, 7] == 0).all()
+    # Whole slices and a rest in the first chunk and in the second (17000), whole slices and a rest (2500), a rest
+    # only (300).
+    for n_points in (17000, 2500, 300):
+        points = torch.randn(3, n_points, 4, generator=gen)
+        codes = torch.randint(0, 7, (3, n_points), generator=gen)  # cluster 7 of 8 stays empty
+        scattered = cluster_sums(points, codes, 8)
+        torch.testing.assert_close(cluster_sums(points, codes, 8, by_product=True), scattered, rtol=1e-5, atol=1e-3)
+        assert (scattered[:, 7] == 0).all()
+        # Small whole numbers add up exactly in any order: every point is counted once, in its own cluster.
+        whole = torch.randint(-8, 9, (3, n_points, 4), generator=gen).float()
+        assert torch.equal(cluster_sums(whole, codes, 8, by_product=True), cluster_sums(whole, codes, 8))
 
 
 def test_first_of_stable_sort_is_the_stable_descending_sort_with_its_ties():

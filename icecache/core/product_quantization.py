@@ -86,20 +86,42 @@ def smallest_draws(draws: torch.Tensor, k: int) -> torch.Tensor:
     return keys.topk(k, dim=-1, largest=False, sorted=True).indices
 
 
+#: Points per slice of a chunk in ``cluster_sums``' product: each slice is a product of its own.
+_SUM_SLICE = 1024
+
+
 def cluster_sums(points: torch.Tensor, codes: torch.Tensor, n_centroids: int,
                  by_product: bool | None = None) -> torch.Tensor:
     """``[G, C, d]``: the sum of the points ``[G, N, d]`` of each cluster (``codes [G, N]``). On the CPU a
-    ``scatter_add_``; on CUDA (or with ``by_product``) the product of the one-hot assignment ``[G, C, n]`` with
-    the points, chunk by chunk in a fixed order, which gives the same bits at every run (CUDA's ``scatter_add_``
-    adds with atomics, in an order that changes from run to run)."""
+    ``scatter_add_``; on CUDA (or with ``by_product``) the product of the one-hot assignment with the points, which
+    gives the same bits at every run (CUDA's ``scatter_add_`` adds with atomics, in an order that changes from run
+    to run).
+
+    The product is taken per slice of ``_SUM_SLICE`` points, as one batched product of ``G x slices`` small ones,
+    and the slices' sums are then added in slice order: one ``[C, N] x [N, d]`` product per set has ``C x d``
+    outputs (64 x 64 for PQCache) over thousands of points, a handful of thread blocks that leave most of the GPU
+    idle for the whole reduction (0.7 ms a product on an H200, 640 products in a 32k prefill), while the slices
+    give every block a short reduction of its own. Either order is fixed, so each is the same at every run."""
     n_sets, n_points, dim = points.shape
     if not (points.is_cuda if by_product is None else by_product):
         return points.new_zeros(n_sets, n_centroids, dim).scatter_add_(1, codes[..., None].expand(-1, -1, dim), points)
-    labels = torch.arange(n_centroids, device=points.device)[None, :, None]
+    labels = torch.arange(n_centroids, device=points.device)[None, None, :, None]
     sums = points.new_zeros(n_sets, n_centroids, dim)
     for begin in range(0, n_points, _ASSIGN_CHUNK):
-        one_hot = (codes[:, None, begin : begin + _ASSIGN_CHUNK] == labels).float()  # [G, C, chunk]
-        sums = torch.baddbmm(sums, one_hot, points[:, begin : begin + _ASSIGN_CHUNK])
+        chunk = points[:, begin : begin + _ASSIGN_CHUNK]
+        chunk_codes = codes[:, begin : begin + _ASSIGN_CHUNK]
+        n_chunk = chunk.shape[1]
+        n_sliced = n_chunk - n_chunk % _SUM_SLICE
+        if n_sliced:
+            n_slices = n_sliced // _SUM_SLICE
+            # [G, slices, C, slice] one-hot times [G, slices, slice, d] points, as G x slices products
+            one_hot = (chunk_codes[:, :n_sliced].reshape(n_sets, n_slices, 1, _SUM_SLICE) == labels).float()
+            partial = torch.bmm(one_hot.view(n_sets * n_slices, n_centroids, _SUM_SLICE),
+                                chunk[:, :n_sliced].reshape(n_sets * n_slices, _SUM_SLICE, dim))
+            sums = sums + partial.view(n_sets, n_slices, n_centroids, dim).sum(dim=1)
+        if n_sliced < n_chunk:  # the chunk's last points, fewer than a slice
+            one_hot = (chunk_codes[:, None, n_sliced:] == labels[0]).float()  # [G, C, rest]
+            sums = torch.baddbmm(sums, one_hot, chunk[:, n_sliced:])
     return sums
 
 
