@@ -30,6 +30,12 @@ from eval.latency import method_values, model_spec
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _device_us(event) -> float:
+    """An averaged profiler event's own device time (the attribute's name changed across torch versions)."""
+    device_us = getattr(event, "self_device_time_total", None)
+    return getattr(event, "self_cuda_time_total", 0) if device_us is None else device_us
+
+
 def profile_method(model, info, name: str, budget: int, length: int, steps: int, top: int) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -65,9 +71,7 @@ def profile_method(model, info, name: str, budget: int, length: int, steps: int,
             wall = (time.perf_counter() - start) / steps
     kernels = []
     for event in prof.key_averages():
-        device_us = getattr(event, "self_device_time_total", None)
-        if device_us is None:
-            device_us = getattr(event, "self_cuda_time_total", 0)
+        device_us = _device_us(event)
         if device_us and event.device_type.name == "CUDA":
             kernels.append({"kernel": event.key[:90], "launches_per_step": event.count / steps,
                             "us_per_step": device_us / steps})
@@ -103,13 +107,12 @@ def profile_prefill(model, info, name: str, budget: int, length: int, top: int) 
         return wall
 
     first_token()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
         wall = first_token()
     host_ops, kernels = [], []
     for event in prof.key_averages():
-        device_us = getattr(event, "self_device_time_total", None)
-        if device_us is None:
-            device_us = getattr(event, "self_cuda_time_total", 0)
+        device_us = _device_us(event)
         if event.device_type.name == "CUDA":
             if device_us:
                 kernels.append({"kernel": event.key[:90], "launches": event.count, "us": device_us})
