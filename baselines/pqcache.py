@@ -209,11 +209,7 @@ class PQCacheKV(RingSlotsKV):
 
     # --- prompt -----------------------------------------------------------------------------------------------
     def place_prompt(self, n_prompt):
-        device = self.keys.device  # on the device: no wait for the layer's queued prefill (as StreamingLLM)
-        sinks = torch.arange(min(self.n_pinned, n_prompt), device=device)
-        recent = torch.arange(max(self.n_pinned, n_prompt - self.ring_size), n_prompt, device=device)
-        kept = torch.cat([sinks, recent]).expand(self.model.n_kv_heads, -1)
-        return kept, self.ring_slots(kept)
+        return self.pinned_then_recent(n_prompt)  # the sinks, then the local window
 
     def on_prompt_placed(self, kept, slots):
         super().on_prompt_placed(kept, slots)

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from icecache.core.method import METHODS, Method, MethodConfig
 from icecache.core.token_slots import RingSlotsKV
 from icecache.errors import ConfigError
@@ -46,14 +44,8 @@ class StreamingKV(RingSlotsKV):
         self.ring_size = budget - n_sink_tokens
 
     def place_prompt(self, n_prompt):
-        # Sinks, then as much of the prompt's end as the window holds (the first step's token replaces its oldest).
-        # Made on the device: a copy from pageable host memory would make the model's thread wait for the layer's
-        # queued prefill, and the GPU for the thread, at every layer.
-        device = self.keys.device
-        sinks = torch.arange(min(self.n_pinned, n_prompt), device=device)
-        recent = torch.arange(max(self.n_pinned, n_prompt - self.ring_size), n_prompt, device=device)
-        kept = torch.cat([sinks, recent]).expand(self.model.n_kv_heads, -1)
-        return kept, self.ring_slots(kept)
+        # Sinks, then as much of the prompt's end as the window holds.
+        return self.pinned_then_recent(n_prompt)
 
 
 @METHODS.register("streaming_llm")

@@ -141,6 +141,17 @@ class RingSlotsKV(TokenSlotsKV):
     ring_start: int = 0
     ring_size: int = 1
 
+    def pinned_then_recent(self, n_prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``place_prompt`` for a method that keeps the prompt's first ``n_pinned`` tokens and as much of its end as
+        the ring holds (the first step's token replaces the ring's oldest): ``(kept, slots)``, ``[Hkv, n]``. Made
+        on the device: a copy from pageable host memory would make the model's thread wait for the layer's queued
+        prefill, and the GPU for the thread, at every layer."""
+        device = self.keys.device
+        pinned = torch.arange(min(self.n_pinned, n_prompt), device=device)
+        recent = torch.arange(max(self.n_pinned, n_prompt - self.ring_size), n_prompt, device=device)
+        kept = torch.cat([pinned, recent]).expand(self.model.n_kv_heads, -1)
+        return kept, self.ring_slots(kept)
+
     def ring_slots(self, positions: torch.Tensor) -> torch.Tensor:
         ring = self.n_pinned + torch.remainder(positions - self.ring_start, self.ring_size)
         return torch.where(positions < self.ring_start, positions, ring)
