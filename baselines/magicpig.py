@@ -74,6 +74,7 @@ from typing import Any
 
 import torch
 
+from icecache.core.host_memory import to_device_without_waiting
 from icecache.core.host_step import HostExchange
 from icecache.core.kernels import _magicpig_host
 from icecache.core.method import METHODS, DenseKV, Method, MethodConfig, storage_capacity
@@ -227,15 +228,11 @@ class MagicPIGSequence:
         self._projections: dict[tuple, torch.Tensor] = {}
 
     def projections(self, device: torch.device, head_dim: int, K: int, L: int, seed: int) -> torch.Tensor:
-        """``hash_projections`` on ``device``, drawn once per sequence: every layer uses the same ones, and a draw
-        and a copy from pageable memory at each layer would make the model's thread wait for the layer's queued
-        prefill (a copy from pinned memory does not)."""
+        """``hash_projections`` on ``device``, drawn once per sequence (every layer uses the same ones) and moved
+        without a wait for the layer's queued prefill."""
         key = (device, head_dim, K, L, seed)
         if key not in self._projections:
-            drawn = hash_projections(head_dim, K, L, seed)
-            if device.type == "cuda":
-                drawn = drawn.pin_memory()
-            self._projections[key] = drawn.to(device, non_blocking=True)
+            self._projections[key] = to_device_without_waiting(hash_projections(head_dim, K, L, seed), device)
         return self._projections[key]
 
     def hashing_stream(self, device: torch.device) -> torch.cuda.Stream:

@@ -16,6 +16,7 @@ import torch
 
 from .cache import HarnessCache
 from .graphs import GraphedDecodeStep
+from .host_memory import to_device_without_waiting
 from .layer_inputs import previous_layer_inputs
 from .timing import synchronize
 
@@ -114,10 +115,7 @@ def prefill_sequence(model, cache: HarnessCache, request: GenerationRequest, res
     """The prompt and the suffix of ``request`` into ``cache``, with room announced for ``reserved_new_tokens``
     generated ones; returns the logits of the first generated token and the position of the next."""
     device = model.device
-    prompt = torch.tensor(list(request.input_ids), dtype=torch.long)
-    if device.type == "cuda":  # through pinned memory: a pageable copy would wait for the device's queued work
-        prompt = prompt.pin_memory()
-    prompt = prompt.to(device, non_blocking=True)
+    prompt = to_device_without_waiting(torch.tensor(list(request.input_ids), dtype=torch.long), device)
     n_prompt = prompt.shape[0]
     chunk = prefill_chunk_size or n_prompt
     cache.seq.max_total_tokens = n_prompt + len(request.suffix_ids) + reserved_new_tokens

@@ -38,6 +38,16 @@ import torch
 REUSE_SLACK = 1.25
 
 
+def to_device_without_waiting(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host ``tensor`` on ``device``, without making the calling thread wait for the device's queued work: on
+    CUDA through pinned memory (a copy from pageable memory waits for the stream, which during a prefill leaves the
+    GPU idle while the thread does a layer's host work); elsewhere ``tensor`` itself."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        tensor = tensor.contiguous().pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
 def _pinned_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
     """``nbytes`` of pinned host memory, mapped into the device's address space, as a uint8 tensor that frees it when
     the last view goes. Exactly ``nbytes`` (PyTorch's pinned allocator rounds a request up to a power of two)."""

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from .host_memory import to_device_without_waiting
+
 #: Points whose distances to the centroids are computed at once (bounds k-means' memory at long prompts).
 _ASSIGN_CHUNK = 16384
 
@@ -61,8 +63,7 @@ def kmeans(points: torch.Tensor, n_centroids: int, n_iters: int,
         order = smallest_draws(torch.rand(n_sets, n_points, generator=generator), n_centroids)
     else:
         order = (torch.arange(n_centroids) % n_points).expand(n_sets, -1)
-    if points.is_cuda:
-        order = order.contiguous().pin_memory().to(points.device, non_blocking=True)
+    order = to_device_without_waiting(order, points.device)
     centroids = points.gather(1, order[..., None].expand(-1, -1, dim))
     ones = points.new_ones(n_sets, n_points)
     for _ in range(n_iters):
