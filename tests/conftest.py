@@ -5,6 +5,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib.util
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +17,18 @@ from icecache.core.kernels import triton_runtime
 from icecache.core.models import ModelSpec, load_model, model_info
 
 ARCHITECTURES = ["llama", "mistral", "qwen2", "qwen3"]
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def load_script(relative: str):
+    """``scripts/<relative>.py`` (``"bench/latency"``) as a module, registered in ``sys.modules`` (a dataclass of
+    the script looks its module up there)."""
+    name = "scripts_" + relative.replace("/", "_")
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{relative}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 TINY_CONFIG = dict(
     hidden_size=64,

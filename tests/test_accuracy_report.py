@@ -4,7 +4,6 @@ resume, curation) and the rendering into BENCHMARKS.md and results/summary. CPU 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import re
@@ -21,14 +20,6 @@ from eval.tasks.ruler import aggregate_ruler
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def ruler_records(scores: dict[str, list[float]], length: int = 4096) -> list[dict]:

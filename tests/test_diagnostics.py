@@ -1,23 +1,14 @@
 """The diagnostic scripts that have no test beside their subject's (scripts/diagnostics/)."""
 
-import importlib.util
 import json
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / "diagnostics" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.conftest import load_script
 
 
 def test_the_prefill_profile_times_each_methods_first_token_and_lists_its_host_work(tmp_path):
     """step_profile.py --prefill on the CPU (tiny Llama): one result per method, its wall time and its host
     operations, the ones with the most time of their own first, in a result file; no device, so no kernels."""
-    profile = load_script("step_profile")
+    profile = load_script("diagnostics/step_profile")
     profile.main(["--prefill", "--model", "tiny_llama", "--methods", "full", "pqcache", "--length", "600",
                   "--budget", "64", "--top", "5", "--out", str(tmp_path)])
     (written,) = tmp_path.glob("prefill_profile_*.json")

@@ -11,6 +11,7 @@ from icecache.core.cache import HarnessCache
 from icecache.core.generation import GenerationRequest, greedy_generate
 from icecache.errors import ConfigError
 from icecache.method import diff_selection, merge_group_pages
+from tests.conftest import load_script
 
 
 def prompt(n, seed=0):
@@ -454,17 +455,13 @@ def test_selections_equal_the_recorded_digests():
     bfloat16, equals what the harness selected before the index held the bf16 keys itself and the page-ordered
     copies were dropped (tests/fixtures/selection_digests.json, ``scripts/diagnostics/selection_hash.py``), on a host
     of the same CPU capability and, where recorded, vendor (the tiny models' arithmetic follows them)."""
-    import importlib.util
     import json
     from pathlib import Path
 
     from tests.conftest import tiny_model_on
 
     repo = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("selection_hash",
-                                                  repo / "scripts" / "diagnostics" / "selection_hash.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("diagnostics/selection_hash")
     fixture = json.loads((repo / "tests" / "fixtures" / "selection_digests.json").read_text())
     capability = torch.backends.cpu.get_cpu_capability()
     host = f"{capability}/{cpu_vendor()}"  # a vendor's own set first: the same capability can round otherwise

@@ -4,25 +4,20 @@ the tiny models."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.conftest import load_script
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def pq():
-    spec = importlib.util.spec_from_file_location("page_quality",
-                                                  REPO / "scripts" / "diagnostics" / "page_quality.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["page_quality"] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script("diagnostics/page_quality")
 
 
 def test_capacity_assignment_holds_the_capacity_and_is_nearest_when_room_allows(pq):

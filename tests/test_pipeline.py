@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from eval import sweep
+from tests.conftest import load_script
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -275,13 +276,10 @@ def test_bench_latency_driver_writes_its_file(tmp_path):
 
 
 def test_a_latency_run_killed_midway_keeps_the_methods_it_finished(tmp_path, monkeypatch):
-    import importlib.util
 
     import icecache.core.generation as generation
 
-    spec = importlib.util.spec_from_file_location("bench_latency", REPO / "scripts" / "bench" / "latency.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_script("bench/latency")
     real, calls = generation.greedy_generate, []
 
     def killed_on_the_third(*args, **kwargs):  # full, full_static, then the method: killed as a time limit would
@@ -398,11 +396,8 @@ def test_compare_runs_pairs_runs_by_task_model_method_budget_and_counts_identica
 
 
 def test_bench_host_step_times_the_parts_of_a_layer_step(tmp_path, capsys):
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_host_step", REPO / "scripts" / "bench" / "host_step.py")
-    bench_host_step = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_host_step)
+    bench_host_step = load_script("bench/host_step")
     from icecache import dci
 
     before = dci.KernelSettings.current()

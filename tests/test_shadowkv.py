@@ -27,7 +27,7 @@ from icecache.core.kernels.shadowkv_step import key_coefficients, landmark_score
 from icecache.core.method import ModelInfo, SequenceContext
 from icecache.core.rope import Rotary
 from icecache.errors import ConfigError
-from tests.conftest import ARCHITECTURES, tiny_model
+from tests.conftest import ARCHITECTURES, load_script, tiny_model
 
 CS = 8  # chunk size
 ROTARY = Rotary(inv_freq=tuple(float(f) for f in 1.0 / (10000 ** (torch.arange(0, 16, 2).float() / 16))))
@@ -383,14 +383,9 @@ def test_the_basis_probe_times_every_solver_and_finds_them_agreeing(tmp_path):
     """scripts/diagnostics/basis_probe.py on the CPU at a small size: one row per solver, the first its own
     reference, the others within float32 rounding of its subspace with the same rebuild error, and a result file;
     an unknown solver is refused in one line before any work."""
-    import importlib.util
     import json
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "diagnostics" / "basis_probe.py"
-    spec = importlib.util.spec_from_file_location("basis_probe", path)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = load_script("diagnostics/basis_probe")
     rows = probe.main(["--tokens", "600", "--kv-heads", "2", "--head-dim", "32", "--rank", "24", "--repeats", "1",
                        "--device", "cpu", "--out", str(tmp_path)])
     assert [row["solver"] for row in rows] == list(BASIS_SOLVERS)
