@@ -132,37 +132,46 @@ struct Candidate {
 std::pair<int, int> nearest_run(const float* arr, int n, float qp, int c);
 
 // The k best of a stream of candidates in (dist, id) order. Ids are unique, so the result does not depend on the
-// order in which candidates arrive (nor on the thread count).
+// order in which candidates arrive (nor on the thread count). Once full, `items` is a max-heap on (dist, id): the
+// worst kept item is items[0], and a replacement costs log2(k) steps. The linear rescan it replaced cost k per
+// admitted candidate, and a query's merge pushes up to threads x k candidates per head into each accumulator.
+// Callers that need the items in order sort them (Instance::emit).
 struct TopK {
   std::vector<Candidate> items;
   int cap = 0;
-  int worst = -1;  // index of the worst kept item once full
   void reset(int k) {
     items.clear();
     cap = k;
-    worst = -1;
   }
   bool full() const { return static_cast<int>(items.size()) == cap; }
   // The distance a candidate must beat to be kept (by distance alone; equal distances are decided by id).
   float bar() const {
     if (cap <= 0) return -INFINITY;
-    return full() ? items[worst].dist : INFINITY;
+    return full() ? items[0].dist : INFINITY;
   }
   // true when c would be kept; cheap enough to run before building c's page/best bookkeeping
-  bool admits(const Candidate& c) const { return !full() || c < items[worst]; }
+  bool admits(const Candidate& c) const { return !full() || c < items[0]; }
   void push(const Candidate& c) {
     if (cap <= 0) return;
     if (!full()) {
       items.push_back(c);
-      if (!full()) return;
-    } else if (c < items[worst]) {
-      items[worst] = c;
-    } else {
+      if (full()) std::make_heap(items.begin(), items.end());
       return;
     }
-    worst = 0;
-    for (int i = 1; i < cap; ++i)
-      if (items[worst] < items[i]) worst = i;
+    if (!(c < items[0])) return;
+    // the root (the worst) gives way to c, which sinks to its place
+    const int n = cap;
+    Candidate* h = items.data();
+    int i = 0;
+    for (;;) {
+      int child = 2 * i + 1;
+      if (child >= n) break;
+      if (child + 1 < n && h[child] < h[child + 1]) ++child;
+      if (!(c < h[child])) break;
+      h[i] = h[child];
+      i = child;
+    }
+    h[i] = c;
   }
 };
 
