@@ -77,6 +77,7 @@ import torch
 from icecache.core.host_memory import to_device_without_waiting
 from icecache.core.host_step import HostExchange
 from icecache.core.kernels import _magicpig_host
+from icecache.core.kernels.sign_codes import sign_codes
 from icecache.core.method import METHODS, DenseKV, Method, MethodConfig, storage_capacity
 from icecache.errors import ConfigError
 
@@ -140,10 +141,7 @@ def hash_projections(head_dim: int, K: int, L: int, seed: int) -> torch.Tensor:
 def simhash_codes(vectors: torch.Tensor, projections: torch.Tensor, K: int) -> torch.Tensor:
     """``vectors [..., D]`` -> int32 ``[..., L]``: in table ``l``, bit ``j`` is set when the vector's projection
     on column ``l * K + j`` is positive (SimHash: the bucket of a direction, not of a length)."""
-    bits = (vectors.float() @ projections.to(vectors.device)) > 0
-    bits = bits.view(*bits.shape[:-1], -1, K).to(torch.int32)
-    weights = 2 ** torch.arange(K, dtype=torch.int32, device=vectors.device)
-    return (bits * weights).sum(-1, dtype=torch.int32)
+    return sign_codes(vectors.float() @ projections.to(vectors.device), K)
 
 
 def collision_probability(cos_angle: torch.Tensor, K: int) -> torch.Tensor:
@@ -180,7 +178,10 @@ class HashTables:
         arrays are buffers of its pool, and their fills ``(destination, source)`` are appended to ``host_copies``
         for the caller to queue; without, they are copied here."""
         n_kv_heads, n_tokens, n_tables = key_codes.shape
-        by_table = key_codes.transpose(1, 2).contiguous()  # [Hkv, L, T]
+        # Codes of at most 14 bits are sorted as int16 (their buckets' bounds, up to 2^K, fit too): the same order
+        # (a stable sort of the same values), and a radix sort over half the key bits.
+        narrow = torch.int16 if K <= 14 else key_codes.dtype
+        by_table = key_codes.transpose(1, 2).to(narrow).contiguous()  # [Hkv, L, T]
         sorted_codes, order = torch.sort(by_table, dim=-1, stable=True)
         buckets = torch.arange(2**K + 1, dtype=sorted_codes.dtype, device=key_codes.device)
         offsets = torch.searchsorted(sorted_codes, buckets.expand(n_kv_heads, n_tables, -1).contiguous())

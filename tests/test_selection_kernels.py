@@ -1,7 +1,7 @@
 """The selection kernels of the shared core (``core.kernels``: gqa_scores, causal_column_sums, block_copy, h2o_step,
-pq_votes) against direct computations, and on a CUDA host (``make test-gpu``) their Triton versions against the
-PyTorch references: fresh random inputs, partial blocks and masked tails included, outputs poisoned before each
-run."""
+pq_votes, sign_codes) against direct computations, and on a CUDA host (``make test-gpu``) their Triton versions
+against the PyTorch references: fresh random inputs, partial blocks and masked tails included, outputs poisoned
+before each run."""
 
 from __future__ import annotations
 
@@ -233,3 +233,35 @@ def test_triton_pq_votes_match_the_reference(n_tokens, first, end, group):
     assert torch.equal(votes == -1, expected == -1)
     if first <= 9 and end >= 20:
         assert (votes[:, 10:20] == votes[:, 9:10]).all()
+
+
+def test_sign_codes_reference_packs_each_tables_positive_signs_lowest_bit_first():
+    from icecache.core.kernels.sign_codes import sign_codes_reference
+
+    projected = torch.tensor([[0.5, -1.0, 2.0, 0.0, -0.0, float("nan"), 3.0, 1e-30, -2.0]])  # 3 tables of 3 bits
+    codes = sign_codes_reference(projected, 3)
+    assert codes.dtype == torch.int32
+    assert codes.tolist() == [[0b101, 0b000, 0b011]]  # 0, -0 and NaN set no bit; the smallest positive does
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,K", [((1, 10), 10), ((3, 65, 40), 4), ((2, 130, 1500), 10), ((5, 37, 33), 11),
+                                     ((70, 16), 16), ((0, 20), 10)])
+def test_triton_sign_codes_match_the_reference(shape, K):
+    """Partial tiles of rows and tables, one table, K from 4 to 16, no rows; signs of zeros and NaNs included."""
+    from icecache.core.kernels.sign_codes import sign_codes_reference, sign_codes_triton
+
+    device = pq_votes_device()
+    gen = torch.Generator().manual_seed(sum(shape) + K)
+    projected = torch.randn(*shape, generator=gen)
+    if projected.numel():
+        flat = projected.view(-1)
+        flat[:: 7] = 0.0
+        flat[3:: 11] = -0.0
+        flat[5:: 13] = float("nan")
+    projected = projected.to(device)
+    codes = sign_codes_triton(projected, K)
+    assert codes.shape == (*shape[:-1], shape[-1] // K) and codes.dtype == torch.int32
+    assert torch.equal(codes, sign_codes_reference(projected, K))
+    strided = projected.transpose(0, -2) if projected.dim() == 3 else projected  # not contiguous
+    assert torch.equal(sign_codes_triton(strided, K), sign_codes_reference(strided, K))
