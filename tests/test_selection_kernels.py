@@ -242,6 +242,7 @@ def test_sign_codes_reference_packs_each_tables_positive_signs_lowest_bit_first(
     codes = sign_codes_reference(projected, 3)
     assert codes.dtype == torch.int32
     assert codes.tolist() == [[0b101, 0b000, 0b011]]  # 0, -0 and NaN set no bit; the smallest positive does
+    assert sign_codes_reference(torch.zeros(0, 20), 10).shape == (0, 2)  # no rows
 
 
 @pytest.mark.gpu

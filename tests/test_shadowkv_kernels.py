@@ -96,16 +96,23 @@ def test_triton_turn_window_matches_the_reference(dtype, rope, position):
             mine["coefficients"], mine["basis"], rotary, inv_freq)
         results.append(mine)
     fused, reference = results
-    for name in ("pool_keys", "pool_values", "landmarks", "store_values", "basis"):
+    # Chunk 30 is the scratch chunk: the reference writes it when no chunk leaves, the kernel writes nothing then.
+    chunks, rows = slice(0, 30), slice(0, 30 * 8)
+    for name in ("pool_keys", "pool_values", "basis"):
         assert torch.equal(fused[name], reference[name]), name
-    torch.testing.assert_close(fused["coefficients"], reference["coefficients"], **tolerance(dtype))
+    assert torch.equal(fused["landmarks"][:, chunks], reference["landmarks"][:, chunks])
+    assert torch.equal(fused["store_values"][chunks], reference["store_values"][chunks])
+    torch.testing.assert_close(fused["coefficients"][rows], reference["coefficients"][rows], **tolerance(dtype))
     leaving = position // 8 - LAYOUT.n_local
-    target = leaving if position % 8 == 0 and leaving >= 0 else 30  # else the scratch chunk
-    written = slice(target * 8, (target + 1) * 8)
+    if position % 8 or leaving < 0:  # no chunk leaves: the kernel changes nothing
+        for name in state:
+            assert torch.equal(fused[name], state[name]), name
+        return
+    written = slice(leaving * 8, (leaving + 1) * 8)
     untouched = torch.ones(fused["coefficients"].shape[0], dtype=torch.bool)
     untouched[written] = False
     assert torch.equal(fused["coefficients"][untouched], state["coefficients"][untouched])
-    assert not torch.equal(fused["landmarks"][:, target], state["landmarks"][:, target])
+    assert not torch.equal(fused["landmarks"][:, leaving], state["landmarks"][:, leaving])
 
 
 def selection_state(gen, device, n_chunks, position, n_held):
@@ -246,4 +253,5 @@ def test_shadowkv_steps_with_the_kernels_match_the_steps_with_the_references(mon
     assert fused.seq.counters.as_dict()["pages_loaded"] > 0
     attended = fused.layout.n_attended_slots
     torch.testing.assert_close(fused.pool_keys[:attended], reference.pool_keys[:attended])
-    torch.testing.assert_close(fused.coefficients, reference.coefficients)
+    scratch_rows = fused.layout.chunk_size  # the last chunk's: the scratch chunk, which only the reference writes
+    torch.testing.assert_close(fused.coefficients[:-scratch_rows], reference.coefficients[:-scratch_rows])

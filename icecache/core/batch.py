@@ -18,7 +18,8 @@ before the rows' outputs are concatenated, in eager steps and in captured ones a
 mostly small dependent kernels, so rows one after another leave the GPU mostly idle, while rows side by side
 overlap. A row computes what it computes alone, on any stream. Rows whose method hands work to the host (the
 channel is in use: IceCache, MagicPIG) keep taking turns on the model's stream, since their one channel serves its
-requests in stream order.
+requests in stream order; so does every layer's first decode step, where a layer may make its host exchange (and
+the channel is known to be in use only from then on).
 """
 
 from __future__ import annotations
@@ -72,14 +73,20 @@ class BatchCacheLayer(HarnessCacheLayer):
         super().__init__(kvs[0])
         self.kvs = tuple(kvs)
         self.row_streams = row_streams
+        self.decode_steps = 0  # steps of one token per row this layer has attended (captures count once)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != len(self.kvs):
             raise ValueError(f"a step of {key_states.shape[0]} rows on a batch of {len(self.kvs)} sequences")
-        streams = (self.row_streams.on(key_states.device)
-                   if self.row_streams is not None and key_states.is_cuda and len(self.kvs) > 1 else None)
+        # A layer's first decode step takes turns too: it may make its host exchange there, and only then does the
+        # sequence's channel say it is in use (BatchKVHandle.attend keeps such rows in turn).
+        side_by_side = (self.row_streams is not None and key_states.is_cuda and len(self.kvs) > 1
+                        and self.decode_steps > 0)
+        if key_states.shape[-2] == 1:
+            self.decode_steps += 1
+        streams = self.row_streams.on(key_states.device) if side_by_side else None
         return BatchKVHandle(self.kv, key_states, value_states, layers=self.kvs, streams=streams), None
 
     def get_seq_length(self) -> int:

@@ -27,7 +27,7 @@ BLOCK_TABLES = 32
 
 def sign_codes_reference(projected: torch.Tensor, K: int) -> torch.Tensor:
     """The codes by PyTorch operations (see the module's docstring)."""
-    bits = (projected > 0).view(*projected.shape[:-1], -1, K).to(torch.int32)
+    bits = (projected > 0).view(*projected.shape[:-1], projected.shape[-1] // K, K).to(torch.int32)
     weights = 2 ** torch.arange(K, dtype=torch.int32, device=projected.device)
     return (bits * weights).sum(-1, dtype=torch.int32)
 
