@@ -122,22 +122,42 @@ PASSKEY_LENGTH_32k = 31500
 GSM8K ?=
 GSM8K_PATH = $(if $(GSM8K),task.path=$(GSM8K))
 LONG_LENGTH = $(if $(LENGTH),task.lengths=[$($(1)_LENGTH_$(LENGTH))])
-LONG_SWEEPS_ruler = --sweep "experiment=accuracy_long_ruler $(LONG_MODEL) $(call LONG_LENGTH,RULER)" \
-	--sweep "experiment=accuracy_long_ruler $(LONG_MODEL) method=icecache method.lookahead=true $(call LONG_LENGTH,RULER)"
-LONG_SWEEPS_passkey = --sweep "experiment=accuracy_long_passkey $(LONG_MODEL) $(call LONG_LENGTH,PASSKEY)" \
-	--sweep "experiment=accuracy_long_passkey $(LONG_MODEL) method=icecache method.lookahead=true $(call LONG_LENGTH,PASSKEY)"
-LONG_SWEEPS_gsm8k = --sweep "experiment=accuracy_gsm8k $(LONG_MODEL) $(GSM8K_PATH)" \
-	--sweep "experiment=accuracy_gsm8k $(LONG_MODEL) $(GSM8K_PATH) method=icecache method.lookahead=true"
+# LONG_EXTRA: overrides every sweep of the grid takes too (reproduce-determinism's second output root).
+LONG_EXTRA =
+LONG_SWEEPS_ruler = --sweep "experiment=accuracy_long_ruler $(LONG_MODEL) $(call LONG_LENGTH,RULER) $(LONG_EXTRA)" \
+	--sweep "experiment=accuracy_long_ruler $(LONG_MODEL) method=icecache method.lookahead=true $(call LONG_LENGTH,RULER) $(LONG_EXTRA)"
+LONG_SWEEPS_passkey = --sweep "experiment=accuracy_long_passkey $(LONG_MODEL) $(call LONG_LENGTH,PASSKEY) $(LONG_EXTRA)" \
+	--sweep "experiment=accuracy_long_passkey $(LONG_MODEL) method=icecache method.lookahead=true $(call LONG_LENGTH,PASSKEY) $(LONG_EXTRA)"
+LONG_SWEEPS_gsm8k = --sweep "experiment=accuracy_gsm8k $(LONG_MODEL) $(GSM8K_PATH) $(LONG_EXTRA)" \
+	--sweep "experiment=accuracy_gsm8k $(LONG_MODEL) $(GSM8K_PATH) method=icecache method.lookahead=true $(LONG_EXTRA)"
 # The whole grid, every length: what each call curates (LENGTH is emptied for it below).
 LONG_GRID = $(LONG_SWEEPS_ruler) $(LONG_SWEEPS_passkey) $(LONG_SWEEPS_gsm8k)
 RESTORE_CURATED = $(foreach file,$(wildcard results/bench/accuracy_*.json),--restore $(file))
 
 reproduce-accuracy-long: $(STAMP)
-	@test -n "$(LONG_SWEEPS_$(PART))" || { echo "error: PART=ruler, passkey or gsm8k" >&2; exit 2; }
+	@test -n "$(filter ruler passkey gsm8k,$(PART))" || { echo "error: PART=ruler, passkey or gsm8k" >&2; exit 2; }
 	@test -z "$(LENGTH)" -o -n "$(RULER_LENGTH_$(LENGTH))" || { echo "error: LENGTH=16k or 32k (or empty)" >&2; exit 2; }
 	-$(PY) scripts/sweep.py $(LONG_SWEEPS_$(PART)) $(RESTORE_CURATED) --workers $(JOBS) --shards $(SHARDS) \
 		$(if $(DEADLINE),--deadline $(DEADLINE))
 	$(MAKE) accuracy-long-tables
+
+.PHONY: reproduce-determinism
+## Determinism of the long grid (docs/reproduce.md, "Determinism"): PART (and LENGTH) run again into AGAIN_ROOT,
+## then every run compared sample by sample with the same run in the curated file CURATED (default: the newest of
+## the model's long grid in results/bench), by the digest of the text each sample generated. Writes
+## results/bench/determinism_<PART>[_<LENGTH>]_<date>.json: per method the share of samples whose text differs
+## (compare_runs exits 1 when any differ: a finding, not a failure, so make goes on).
+AGAIN_ROOT ?= results/runs_again
+CURATED_LONG = $(or $(CURATED),$(lastword $(sort $(wildcard results/bench/accuracy_qwen2.5-coder-0.5b_2*.json))))
+reproduce-determinism: LONG_EXTRA = output_root=$(AGAIN_ROOT)
+reproduce-determinism: $(STAMP)
+	@test -n "$(filter ruler passkey gsm8k,$(PART))" || { echo "error: PART=ruler, passkey or gsm8k" >&2; exit 2; }
+	@test -z "$(LENGTH)" -o -n "$(RULER_LENGTH_$(LENGTH))" || { echo "error: LENGTH=16k or 32k (or empty)" >&2; exit 2; }
+	@test -n "$(CURATED_LONG)" -a -f "$(CURATED_LONG)" || { echo "error: no curated grid to compare with: give CURATED=results/bench/accuracy_<model>_<date>.json" >&2; exit 2; }
+	-$(PY) scripts/sweep.py $(LONG_SWEEPS_$(PART)) --workers $(JOBS) --shards $(SHARDS) $(if $(DEADLINE),--deadline $(DEADLINE))
+	-$(PY) scripts/compare_runs.py $(CURATED_LONG) $(AGAIN_ROOT) \
+		--out results/bench/determinism_$(PART)$(if $(LENGTH),_$(LENGTH))_$$(date -u +%Y%m%d-%H%M%S).json \
+		--note "the runs of $(CURATED_LONG) (before) and the same runs again (after), $(PART) $(LENGTH)"
 
 accuracy-long-tables: override LENGTH =
 ## The long grid's curated file and figures from the runs on disk (results/bench/accuracy_<model>_<date>.json).
