@@ -144,11 +144,11 @@ reproduce-accuracy-long: $(STAMP)
 .PHONY: reproduce-determinism
 ## Determinism of the long grid (docs/reproduce.md, "Determinism"): PART (and LENGTH) run again into AGAIN_ROOT,
 ## then every run compared sample by sample with the same run in the curated file CURATED (default: the newest of
-## the model's long grid in results/bench), by the digest of the text each sample generated. Writes
-## results/bench/determinism_<PART>[_<LENGTH>]_<date>.json: per method the share of samples whose text differs
-## (compare_runs exits 1 when any differ: a finding, not a failure, so make goes on).
+## the default model's long grid in results/bench; with another MODEL, give CURATED), by the digest of the text each
+## sample generated. Writes results/bench/determinism_<PART>[_<LENGTH>]_<date>.json: per method the share of
+## samples whose text differs (compare_runs exits 1 when any differ: a finding, not a failure, so make goes on).
 AGAIN_ROOT ?= results/runs_again
-CURATED_LONG = $(or $(CURATED),$(lastword $(sort $(wildcard results/bench/accuracy_qwen2.5-coder-0.5b_2*.json))))
+CURATED_LONG = $(or $(CURATED),$(if $(MODEL),,$(lastword $(sort $(wildcard results/bench/accuracy_qwen2.5-coder-0.5b_2*.json)))))
 reproduce-determinism: LONG_EXTRA = output_root=$(AGAIN_ROOT)
 reproduce-determinism: $(STAMP)
 	@test -n "$(filter ruler passkey gsm8k,$(PART))" || { echo "error: PART=ruler, passkey or gsm8k" >&2; exit 2; }

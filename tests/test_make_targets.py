@@ -61,3 +61,6 @@ def test_determinism_runs_the_part_again_elsewhere_and_compares_it_with_the_cura
 def test_determinism_without_a_curated_grid_says_which_file_to_give(tmp_path):
     result = make("reproduce-determinism", "PART=ruler", f"CURATED={tmp_path / 'missing.json'}")
     assert result.returncode != 0 and "give CURATED=" in result.stderr and not result.stdout
+    # another model's grid is not the default model's curated file: it has to be named
+    result = make("reproduce-determinism", "PART=ruler", "MODEL=smollm2_135m")
+    assert result.returncode != 0 and "give CURATED=" in result.stderr and not result.stdout
