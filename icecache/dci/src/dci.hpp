@@ -133,9 +133,9 @@ std::pair<int, int> nearest_run(const float* arr, int n, float qp, int c);
 
 // The k best of a stream of candidates in (dist, id) order. Ids are unique, so the result does not depend on the
 // order in which candidates arrive (nor on the thread count). Once full, `items` is a max-heap on (dist, id): the
-// worst kept item is items[0], and a replacement costs log2(k) steps. The linear rescan it replaced cost k per
-// admitted candidate, and a query's merge pushes up to threads x k candidates per head into each accumulator.
-// Callers that need the items in order sort them (Instance::emit).
+// worst kept item is items[0], and a replacement costs log2(k) steps where finding the new worst by a scan would
+// cost k, at every admitted candidate of a scan and of a query's merge (up to threads x k per head and
+// accumulator). Callers that need the items in order sort them (Instance::emit).
 struct TopK {
   std::vector<Candidate> items;
   int cap = 0;
