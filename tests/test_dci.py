@@ -336,10 +336,15 @@ def test_heads_of_a_group_get_exactly_what_each_gets_alone(kernel_settings, dim,
             assert np.allclose(token_scores[h], exact, rtol=1e-4, atol=1e-3)
 
 
-def half_and_float_indexes(keys: np.ndarray, transform: bool = True, threads: int = 2, **build):
+FIRST_PASSES = ("half", "int8")  # the approximate copies a query can score first (score_precision)
+
+
+def half_and_float_indexes(keys: np.ndarray, transform: bool = True, threads: int = 2, first_pass: str = "half",
+                           **build):
+    """A float32 index and one that scores `first_pass` rows first, built over the same keys."""
     dim, n_inst = keys.shape[2], keys.shape[0]
     indexes = [DCIIndex(dim, n_inst, transform=transform, num_threads=threads, score_precision=p)
-               for p in ("float32", "half")]
+               for p in ("float32", first_pass)]
     for index in indexes:
         index.build(keys, **build)
     return indexes
@@ -356,20 +361,21 @@ def assert_exact_scores(keys: np.ndarray, q: np.ndarray, ratio: int, result, tra
         assert page_scores[h][0] == token_scores[h][0]  # the best page is the best token's
 
 
+@pytest.mark.parametrize("first_pass", FIRST_PASSES)
 @pytest.mark.parametrize("transform", [True, False])
-@pytest.mark.parametrize("dim", [32, 24])  # 32: the F16C kernel (where the CPU has it); 24: the portable one
-def test_half_scores_give_the_float32_result(transform, dim):
-    """score_precision='half' scores the last level with half-precision rows first and re-scores in float32 only the
-    rows that an error bound cannot rule out. The promise is stronger than high recall: pages, tokens and scores equal
-    the float32 path's bit for bit, after inserts (splits, re-parenting, growing M) as after a build, for several
-    search settings, with GQA groups whose heads share parents (near-copies) or not."""
+@pytest.mark.parametrize("dim", [32, 24])  # 32: the vector kernels (where the CPU has them); 24: the portable ones
+def test_half_scores_give_the_float32_result(transform, dim, first_pass):
+    """score_precision='half' (or 'int8') scores the last level with approximate rows first and re-scores in float32
+    only the rows that an error bound cannot rule out. The promise is stronger than high recall: pages, tokens and
+    scores equal the float32 path's bit for bit, after inserts (splits, re-parenting, growing M) as after a build, for
+    several search settings, with GQA groups whose heads share parents (near-copies) or not."""
     rng = np.random.default_rng(30 + dim)
     n_inst, ratio = 2, 6
     keys = clustered_keys(rng, n_inst, 3200, dim)
     q = aimed_queries(rng, keys, ratio)
     q[:ratio] = q[0] + 0.05 * rng.standard_normal((ratio, dim)).astype(np.float32)  # group 0: near-copies
-    exact, half = half_and_float_indexes(keys[:, :2600], transform=transform)
-    assert (exact.score_precision, half.score_precision) == ("float32", "half")
+    exact, half = half_and_float_indexes(keys[:, :2600], transform=transform, first_pass=first_pass)
+    assert (exact.score_precision, half.score_precision) == ("float32", first_pass)
     for start in range(2600, 3200, 200):
         batch = keys[:, start:start + 200] * np.float32(1.0 + start / 3200)  # louder keys: M grows
         for index in (exact, half):
@@ -385,18 +391,23 @@ def test_half_scores_give_the_float32_result(transform, dim):
         assert_exact_scores(all_keys, q, ratio, got, transform)
 
 
-def test_half_scores_with_values_beyond_the_half_range_and_any_thread_count():
+@pytest.mark.parametrize("first_pass", FIRST_PASSES)
+def test_half_scores_with_values_beyond_the_half_range_and_any_thread_count(first_pass):
     """Rows with values beyond half's range (|x| > 65504) get an unbounded error and are always re-scored; tiny values
-    (half subnormals) are bounded like any other. A zero query (|q| = 0 against an unbounded row) is handled too."""
+    (half subnormals; int8 scales near the float minimum) are bounded like any other; int8 rows with one huge value
+    (every other code 0) too. A zero query (|q| = 0 against an unbounded row) is handled as well."""
     rng = np.random.default_rng(31)
     keys = clustered_keys(rng, 2, 3000, 32)
     keys[:, ::97] *= np.float32(3e4)     # some rows far beyond 65504
     keys[:, 5::89] *= np.float32(1e-7)   # some rows of subnormal halves
+    keys[:, 7::83] *= np.float32(1e-36)  # some rows whose int8 scale is subnormal
+    keys[:, 11::79, 3] = np.float32(1e4)  # some rows with one value far above the rest
+    keys[:, 13::101] = 0.0               # zero rows
     q = aimed_queries(rng, keys, 2)
     q[3] = 0.0
     want = None
     for threads in (1, 3):
-        exact, half = half_and_float_indexes(keys, threads=threads)
+        exact, half = half_and_float_indexes(keys, threads=threads, first_pass=first_pass)
         assert half.check(0) == "" and half.check(1) == ""
         got = half.query(q, 12, ratio=2, return_scores=True)
         want = exact.query(q, 12, ratio=2, return_scores=True) if want is None else want
@@ -405,11 +416,13 @@ def test_half_scores_with_values_beyond_the_half_range_and_any_thread_count():
     assert_exact_scores(keys, q, 2, got)
 
 
-def test_half_scores_rank_near_duplicates_that_only_float32_tells_apart():
-    """600 copies of one large key, perturbed at a relative 1e-4 (below half's resolution, 2^-11), and queries aimed
-    at it: the best tokens and pages are all among the copies, their half rows are near ties in a scrambled order,
-    and only the float32 re-scoring ranks them. Scoring with the half rows but no error bound changes the result of
-    every query head here, so a bound too tight to cover the rounding shows as a difference."""
+@pytest.mark.parametrize("first_pass", FIRST_PASSES)
+def test_half_scores_rank_near_duplicates_that_only_float32_tells_apart(first_pass):
+    """600 copies of one large key, perturbed at a relative 1e-4 (below half's resolution, 2^-11, and int8's), and
+    queries aimed at it: the best tokens and pages are all among the copies, their approximate rows are near ties in a
+    scrambled order, and only the float32 re-scoring ranks them. Scoring with the approximate rows but no error bound
+    changes the result of every query head here, so a bound too tight to cover the rounding shows as a
+    difference."""
     rng = np.random.default_rng(33)
     dim, n_inst, ratio = 32, 2, 2
     keys = clustered_keys(rng, n_inst, 3000, dim)
@@ -420,7 +433,7 @@ def test_half_scores_rank_near_duplicates_that_only_float32_tells_apart():
         keys[i, copies] = base * (1.0 + 1e-4 * rng.standard_normal((600, dim))).astype(np.float32)
         for h in range(i * ratio, (i + 1) * ratio):
             q[h] = base / np.linalg.norm(base) * 8.0 + 0.01 * rng.standard_normal(dim).astype(np.float32)
-    exact, half = half_and_float_indexes(keys)
+    exact, half = half_and_float_indexes(keys, first_pass=first_pass)
     for fov, prop in ((None, 0.8), (4000, 1.0)):
         want = exact.query(q, 24, field_of_view=fov, prop_to_retrieve=prop, ratio=ratio, return_scores=True)
         got = half.query(q, 24, field_of_view=fov, prop_to_retrieve=prop, ratio=ratio, return_scores=True)
@@ -428,13 +441,15 @@ def test_half_scores_rank_near_duplicates_that_only_float32_tells_apart():
             assert np.array_equal(g, w, equal_nan=True)
 
 
-def test_half_scores_recall_matches_float32_on_random_data():
-    """The recall view of the same promise, on unclustered random keys: the pages the half path returns overlap the
-    float32 path's at least 98 % on average (they are in fact identical), and its scores are the returned tokens'."""
+@pytest.mark.parametrize("first_pass", FIRST_PASSES)
+def test_half_scores_recall_matches_float32_on_random_data(first_pass):
+    """The recall view of the same promise, on unclustered random keys: the pages the approximate path returns overlap
+    the float32 path's at least 98 % on average (they are in fact identical), and its scores are the returned
+    tokens'."""
     rng = np.random.default_rng(32)
     keys = rng.standard_normal((2, 6000, 64)).astype(np.float32)
     q = rng.standard_normal((8, 64)).astype(np.float32)
-    exact, half = half_and_float_indexes(keys)
+    exact, half = half_and_float_indexes(keys, first_pass=first_pass)
     want = exact.query(q, 12, ratio=4, return_scores=True)
     got = half.query(q, 12, ratio=4, return_scores=True)
     overlap = [len(set(g.tolist()) & set(w.tolist())) / len(w) for g, w in zip(got[0], want[0])]
@@ -488,8 +503,9 @@ def test_bad_inputs_raise_clear_errors():
         DCIIndex(8, 2, num_threads=0)
     with pytest.raises(ValueError, match="score_precision must be one of"):
         DCIIndex(8, 2, score_precision="fp16")
-    with pytest.raises(ValueError, match="num_comp_indices \\* num_simp_indices == 1"):
-        DCIIndex(8, 2, num_comp_indices=2, score_precision="half")
+    for first_pass in FIRST_PASSES:
+        with pytest.raises(ValueError, match="num_comp_indices \\* num_simp_indices == 1"):
+            DCIIndex(8, 2, num_comp_indices=2, score_precision=first_pass)
 
 
 def _bf16_pair(keys: np.ndarray, **options):
@@ -501,7 +517,8 @@ def _bf16_pair(keys: np.ndarray, **options):
     return indexes, exact, bf16
 
 
-@pytest.mark.parametrize("dim,precision", [(32, "float32"), (24, "float32"), (32, "half"), (128, "float32")])
+@pytest.mark.parametrize("dim,precision", [(32, "float32"), (24, "float32"), (32, "half"), (128, "float32"),
+                                           (128, "int8"), (24, "int8")])
 def test_bfloat16_keys_give_the_float32_index_results_bit_for_bit(dim, precision):
     """An index holding its keys as bfloat16 widens each row exactly as it scores it: over the same values it
     builds the same trees, inserts into the same pages and answers every query with the same pages, tokens and
@@ -650,19 +667,21 @@ def test_a_grouped_query_times_its_phases_within_its_own_wall_clock(threads):
     assert set(several.last_query_phases().values()) == {0}
 
 
-def test_a_half_precision_pass_counts_its_rows_at_two_bytes_a_value():
-    """The half first pass reads every row of the scan at 2 bytes a value; the rows it cannot rule out are read
-    again at the keys' 4 bytes to be re-scored: bytes = 32 x first-pass rows + 64 x re-scored rows (head_dim 16)."""
+@pytest.mark.parametrize("first_pass,value_bytes", [("half", 2), ("int8", 1)])
+@pytest.mark.parametrize("key_dtype,key_bytes", [("float32", 4), ("bfloat16", 2)])
+def test_a_first_pass_counts_its_rows_at_its_own_width(first_pass, value_bytes, key_dtype, key_bytes):
+    """A first pass reads every row of the scan at its copy's width (half: 2 bytes a value, int8: 1); the rows it
+    cannot rule out are read again at the keys' own width to be re-scored (head_dim 16)."""
     rng = np.random.default_rng(9)
     keys = rng.standard_normal((2, 40, 16)).astype(np.float32)
-    index = DCIIndex(16, 2, score_precision="half")
-    index.build(keys)
+    index = DCIIndex(16, 2, score_precision=first_pass, key_dtype=key_dtype)
+    index.build(torch.from_numpy(keys).to(torch.bfloat16) if key_dtype == "bfloat16" else keys)
     assert index.num_levels(0) == index.num_levels(1) == 1
     index.query(rng.standard_normal((8, 16)).astype(np.float32), 3, ratio=4, field_of_view=40, prop_to_retrieve=1.0)
     stats = index.last_query_stats()
     rescored = stats["rows_read"] - 80
     assert 0 < rescored < 80
-    assert stats["bytes_read"] == 80 * 32 + rescored * 64
+    assert stats["bytes_read"] == 80 * 16 * value_bytes + rescored * 16 * key_bytes
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -927,7 +946,7 @@ def test_key_rows_past_two_mib_an_instance_are_held_and_searched_like_small_ones
         np.testing.assert_allclose(token_scores[h][:20], np.sort(scores)[::-1][:20], rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("precision", ["float32", "half"])
+@pytest.mark.parametrize("precision", ["float32", "half", "int8"])
 def test_the_scan_settings_and_fma_isas_give_the_same_results(kernel_settings, precision):
     """Prefetch distance and cache level, work-item chunking and the FMA instruction sets change only speed: pages,
     tokens and scores are bit for bit the same for every setting, with bfloat16 and float32 keys, at 1 and 3

@@ -300,23 +300,25 @@ def test_an_offloaded_layer_keeps_token_room_for_the_next_steps(tiny):
         assert spare_tokens >= 64 * layer.cfg.page_size  # many window offloads ahead (one per page_size steps)
 
 
-def test_half_precision_search_selects_the_float32_pages(tiny):
-    """IceCache's half-precision first pass changes nothing a run computes: same tokens, same loads."""
+@pytest.mark.parametrize("first_pass", ["half", "int8"])
+def test_half_precision_search_selects_the_float32_pages(tiny, first_pass):
+    """IceCache's approximate first pass (half, or int8) changes nothing a run computes: same tokens, same loads."""
     model, _, info = tiny
     ids = torch.randint(0, 500, (400,), generator=torch.Generator().manual_seed(11)).tolist()
     runs = {}
-    for precision in ("float32", "half"):
+    for precision in ("float32", first_pass):
         values = {"name": "icecache", "budget": 96, "dci_score_precision": precision}
         cache = HarnessCache(build_method(values, info))
         runs[precision] = greedy_generate(model, cache, GenerationRequest(ids, 40))
         assert cache.layer_kvs[-1].group.index.score_precision == precision
+    runs["half"] = runs[first_pass]
     assert runs["half"].token_ids == runs["float32"].token_ids
     def computed(counters):  # what the run computed; the search_* counters say how much each search read
         return {k: v for k, v in counters.items() if not k.startswith("search_")}
 
     assert computed(runs["half"].counters) == computed(runs["float32"].counters)
     assert runs["half"].counters["pages_loaded"] > 0
-    # the half pass re-scores exactly only what its bounds cannot rule out
+    # the first pass re-scores exactly only what its bounds cannot rule out
     assert runs["half"].counters["search_scores"] < runs["float32"].counters["search_scores"]
 
 

@@ -20,7 +20,7 @@ from . import _dci
 
 PAGE_SLOTS: int = _dci.PAGE_SLOTS
 BRUTE_FORCE_THRESHOLD = 3000  # numa_threshold: parents searched exhaustively up to this many upper-level points
-SCORE_PRECISIONS = ("float32", "half")
+SCORE_PRECISIONS = ("float32", "half", "int8")  # index = the C++ FirstPass value
 KEY_DTYPES = ("float32", "bfloat16")
 
 
@@ -80,10 +80,11 @@ class DCIIndex:
         seed: seeds the directions (when not given) and random levels.
         num_threads: OpenMP threads for every call (default: all CPUs).
         directions: [L, dim+1] (transform) or [L, dim] unit rows, shared by all instances.
-        score_precision: "float32" scores the last level of a query from the float32 key rows. "half" also keeps an
-            IEEE half copy of them (+50% key memory), scores with it first and re-scores in float32 only the rows
-            that error bounds cannot rule out: same results and scores, bit for bit, from about half the bytes read.
-            Needs num_comp_indices * num_simp_indices == 1. See docs/dci.md.
+        score_precision: "float32" scores the last level of a query from the key rows as stored. "half" also keeps
+            an IEEE half copy of them (2 dim + 4 bytes a key), "int8" 8-bit codes with a per-row scale (dim + 8
+            bytes a key); either scores with its copy first and re-scores from the keys only the rows that error
+            bounds cannot rule out: same results and scores, bit for bit, from fewer bytes read (half of float32
+            keys', int8 of bfloat16 keys' too). Needs num_comp_indices * num_simp_indices == 1. See docs/dci.md.
         key_dtype: "float32" (keys are float32 arrays) or "bfloat16" (keys are bfloat16 torch tensors, held as
             such: half the bytes; each row is widened exactly when scored, so results equal the float32 index's
             over the same values).
@@ -116,10 +117,11 @@ class DCIIndex:
             raise ValueError(f"score_precision must be one of {SCORE_PRECISIONS}, got {score_precision!r}")
         if key_dtype not in KEY_DTYPES:
             raise ValueError(f"key_dtype must be one of {KEY_DTYPES}, got {key_dtype!r}")
-        if score_precision == "half" and num_comp_indices * num_simp_indices != 1:
+        if score_precision != "float32" and num_comp_indices * num_simp_indices != 1:
             raise ValueError(
-                "score_precision='half' needs num_comp_indices * num_simp_indices == 1 (it speeds up the L = 1 "
-                f"last-level scan); got {num_comp_indices} x {num_simp_indices}: use score_precision='float32'"
+                f"score_precision={score_precision!r} needs num_comp_indices * num_simp_indices == 1 (it speeds up "
+                f"the L = 1 last-level scan); got {num_comp_indices} x {num_simp_indices}: use "
+                "score_precision='float32'"
             )
         self.dim = dim
         self.num_instances = num_instances
@@ -143,7 +145,7 @@ class DCIIndex:
             raise ValueError(f"num_threads must be positive, got {threads}")
         self._forest = _dci.Forest(
             dim, num_instances, num_comp_indices, num_simp_indices, promotion_prob, promotion_prob_subseq,
-            transform, deterministic_levels, seed, directions, threads, score_precision == "half",
+            transform, deterministic_levels, seed, directions, threads, SCORE_PRECISIONS.index(score_precision),
             key_dtype == "bfloat16",
         )
 
@@ -161,8 +163,8 @@ class DCIIndex:
 
     @property
     def score_precision(self) -> str:
-        """"float32" or "half": the key rows the last level of a query is scored with first (see __init__)."""
-        return "half" if self._forest.half_scores else "float32"
+        """"float32", "half" or "int8": the key rows the last level of a query is scored with first (see __init__)."""
+        return SCORE_PRECISIONS[self._forest.first_pass]
 
     # ------------------------------------------------------------------ building
     def _check_keys(self, keys: Any) -> np.ndarray:

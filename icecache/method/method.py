@@ -4,6 +4,7 @@ layer owns the index and selection a layer uses."""
 from __future__ import annotations
 
 from icecache.core.method import METHODS, Method, SequenceContext
+from icecache.dci.index import SCORE_PRECISIONS
 from icecache.errors import ConfigError
 
 from .config import CPU_KV_DTYPES, DCI_LEAF_CAPACITY, IceCacheConfig, IceCacheReuseConfig
@@ -53,8 +54,9 @@ class IceCache(Method):
             raise ConfigError("n_reuse_layers must be >= 1 (1 = no reuse)")
         if cfg.prompt_workers < 1 or (cfg.build_threads is not None and cfg.build_threads < 1):
             raise ConfigError("icecache needs prompt_workers >= 1 and build_threads >= 1 (or null)")
-        if cfg.dci_score_precision not in ("float32", "half"):
-            raise ConfigError(f"dci_score_precision={cfg.dci_score_precision}: use float32 or half")
+        if cfg.dci_score_precision not in SCORE_PRECISIONS:
+            raise ConfigError(
+                f"dci_score_precision={cfg.dci_score_precision}: use one of {', '.join(SCORE_PRECISIONS)}")
         if not -1.0 <= cfg.lookahead_min_cosine <= 1.0:
             raise ConfigError(f"lookahead_min_cosine={cfg.lookahead_min_cosine} is a cosine: use a value in [-1, 1]")
         if cfg.search_team_spin_us is not None and (isinstance(cfg.search_team_spin_us, bool)

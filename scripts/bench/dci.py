@@ -59,6 +59,7 @@ from icecache.dci import (
     measure_read_rate,
     search_read_share,
 )
+from icecache.dci.index import SCORE_PRECISIONS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -261,7 +262,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shared-aim", action="store_true",
                     help="the query heads of a GQA group aim at the same keys (default: every head aims on its own)")
-    ap.add_argument("--score-precision", nargs="+", choices=["float32", "half"], default=["float32"],
+    ap.add_argument("--score-precision", nargs="+", choices=list(SCORE_PRECISIONS), default=["float32"],
                     help="DCIIndex score_precision values to bench side by side on the same data")
     ap.add_argument("--key-dtype", choices=["float32", "bfloat16"], default="float32",
                     help="the dtype the index holds its keys in (bfloat16: as a KV cache holds them)")

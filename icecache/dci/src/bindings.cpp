@@ -123,8 +123,8 @@ PYBIND11_MODULE(_dci, m) {
     return out;
   });
   py::class_<Forest>(m, "Forest")
-      .def(py::init<int, int, int, int, double, double, bool, bool, uint64_t, FArray, int, bool, bool>())
-      .def_property_readonly("half_scores", [](const Forest& f) { return f.cfg_.half_scores; })
+      .def(py::init<int, int, int, int, double, double, bool, bool, uint64_t, FArray, int, int, bool>())
+      .def_property_readonly("first_pass", [](const Forest& f) { return static_cast<int>(f.cfg_.first_pass); })
       .def_property_readonly("bf16_keys", [](const Forest& f) { return f.cfg_.bf16_keys; })
       .def("reserve", &Forest::reserve)
       .def("keys", &Forest::keys)

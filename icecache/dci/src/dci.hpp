@@ -62,6 +62,9 @@ constexpr int kBatch = 128;              // CLOSEST: projections popped per roun
 constexpr double kReparentEps = 1e-8;    // re-parent only when strictly closer by more than this
 constexpr int kRootSlot = 0;             // kids[0] is the virtual root
 
+// The copy of the page key rows a bounded first pass scores (IndexConfig::first_pass).
+enum class FirstPass : int { kNone = 0, kHalf = 1, kInt8 = 2 };
+
 struct IndexConfig {
   int dim = 0;
   int num_comp = 1;
@@ -70,9 +73,10 @@ struct IndexConfig {
   bool deterministic = true;
   double promotion_prob = 0.01;
   double promotion_prob_subseq = 0.2;
-  // Keep a half-precision copy of the page key rows and score the last level of a query with it first; only the
-  // rows that can still enter a result are re-scored in float32 (Instance::scan_runs_half). L = 1 only.
-  bool half_scores = false;
+  // Keep an approximate copy of the page key rows (IEEE half, or 8-bit codes with a per-row scale) and score the
+  // last level of a query with it first; only the rows that can still enter a result are re-scored from the keys
+  // (Instance::scan_runs_bounded). L = 1 only.
+  FirstPass first_pass = FirstPass::kNone;
   // Keys are held as bfloat16 (the model's KV dtype) and widened to float32 as they are scored: the widening is
   // exact, so every dot product, and so every result, is the one of the float32 index over the same values, from
   // half the bytes. The float32 index keeps float32 keys.
@@ -223,7 +227,7 @@ struct LastLevelRun {
 
 // Distances that a query head's final K tokens and K pages are already known to reach: the K-th best of a set of
 // exact candidates that will all be merged into its result (its descent's, or one thread's accumulator). Shared by
-// the threads of a grouped query, so that the half-precision scan of one thread prunes with what others found.
+// the threads of a grouped query, so that the bounded first pass of one thread prunes with what others found.
 // Only lowered; any value they hold is a valid bar, so the result does not depend on the order of updates.
 struct alignas(64) SharedBars {
   std::atomic<float> tokens{INFINITY}, pages{INFINITY};
@@ -235,8 +239,8 @@ struct alignas(64) SharedBars {
 };
 
 // What a search read, counted per thread (search_counters) and summed per query by the binding: key rows loaded
-// (a row a grouped scan scores for several heads counts once) and their bytes (a half-precision first pass's rows
-// at 2 bytes a value, re-scored rows again at the keys' own width), (row, head) dot products, and children lists
+// (a row a grouped scan scores for several heads counts once) and their bytes (a first pass's rows at 2 or 1
+// bytes a value, re-scored rows again at the keys' own width), (row, head) dot products, and children lists
 // searched (a parent's children searched or scanned).
 struct SearchCounters {
   int64_t rows = 0, bytes = 0, scores = 0, lists = 0;  // bytes: of the rows read, at the width each was read in
@@ -337,7 +341,8 @@ class Instance {
   // Scores the union of the heads' runs over one parent's children once, each key row against all `nh` probes
   // (nh <= kMaxGroupHeads), and feeds head j only the rows of its own run [first[j], last[j]). Per head this feeds
   // exactly what scan_last_level would, with bit-identical scores.
-  // With half_scores the rows are scored by scan_runs_half, which reads and lowers `bars` (per head; may be null).
+  // With a first pass the rows are scored by scan_runs_bounded, which reads and lowers `bars` (per head; may be
+  // null).
   void scan_runs(int32_t kid_slot, int nh, const Probe* probes, const int32_t* first, const int32_t* last,
                  TopK* const* best_tokens, TopK* const* best_pages, SharedBars* const* bars = nullptr) const;
   // The work items of this instance's jobs (sorted by parent, then head), appended to `out`: consecutive jobs of one
@@ -354,9 +359,9 @@ class Instance {
   void scan_rows_ahead(const ChildIndex& ci, int nh, const Probe* probes, const float* const* qs,
                        const Bf16Split* splits, const int32_t* first, const int32_t* last, int lo, int hi,
                        const ScanTuning& tuning, TopK* const* best_tokens, TopK* const* best_pages) const;
-  // scan_runs with the half-precision rows: the same fed points with the same scores, as far as they can matter.
-  void scan_runs_half(int32_t kid_slot, int nh, const Probe* probes, const int32_t* first, const int32_t* last,
-                      TopK* const* best_tokens, TopK* const* best_pages, SharedBars* const* bars) const;
+  // scan_runs over the first pass's rows: the same fed points with the same scores, as far as they can matter.
+  void scan_runs_bounded(int32_t kid_slot, int nh, const Probe* probes, const int32_t* first, const int32_t* last,
+                         TopK* const* best_tokens, TopK* const* best_pages, SharedBars* const* bars) const;
   // A query's distance to point `id` from their inner product `ab`: -ab under the MIPS transform (the ranking is by
   // inner product), else the squared Euclidean distance. One definition for every scan, so that paths agree bitwise.
   float query_distance(const Probe& probe, int32_t id, double ab) const {
@@ -411,11 +416,15 @@ class Instance {
   // pages (docs/dci.md, tree and pages)
   int32_t alloc_page();
   void free_page(int32_t page);
-  // Flags a page as changed, and with half_scores refreshes the half copies and error bounds of its rows.
+  // Flags a page as changed, and with a first pass refreshes the approximate copies and error bounds of its rows.
   void mark(int32_t page);
   void refresh_page_rows(int32_t page);
   // The half copy of one key row and its error slack (see page_slack_).
   void encode_half_row(const float* key, uint16_t* half, float* slack) const;
+  // The 8-bit codes of one key row, their scale and its error slack (see page_int8_).
+  void encode_int8_row(const float* key, int8_t* code, float* scale, float* slack) const;
+  // The first pass's copy of page slot `row` (page * kPageSlots + slot) from the key of token `id`.
+  void encode_page_row(int64_t row, int32_t id, float* buf);
   int32_t ensure_kids(int32_t node);
   ChildIndex& kids_of(int32_t node) { return kids_[node < 0 ? kRootSlot : nodes_[node].kid_slot]; }
   const ChildIndex& kids_of(int32_t node) const { return kids_[node < 0 ? kRootSlot : nodes_[node].kid_slot]; }
@@ -493,11 +502,17 @@ class Instance {
   std::vector<ChildIndex> kids_;  // kids_[0] = root
   std::vector<std::vector<int32_t>> levels_;
   std::vector<Leaf> leaves_;      // indexed by page id
-  // half_scores only. page_half_[pages][16][dim]: each page's key rows in slot order rounded to IEEE half. page_slack_[pages][16]: for a row
-  // k with half copy h, an s such that the float32 dot products of any q with k and with h differ by at most |q| s:
-  // s = |k - h| + 2 max(dim, 16) 2^-24 (|k| + |h|), the second term covering the rounding of both sums. +inf (and
-  // a zero half row) when a value is beyond the half range: that row is always re-scored.
+  // FirstPass::kHalf only. page_half_[pages][16][dim]: each page's key rows in slot order rounded to IEEE half.
+  // FirstPass::kInt8 only. page_int8_[pages][16][dim] and page_scale_[pages][16]: each row k as codes z with
+  // |z_i| <= 127 and a scale c = max_i |k_i| / 127, h = c z (within c/2 of k in every coordinate).
+  // Both: page_slack_[pages][16]: for a row k with approximate copy h, an s such that the float32 dot products of
+  // any q with k and with h (as the first pass computes it) differ by at most |q| s: s = |k - h| + 2 max(dim, 16)
+  // 2^-24 (|k| + |h|) (+ 2^-23 |h| for int8's product with the scale), the second term covering the rounding of both
+  // sums. +inf (and a zero row) when a value is beyond the copy's range (half) or not finite: that row is always
+  // re-scored.
   std::vector<uint16_t> page_half_;
+  std::vector<int8_t> page_int8_;
+  std::vector<float> page_scale_;
   std::vector<float> page_slack_;
   // page_rows_[pages][16]: the storage row of each slot's token, row(item), kept by mark() (and rebuilt when a build
   // lays the rows out), so that a scan lists a page's rows from one cache line instead of one row_of_ entry each.
@@ -580,5 +595,13 @@ float half_to_float(uint16_t h);
 void encode_half(const float* src, int n, uint16_t* dst, float* sums);
 void dot_rows_multi_half(const float* const* qs, int nq, const uint16_t* rows, int m, int dim, float* out,
                          int out_stride);
+// 8-bit codes of a row: z_i = round(src_i / c), c = max_i |src_i| / 127 (0 and zero codes for a zero row); sums =
+// float64 sums of |src - c z|^2, |src|^2 and |c z|^2. A row with a value that is not finite gets zero codes, c = 0
+// and sums[0] = +inf. Scalar IEEE arithmetic: every host stores the same codes.
+void encode_int8(const float* src, int n, int8_t* dst, float* scale, double* sums);
+// out[j * out_stride + r] = scales[r] * (qs[j] . z_r) over m consecutive code rows; approximate in its order of
+// summation, like the half kernel (only the bound in page_slack_ is relied on).
+void dot_rows_multi_int8(const float* const* qs, int nq, const int8_t* rows, const float* scales, int m, int dim,
+                         float* out, int out_stride);
 
 }  // namespace dci

@@ -29,7 +29,7 @@ using FArray = py::array_t<float, py::array::c_style>;
 class Forest {
  public:
   Forest(int dim, int num_instances, int num_comp, int num_simp, double p0, double p1, bool transform,
-         bool deterministic, uint64_t seed, FArray directions, int threads, bool half_scores, bool bf16_keys)
+         bool deterministic, uint64_t seed, FArray directions, int threads, int first_pass, bool bf16_keys)
       : threads_(std::max(1, threads)) {
     cfg_.dim = dim;
     cfg_.num_comp = num_comp;
@@ -38,12 +38,14 @@ class Forest {
     cfg_.deterministic = deterministic;
     cfg_.promotion_prob = p0;
     cfg_.promotion_prob_subseq = p1;
-    cfg_.half_scores = half_scores;
+    if (first_pass < 0 || first_pass > static_cast<int>(dci::FirstPass::kInt8))
+      throw std::invalid_argument("first_pass must be 0 (none), 1 (half) or 2 (int8)");
+    cfg_.first_pass = static_cast<dci::FirstPass>(first_pass);
     cfg_.bf16_keys = bf16_keys;
     if (num_comp * num_simp > 64) throw std::invalid_argument("at most 64 directions");
     if (num_simp > 255) throw std::invalid_argument("at most 255 simple indices per composite index");
-    if (half_scores && num_comp * num_simp != 1)
-      throw std::invalid_argument("half scores need num_comp * num_simp == 1");
+    if (first_pass != 0 && num_comp * num_simp != 1)
+      throw std::invalid_argument("a first pass needs num_comp * num_simp == 1");
     if (directions.ndim() != 2 || directions.shape(0) != cfg_.num_dirs() || directions.shape(1) != cfg_.dir_stride())
       throw std::invalid_argument("directions must have shape [num_comp*num_simp, dim(+1 with transform)]");
     dirs_.assign(directions.data(), directions.data() + directions.size());

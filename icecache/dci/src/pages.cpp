@@ -1,6 +1,7 @@
 // Points, levels and pages: the level schedule, the MIPS projection with its lazy correction
 // and the page-leaf B+ tree of each parent (docs/dci.md: level schedule, MIPS transform, tree and pages).
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <numeric>
 #include <sstream>
@@ -20,6 +21,8 @@ void Instance::reset() {
   levels_.clear();
   leaves_.clear();
   page_half_.clear();
+  page_int8_.clear();
+  page_scale_.clear();
   page_slack_.clear();
   page_rows_.clear();
   free_pages_.clear();
@@ -189,7 +192,8 @@ int64_t Instance::key_bytes() const {
 int64_t Instance::structure_bytes() const {
   int64_t b = static_cast<int64_t>(sq_norm_.capacity() * sizeof(float) + proj_.capacity() * sizeof(float) +
                                    nodes_.capacity() * sizeof(Node) + leaves_.capacity() * sizeof(Leaf) +
-                                   page_half_.capacity() * sizeof(uint16_t) + page_slack_.capacity() * sizeof(float) +
+                                   page_half_.capacity() * sizeof(uint16_t) + page_int8_.capacity() +
+                                   page_scale_.capacity() * sizeof(float) + page_slack_.capacity() * sizeof(float) +
                                    free_pages_.capacity() * sizeof(int32_t) + changed_.capacity() +
                                    row_of_.capacity() * sizeof(int32_t) + page_rows_.capacity() * sizeof(int32_t) +
                                    kids_.capacity() * sizeof(ChildIndex));
@@ -237,13 +241,19 @@ void Instance::correct_projection(int32_t id) {
 void Instance::mark(int32_t page) {
   changed_[page] = 1;
   refresh_page_rows(page);
-  if (!cfg_->half_scores) return;
+  if (cfg_->first_pass == FirstPass::kNone) return;
   const Leaf& lf = leaves_[page];
-  const int dim = cfg_->dim;
   const int64_t row0 = static_cast<int64_t>(page) * kPageSlots;
-  std::vector<float> buf(dim);
-  for (int t = 0; t < lf.count; ++t)
-    encode_half_row(key_row(lf.item[t], buf.data()), &page_half_[(row0 + t) * dim], &page_slack_[row0 + t]);
+  thread_local std::vector<float> buf;
+  buf.resize(cfg_->dim);
+  for (int t = 0; t < lf.count; ++t) encode_page_row(row0 + t, lf.item[t], buf.data());
+}
+
+void Instance::encode_page_row(int64_t row, int32_t id, float* buf) {
+  const int dim = cfg_->dim;
+  const float* key = key_row(id, buf);
+  if (cfg_->first_pass == FirstPass::kHalf) encode_half_row(key, &page_half_[row * dim], &page_slack_[row]);
+  else encode_int8_row(key, &page_int8_[row * dim], &page_scale_[row], &page_slack_[row]);
 }
 
 void Instance::encode_half_row(const float* key, uint16_t* half, float* slack) const {
@@ -266,6 +276,22 @@ void Instance::encode_half_row(const float* key, uint16_t* half, float* slack) c
   *slack = std::nextafter(static_cast<float>(s * (1.0 + 0x1p-20)), INFINITY);
 }
 
+void Instance::encode_int8_row(const float* key, int8_t* code, float* scale, float* slack) const {
+  const int dim = cfg_->dim;
+  double sums[3];
+  encode_int8(key, dim, code, scale, sums);
+  if (!(sums[0] <= DBL_MAX)) {  // a value that is not finite: zero codes, every bound infinite
+    *slack = INFINITY;
+    return;
+  }
+  // The half rows' slack, with float64 sums (no margin needed for them), plus 2^-23 |h|: the kernel rounds the code
+  // dot q.z (bounded by the first term as for half, since c |z| = |h|) and then its product with c.
+  const double k_norm = std::sqrt(sums[1]), h_norm = std::sqrt(sums[2]);
+  const double s = std::sqrt(sums[0]) + 2.0 * std::max(dim, 16) * 0x1p-24 * (k_norm + h_norm) + 0x1p-23 * h_norm +
+                   0x1p-17 * k_norm;
+  *slack = std::nextafter(static_cast<float>(s * (1.0 + 0x1p-20)), INFINITY);
+}
+
 int32_t Instance::alloc_page() {
   int32_t page;
   if (!free_pages_.empty()) {
@@ -276,10 +302,12 @@ int32_t Instance::alloc_page() {
     leaves_.emplace_back();
     changed_.push_back(1);
     page_rows_.resize(leaves_.size() * kPageSlots);
-    if (cfg_->half_scores) {
-      page_half_.resize(leaves_.size() * kPageSlots * cfg_->dim);
-      page_slack_.resize(leaves_.size() * kPageSlots);
+    if (cfg_->first_pass == FirstPass::kHalf) page_half_.resize(leaves_.size() * kPageSlots * cfg_->dim);
+    if (cfg_->first_pass == FirstPass::kInt8) {
+      page_int8_.resize(leaves_.size() * kPageSlots * cfg_->dim);
+      page_scale_.resize(leaves_.size() * kPageSlots);
     }
+    if (cfg_->first_pass != FirstPass::kNone) page_slack_.resize(leaves_.size() * kPageSlots);
   }
   leaves_[page].count = 0;
   changed_[page] = 1;
@@ -563,7 +591,7 @@ std::string Instance::check() const {
         if (page_rows_[static_cast<int64_t>(p) * kPageSlots + t] != row(it)) {
           err << "stale storage row of token " << it << " in page " << p; return err.str();
         }
-        if (cfg_->half_scores) {
+        if (cfg_->first_pass == FirstPass::kHalf) {
           const int64_t row = static_cast<int64_t>(p) * kPageSlots + t;
           std::vector<uint16_t> half(cfg_->dim);
           std::vector<float> buf(cfg_->dim);
@@ -571,6 +599,17 @@ std::string Instance::check() const {
           encode_half_row(key_row(it, buf.data()), half.data(), &slack);
           if (!std::equal(half.begin(), half.end(), &page_half_[row * cfg_->dim]) || slack != page_slack_[row]) {
             err << "half page buffer of page " << p << " slot " << t << " stale"; return err.str();
+          }
+        }
+        if (cfg_->first_pass == FirstPass::kInt8) {
+          const int64_t row = static_cast<int64_t>(p) * kPageSlots + t;
+          std::vector<int8_t> code(cfg_->dim);
+          std::vector<float> buf(cfg_->dim);
+          float scale, slack;
+          encode_int8_row(key_row(it, buf.data()), code.data(), &scale, &slack);
+          if (!std::equal(code.begin(), code.end(), &page_int8_[row * cfg_->dim]) || scale != page_scale_[row] ||
+              slack != page_slack_[row]) {
+            err << "int8 page buffer of page " << p << " slot " << t << " stale"; return err.str();
           }
         }
         prev = lf.key[t];

@@ -264,8 +264,8 @@ void Instance::scan_last_level(const ChildIndex& ci, float qp, const Probe& p, i
 
 void Instance::scan_runs(int32_t kid_slot, int nh, const Probe* probes, const int32_t* first, const int32_t* last,
                          TopK* const* best_tokens, TopK* const* best_pages, SharedBars* const* bars) const {
-  if (cfg_->half_scores) {
-    scan_runs_half(kid_slot, nh, probes, first, last, best_tokens, best_pages, bars);
+  if (cfg_->first_pass != FirstPass::kNone) {
+    scan_runs_bounded(kid_slot, nh, probes, first, last, best_tokens, best_pages, bars);
     return;
   }
   const ChildIndex& ci = kids_[kid_slot];
@@ -448,25 +448,26 @@ struct KSmallest {
 };
 
 // Rows [s0, s1) of `page`; its slot t sits at position base + t of the parent's sorted children.
-struct HalfSpan {
+struct BoundedSpan {
   int32_t page, base, s0, s1;
 };
 
-struct HalfScanBuffers {
-  std::vector<HalfSpan> spans;
+struct BoundedScanBuffers {
+  std::vector<BoundedSpan> spans;
   std::vector<float> lower;             // [nh][hi - lo]: approximate dots, then each row's lower distance bound
   std::vector<float> page_lb, page_ub;  // [nh][spans]: bounds of the distance of each page's best row
   KSmallest page_bars;
   std::vector<std::pair<int, int>> picked;  // (span, slot) of the rows to re-score
 };
 
-thread_local HalfScanBuffers half_scan_buffers;
+thread_local BoundedScanBuffers bounded_scan_buffers;
 
 }  // namespace
 
-// Half-precision first pass, exact second pass. For head j and a row with half copy h, the float32 dot q.k lies
-// within a +- e of the float32 half dot a, e = |q| slack (page_slack_), so the row's distance lies in [lb, ub].
-//   1. a for the union of the heads' runs, each half row read once for all heads;
+// Approximate first pass, exact second pass. For head j and a row with approximate copy h (half, or 8-bit codes
+// and a scale), the float32 dot q.k lies within a +- e of the first pass's dot a, e = |q| slack (page_slack_), so
+// the row's distance lies in [lb, ub].
+//   1. a for the union of the heads' runs, each approximate row read once for all heads;
 //   2. per head, the bounds of every row and of every page (the min over its rows), and the K-th smallest page
 //      upper bound: K pages, hence K rows, are at least that close;
 //   3. per head, exact scores (from the stored key rows, with the exact path's kernel) of
@@ -477,9 +478,9 @@ thread_local HalfScanBuffers half_scan_buffers;
 //      The rows are picked first and their float rows prefetched (they lie anywhere in memory), then scored.
 // Every token and page of the exact top K is therefore fed with its exact distance, and what is fed besides is exact
 // and loses to it: the query's result is bit for bit the float32 path's.
-void Instance::scan_runs_half(int32_t kid_slot, int nh, const Probe* probes, const int32_t* first,
-                              const int32_t* last, TopK* const* best_tokens, TopK* const* best_pages,
-                              SharedBars* const* bars) const {
+void Instance::scan_runs_bounded(int32_t kid_slot, int nh, const Probe* probes, const int32_t* first,
+                                 const int32_t* last, TopK* const* best_tokens, TopK* const* best_pages,
+                                 SharedBars* const* bars) const {
   const ChildIndex& ci = kids_[kid_slot];
   int lo = first[0], hi = last[0];
   for (int j = 1; j < nh; ++j) {
@@ -489,10 +490,12 @@ void Instance::scan_runs_half(int32_t kid_slot, int nh, const Probe* probes, con
   if (lo >= hi) return;
   const int dim = cfg_->dim;
   const int width = hi - lo;
+  const bool int8 = cfg_->first_pass == FirstPass::kInt8;
+  const int value_bytes = int8 ? 1 : 2;
   search_counters().lists += 1;
-  search_counters().rows += width;  // the half rows (re-scored rows count again, as dot_keys_multi reads them)
-  search_counters().bytes += static_cast<int64_t>(width) * dim * static_cast<int64_t>(sizeof(uint16_t));
-  HalfScanBuffers& buf = half_scan_buffers;
+  search_counters().rows += width;  // the approximate rows (re-scored rows count again, as dot_keys_multi reads them)
+  search_counters().bytes += static_cast<int64_t>(width) * dim * value_bytes;
+  BoundedScanBuffers& buf = bounded_scan_buffers;
   const float* qs[kMaxGroupHeads];
   for (int j = 0; j < nh; ++j) qs[j] = probes[j].vec;
   if (buf.lower.size() < static_cast<size_t>(nh) * width) buf.lower.resize(static_cast<size_t>(nh) * width);
@@ -510,17 +513,24 @@ void Instance::scan_runs_half(int32_t kid_slot, int nh, const Probe* probes, con
     if (li + 2 < nleaves) __builtin_prefetch(&leaves_[ci.leaves[li + 2]].count);
     if (li + 1 < nleaves && pos + lf.count < hi) {
       const int32_t next = ci.leaves[li + 1];
-      const char* rows = reinterpret_cast<const char*>(&page_half_[static_cast<int64_t>(next) * kPageSlots * dim]);
-      const int bytes = leaves_[next].count * dim * static_cast<int>(sizeof(uint16_t));
+      const int64_t row0 = static_cast<int64_t>(next) * kPageSlots;
+      const char* rows = int8 ? reinterpret_cast<const char*>(&page_int8_[row0 * dim])
+                              : reinterpret_cast<const char*>(&page_half_[row0 * dim]);
+      const int bytes = leaves_[next].count * dim * value_bytes;
       for (int off = 0; off < bytes; off += 64) __builtin_prefetch(rows + off);
-      __builtin_prefetch(&page_slack_[static_cast<int64_t>(next) * kPageSlots]);
+      __builtin_prefetch(&page_slack_[row0]);
+      if (int8) __builtin_prefetch(&page_scale_[row0]);
     }
     const int s0 = std::max(lo - pos, 0), s1 = std::min(hi - pos, static_cast<int>(lf.count));
     const int base = pos;
     pos += lf.count;
     if (s0 >= s1) continue;
-    dot_rows_multi_half(qs, nh, &page_half_[(static_cast<int64_t>(page) * kPageSlots + s0) * dim], s1 - s0, dim,
-                        lower + (base + s0 - lo), width);
+    const int64_t row0 = static_cast<int64_t>(page) * kPageSlots + s0;
+    if (int8)
+      dot_rows_multi_int8(qs, nh, &page_int8_[row0 * dim], &page_scale_[row0], s1 - s0, dim, lower + (base + s0 - lo),
+                          width);
+    else
+      dot_rows_multi_half(qs, nh, &page_half_[row0 * dim], s1 - s0, dim, lower + (base + s0 - lo), width);
     spans.push_back({page, base, s0, s1});
   }
   const int ns = static_cast<int>(spans.size());
@@ -546,14 +556,14 @@ void Instance::scan_runs_half(int32_t kid_slot, int nh, const Probe* probes, con
     KSmallest& page_ubs = buf.page_bars;
     page_ubs.reset(bp.cap);
     for (int si = 0; si < ns; ++si) {
-      const HalfSpan& sp = spans[si];
+      const BoundedSpan& sp = spans[si];
       const int t0 = std::max(first[j] - sp.base, sp.s0), t1 = std::min(last[j] - sp.base, sp.s1);
       float page_lb = INFINITY, page_ub = INFINITY;
       float* row = lj + sp.base;  // row[t]: slot t's approximate dot, then its lower bound
       const float* slack = &page_slack_[static_cast<int64_t>(sp.page) * kPageSlots];
       for (int t = t0; t < t1; ++t) {
         float e = qn * slack[t];
-        if (!(e <= FLT_MAX)) e = INFINITY;  // a row beyond the half range (or 0 * inf): unbounded
+        if (!(e <= FLT_MAX)) e = INFINITY;  // a row beyond the copy's range (or 0 * inf): unbounded
         float lb, ub;
         if (cfg_->transform) {
           lb = -(row[t] + e);
@@ -588,7 +598,7 @@ void Instance::scan_runs_half(int32_t kid_slot, int nh, const Probe* probes, con
     {
       const float tb = token_bar(), pb = page_bar();
       for (int si = 0; si < ns; ++si) {
-        const HalfSpan& sp = spans[si];
+        const BoundedSpan& sp = spans[si];
         const int t0 = std::max(first[j] - sp.base, sp.s0), t1 = std::min(last[j] - sp.base, sp.s1);
         if (t0 >= t1) continue;
         const bool page_in = !(plb[si] > pb);
@@ -607,7 +617,7 @@ void Instance::scan_runs_half(int32_t kid_slot, int nh, const Probe* probes, con
     size_t i = 0;
     while (i < np) {
       const int si = picked[i].first;
-      const HalfSpan& sp = spans[si];
+      const BoundedSpan& sp = spans[si];
       const Leaf& lf = leaves_[sp.page];
       const float* row_lb = lj + sp.base;
       const bool page_in = !(plb[si] > page_bar());
