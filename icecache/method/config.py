@@ -50,10 +50,11 @@ class IceCacheConfig(MethodConfig):
     # Threads of each prompt build (None: cpu_threads / prompt_workers). Searches and inserts, which the decode step
     # waits for, always use cpu_threads.
     build_threads: int | None = None
-    # Key rows a search scores first: "half" keeps an IEEE half copy of every key and re-scores exactly only what
-    # error bounds cannot rule out; the same pages and scores bit for bit as "float32" (docs/dci.md). It was 14-23%
-    # faster when the index scored float32 copies; now that it scores the bf16 keys in place the half copy reads as
-    # many bytes and doubles the keys' host memory: off by default.
+    # Key rows a search scores first: "half" keeps an IEEE half copy of every key, "int8" 8-bit codes with a per-row
+    # scale, and either re-scores exactly only what error bounds cannot rule out; the same pages and scores bit for
+    # bit as "float32" (docs/dci.md). Half was 14-23% faster when the index scored float32 copies; now that it scores
+    # the bf16 keys in place the half copy reads as many bytes. Int8 reads ~40% fewer bytes but costs 136 B of host
+    # memory a key and head, and its bounds' bookkeeping ate the saving on the hosts measured: off by default.
     dci_score_precision: str = "float32"
     # Opt-in, not the paper's method: an owner layer's search starts one layer early from a speculative query (the
     # previous layer's input through this layer's projection); a step whose exact query has a cosine below
