@@ -20,6 +20,7 @@ command line.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import time
@@ -319,7 +320,12 @@ def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None =
                 for cache in caches:
                     cache.close()
                 host_pool.clear()
+                # Every name that holds a row goes, the last batch's too (it holds its caches): a method that ran out
+                # of memory must leave the next one the whole GPU, not its largest batch. Caches can sit in
+                # reference cycles, so they are collected here rather than at the next collection.
                 del caches, decoding
+                cache = batch = result = None
+                gc.collect()
                 if is_cuda:
                     torch.cuda.synchronize(device)
                     torch.cuda.empty_cache()
