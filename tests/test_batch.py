@@ -273,6 +273,34 @@ def test_the_throughput_benchmark_measures_every_batch_up_to_the_first_out_of_me
     assert payload["provenance"]["torch"]
 
 
+def test_a_method_that_ran_out_of_memory_leaves_no_row_alive_for_the_next(tmp_path, monkeypatch):
+    """full_static runs out of memory at its third sequence; when quest prefills its first, none of full_static's
+    caches is alive (the batch and the decode result of its last batch held them: on a GPU, its KV)."""
+    import weakref
+
+    import icecache.core.batched_generation as batched
+
+    real_prefill = batched.prefill_row
+    earlier: list[weakref.ref] = []
+    alive_when_quest_began: list[int] = []
+
+    def prefill(model, cache, request, **kwargs):
+        name = cache.method.config.name
+        if name == "full_static":
+            if len(earlier) == 2:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            earlier.append(weakref.ref(cache))
+        elif not alive_when_quest_began:
+            alive_when_quest_began.append(sum(ref() is not None for ref in earlier))
+        return real_prefill(model, cache, request, **kwargs)
+
+    monkeypatch.setattr(batched, "prefill_row", prefill)
+    _, payload = run_throughput(tmp_path, methods=["quest"], batch_sizes=[1, 2, 4])
+    assert len(earlier) == 2 and alive_when_quest_began == [0]
+    assert {(lim["method"], lim["batch_size"]) for lim in payload["limits"]} == {("full_static", 4)}
+    assert {(r["method"], r["batch_size"]) for r in payload["rows"]} >= {("quest", 4), ("full_static", 2)}
+
+
 def test_a_killed_throughput_run_resumes_without_repeating_a_row(tmp_path):
     from eval import throughput
 
