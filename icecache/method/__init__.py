@@ -65,10 +65,10 @@ The counters record the mean over KV heads of the tokens attended, the blocks lo
 ``cuda_graph`` (on by default; it acts only on CUDA with Triton) the whole decode step is captured once and
 replayed: the C++ host step runs as a CUDA host function between the two copies, enqueued by its raw address, so a
 replay runs no Python; the dense layers keep their cache in static buffers (``core.static_kv.StaticDenseKV``) so
-that they are captured too; the replayed step is bitwise the eager one. ``dci_score_precision: half`` (or ``int8``) keeps
-a half (or 8-bit) copy of the index's key rows and scores them first, re-scoring exactly whatever its error bound
-cannot rule out: the same pages bit for bit, fewer bytes read per search, a slower build (docs/dci.md). The opt-in look-ahead search
-(``lookahead: true``, not the paper's method) is in ``lookahead.py``.
+that they are captured too; the replayed step is bitwise the eager one. ``dci_score_precision: half`` (or
+``int8``) keeps a half (or 8-bit) copy of the index's key rows and scores them first, re-scoring exactly whatever its
+error bound cannot rule out: the same pages bit for bit, fewer bytes read per search, a slower build (docs/dci.md).
+The opt-in look-ahead search (``lookahead: true``, not the paper's method) is in ``lookahead.py``.
 
 **IceCache-reuse** (``icecache_reuse``, ``n_reuse_layers = R``, default 3): the sparsified layers form groups of R
 consecutive layers; the first (the owner) builds the index, inserts window pages and searches; the others keep
