@@ -342,6 +342,10 @@ def measure(settings: LatencySettings, out: str | Path, resume: Path | None = No
     into ``out/<its name>``, measuring only what it lacks); print the table; return the file's path. Bad settings
     raise ``ConfigError`` before the model is built."""
     prior = read_unfinished(resume, settings) if resume else None
+    if prior is not None:
+        from eval.provenance import check_resume_machine
+
+        check_resume_machine(resume, prior)
     import torch
 
     import icecache.core.generation as generation

@@ -74,6 +74,20 @@ def numa_nodes() -> int | None:
     return len(found) or None
 
 
+def check_resume_machine(path: str | Path, prior: dict[str, Any]) -> None:
+    """Refuse in one line to complete the unfinished result file ``path`` (payload ``prior``) on another kind of
+    GPU (or on a CPU where it began on a GPU, or the reverse): its rows would set two machines side by side."""
+    import torch
+
+    from icecache.errors import ConfigError
+
+    here = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    began = (prior.get("provenance") or {}).get("gpu")
+    if began != here:
+        raise ConfigError(f"--resume {path}: it began on {began or 'no GPU'} and this machine has {here or 'no GPU'}; "
+                          "resume it where it began, or start a new file")
+
+
 def collect() -> dict[str, Any]:
     import torch
     import transformers

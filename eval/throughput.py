@@ -203,6 +203,10 @@ def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None =
     """Measure ``settings`` into a new throughput file in ``out`` (or complete the unfinished file ``resume``);
     print the table; return the file's path. Bad settings raise ``ConfigError`` before the model is built."""
     prior = read_unfinished(resume, settings) if resume else None
+    if prior is not None:
+        from eval.provenance import check_resume_machine
+
+        check_resume_machine(resume, prior)
     import torch
     from tqdm import tqdm
 

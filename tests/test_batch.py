@@ -319,6 +319,12 @@ def test_a_killed_throughput_run_resumes_without_repeating_a_row(tmp_path):
     assert resumed["rows"][:2] == payload["rows"][:2]  # the finished method's rows stand as measured
     with pytest.raises(ConfigError, match="complete"):
         throughput.measure(settings, tmp_path / "again", resume=out / path.name)
+    # A file begun on a GPU is not completed on another machine: its rows would compare two machines.
+    payload["provenance"]["gpu"] = "NVIDIA H200"
+    path.write_text(json.dumps(payload))
+    with pytest.raises(ConfigError, match="began on NVIDIA H200 and this machine has no GPU"):
+        throughput.measure(settings, tmp_path / "elsewhere", resume=path)
+    assert not (tmp_path / "elsewhere").exists()
     with pytest.raises(ConfigError, match="batch_sizes"):
         throughput.read_unfinished(path, throughput.ThroughputSettings.compose(
             {"model": "tiny_llama", "lengths": [200], "methods": ["quest"], "budget": 64, "batch_sizes": [1, 2, 4],

@@ -123,6 +123,14 @@ def test_bench_latency_resumed_completes_the_file_a_killed_process_left(tmp_path
     assert [(m["method"], m["process"]) for m in done["measurements"]] == [
         ("full", 0), ("full_static", 0), ("streaming_llm", 1)]
 
+    # An unfinished file begun on another kind of GPU is refused in one line, before any measurement.
+    cut["provenance"] = dict(cut["provenance"], gpu="NVIDIA H200")
+    path.write_text(json.dumps(cut))
+    elsewhere = resumed(tmp_path, str(out), *BENCH)
+    assert elsewhere.returncode != 0
+    assert "began on NVIDIA H200 and this machine has no GPU" in elsewhere.stdout + elsewhere.stderr
+    assert json.loads(path.read_text()) == cut
+
 
 def test_bench_latency_resumed_refuses_what_is_its_own_to_set(tmp_path):
     for argument in ("--out", "--resume=x.json"):
