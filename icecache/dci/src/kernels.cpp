@@ -956,8 +956,8 @@ void dot_rows_multi_half(const float* const* qs, int nq, const uint16_t* rows, i
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// 8-bit key rows with a per-row scale for the approximate first pass (score_precision="int8"). Half the bytes of a
-// bfloat16 row: the first pass waits on memory, so fewer bytes are what makes it faster.
+// 8-bit key rows with a per-row scale for the approximate first pass (score_precision="int8"): half the bytes of a
+// bfloat16 row, for a scan that waits on memory (docs/dci.md measures when that pays).
 
 void encode_int8(const float* src, int n, int8_t* dst, float* scale, double* sums) {
   float amax = 0.0f;
