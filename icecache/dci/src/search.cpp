@@ -511,8 +511,10 @@ void Instance::scan_runs_bounded(int32_t kid_slot, int nh, const Probe* probes, 
     const int32_t page = ci.leaves[li];
     const Leaf& lf = leaves_[page];
     if (li + 2 < nleaves) __builtin_prefetch(&leaves_[ci.leaves[li + 2]].count);
-    if (li + 1 < nleaves && pos + lf.count < hi) {
-      const int32_t next = ci.leaves[li + 1];
+    // The next page's copies, only if the scan will score some of its rows: the pages before the run are walked
+    // for their counts alone, and prefetching their rows cost more than prefetching none.
+    const int32_t next = li + 1 < nleaves ? ci.leaves[li + 1] : -1;
+    if (next >= 0 && pos + lf.count < hi && pos + lf.count + leaves_[next].count > lo) {
       const int64_t row0 = static_cast<int64_t>(next) * kPageSlots;
       const char* rows = int8 ? reinterpret_cast<const char*>(&page_int8_[row0 * dim])
                               : reinterpret_cast<const char*>(&page_half_[row0 * dim]);
