@@ -256,6 +256,17 @@ void Instance::encode_page_row(int64_t row, int32_t id, float* buf) {
   else encode_int8_row(key, &page_int8_[row * dim], &page_scale_[row], &page_slack_[row]);
 }
 
+namespace {
+// A first-pass row's slack (page_slack_) from |k - h|, |k| and |h|: the rounding of both dot products in any order,
+// 2 max(dim, 16) 2^-24 (|k| + |h|); `scaled` |h| for a first pass whose dot is rounded once more; and 2^-17 |k| for
+// the avx512bf16 kernels, which score a query that is not a bf16 vector as hi + lo, within 2^-18 |q| |k|. Rounded up,
+// and a relative 2^-20 more for the roundings of this sum.
+float row_slack(double err, double k_norm, double h_norm, int dim, double scaled) {
+  const double s = err + 2.0 * std::max(dim, 16) * 0x1p-24 * (k_norm + h_norm) + scaled * h_norm + 0x1p-17 * k_norm;
+  return std::nextafter(static_cast<float>(s * (1.0 + 0x1p-20)), INFINITY);
+}
+}  // namespace
+
 void Instance::encode_half_row(const float* key, uint16_t* half, float* slack) const {
   const int dim = cfg_->dim;
   float sums[3];
@@ -268,12 +279,8 @@ void Instance::encode_half_row(const float* key, uint16_t* half, float* slack) c
   }
   // the sums are float32: allow them 4 dim 2^-24 of relative error
   const double sum_margin = 1.0 + 4.0 * dim * 0x1p-24;
-  const double err = std::sqrt(sums[0] * sum_margin);
-  const double norms = std::sqrt(sums[1] * sum_margin) + std::sqrt(sums[2] * sum_margin);
-  // the last term: the avx512bf16 kernels score a query that is not a bf16 vector as hi + lo, within 2^-18 |q| |k|
-  const double s = err + 2.0 * std::max(dim, 16) * 0x1p-24 * norms + 0x1p-17 * std::sqrt(sums[1] * sum_margin);
-  // rounded up, and a relative 2^-20 more for the roundings in the lines above
-  *slack = std::nextafter(static_cast<float>(s * (1.0 + 0x1p-20)), INFINITY);
+  *slack = row_slack(std::sqrt(sums[0] * sum_margin), std::sqrt(sums[1] * sum_margin),
+                     std::sqrt(sums[2] * sum_margin), dim, 0.0);
 }
 
 void Instance::encode_int8_row(const float* key, int8_t* code, float* scale, float* slack) const {
@@ -284,12 +291,9 @@ void Instance::encode_int8_row(const float* key, int8_t* code, float* scale, flo
     *slack = INFINITY;
     return;
   }
-  // The half rows' slack, with float64 sums (no margin needed for them), plus 2^-23 |h|: the kernel rounds the code
-  // dot q.z (bounded by the first term as for half, since c |z| = |h|) and then its product with c.
-  const double k_norm = std::sqrt(sums[1]), h_norm = std::sqrt(sums[2]);
-  const double s = std::sqrt(sums[0]) + 2.0 * std::max(dim, 16) * 0x1p-24 * (k_norm + h_norm) + 0x1p-23 * h_norm +
-                   0x1p-17 * k_norm;
-  *slack = std::nextafter(static_cast<float>(s * (1.0 + 0x1p-20)), INFINITY);
+  // float64 sums need no margin; the kernel rounds the code dot q.z (covered as for half, since c |z| = |h|) and
+  // then its product with c: 2^-23 |h| more
+  *slack = row_slack(std::sqrt(sums[0]), std::sqrt(sums[1]), std::sqrt(sums[2]), dim, 0x1p-23);
 }
 
 int32_t Instance::alloc_page() {
@@ -591,25 +595,25 @@ std::string Instance::check() const {
         if (page_rows_[static_cast<int64_t>(p) * kPageSlots + t] != row(it)) {
           err << "stale storage row of token " << it << " in page " << p; return err.str();
         }
-        if (cfg_->first_pass == FirstPass::kHalf) {
+        if (cfg_->first_pass != FirstPass::kNone) {  // the copy and slack as mark() would write them now
           const int64_t row = static_cast<int64_t>(p) * kPageSlots + t;
-          std::vector<uint16_t> half(cfg_->dim);
-          std::vector<float> buf(cfg_->dim);
+          const int dim = cfg_->dim;
+          std::vector<float> buf(dim);
+          const float* key = key_row(it, buf.data());
+          bool current;
           float slack;
-          encode_half_row(key_row(it, buf.data()), half.data(), &slack);
-          if (!std::equal(half.begin(), half.end(), &page_half_[row * cfg_->dim]) || slack != page_slack_[row]) {
-            err << "half page buffer of page " << p << " slot " << t << " stale"; return err.str();
+          if (cfg_->first_pass == FirstPass::kHalf) {
+            std::vector<uint16_t> half(dim);
+            encode_half_row(key, half.data(), &slack);
+            current = std::equal(half.begin(), half.end(), &page_half_[row * dim]);
+          } else {
+            std::vector<int8_t> code(dim);
+            float scale;
+            encode_int8_row(key, code.data(), &scale, &slack);
+            current = std::equal(code.begin(), code.end(), &page_int8_[row * dim]) && scale == page_scale_[row];
           }
-        }
-        if (cfg_->first_pass == FirstPass::kInt8) {
-          const int64_t row = static_cast<int64_t>(p) * kPageSlots + t;
-          std::vector<int8_t> code(cfg_->dim);
-          std::vector<float> buf(cfg_->dim);
-          float scale, slack;
-          encode_int8_row(key_row(it, buf.data()), code.data(), &scale, &slack);
-          if (!std::equal(code.begin(), code.end(), &page_int8_[row * cfg_->dim]) || scale != page_scale_[row] ||
-              slack != page_slack_[row]) {
-            err << "int8 page buffer of page " << p << " slot " << t << " stale"; return err.str();
+          if (!current || slack != page_slack_[row]) {
+            err << "first-pass page buffer of page " << p << " slot " << t << " stale"; return err.str();
           }
         }
         prev = lf.key[t];
