@@ -25,45 +25,47 @@ PQCache sizes its parts as fractions of the prompt; here they are the budget's. 
 ring, and the last ``n_topk`` slots holding the step's selection. After the prompt, every token's key and value is in a
 host store (pinned on CUDA, read in place through ``core.paged.mapped_device_view``). On CUDA, a layer's prompt is
 copied into the store (one asynchronous copy per KV head, the core's prompt copies: ``core.host_memory``, into buffers
-the method keeps from one sequence to the next) on the sequence's copy stream and clustered on the device from the
-device's keys on a side stream of its own, each waiting for the model's stream only for the keys, so that layer ``l``'s
-copy and k-means run beside layer ``l + 1``'s prefill; the layer's first decode step makes the model's stream wait for
-both (no host synchronisation; TT2T includes what is left of the wait). On the CPU a worker thread of the sequence runs
-the layers' k-means, layer after layer, while the prefill goes on, and the first decode step waits for its layer's
-codebooks. The codes are kept on the device as int32 rows ``(h * m + j) * C + code`` of the query-centroid table. The
-k-means is seeded with distinct keys drawn on the CPU with ``seed + layer`` (the same draw on every device: the keys
-whose uniform draws are smallest, equal draws in index order, ``product_quantization.smallest_draws``). Each step,
-on the device: the new token goes to the ring and the host store and is encoded; ``core.kernels.pq_votes`` scores every
-token through the table (``core.product_quantization.pq_scores``) and gives the candidates (after the sinks, before the
-window) a softmax per query head, summed per KV head (on CUDA two Triton kernels); a top-k on keys that order by vote,
-then by position (``first_of_stable_sort``), keeps the ``n_topk`` tokens per KV head that a stable sort would put first
-(tokens with the same codes tie; ties go to the earlier position on every device); the chosen tokens held by the block
-cache are gathered from it and the others are read from the host store with ``copy_blocks``
-(``core.kernels.block_copy``) (one kernel, skipped entries read nothing); then the cache update: the
-``cache_topk_blocks`` complete blocks with the most selected tokens (all KV heads counted; ties to the lower block; only
-blocks with one at least) are inserted in LFU order (a hit adds one to a block's count; a missing block takes an empty
-slot or evicts the slot with the lowest count, the oldest among equals, never one of the step's blocks) and copied in
-from the host store; on CUDA the updates run on a side stream beside the rest of the step, as in PQCache, and the last
-layer makes the model's stream wait for them all before the step ends. The step reads no host value, so on CUDA it
-replays from a CUDA graph.
+the method keeps from one sequence to the next) on the sequence's copy stream, waiting for the model's stream only for
+the keys, so that layer ``l``'s copy and k-means run beside layer ``l + 1``'s prefill. Where the k-means runs is
+``kmeans_on``: ``host``, as PQCache does, on a worker thread of the sequence from the store's keys once their copy is
+done (the layer's first decode step waits for its codebooks and copies them to the device); ``device``, on the GPU from
+the device's keys on a side stream of its own (the first decode step makes the model's stream wait for it, with no host
+synchronisation). Either way TT2T includes what is left of the wait. On a CPU model the worker thread runs the layers'
+k-means, layer after layer, while the prefill goes on. The codes are kept on the device as int32 rows ``(h * m + j) * C
++ code`` of the query-centroid table. The k-means is seeded with distinct keys drawn on the CPU with ``seed + layer``
+(the same draw on every device: the keys whose uniform draws are smallest, equal draws in index order,
+``product_quantization.smallest_draws``). Each step, on the device: the new token goes to the ring and the host store
+and is encoded; ``core.kernels.pq_votes`` scores every token through the table (``core.product_quantization.pq_scores``)
+and gives the candidates (after the sinks, before the window) a softmax per query head, summed per KV head (on CUDA two
+Triton kernels); a top-k on keys that order by vote, then by position (``first_of_stable_sort``), keeps the ``n_topk``
+tokens per KV head that a stable sort would put first (tokens with the same codes tie; ties go to the earlier position
+on every device); the chosen tokens held by the block cache are gathered from it and the others are read from the host
+store with ``copy_blocks`` (``core.kernels.block_copy``) (one kernel, skipped entries read nothing); then the cache
+update: the ``cache_topk_blocks`` complete blocks with the most selected tokens (all KV heads counted; ties to the lower
+block; only blocks with one at least) are inserted in LFU order (a hit adds one to a block's count; a missing block
+takes an empty slot or evicts the slot with the lowest count, the oldest among equals, never one of the step's blocks)
+and copied in from the host store; on CUDA the updates run on a side stream beside the rest of the step, as in PQCache,
+and the last layer makes the model's stream wait for them all before the step ends. The step reads no host value, so on
+CUDA it replays from a CUDA graph.
 
 **Deviations.** The number of k-means iterations is fixed (``kmeans_iters``, default 10); PQCache's code picks it per
 layer from a timing model so that clustering ends within the GPU's work on the following layers (3 to 300 iterations),
 which would make results depend on the machine. An empty cluster keeps its centroid (scikit-learn moves it to a far
-point). On CUDA the clustering runs on the model's GPU, on a side stream (PQCache runs it on CPU processes pinned to
-cores; the CPU path here keeps one Python worker thread whose PyTorch operations use the process's CPU threads). The
-GPU's k-means is the CPU's code on CUDA tensors from the same draw, with the clusters' sums taken as a one-hot product
-(the same bits at every run, where CUDA's ``scatter_add_`` is not), so its codebooks equal the CPU's up to float32
-rounding: a key whose two nearest centroids are equal to rounding may take the other one, and then both centroids move a
-little. On PQCache's sizes (bfloat16 keys, 6 bits, 10 iterations) no code of 65,536 differed between float32 and float64
-k-means on the CPU, none of 96,000 between an H200 and the CPU (``tests/test_pqcache.py`` bounds the GPU's share at one
-in a thousand); GPU and CPU runs may therefore choose different tokens where a key is that close to a tie. A token's
-code is computed when it arrives rather than when it leaves the window (the same code: the centroids are fixed after the
-prompt). The block cache takes a step's blocks as one batch (PQCache's LFU inserts them one by one, so a block of a step
-can evict another of the same step), and only complete blocks are cached. ``pages_loaded`` counts (token, KV head)
-entries read from host memory plus (block, KV head) blocks copied into the cache; ``bytes_to_gpu`` their bytes. A prompt
-with fewer middle tokens than centroids makes every middle token a centroid (exact scores); one with none leaves all
-centroids at zero, so later tokens score alike until they are the middle. """
+point). The host's k-means is one Python worker thread whose PyTorch operations use the process's CPU threads (PQCache
+runs it on CPU processes pinned to cores); with ``kmeans_on: host`` a CUDA run's codebooks are the CPU run's, bit for
+bit. The GPU's k-means (``kmeans_on: device``) is the CPU's code on CUDA tensors from the same draw, with the clusters'
+sums taken as a one-hot product (the same bits at every run, where CUDA's ``scatter_add_`` is not), so its codebooks
+equal the CPU's up to float32 rounding: a key whose two nearest centroids are equal to rounding may take the other one,
+and then both centroids move a little. On PQCache's sizes (bfloat16 keys, 6 bits, 10 iterations) no code of 65,536
+differed between float32 and float64 k-means on the CPU, none of 96,000 between an H200 and the CPU
+(``tests/test_pqcache.py`` bounds the GPU's share at one in a thousand); GPU and CPU runs may therefore choose different
+tokens where a key is that close to a tie. A token's code is computed when it arrives rather than when it leaves the
+window (the same code: the centroids are fixed after the prompt). The block cache takes a step's blocks as one batch
+(PQCache's LFU inserts them one by one, so a block of a step can evict another of the same step), and only complete
+blocks are cached. ``pages_loaded`` counts (token, KV head) entries read from host memory plus (block, KV head) blocks
+copied into the cache; ``bytes_to_gpu`` their bytes. A prompt with fewer middle tokens than centroids makes every middle
+token a centroid (exact scores); one with none leaves all centroids at zero, so later tokens score alike until they are
+the middle. """
 
 from __future__ import annotations
 
@@ -135,6 +137,9 @@ class PQCacheConfig(MethodConfig):
     cache_tokens: int = 4096  # tokens the block cache holds per layer (0: no cache)
     cache_topk_blocks: int = 32  # blocks offered to the cache at each step (the most selected ones)
     seed: int = 0  # k-means initialisation (layer l draws with seed + l)
+    # Where a CUDA model's prompt k-means runs: "host" (CPU threads from the host store's copy, PQCache's design:
+    # the GPU's prefill keeps every SM) or "device" (a side stream on the model's GPU). A CPU model runs it on the CPU.
+    kmeans_on: str = "device"
 
     def min_budget(self) -> int:
         budget = self.n_sink_tokens + 2
@@ -228,21 +233,37 @@ class PQCacheKV(RingSlotsKV):
         if keys.is_cuda:
             # Queued after the timed phase, which times the model stream's part of the offload: the side streams'
             # work overlaps the next layers' prefill, timed or not (a phase waits for its own stream, core.timing).
-            self._codebooks = self._queue_on_side_streams(keys, values, begin, seed)
+            self._codebooks = KMEANS_PLACES[self.config.kmeans_on](self, keys, values, begin, seed)
 
-    def _queue_on_side_streams(self, keys: torch.Tensor, values: torch.Tensor, begin: int,
-                               seed: int) -> _PendingCodebooks:
-        """The prompt's host-store fill (the sequence's prompt copies) and its k-means (on the device, from the
-        device's keys, on the clustering stream), each after the model's stream has produced the keys: layer ``l``'s
-        copy and clustering run while layer ``l + 1``'s prefill runs. The dense prompt goes when the layer is done
-        with it; the caching allocator reuses its memory only once the side streams are past their use of it
-        (``record_stream``)."""
+    def _copy_prompt_to_host(self, keys: torch.Tensor, values: torch.Tensor) -> torch.cuda.Event:
+        """The prompt's host-store fill (the sequence's prompt copies), after the model's stream has produced the
+        keys and values; returns the event after which the store holds every key."""
         n_prompt = keys.shape[1]
+        keys_copied = None
         # One copy per KV head: each head's rows are contiguous in the store, so each copy is one asynchronous DMA
-        # into pinned memory (the strided [Hkv, :n] view is not one block).
+        # into pinned memory (the strided [Hkv, :n] view is not one block). The copies run in order on one stream,
+        # so the last key's event follows every key.
         for head in range(keys.shape[0]):
-            self.seq.prompt_copies.copy(self.host_keys[head, :n_prompt], keys[head])
+            keys_copied = self.seq.prompt_copies.copy(self.host_keys[head, :n_prompt], keys[head])
             self.seq.prompt_copies.copy(self.host_values[head, :n_prompt], values[head])
+        return keys_copied
+
+    def _cluster_on_host(self, keys: torch.Tensor, values: torch.Tensor, begin: int, seed: int) -> Future:
+        """The prompt's host-store fill, then its k-means on the sequence's CPU worker from the store's keys once
+        they are there (PQCache's design): layer ``l``'s copy and clustering run while layer ``l + 1``'s prefill
+        runs, and the GPU's prefill shares its SMs with nothing. The codebooks are the CPU path's, bit for bit."""
+        copied = self._copy_prompt_to_host(keys, values)
+        return self._worker().submit(_build_codebooks, self.host_keys, begin, keys.shape[1], self.config, seed,
+                                     copied)
+
+    def _cluster_on_device(self, keys: torch.Tensor, values: torch.Tensor, begin: int,
+                           seed: int) -> _PendingCodebooks:
+        """The prompt's host-store fill and its k-means on the device, from the device's keys, on the clustering
+        stream, each after the model's stream has produced the keys: layer ``l``'s copy and clustering run while
+        layer ``l + 1``'s prefill runs. The dense prompt goes when the layer is done with it; the caching allocator
+        reuses its memory only once the side streams are past their use of it (``record_stream``)."""
+        n_prompt = keys.shape[1]
+        self._copy_prompt_to_host(keys, values)
         clustering = self.seq.state(PQCacheSequence).clustering_stream(keys.device)
         produced = torch.cuda.current_stream(keys.device)
         pending = _PendingCodebooks(torch.cuda.Event())
@@ -320,12 +341,11 @@ class PQCacheKV(RingSlotsKV):
         """The first decode step of the layer: wait for its k-means and put codes and centroids on the device (on
         CUDA they are there: the model's stream waits for the side streams, without a host synchronisation)."""
         pending, self._codebooks = self._codebooks, None
+        self.seq.prompt_copies.join()  # the host store's fill (nothing on a CPU model)
         if isinstance(pending, _PendingCodebooks):
-            stream = torch.cuda.current_stream(self.centroids.device)
-            stream.wait_event(pending.clustered)
-            self.seq.prompt_copies.join()
+            torch.cuda.current_stream(self.centroids.device).wait_event(pending.clustered)
             return
-        centroids, codes = pending.result()
+        centroids, codes = pending.result()  # from the worker: CPU tensors, copied to the model's device here
         self.centroids.copy_(centroids)
         begin = min(self.config.n_sink_tokens, self._prompt_length)
         self.code_rows[..., begin : self._prompt_length] = code_rows(codes, self.n_centroids).to(self.code_rows.device)
@@ -493,6 +513,11 @@ class PQCacheKV(RingSlotsKV):
         return 0 if not self.capacity else self.host_keys.nbytes + self.host_values.nbytes
 
 
+# Where a CUDA model's prompt k-means runs (``PQCacheConfig.kmeans_on``): each queues a layer's host-store fill and
+# clustering and returns what its first decode step waits for.
+KMEANS_PLACES = {"host": PQCacheKV._cluster_on_host, "device": PQCacheKV._cluster_on_device}
+
+
 @METHODS.register("pqcache")
 class PQCache(Method):
     display_name = "PQCache"
@@ -510,6 +535,8 @@ class PQCache(Method):
             raise ConfigError(f"pqcache: n_subspaces={c.n_subspaces} must divide head_dim={self.model.head_dim}")
         if not 1 <= c.n_bits <= 16:
             raise ConfigError(f"pqcache: n_bits={c.n_bits} must lie in [1, 16]")
+        if c.kmeans_on not in KMEANS_PLACES:
+            raise ConfigError(f"pqcache: kmeans_on={c.kmeans_on!r} must be one of {sorted(KMEANS_PLACES)}")
         if c.kmeans_iters < 0 or c.n_sink_tokens < 0:
             raise ConfigError(f"pqcache: kmeans_iters={c.kmeans_iters} and n_sink_tokens={c.n_sink_tokens} must "
                               f"be >= 0")

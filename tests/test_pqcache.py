@@ -296,6 +296,7 @@ def test_a_store_grown_outside_the_generation_loop_changes_no_step():
     ({"cache_tokens": 20}, "cache_tokens=20 must be a multiple of cache_block_size=8"),
     ({"cache_topk_blocks": 5}, r"cache_topk_blocks=5 must lie in \[1, 4\]"),
     ({"local_ratio": 1.0}, "local_ratio=1.0"),
+    ({"kmeans_on": "gpu"}, r"kmeans_on='gpu' must be one of \['device', 'host'\]"),
 ])
 def test_settings_that_cannot_work_are_refused(setting, message):
     from icecache.errors import ConfigError
@@ -307,12 +308,14 @@ def test_settings_that_cannot_work_are_refused(setting, message):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("slow_cache_update", [False, True])
-def test_the_gpu_layer_chooses_and_attends_what_the_cpu_layer_does(monkeypatch, slow_cache_update):
-    """float32 on both: each layer clusters the same keys from the same initial draw on its own device (the GPU's
-    on a side stream), which gives the same codebooks up to float32 rounding on these keys (no point near a tie),
-    so the same tokens, read on the GPU from the pinned store in place and from the block cache. The GPU's block-cache
-    updates run on a side stream, and held there by a long kernel they are still done before a fetch reads the
-    cache: the same tokens and counters."""
+@pytest.mark.parametrize("kmeans_on", ["device", "host"])
+def test_the_gpu_layer_chooses_and_attends_what_the_cpu_layer_does(monkeypatch, slow_cache_update, kmeans_on):
+    """float32 on both: each layer clusters the same keys from the same initial draw, the GPU layer on a side
+    stream of the GPU (``device``: the same codebooks up to float32 rounding on these keys, no point near a tie) or on
+    its host worker from the pinned store (``host``: the CPU layer's codebooks bit for bit), so the same tokens, read
+    on the GPU from the pinned store in place and from the block cache. The GPU's block-cache updates run on a side
+    stream, and held there by a long kernel they are still done before a fetch reads the cache: the same tokens and
+    counters."""
     from baselines.pqcache import PQCacheKV
 
     update = PQCacheKV._update_cache
@@ -329,7 +332,8 @@ def test_the_gpu_layer_chooses_and_attends_what_the_cpu_layer_does(monkeypatch, 
     # Head dim 16: the paged kernel's tile product needs at least 16 (every real model has 64 or more).
     cpu_info = ModelInfo(n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16)
     gpu_info = dataclasses.replace(cpu_info, device=torch.device("cuda"))
-    layers = {"cpu": make_layer(SMALL, cpu_info, 200), "cuda": make_layer(SMALL, gpu_info, 200)}
+    layers = {"cpu": make_layer(SMALL, cpu_info, 200),
+              "cuda": make_layer({**SMALL, "kmeans_on": kmeans_on}, gpu_info, 200)}
     gen = torch.Generator().manual_seed(12)
     q, k, v = random_qkv(gen, 150, cpu_info)
     for device, layer in layers.items():
@@ -345,6 +349,9 @@ def test_the_gpu_layer_chooses_and_attends_what_the_cpu_layer_does(monkeypatch, 
     assert len(updated_on) == 20 and all(stream != torch.cuda.default_stream() for stream in updated_on)
 
     torch.testing.assert_close(layers["cuda"].centroids.cpu(), layers["cpu"].centroids, rtol=1e-5, atol=1e-5)
+    if kmeans_on == "host":
+        assert torch.equal(layers["cuda"].centroids.cpu(), layers["cpu"].centroids)
+        assert torch.equal(layers["cuda"].code_rows.cpu(), layers["cpu"].code_rows)
 
 
 @pytest.mark.gpu
