@@ -75,6 +75,7 @@ from dataclasses import dataclass
 import torch
 
 from icecache.core.kernels.block_copy import copy_blocks
+from icecache.core.kernels.kmeans_passes import pq_build as pq_build_on_device
 from icecache.core.kernels.pq_votes import pq_votes
 from icecache.core.method import METHODS, Method, MethodConfig, storage_capacity
 from icecache.core.paged import mapped_device_view
@@ -270,8 +271,8 @@ class PQCacheKV(RingSlotsKV):
         clustering.wait_stream(produced)
         with torch.cuda.stream(clustering):
             generator = torch.Generator().manual_seed(seed)  # the CPU's draw: the CPU path's initial centroids
-            centroids, codes = pq_build(keys[:, begin:n_prompt], self.config.n_subspaces, self.config.n_bits,
-                                        self.config.kmeans_iters, generator)
+            centroids, codes = pq_build_on_device(keys[:, begin:n_prompt], self.config.n_subspaces,
+                                                  self.config.n_bits, self.config.kmeans_iters, generator)
             self.centroids.copy_(centroids)
             self.code_rows[..., begin:n_prompt] = code_rows(codes, self.n_centroids)
             pending.clustered.record(clustering)

@@ -44,14 +44,17 @@ def nearest_centroids(points: torch.Tensor, centroids: torch.Tensor) -> torch.Te
     return torch.cat(codes, dim=1)
 
 
-def kmeans(points: torch.Tensor, n_centroids: int, n_iters: int,
-           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def kmeans(points: torch.Tensor, n_centroids: int, n_iters: int, generator: torch.Generator | None = None, *,
+           nearest=None, sums=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Lloyd's k-means on each of ``G`` independent point sets ``points [G, N, d]`` (float32).
 
     Initial centroids are ``n_centroids`` distinct points drawn at random (one draw per set, from ``generator``);
     with fewer points than centroids every point is a centroid and the rest repeat them, so each point is encoded
     exactly. A cluster that loses all its points keeps its centroid. Returns ``(centroids [G, C, d], codes [G, N])``
-    with the codes of the final centroids."""
+    with the codes of the final centroids. ``nearest`` and ``sums`` replace ``nearest_centroids`` and
+    ``cluster_sums`` (the same arguments and results; ``core.kernels.kmeans_passes`` fuses them on CUDA)."""
+    nearest = nearest or nearest_centroids
+    sums_of = sums or cluster_sums
     n_sets, n_points, dim = points.shape
     points = points.float()
     if n_points == 0:
@@ -67,11 +70,11 @@ def kmeans(points: torch.Tensor, n_centroids: int, n_iters: int,
     centroids = points.gather(1, order[..., None].expand(-1, -1, dim))
     ones = points.new_ones(n_sets, n_points)
     for _ in range(n_iters):
-        codes = nearest_centroids(points, centroids)
+        codes = nearest(points, centroids)
         counts = points.new_zeros(n_sets, n_centroids).scatter_add_(1, codes, ones)  # whole numbers: exact
-        sums = cluster_sums(points, codes, n_centroids)
+        sums = sums_of(points, codes, n_centroids)
         centroids = torch.where(counts[..., None] > 0, sums / counts.clamp(min=1)[..., None], centroids)
-    return centroids, nearest_centroids(points, centroids)
+    return centroids, nearest(points, centroids)
 
 
 def smallest_draws(draws: torch.Tensor, k: int) -> torch.Tensor:
@@ -133,12 +136,13 @@ def split_subspaces(vectors: torch.Tensor, n_subspaces: int) -> torch.Tensor:
 
 
 def pq_build(keys: torch.Tensor, n_subspaces: int, n_bits: int, n_iters: int,
-             generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             generator: torch.Generator | None = None, *, nearest=None,
+             sums=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Codebooks and codes of ``keys [Hkv, N, D]``: ``(centroids [Hkv, m, C, d] float32, codes [Hkv, m, N] int64)``,
-    one k-means per (KV head, sub-space)."""
+    one k-means per (KV head, sub-space); ``nearest`` and ``sums`` as for ``kmeans``."""
     n_kv_heads, n, dim = keys.shape
     sub = split_subspaces(keys.float(), n_subspaces).reshape(n_kv_heads * n_subspaces, n, dim // n_subspaces)
-    centroids, codes = kmeans(sub.contiguous(), 2**n_bits, n_iters, generator)
+    centroids, codes = kmeans(sub.contiguous(), 2**n_bits, n_iters, generator, nearest=nearest, sums=sums)
     return (centroids.view(n_kv_heads, n_subspaces, 2**n_bits, dim // n_subspaces),
             codes.view(n_kv_heads, n_subspaces, n))
 
