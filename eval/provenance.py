@@ -114,6 +114,9 @@ def collect() -> dict[str, Any]:
         "numa_nodes": numa_nodes(),
         "omp_proc_bind": os.environ.get("OMP_PROC_BIND"),
         "omp_places": os.environ.get("OMP_PLACES"),
+        # How many hardware queues the GPU's streams share (CUDA's default 8): work on more streams than queues, as
+        # in a batch whose rows attend on streams of their own, may wait behind another stream's.
+        "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
         "command": " ".join(sys.argv),
     }
     try:
