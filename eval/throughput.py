@@ -61,6 +61,11 @@ class ThroughputSettings:
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 0  # row r's random prompt at length L: seed + L + r
+    # After each batch's timed steps, this many more under torch.profiler (0: none; kernels on CUDA only): per step,
+    # how long some kernel ran on the GPU (the union over streams), the kernels' summed time and the leading kernels.
+    # A step whose GPU is busy for most of its wall time is bound by the GPU; one whose GPU is mostly idle, by
+    # launches, dependencies or the host.
+    profile_steps: int = 0
 
     @classmethod
     def compose(cls, given: dict[str, Any]) -> "ThroughputSettings":
@@ -81,17 +86,25 @@ class ThroughputSettings:
             raise ConfigError(f"--batch-sizes {self.batch_sizes}: give increasing whole numbers, e.g. 1 2 4 8")
         if self.residual_on_host and not self.layer_by_layer:
             raise ConfigError("--residual-on-host needs --layer-by-layer")
+        if self.profile_steps < 0:
+            raise ConfigError(f"--profile-steps {self.profile_steps}: give 0 (no profile) or more steps")
+
+    @property
+    def steps_per_batch(self) -> int:
+        """The steps each batch decodes: the timed ones, then (when profiled) an eager one, the one that captures the
+        graph again, and the profiled ones."""
+        return self.decode_steps + (self.profile_steps + UNPROFILED_STEPS if self.profile_steps else 0)
 
     @property
     def reserved_new_tokens(self) -> int:
         """What every row's buffers are sized for: the first row steps in every batch."""
-        return len(self.batch_sizes) * self.decode_steps + 1
+        return len(self.batch_sizes) * self.steps_per_batch + 1
 
 
 # The settings a resumed command must share with the file it completes.
 RESUME_SETTINGS = ("model", "source", "lengths", "methods", "budget", "batch_sizes", "decode_steps", "threads",
                    "prefill_chunk_size", "layer_by_layer", "residual_on_host", "row_streams", "set", "device",
-                   "dtype", "seed")
+                   "dtype", "seed", "profile_steps")
 
 
 def read_unfinished(path: Path, settings: ThroughputSettings) -> dict[str, Any]:
@@ -146,6 +159,60 @@ def host_available_bytes() -> int | None:
     except (OSError, ValueError):
         return None
     return None
+
+
+def busy_time(intervals: list[tuple[float, float]], window: tuple[float, float]) -> tuple[float, float]:
+    """``(busy, summed)`` of the kernel ``intervals`` (start, end) clipped to ``window``: the time some kernel ran
+    (their union) and the kernels' own times added up (over the union: how many ran side by side, on average)."""
+    begin, end = window
+    clipped = sorted((max(a, begin), min(b, end)) for a, b in intervals if b > begin and a < end)
+    busy = summed = 0.0
+    run_start = run_end = None
+    for a, b in clipped:
+        summed += b - a
+        if run_end is None or a > run_end:
+            if run_end is not None:
+                busy += run_end - run_start
+            run_start, run_end = a, b
+        else:
+            run_end = max(run_end, b)
+    if run_end is not None:
+        busy += run_end - run_start
+    return busy, summed
+
+
+#: Steps of a profiled ``decode_batch`` left out of its profile: a new graph's first step runs eagerly, its second
+#: captures (``core.graphs.GraphedDecodeStep``).
+UNPROFILED_STEPS = 2
+
+
+def step_profile(events, top: int = 8, skip: int = UNPROFILED_STEPS) -> dict[str, Any] | None:
+    """Per decode step of the profiled ``events`` (``prof.events()``), leaving out the first ``skip`` (eager,
+    capturing): wall, GPU busy and summed kernel time in ms, kernels, and the ``top`` kernels by time. None when the
+    profile holds no step after those or no kernel (a CPU run)."""
+    from icecache.core.batched_generation import STEP_RANGE
+
+    steps = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == STEP_RANGE)[skip:]
+    kernels = [e for e in events if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start]
+    if not steps or not kernels:
+        return None
+    intervals = [(k.time_range.start, k.time_range.end) for k in kernels]
+    wall = busy = summed = 0.0
+    by_name: dict[str, list[float]] = {}
+    for window in steps:
+        step_busy, step_summed = busy_time(intervals, window)
+        wall, busy, summed = wall + window[1] - window[0], busy + step_busy, summed + step_summed
+    for kernel in kernels:
+        if any(begin <= kernel.time_range.start < end for begin, end in steps):
+            entry = by_name.setdefault(kernel.name[:90], [0.0, 0])
+            entry[0] += kernel.time_range.end - kernel.time_range.start
+            entry[1] += 1
+    n = len(steps)
+    leading = sorted(by_name.items(), key=lambda item: -item[1][0])[:top]
+    return {"steps": n, "wall_ms": wall / n / 1e3, "gpu_busy_ms": busy / n / 1e3, "kernel_ms": summed / n / 1e3,
+            "kernels": sum(count for _, count in by_name.values()) / n,
+            "top_kernels": [{"kernel": name, "ms": total / n / 1e3, "launches": count / n}
+                            for name, (total, count) in leading]}
 
 
 def summarise(rows: list[dict[str, Any]], limits: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -295,6 +362,16 @@ def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None =
                         stage = "decode"
                         batch = BatchCache(caches[:batch_size], row_streams=settings.row_streams)
                         result = decode_batch(model, batch, decoding[:batch_size], max_steps=settings.decode_steps)
+                        profiled = None
+                        if settings.profile_steps:  # on a CPU the profile has no kernels: None
+                            stage = "profile"
+                            from torch.profiler import ProfilerActivity, profile
+
+                            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if is_cuda else [])
+                            with profile(activities=activities) as prof:
+                                decode_batch(model, batch, decoding[:batch_size],
+                                             max_steps=settings.profile_steps + UNPROFILED_STEPS)
+                            profiled = step_profile(prof.events())
                     except Exception as error:  # noqa: BLE001  only allocation failures are a limit; others raise
                         kind = out_of_memory(error)
                         if kind is None:
@@ -318,6 +395,7 @@ def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None =
                         "host_buffers_bytes": host_pool.allocated_bytes,
                         **{key: value for key, value in result.counters.items()
                            if key in ("graph_replays", "graph_capture_error", "host_channel")},
+                        **({"profile": profiled} if settings.profile_steps else {}),
                     })
                     provenance.write_result(out, "throughput", payload(complete=False), path=out_path, quiet=True)
             finally:

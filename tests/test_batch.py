@@ -351,3 +351,75 @@ def test_only_allocation_failures_count_as_a_memory_limit():
     assert throughput.out_of_memory(throughput.HostMemoryForecast("3.0 GiB left")) == "host"
     assert throughput.out_of_memory(RuntimeError("CUDA error: an illegal memory access was encountered")) is None
     assert throughput.out_of_memory(ValueError("out of memory")) is None
+
+
+def test_busy_time_is_the_union_of_the_kernels_inside_the_window():
+    from eval.throughput import busy_time
+
+    # Two overlapping kernels (0-4, 2-6), one alone (8-9), one outside the window, one cut by its end.
+    kernels = [(2.0, 6.0), (0.0, 4.0), (8.0, 9.0), (20.0, 30.0), (9.5, 12.0)]
+    assert busy_time(kernels, (0.0, 10.0)) == (pytest.approx(7.5), pytest.approx(9.5))
+    assert busy_time(kernels, (3.0, 5.0)) == (pytest.approx(2.0), pytest.approx(3.0))
+    assert busy_time([], (0.0, 1.0)) == (0.0, 0.0)
+
+
+def test_a_step_profile_leaves_out_the_eager_and_capturing_steps():
+    from types import SimpleNamespace
+
+    from eval.throughput import step_profile
+    from icecache.core.batched_generation import STEP_RANGE
+
+    def event(name, start, end, device="CPU"):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end),
+                               device_type=SimpleNamespace(name=device))
+
+    steps = [event(STEP_RANGE, 1000 * i, 1000 * i + 800) for i in range(4)]  # 0.8 ms each
+    kernels = [event("eager_kernel", 100, 700, "CUDA")]  # in the first step: left out
+    for i in (2, 3):  # two kernels side by side, then one after
+        kernels += [event("wide", 1000 * i, 1000 * i + 400, "CUDA"), event("narrow", 1000 * i + 100,
+                                                                           1000 * i + 300, "CUDA"),
+                    event("narrow", 1000 * i + 500, 1000 * i + 600, "CUDA")]
+    found = step_profile(steps + kernels + [event("aten::mm", 2000, 2100)])
+    assert found["steps"] == 2
+    assert found["wall_ms"] == pytest.approx(0.8)
+    assert found["gpu_busy_ms"] == pytest.approx(0.5)
+    assert found["kernel_ms"] == pytest.approx(0.7)
+    assert found["kernels"] == 3
+    assert [(k["kernel"], k["ms"], k["launches"]) for k in found["top_kernels"]] == [
+        ("wide", pytest.approx(0.4), 1), ("narrow", pytest.approx(0.3), 2)]
+    assert step_profile(steps) is None  # no kernel: a CPU run
+    assert step_profile(steps[:2] + kernels) is None  # no step past the unprofiled ones
+
+
+def test_a_profiled_throughput_run_steps_past_its_timed_steps_with_room_for_them(tmp_path):
+    settings, payload = run_throughput(tmp_path, methods=["quest"], batch_sizes=[1, 2], profile_steps=2)
+    assert settings.steps_per_batch == 4 + 2 + 2
+    rows = {(r["method"], r["batch_size"]): r for r in payload["rows"]}
+    # Each batch steps its rows through its timed and its profiled steps: the first row through both batches'.
+    assert rows[("quest", 2)]["positions"] == [200 + 2 * 8, 200 + 8]
+    assert all(row["profile"] is None for row in payload["rows"])  # no kernels on a CPU
+    assert len(rows[("quest", 2)]["step_times_s"]) == 4
+
+
+def test_each_step_of_a_batch_is_a_named_range_in_a_profile():
+    from torch.profiler import ProfilerActivity, profile
+
+    from icecache.core.batched_generation import STEP_RANGE
+
+    model, info = tiny_model("llama")[::2]
+    method = build_method({"name": "quest", "budget": 64, **method_class("quest").test_settings}, info)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        batched_greedy_generate(model, method, requests()[:2])
+    steps = [e for e in prof.events() if e.name == STEP_RANGE]
+    assert len(steps) == max(r.max_new_tokens for r in requests()[:2]) - 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_profiled_gpu_batch_records_its_kernels_and_busy_time(tmp_path):
+    _, payload = run_throughput(tmp_path, methods=["quest"], batch_sizes=[1, 2], profile_steps=2, device="cuda")
+    for row in payload["rows"]:
+        found = row["profile"]
+        assert found["steps"] == 2 and found["kernels"] > 0 and found["top_kernels"]
+        assert 0 < found["gpu_busy_ms"] <= found["wall_ms"] * 1.01
+        assert found["kernel_ms"] >= found["gpu_busy_ms"] * 0.99
