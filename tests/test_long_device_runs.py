@@ -259,7 +259,9 @@ def test_the_stage_unpacks_ruler_s_texts_where_the_runs_read_them(tmp_path):
 def test_a_grid_on_qwen_alone_stages_no_smollm2_parts(tmp_path):
     stage = tmp_path / "stage"
     stage.mkdir()
-    env = {**os.environ, "ICECACHE_STAGE": str(stage), "QWEN": "1", "SMOLLM2": "0"}
+    # A model cache of its own: a machine whose default cache already holds the joined GGUF asks for no piece.
+    env = {**os.environ, "ICECACHE_STAGE": str(stage), "QWEN": "1", "SMOLLM2": "0",
+           "ICECACHE_MODEL_CACHE": str(tmp_path / "models")}
     listed = subprocess.run(["bash", str(REPO / "scripts" / "gpu_host" / "stage.sh"), "missing"], env=env,
                             capture_output=True, text=True, timeout=60)
     lines = listed.stdout.splitlines()
