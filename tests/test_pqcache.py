@@ -356,16 +356,20 @@ def test_the_gpu_layer_chooses_and_attends_what_the_cpu_layer_does(monkeypatch, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_kmeans_gives_the_cpu_codebooks_up_to_near_ties_and_the_same_bits_at_every_run():
+@pytest.mark.parametrize("passes", ["kernels", "references"])
+def test_gpu_kmeans_gives_the_cpu_codebooks_up_to_near_ties_and_the_same_bits_at_every_run(passes):
     """A prompt's k-means on the GPU against the CPU's from the same draw (PQCache's sizes: 6 bits, 10 iterations,
-    8 KV heads of 128 channels, bfloat16 keys): at most one code in a thousand differs (a point whose two nearest
-    centroids are equal to float32 rounding can take either; every one it takes then moves its centroids a little),
-    every GPU code is the nearest of its GPU centroids up to rounding (checked in float64), and two GPU runs give
-    the same bits."""
+    8 KV heads of 128 channels, bfloat16 keys), with the fused passes the layer runs (``kernels``) or the PyTorch
+    references on CUDA: at most one code in a thousand differs (a point whose two nearest centroids are equal to
+    float32 rounding can take either; every one it takes then moves its centroids a little), every GPU code is the
+    nearest of its GPU centroids up to rounding (checked in float64), and two GPU runs give the same bits."""
+    from icecache.core.kernels import kmeans_passes
+
+    build = kmeans_passes.pq_build if passes == "kernels" else pq_build
     gen = torch.Generator().manual_seed(15)
     keys = torch.randn(8, 6000, 128, generator=gen).to(torch.bfloat16)
     cpu_centroids, cpu_codes = pq_build(keys, 2, 6, 10, torch.Generator().manual_seed(3))
-    runs = [pq_build(keys.cuda(), 2, 6, 10, torch.Generator().manual_seed(3)) for _ in range(2)]
+    runs = [build(keys.cuda(), 2, 6, 10, torch.Generator().manual_seed(3)) for _ in range(2)]
     (centroids, codes), (again_centroids, again_codes) = [(c.cpu(), k.cpu()) for c, k in runs]
     assert torch.equal(centroids, again_centroids) and torch.equal(codes, again_codes)
     assert (codes != cpu_codes).float().mean().item() <= 1e-3
