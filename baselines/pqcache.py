@@ -31,9 +31,9 @@ the keys, so that layer ``l``'s copy and k-means run beside layer ``l + 1``'s pr
 done (the layer's first decode step waits for its codebooks and copies them to the device); ``device``, on the GPU from
 the device's keys on a side stream of its own (the first decode step makes the model's stream wait for it, with no host
 synchronisation). Either way TT2T includes what is left of the wait. On a CPU model the worker thread runs the layers'
-k-means, layer after layer, while the prefill goes on. The codes are kept on the device as int32 rows ``(h * m + j) * C
-+ code`` of the query-centroid table. The k-means is seeded with distinct keys drawn on the CPU with ``seed + layer``
-(the same draw on every device: the keys whose uniform draws are smallest, equal draws in index order,
+k-means, layer after layer, while the prefill goes on. The codes are kept on the device as int32 rows
+``(h * m + j) * C + code`` of the query-centroid table. The k-means is seeded with distinct keys drawn on the CPU with
+``seed + layer`` (the same draw on every device: the keys whose uniform draws are smallest, equal draws in index order,
 ``product_quantization.smallest_draws``). Each step, on the device: the new token goes to the ring and the host store
 and is encoded; ``core.kernels.pq_votes`` scores every token through the table (``core.product_quantization.pq_scores``)
 and gives the candidates (after the sinks, before the window) a softmax per query head, summed per KV head (on CUDA two
@@ -53,11 +53,12 @@ layer from a timing model so that clustering ends within the GPU's work on the f
 which would make results depend on the machine. An empty cluster keeps its centroid (scikit-learn moves it to a far
 point). The host's k-means is one Python worker thread whose PyTorch operations use the process's CPU threads (PQCache
 runs it on CPU processes pinned to cores); with ``kmeans_on: host`` a CUDA run's codebooks are the CPU run's, bit for
-bit. The GPU's k-means (``kmeans_on: device``) is the CPU's code on CUDA tensors from the same draw, with the clusters'
-sums taken as a one-hot product (the same bits at every run, where CUDA's ``scatter_add_`` is not), so its codebooks
-equal the CPU's up to float32 rounding: a key whose two nearest centroids are equal to rounding may take the other one,
-and then both centroids move a little. On PQCache's sizes (bfloat16 keys, 6 bits, 10 iterations) no code of 65,536
-differed between float32 and float64 k-means on the CPU, none of 96,000 between an H200 and the CPU
+bit. The GPU's k-means (``kmeans_on: device``) is the CPU's algorithm from the same draw, each of its two passes one
+kernel (``core.kernels.kmeans_passes``: the assignment's arg-min taken from products held in registers, the clusters'
+sums added from one-hot slices in a fixed order, so the same bits at every run, where CUDA's ``scatter_add_`` is not),
+so its codebooks equal the CPU's up to float32 rounding: a key whose two nearest centroids are equal to rounding may
+take the other one, and then both centroids move a little. On PQCache's sizes (bfloat16 keys, 6 bits, 10 iterations) no
+code of 65,536 differed between float32 and float64 k-means on the CPU, none of 96,000 between an H200 and the CPU
 (``tests/test_pqcache.py`` bounds the GPU's share at one in a thousand); GPU and CPU runs may therefore choose different
 tokens where a key is that close to a tie. A token's code is computed when it arrives rather than when it leaves the
 window (the same code: the centroids are fixed after the prompt). The block cache takes a step's blocks as one batch
