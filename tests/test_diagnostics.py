@@ -18,6 +18,7 @@ def test_the_prefill_profile_times_each_methods_first_token_and_lists_its_host_w
     assert [r["method"] for r in results] == ["full", "pqcache"]
     for result in results:
         assert result["wall_ms"] > 0 and result["kernels"] == [] and result["device_ms"] == 0
+        assert result["gpu_busy_ms"] is None
         times = [op["us"] for op in result["host_ops"]]
         assert 0 < len(times) <= 5 and times == sorted(times, reverse=True)
         assert any(op["op"].startswith("aten::") for op in result["host_ops"])

@@ -7,7 +7,8 @@ with their count and time per step, from torch.profiler. With ``--prefill``: whe
 
 For each method: one prompt of ``--length`` random tokens on the Llama-3.1-8B architecture (random weights, as the
 latency benchmark), two eager decode steps to warm up, then ``--steps`` profiled eager steps. Prints, per method,
-the kernels by device time (per step: launches and microseconds) and the step's device and wall time; writes
+the kernels by device time (per step: launches and microseconds) and the step's device and wall time, and the
+time the GPU was busy (some kernel running on any stream: side streams' kernels that overlap count once); writes
 ``step_profile_<host>_<date>.json`` with provenance to ``--out``. Eager steps launch every kernel from Python, so
 the wall time is above a captured step's; the device times and counts are what a captured step replays.
 
@@ -28,6 +29,15 @@ from pathlib import Path
 from eval.latency import method_values, model_spec
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def _gpu_busy_us(prof) -> float:
+    """The time some kernel (or device copy) ran on the GPU during the profile, on any stream: the union of their
+    intervals. Kernels on side streams that overlap the model's add to the summed device time but not to this."""
+    from eval.throughput import busy_time
+
+    intervals = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
+    return busy_time(intervals, (float("-inf"), float("inf")))[0]
 
 
 def _device_us(event) -> float:
@@ -78,6 +88,7 @@ def profile_method(model, info, name: str, budget: int, length: int, steps: int,
     kernels.sort(key=lambda k: -k["us_per_step"])
     return {"method": name, "wall_ms_per_step": wall * 1e3,
             "device_ms_per_step": sum(k["us_per_step"] for k in kernels) / 1e3,
+            "gpu_busy_ms_per_step": _gpu_busy_us(prof) / steps / 1e3,
             "launches_per_step": sum(k["launches_per_step"] for k in kernels), "kernels": kernels[:top]}
 
 
@@ -121,6 +132,7 @@ def profile_prefill(model, info, name: str, budget: int, length: int, top: int) 
     kernels.sort(key=lambda k: -k["us"])
     host_ops.sort(key=lambda k: -k["us"])
     return {"method": name, "wall_ms": wall * 1e3, "device_ms": sum(k["us"] for k in kernels) / 1e3,
+            "gpu_busy_ms": _gpu_busy_us(prof) / 1e3 if device.type == "cuda" else None,
             "launches": sum(k["launches"] for k in kernels), "host_ops": host_ops[:top], "kernels": kernels[:top]}
 
 
@@ -155,8 +167,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.prefill:
             found = profile_prefill(model, info, name, args.budget, args.length, args.top)
             results.append(found)
+            busy = f", the GPU busy {found['gpu_busy_ms']:.1f} ms" if found["gpu_busy_ms"] is not None else ""
             print(f"\n{name} at {args.length}, prefill to the first token: {found['wall_ms']:.1f} ms wall (profiled), "
-                  f"{found['device_ms']:.1f} ms of kernels on all streams, {found['launches']} launches")
+                  f"{found['device_ms']:.1f} ms of kernels on all streams{busy}, {found['launches']} launches")
             for op in found["host_ops"]:
                 print(f"  host {op['us'] / 1e3:9.2f} ms  {op['calls']:6d}x  {op['op']}")
             for kernel in found["kernels"]:
@@ -165,7 +178,8 @@ def main(argv: list[str] | None = None) -> None:
         found = profile_method(model, info, name, args.budget, args.length, args.steps, args.top)
         results.append(found)
         print(f"\n{name} at {args.length}: {found['wall_ms_per_step']:.2f} ms wall (eager), "
-              f"{found['device_ms_per_step']:.2f} ms of kernels, {found['launches_per_step']:.0f} launches per step")
+              f"{found['device_ms_per_step']:.2f} ms of kernels, the GPU busy {found['gpu_busy_ms_per_step']:.2f} ms, "
+              f"{found['launches_per_step']:.0f} launches per step")
         for kernel in found["kernels"]:
             print(f"  {kernel['us_per_step']:9.1f} us  {kernel['launches_per_step']:6.1f}x  {kernel['kernel']}")
         torch.cuda.empty_cache()
