@@ -9,18 +9,19 @@ own probabilities count when choosing what to drop.
 **Budget.** ``n_heavy = round(heavy_fraction * budget)`` heavy hitters (``heavy_fraction`` 0.5: the 50/50 split of
 H2O's summarisation runs) + ``n_recent = budget - n_heavy`` recent tokens, the new one included.
 
-**This code.** Scores are kept per query head (the paper's statistic); with GQA the cache is per KV head, so a KV
-head keeps the tokens with the largest sum of its group's scores (H2O was written for multi-head attention). The
-prompt's score matrix is never materialised: the ``causal_column_sums`` kernel gives each key's summed probability
-per prefill chunk against all keys so far (on CUDA two Triton passes, each row's log-sum-exp and then column sums
-tile by tile; on a CPU ``score_chunk_size`` (256) query rows at a time), timed as the prefill phase
-``prompt_scores``. After the prompt the rule keeps ``budget - 1`` tokens in ``budget`` slots per KV head
-(``core.token_slots``). Each decode step writes its token into the free slot (score 0) and runs the ``h2o_step``
-kernel: attend over the valid slots in float32, add each query head's probabilities to its scores, and name the
-next free slot; once all are taken that is the slot of the older token (position at most
-``position - (n_recent - 1)``) with the smallest summed score, marked evicted: one token in, one out, which is
-exactly the token the top-``n_heavy`` rule drops. Ties go to the lowest slot in the Triton kernel and the PyTorch
-reference alike. The step needs no host decision and replays from a CUDA graph.
+**This code.** Scores are kept per query head (the paper's statistic); with GQA the cache is per KV head, so a KV head
+keeps the tokens with the largest sum of its group's scores (H2O was written for multi-head attention). The prompt's
+score matrix is never materialised: the ``causal_column_sums`` kernel gives each key's summed probability per prefill
+chunk against all keys so far (on CUDA two Triton passes, each row's log-sum-exp and then column sums tile by tile, the
+first skipped for a chunk after earlier tokens, whose rows' log-sum-exps the prefill's flash attention kernel returns
+with its output, ``core.attention.dense_attention_and_lse``; on a CPU ``score_chunk_size`` (256) query rows at a time),
+timed as the prefill phase ``prompt_scores``. After the prompt the rule keeps ``budget - 1`` tokens in ``budget`` slots
+per KV head (``core.token_slots``). Each decode step writes its token into the free slot (score 0) and runs the
+``h2o_step`` kernel: attend over the valid slots in float32, add each query head's probabilities to its scores, and name
+the next free slot; once all are taken that is the slot of the older token (position at most
+``position - (n_recent - 1)``) with the smallest summed score, marked evicted: one token in, one out, which is exactly
+the token the top-``n_heavy`` rule drops. Ties go to the lowest slot in the Triton kernel and the PyTorch reference
+alike. The step needs no host decision and replays from a CUDA graph.
 
 **Deviation from the long-context practice** of the Quest and ArkVale papers, which collected H2O's scores from
 the decode phase only for lack of prefill scores: the prompt's scores are collected, as H2O itself does.
@@ -59,10 +60,12 @@ class H2OConfig(MethodConfig):
                 f"token and one more)")
 
 
-def accumulated_attention(query: torch.Tensor, keys: torch.Tensor, scaling: float, chunk_size: int) -> torch.Tensor:
+def accumulated_attention(query: torch.Tensor, keys: torch.Tensor, scaling: float, chunk_size: int,
+                          row_lse: torch.Tensor | None = None) -> torch.Tensor:
     """Column sums of the causal softmax attention: ``query [Hq, S, D]`` are the last S of ``keys [Hkv, T, D]``.
-    Returns ``[Hq, T]`` float32 (``core.kernels.causal_column_sums``; ``chunk_size`` rows at a time on CPU)."""
-    return causal_column_sums(query, keys, scaling, chunk_size)
+    Returns ``[Hq, T]`` float32 (``core.kernels.causal_column_sums``; ``chunk_size`` rows at a time on CPU;
+    ``row_lse [Hq, S]``, the rows' log-sum-exps from the prefill's attention, spares the GPU one pass)."""
+    return causal_column_sums(query, keys, scaling, chunk_size, row_lse)
 
 
 def heavy_hitters_and_recent(kv_scores: torch.Tensor, n_heavy: int, n_recent: int) -> torch.Tensor:
@@ -76,6 +79,8 @@ def heavy_hitters_and_recent(kv_scores: torch.Tensor, n_heavy: int, n_recent: in
 
 
 class H2OKV(TokenSlotsKV):
+    keeps_prefill_lse = True  # a prompt chunk's row log-sum-exps, where its attention kernel gives them
+
     def __init__(self, layer_idx, model, seq, budget: int, n_heavy: int, score_chunk_size: int):
         super().__init__(layer_idx, model, seq, budget)
         self.n_heavy = n_heavy
@@ -86,8 +91,10 @@ class H2OKV(TokenSlotsKV):
         self.free_slot: torch.Tensor | None = None  # [Hkv]: where the next token goes
 
     def observe_prefill(self, query, scaling):
+        row_lse, self.prefill_lse = self.prefill_lse, None
         with self.seq.timer.phase("prompt_scores"):
-            chunk_scores = accumulated_attention(query[0], self.keys[0], scaling, self.score_chunk_size)
+            chunk_scores = accumulated_attention(query[0], self.keys[0], scaling, self.score_chunk_size,
+                                                 None if row_lse is None else row_lse[0])
         if self.prompt_scores is not None:  # earlier chunks' keys: add this chunk's rows to their running sums
             chunk_scores[:, : self.prompt_scores.shape[1]] += self.prompt_scores
         self.prompt_scores = chunk_scores

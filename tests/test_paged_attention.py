@@ -364,3 +364,28 @@ def test_chunk_after_earlier_tokens_is_bottom_right_causal(device, dtype):
     expected = (scores.softmax(-1) @ values).transpose(1, 2)
     tolerance = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])])
+@pytest.mark.parametrize("n_queries", [37, 150])
+def test_the_attention_with_its_row_lse_is_the_plain_attention_bit_for_bit(device, n_queries):
+    """``dense_attention_and_lse`` gives ``dense_attention``'s output bits; on the GPU, for a chunk after earlier
+    tokens (bfloat16, GQA: the flash kernel), also each row's log-sum-exp of its scaled causal scores; elsewhere (a
+    whole prompt, a CPU) none."""
+    from icecache.core.attention import dense_attention, dense_attention_and_lse
+
+    generator = torch.Generator().manual_seed(n_queries)
+    query = torch.randn(1, 8, n_queries, 64, generator=generator).to(device, torch.bfloat16)
+    key = torch.randn(1, 2, 150, 64, generator=generator).to(device, torch.bfloat16)
+    value = torch.randn(1, 2, 150, 64, generator=generator).to(device, torch.bfloat16)
+    out, lse = dense_attention_and_lse(query, key, value, 0.125)
+    assert torch.equal(out, dense_attention(query, key, value, 0.125))
+    if device == "cpu" or n_queries == 150:
+        assert lse is None
+        return
+    scores = query.float() @ key.float().repeat_interleave(4, 1).transpose(-1, -2) * 0.125
+    rows = torch.arange(n_queries, device=device)[:, None] + 150 - n_queries
+    scores = scores.masked_fill(torch.arange(150, device=device)[None, :] > rows, float("-inf"))
+    assert lse.shape == (1, 8, n_queries) and lse.dtype == torch.float32
+    torch.testing.assert_close(lse, scores.logsumexp(-1), rtol=1e-4, atol=1e-4)

@@ -85,6 +85,24 @@ def test_triton_causal_column_sums_match_the_reference(dtype, n_queries, n_keys,
                                atol=1e-3)
 
 
+@pytest.mark.gpu
+def test_triton_causal_column_sums_from_the_attentions_row_lse_match_the_two_passes():
+    """H2O's prompt scores of a chunk after earlier tokens, from the rows' log-sum-exps that the prefill's flash
+    kernel returns, against the kernels' own two passes: equal up to float32 rounding."""
+    if not triton_runtime.available():
+        pytest.skip("needs CUDA and Triton")
+    from icecache.core.attention import dense_attention_and_lse
+
+    gen = torch.Generator().manual_seed(3)
+    query = torch.randn(1, 8, 300, 64, generator=gen).to("cuda", torch.bfloat16)
+    keys = torch.randn(1, 2, 1000, 64, generator=gen).to("cuda", torch.bfloat16)
+    _, lse = dense_attention_and_lse(query, keys, keys, 0.125)
+    assert lse is not None
+    given = causal_column_sums(query[0], keys[0], 0.125, row_lse=lse[0])
+    torch.testing.assert_close(given, causal_column_sums(query[0], keys[0], 0.125), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(given, causal_column_sums_reference(query[0], keys[0], 0.125), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("mapped_source", [False, True])
 @pytest.mark.gpu
 def test_triton_copy_blocks_matches_the_reference_from_device_or_mapped_host_memory(mapped_source):

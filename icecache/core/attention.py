@@ -38,3 +38,34 @@ def dense_attention(
             query, key, value, attn_mask=causal_lower_right(q_len, kv_len), scale=scaling, enable_gqa=gqa
         )
     return out.transpose(1, 2).contiguous()
+
+
+def dense_attention_and_lse(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``dense_attention``'s output (no framework mask) and, where the attention's own kernel computes it anyway, each
+    query row's log-sum-exp of its scaled causal scores: ``[B, Hq, S]`` float32, natural log; None elsewhere.
+
+    That is a chunk after earlier tokens (``S < T``) on the flash kernel: ``dense_attention`` sends it through
+    PyTorch's lower-right causal bias, which calls the flash kernel itself whenever it can run and keeps only the
+    output. Here the same kernel is called with the same arguments, so the output has the same bits, and the
+    log-sum-exp it returns beside it costs nothing (H2O's prompt scores need it). Every other case is
+    ``dense_attention``'s, with no log-sum-exp."""
+    q_len, kv_len = query.shape[-2], key.shape[-2]
+    if q_len < kv_len and _flash_runs(query, key, value):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            query, key, value, 0.0, is_causal=True, return_debug_mask=False, scale=scaling
+        )[:2]
+        return out.transpose(1, 2).contiguous(), lse[..., :q_len]
+    return dense_attention(query, key, value, scaling), None
+
+
+def _flash_runs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the lower-right causal bias takes the flash kernel for these inputs without padding them (the test
+    PyTorch's dispatch makes, ``torch.nn.attention.bias.CausalBias``)."""
+    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16) or query.shape[-1] % 8:
+        return False
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+    return can_use_flash_attention(SDPAParams(query, key, value, None, 0.0, False, query.shape[1] != key.shape[1]))
+

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from .attention import dense_attention
+from .attention import dense_attention, dense_attention_and_lse
 from .cuda_driver import HostFunctions
 from .host_memory import PromptCopies
 from .rope import Rotary
@@ -212,11 +212,16 @@ class DenseKV(LayerKV):
     """The full cache: every token kept on the model's device, dense attention. Storage follows
     ``storage_capacity``: the announced length, else doubling."""
 
+    #: Keep the prompt chunk's row log-sum-exps where the attention kernel gives them (``prefill_lse``): a layer
+    #: whose prompt statistic needs them (H2O's accumulated attention) says yes.
+    keeps_prefill_lse = False
+
     def __init__(self, layer_idx: int, model: ModelInfo, seq: SequenceContext):
         super().__init__(layer_idx, model, seq)
         self._keys: torch.Tensor | None = None
         self._values: torch.Tensor | None = None
         self.length = 0  # physical tokens stored
+        self.prefill_lse: torch.Tensor | None = None  # [B, Hq, S] of the last prompt chunk, when kept and given
 
     def append(self, key: torch.Tensor, value: torch.Tensor) -> None:
         batch, n_kv_heads, n_new, head_dim = key.shape
@@ -243,6 +248,9 @@ class DenseKV(LayerKV):
 
     def prefill(self, query, key, value, attention_mask, scaling):
         self.append(key, value)
+        if self.keeps_prefill_lse and attention_mask is None:
+            out, self.prefill_lse = dense_attention_and_lse(query, self.keys, self.values, scaling)
+            return out
         return dense_attention(query, self.keys, self.values, scaling, attention_mask)
 
     def decode(self, query, key, value, scaling):

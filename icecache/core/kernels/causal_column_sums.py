@@ -7,7 +7,10 @@ the last S of T positions, each key's summed causal softmax probability over the
   semantics.
 * ``causal_column_sums_triton``: two passes that never build the ``[S, T]`` probability matrix: a first computes
   each row's log-sum-exp, a second sums ``exp(s - lse)`` down the columns, tile by tile. The tile shapes are
-  autotuned by Triton once per geometry (its own tuning record, kept with the kernel).
+  autotuned by Triton once per geometry (its own tuning record, kept with the kernel). Given the rows' log-sum-exps
+  (``row_lse``: those the prefill's attention kernel returned, ``attention.dense_attention_and_lse``), the first
+  pass is skipped; they come from the same products summed in another order, so the sums differ by float32
+  rounding.
 * ``causal_column_sums``: the dispatch, the Triton kernels on CUDA when ``triton_runtime.available()``, the
   reference otherwise.
 
@@ -50,10 +53,12 @@ def causal_column_sums_reference(query: torch.Tensor, keys: torch.Tensor, scalin
     return total.reshape(n_heads, n_keys)
 
 
-def causal_column_sums(query: torch.Tensor, keys: torch.Tensor, scaling: float, chunk_size: int = 256) -> torch.Tensor:
-    """Dispatch: the two-pass Triton kernels on CUDA when available, the chunked PyTorch reference otherwise."""
+def causal_column_sums(query: torch.Tensor, keys: torch.Tensor, scaling: float, chunk_size: int = 256,
+                       row_lse: torch.Tensor | None = None) -> torch.Tensor:
+    """Dispatch: the Triton kernels on CUDA when available (one pass when ``row_lse [Hq, S]``, natural log, is
+    given), the chunked PyTorch reference otherwise (which computes its own)."""
     if query.is_cuda and triton_available():
-        return causal_column_sums_triton(query, keys, scaling)
+        return causal_column_sums_triton(query, keys, scaling, row_lse)
     return causal_column_sums_reference(query, keys, scaling, chunk_size)
 
 
@@ -142,8 +147,10 @@ if triton is not None:
         tl.store(out_ptr + head.to(tl.int64) * n_keys + columns, totals, mask=column_ok)
 
 
-def causal_column_sums_triton(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
-    """The Triton version of ``causal_column_sums_reference`` (CUDA tensors)."""
+def causal_column_sums_triton(query: torch.Tensor, keys: torch.Tensor, scaling: float,
+                              row_lse: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton version of ``causal_column_sums_reference`` (CUDA tensors); ``row_lse [Hq, S]`` (natural log): the
+    rows' log-sum-exps of their scaled scores, given instead of computed."""
     require_triton()
     query, keys = last_dim_contiguous(query), last_dim_contiguous(keys)
     n_heads, n_queries, head_dim = query.shape
@@ -153,14 +160,19 @@ def causal_column_sums_triton(query: torch.Tensor, keys: torch.Tensor, scaling: 
     out = torch.zeros(n_heads, n_keys, dtype=torch.float32, device=query.device)
     if n_queries == 0:
         return out
-    lse = torch.empty(n_heads, n_queries, dtype=torch.float32, device=query.device)
     fp32 = query.dtype == torch.float32 or keys.dtype == torch.float32
     common = dict(GROUP=n_heads // n_kv_heads, HEAD_DIM=head_dim, BLOCK_DIM=triton.next_power_of_2(head_dim),
                   IEEE_FP32=fp32)
     strides = (query.stride(0), query.stride(1), keys.stride(0), keys.stride(1))
     scale_log2 = float(scaling) * _LOG2_E
-    _row_lse_kernel[lambda meta: (n_heads, triton.cdiv(n_queries, meta["BLOCK_M"]))](
-        query, keys, lse, n_queries, n_keys, scale_log2, *strides, **common)
+    if row_lse is not None:  # the kernels work in log2 units
+        if row_lse.shape != (n_heads, n_queries):
+            raise ValueError(f"row_lse has shape {tuple(row_lse.shape)}, not {(n_heads, n_queries)}")
+        lse = (row_lse.float() * _LOG2_E).contiguous()
+    else:
+        lse = torch.empty(n_heads, n_queries, dtype=torch.float32, device=query.device)
+        _row_lse_kernel[lambda meta: (n_heads, triton.cdiv(n_queries, meta["BLOCK_M"]))](
+            query, keys, lse, n_queries, n_keys, scale_log2, *strides, **common)
     _column_sums_kernel[lambda meta: (n_heads, triton.cdiv(n_keys, meta["BLOCK_N"]))](
         query, keys, lse, out, n_queries, n_keys, scale_log2, *strides, **common)
     return out
