@@ -181,6 +181,11 @@ def busy_time(intervals: list[tuple[float, float]], window: tuple[float, float])
     return busy, summed
 
 
+def device_work(event) -> bool:
+    """Whether a profiled event is work on the GPU (a kernel or a copy), not a range annotated on its timeline."""
+    return event.device_type.name == "CUDA" and not getattr(event, "is_user_annotation", False)
+
+
 #: Steps of a profiled ``decode_batch`` left out of its profile: a new graph's first step runs eagerly, its second
 #: captures (``core.graphs.GraphedDecodeStep``).
 UNPROFILED_STEPS = 2
@@ -192,8 +197,11 @@ def step_profile(events, top: int = 8, skip: int = UNPROFILED_STEPS) -> dict[str
     profile holds no step after those or no kernel (a CPU run)."""
     from icecache.core.batched_generation import STEP_RANGE
 
-    steps = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == STEP_RANGE)[skip:]
-    kernels = [e for e in events if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start]
+    # A range also shows on the GPU's timeline (a user annotation over its kernels): the steps are its host side,
+    # and the device's work is what is not an annotation.
+    steps = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.name == STEP_RANGE and e.device_type.name == "CPU")[skip:]
+    kernels = [e for e in events if device_work(e) and e.time_range.end > e.time_range.start]
     if not steps or not kernels:
         return None
     intervals = [(k.time_range.start, k.time_range.end) for k in kernels]

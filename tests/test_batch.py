@@ -369,11 +369,13 @@ def test_a_step_profile_leaves_out_the_eager_and_capturing_steps():
     from eval.throughput import step_profile
     from icecache.core.batched_generation import STEP_RANGE
 
-    def event(name, start, end, device="CPU"):
+    def event(name, start, end, device="CPU", annotation=False):
         return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end),
-                               device_type=SimpleNamespace(name=device))
+                               device_type=SimpleNamespace(name=device), is_user_annotation=annotation)
 
     steps = [event(STEP_RANGE, 1000 * i, 1000 * i + 800) for i in range(4)]  # 0.8 ms each
+    # Each range shows on the GPU's timeline too, over its kernels: neither a step nor work.
+    steps += [event(STEP_RANGE, 1000 * i + 10, 1000 * i + 790, "CUDA", annotation=True) for i in range(4)]
     kernels = [event("eager_kernel", 100, 700, "CUDA")]  # in the first step: left out
     for i in (2, 3):  # two kernels side by side, then one after
         kernels += [event("wide", 1000 * i, 1000 * i + 400, "CUDA"), event("narrow", 1000 * i + 100,
@@ -388,7 +390,7 @@ def test_a_step_profile_leaves_out_the_eager_and_capturing_steps():
     assert [(k["kernel"], k["ms"], k["launches"]) for k in found["top_kernels"]] == [
         ("wide", pytest.approx(0.4), 1), ("narrow", pytest.approx(0.3), 2)]
     assert step_profile(steps) is None  # no kernel: a CPU run
-    assert step_profile(steps[:2] + kernels) is None  # no step past the unprofiled ones
+    assert step_profile(steps[:2] + steps[4:] + kernels) is None  # no step past the unprofiled ones
 
 
 def test_a_profiled_throughput_run_steps_past_its_timed_steps_with_room_for_them(tmp_path):

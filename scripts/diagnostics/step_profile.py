@@ -34,9 +34,9 @@ REPO = Path(__file__).resolve().parents[2]
 def _gpu_busy_us(prof) -> float:
     """The time some kernel (or device copy) ran on the GPU during the profile, on any stream: the union of their
     intervals. Kernels on side streams that overlap the model's add to the summed device time but not to this."""
-    from eval.throughput import busy_time
+    from eval.throughput import busy_time, device_work
 
-    intervals = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
+    intervals = [(e.time_range.start, e.time_range.end) for e in prof.events() if device_work(e)]
     return busy_time(intervals, (float("-inf"), float("inf")))[0]
 
 
