@@ -139,6 +139,17 @@ def selection_state(gen, device, n_chunks, position, n_held):
     return query, landmarks, is_outlier.to(device), outlier_ids.to(device), slot_chunk.to(device)
 
 
+@pytest.mark.parametrize("n_chunks,n_kv_heads", [(9, 2), (701, 2), (4097, 8), (16385, 8), (65537, 8)])
+def test_the_scoring_blocks_tile_the_ranking_blocks_and_fill_the_gpu(n_chunks, n_kv_heads):
+    """The scoring kernel's blocks (one program each) cover the chunks, split the ranking's blocks evenly, and at
+    long contexts number some hundreds of programs, not the ranking's few dozen."""
+    plan = ShadowKVStepPlan(LAYOUT, n_kv_heads, GROUP, n_chunks, torch.device("cpu"))
+    assert plan.block_chunks % plan.score_chunks == 0
+    assert (plan.n_score_blocks - 1) * plan.score_chunks < n_chunks <= plan.n_score_blocks * plan.score_chunks
+    assert n_kv_heads * plan.n_score_blocks >= min(512, n_kv_heads * -(-n_chunks // shadowkv_step.SCORE_TILE))
+    assert plan.n_score_blocks >= plan.n_blocks
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_chunks,position,n_held", [(40, 37 * 8 + 3, 4), (40, 37 * 8, 6), (700, 690 * 8 + 7, 5),
                                                      (5000, 4990 * 8 + 1, 6), (8, 9 * 8, 0)])

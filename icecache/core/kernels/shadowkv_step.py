@@ -23,8 +23,9 @@ and the paged attention.
 
 ``*_reference`` are the PyTorch definitions (CPU, and CUDA without Triton); their results are the method's. The
 Triton kernels: ``turn_window`` one program per KV head (landmark and values) and per block of the rank
-(coefficients); ``select_and_plan`` three kernels (scores of blocks of chunks with each block's softmax maximum and
-sum; the probabilities and each block's top chunks; per KV head the merge of the blocks' tops and the plan);
+(coefficients); ``select_and_plan`` three kernels (scores of small blocks of chunks with each block's softmax maximum
+and sum, enough blocks to keep every SM reading landmarks; the probabilities and the top chunks of larger blocks;
+per KV head the merge of those blocks' tops and the plan);
 ``finish_step`` one program per (KV head, ranked chunk). Six launches a step with the copy and the attention, where
 the references take some 110 small kernels. ``ShadowKVStepPlan`` holds what they write, made once per layer.
 
@@ -92,17 +93,30 @@ class ShadowKVStepPlan:
         self.copy_heads = torch.arange(n_kv_heads, **long).repeat_interleave(self.n_top)
         self.counts = torch.zeros(n_kv_heads, layout.n_attended_slots, dtype=torch.int32, device=device)
         self.loaded = torch.zeros(n_kv_heads, 2, **long)
-        # Triton's scoring: blocks of chunks sized so that at most about 16 blocks per KV head are merged.
+        # Triton's ranking: blocks of chunks sized so that at most about 16 blocks per KV head are merged.
         self.block_chunks = max(256, min(2048, _next_power_of_2(-(-n_chunks // 16))))
         self.n_blocks = -(-n_chunks // self.block_chunks)
         self.block_top = min(self.n_top, self.block_chunks)
+        # Triton's scoring reads every landmark once and is bound by memory, so its blocks are smaller: about
+        # SCORE_PROGRAMS programs in all, enough to keep every SM reading (with the ranking's blocks, 72 programs
+        # read 32 MB a layer at 128k tokens and the scores took 4x the time of a read at the GPU's rate).
+        self.score_chunks = min(self.block_chunks,
+                                max(SCORE_TILE, _next_power_of_2(-(-n_chunks * n_kv_heads // SCORE_PROGRAMS))))
+        self.n_score_blocks = -(-n_chunks // self.score_chunks)
         if device.type == "cuda" or interpreted():
             padded = self.n_blocks * self.block_chunks
             self.scores = torch.empty(n_kv_heads, group_size, padded, dtype=torch.float32, device=device)
             self.probabilities = torch.zeros(n_kv_heads, padded, dtype=torch.float32, device=device)
-            self.block_max = torch.empty(n_kv_heads, group_size, self.n_blocks, dtype=torch.float32, device=device)
+            # Each score block's softmax maximum and sum, per query head of the group.
+            self.block_max = torch.empty(n_kv_heads, group_size, self.n_score_blocks, dtype=torch.float32,
+                                         device=device)
             self.block_sum = torch.empty_like(self.block_max)
             self.block_keys = torch.empty(n_kv_heads, self.n_blocks, self.block_top, **long)
+
+
+#: Chunks one step of the scoring kernel's loop scores, and about how many programs the scoring runs.
+SCORE_TILE = 64
+SCORE_PROGRAMS = 1024
 
 
 def _next_power_of_2(n: int) -> int:
@@ -384,7 +398,7 @@ if triton is not None:
 
     @triton.jit
     def _rank_kernel(
-        scores_ptr, block_max_ptr, block_sum_ptr, probabilities_ptr, block_keys_ptr, n_chunks, n_blocks,
+        scores_ptr, block_max_ptr, block_sum_ptr, probabilities_ptr, block_keys_ptr, n_chunks, n_score_blocks,
         stride_scores_head, stride_scores_group, stride_block_head, stride_block_group, stride_probabilities_head,
         stride_keys_head, stride_keys_block,
         GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, BLOCK_BLOCKS: tl.constexpr,
@@ -396,7 +410,7 @@ if triton is not None:
         group_ok = groups < GROUP
         blocks = tl.arange(0, BLOCK_BLOCKS)
         partials = head * stride_block_head + groups[:, None] * stride_block_group + blocks[None, :]
-        partial_ok = group_ok[:, None] & (blocks < n_blocks)[None, :]
+        partial_ok = group_ok[:, None] & (blocks < n_score_blocks)[None, :]  # every score block's softmax partials
         block_max = tl.load(block_max_ptr + partials, mask=partial_ok, other=float("-inf"))
         block_sum = tl.load(block_sum_ptr + partials, mask=partial_ok, other=0.0)
         top = tl.maximum(tl.max(block_max, 1), -3.4028234663852886e38)  # no candidate: every probability 0
@@ -613,21 +627,21 @@ def select_and_plan_triton(layout: ShadowKVSlots, position, query, landmarks, is
         raise ValueError("shadowkv_step: int64 slot table and outlier ids, a bool outlier mask")
     group = query.shape[0] // n_kv_heads
     outlier = is_outlier.view(torch.uint8)
-    grid = (n_kv_heads, plan.n_blocks)
-    _score_kernel[grid](
+    _score_kernel[(n_kv_heads, plan.n_score_blocks)](
         query, landmarks, outlier, plan.scores, plan.block_max, plan.block_sum, position, n_chunks, float(scaling),
         query.stride(0), landmarks.stride(0), landmarks.stride(1), outlier.stride(0), plan.scores.stride(0),
         plan.scores.stride(1), plan.block_max.stride(0), plan.block_max.stride(1),
         CS=layout.chunk_size, N_LOCAL=layout.n_local, GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim, BLOCK_DIM=max(16, triton.next_power_of_2(head_dim)), BLOCK_CHUNKS=plan.block_chunks,
-        TILE=64, PRECISION=_dot_precision(landmarks.dtype), num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_DIM=max(16, triton.next_power_of_2(head_dim)), BLOCK_CHUNKS=plan.score_chunks,
+        TILE=SCORE_TILE, PRECISION=_dot_precision(landmarks.dtype), num_warps=4,
     )
-    _rank_kernel[grid](
-        plan.scores, plan.block_max, plan.block_sum, plan.probabilities, plan.block_keys, n_chunks, plan.n_blocks,
+    _rank_kernel[(n_kv_heads, plan.n_blocks)](
+        plan.scores, plan.block_max, plan.block_sum, plan.probabilities, plan.block_keys, n_chunks,
+        plan.n_score_blocks,
         plan.scores.stride(0), plan.scores.stride(1), plan.block_max.stride(0), plan.block_max.stride(1),
         plan.probabilities.stride(0), plan.block_keys.stride(0), plan.block_keys.stride(1),
         GROUP=group, BLOCK_GROUP=triton.next_power_of_2(group), BLOCK_CHUNKS=plan.block_chunks,
-        BLOCK_BLOCKS=triton.next_power_of_2(plan.n_blocks), BLOCK_TOP=plan.block_top,
+        BLOCK_BLOCKS=triton.next_power_of_2(plan.n_score_blocks), BLOCK_TOP=plan.block_top,
         num_warps=8 if plan.block_chunks >= 1024 else 4,
     )
     n_keys = plan.n_blocks * plan.block_top
