@@ -402,7 +402,7 @@ if triton is not None:
         stride_scores_head, stride_scores_group, stride_block_head, stride_block_group, stride_probabilities_head,
         stride_keys_head, stride_keys_block,
         GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, BLOCK_BLOCKS: tl.constexpr,
-        BLOCK_TOP: tl.constexpr,
+        BLOCK_TOP: tl.constexpr, TOP_POW2: tl.constexpr,
     ):
         head = tl.program_id(0).to(tl.int64)
         block = tl.program_id(1)
@@ -427,8 +427,10 @@ if triton is not None:
         # lower chunk first.
         keys = (probabilities.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (0xFFFFFFFF - chunks.to(tl.int64))
         keys = tl.where(in_range, keys, -1)
-        ranked = tl.sort(keys, descending=True)
-        places = tl.arange(0, BLOCK_CHUNKS)
+        # Bitonic top-k: sorts runs of TOP_POW2 and keeps the larger half of each merge, a fraction of a full sort's
+        # exchanges; the keys are distinct, so the top and its order are the sort's.
+        ranked = tl.topk(keys, TOP_POW2)
+        places = tl.arange(0, TOP_POW2)
         tl.store(block_keys_ptr + head * stride_keys_head + block * stride_keys_block + places, ranked,
                  mask=places < BLOCK_TOP)
 
@@ -449,11 +451,11 @@ if triton is not None:
         # The merge of the blocks' top chunks: the first N_TOP keys in descending order.
         places = tl.arange(0, BLOCK_KEYS)
         keys = tl.load(block_keys_ptr + head * stride_keys_head + places, mask=places < n_keys, other=-1)
-        ranked = tl.sort(keys, descending=True)
-        tl.store(top_ptr + head * stride_top_head + places, 0xFFFFFFFF - (ranked & 0xFFFFFFFF), mask=places < N_TOP)
+        ranked = tl.topk(keys, BLOCK_TOP)
+        tops = tl.arange(0, BLOCK_TOP)
+        tl.store(top_ptr + head * stride_top_head + tops, 0xFFFFFFFF - (ranked & 0xFFFFFFFF), mask=tops < N_TOP)
         tl.debug_barrier()
 
-        tops = tl.arange(0, BLOCK_TOP)
         top_ok = tops < N_TOP
         top = tl.load(top_ptr + head * stride_top_head + tops, mask=top_ok, other=-1)
         outlier = tl.load(outlier_ptr + head * stride_outlier_head + tl.maximum(top, 0), mask=top_ok, other=1)
@@ -642,6 +644,7 @@ def select_and_plan_triton(layout: ShadowKVSlots, position, query, landmarks, is
         plan.probabilities.stride(0), plan.block_keys.stride(0), plan.block_keys.stride(1),
         GROUP=group, BLOCK_GROUP=triton.next_power_of_2(group), BLOCK_CHUNKS=plan.block_chunks,
         BLOCK_BLOCKS=triton.next_power_of_2(plan.n_score_blocks), BLOCK_TOP=plan.block_top,
+        TOP_POW2=triton.next_power_of_2(plan.block_top),
         num_warps=8 if plan.block_chunks >= 1024 else 4,
     )
     n_keys = plan.n_blocks * plan.block_top
