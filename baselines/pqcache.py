@@ -37,16 +37,16 @@ k-means, layer after layer, while the prefill goes on. The codes are kept on the
 ``product_quantization.smallest_draws``). Each step, on the device: the new token goes to the ring and the host store
 and is encoded; ``core.kernels.pq_votes`` scores every token through the table (``core.product_quantization.pq_scores``)
 and gives the candidates (after the sinks, before the window) a softmax per query head, summed per KV head (on CUDA two
-Triton kernels); a top-k on keys that order by vote, then by position (``first_of_stable_sort``), keeps the ``n_topk``
-tokens per KV head that a stable sort would put first (tokens with the same codes tie; ties go to the earlier position
-on every device); the chosen tokens held by the block cache are gathered from it and the others are read from the host
-store with ``copy_blocks`` (``core.kernels.block_copy``) (one kernel, skipped entries read nothing); then the cache
-update: the ``cache_topk_blocks`` complete blocks with the most selected tokens (all KV heads counted; ties to the lower
-block; only blocks with one at least) are inserted in LFU order (a hit adds one to a block's count; a missing block
-takes an empty slot or evicts the slot with the lowest count, the oldest among equals, never one of the step's blocks)
-and copied in from the host store; on CUDA the updates run on a side stream beside the rest of the step, as in PQCache,
-and the last layer makes the model's stream wait for them all before the step ends. The step reads no host value, so on
-CUDA it replays from a CUDA graph.
+Triton kernels); a top-k on keys that order by vote, then by position (``core.kernels.stable_topk``), keeps the
+``n_topk`` tokens per KV head that a stable sort would put first (tokens with the same codes tie; ties go to the earlier
+position on every device; on CUDA a few Triton passes); the chosen tokens held by the block cache are gathered from it
+and the others are read from the host store with ``copy_blocks`` (``core.kernels.block_copy``) (one kernel, skipped
+entries read nothing); then the cache update: the ``cache_topk_blocks`` complete blocks with the most selected tokens
+(all KV heads counted; ties to the lower block; only blocks with one at least) are inserted in LFU order (a hit adds one
+to a block's count; a missing block takes an empty slot or evicts the slot with the lowest count, the oldest among
+equals, never one of the step's blocks) and copied in from the host store; on CUDA the updates run on a side stream
+beside the rest of the step, as in PQCache, and the last layer makes the model's stream wait for them all before the
+step ends. The step reads no host value, so on CUDA it replays from a CUDA graph.
 
 **Deviations.** The number of k-means iterations is fixed (``kmeans_iters``, default 10); PQCache's code picks it per
 layer from a timing model so that clustering ends within the GPU's work on the following layers (3 to 300 iterations),
@@ -78,6 +78,7 @@ import torch
 from icecache.core.kernels.block_copy import copy_blocks
 from icecache.core.kernels.kmeans_passes import pq_build as pq_build_on_device
 from icecache.core.kernels.pq_votes import pq_votes
+from icecache.core.kernels.stable_topk import stable_topk
 from icecache.core.method import METHODS, Method, MethodConfig, storage_capacity
 from icecache.core.paged import mapped_device_view
 from icecache.core.product_quantization import code_rows, pq_build, pq_encode
@@ -160,22 +161,6 @@ def budget_split(config: PQCacheConfig) -> tuple[int, int]:
     rest = config.budget - config.n_sink_tokens
     n_local = max(1, int(config.local_ratio * rest))
     return n_local, rest - n_local
-
-
-def first_of_stable_sort(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The indices of the ``k`` largest of each row of float32 ``scores [R, N]`` (no NaN, no ``-0.0``), best first,
-    equal scores in index order: ``scores.sort(descending=True, stable=True).indices[:, :k]``, by ``topk``.
-
-    ``topk`` leaves the order of equal values open, so it runs on int64 keys that are all different: the score's
-    bits made order-preserving as a signed int32 (a negative float's magnitude bits flipped) in the high half, and
-    ``2**32 - 1 - index`` in the low half. Key order is then the stable sort's order (a higher score first, then a
-    lower index), no two keys are equal, so the ``k`` largest keys, best first, are exactly the stable sort's first
-    ``k`` on every device. ``N < 2**32``."""
-    bits = scores.view(torch.int32)
-    ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    index_key = (2**32 - 1) - torch.arange(scores.shape[-1], device=scores.device)
-    # One kernel: index_key + ordered * 2**32, in int64 (the int32 ordered bits are promoted first).
-    return torch.add(index_key, ordered, alpha=2**32).topk(k, dim=-1).indices
 
 
 @dataclass
@@ -388,7 +373,7 @@ class PQCacheKV(RingSlotsKV):
                          scaling)
         # Keys with the same codes tie; ties go to the earlier position, the same way on every device. A top-k
         # rather than a sort of all the tokens: only the first n_topk are kept.
-        picks = first_of_stable_sort(votes, min(self.n_topk, self.capacity))
+        picks = stable_topk(votes, min(self.n_topk, self.capacity))
         return picks, votes.gather(1, picks) >= 0
 
     def _fetch(self, picks: torch.Tensor, chosen: torch.Tensor, position: torch.Tensor) -> None:
@@ -472,7 +457,7 @@ class PQCacheKV(RingSlotsKV):
         complete = self._block_ends <= position + 1  # every token of the block is in the store
         counts = torch.where(complete, counts[:n_blocks], 0.0)
         n_offered = min(self.config.cache_topk_blocks, n_blocks)
-        offered = first_of_stable_sort(counts[None], n_offered)[0]  # ties to the lower block, on every device
+        offered = stable_topk(counts[None], n_offered)[0]  # ties to the lower block, on every device
         wanted = counts.gather(0, offered) > 0
         offered_slot = self.block_slot.index_select(0, offered)
         hit = wanted & (offered_slot >= 0)

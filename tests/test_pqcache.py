@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from baselines.pqcache import budget_split, first_of_stable_sort
+from baselines.pqcache import budget_split
 from eval.plugins import build_method
 from icecache.core.method import ModelInfo, SequenceContext
 from icecache.core.product_quantization import cluster_sums, code_rows, kmeans, pq_build, pq_scores, smallest_draws
@@ -113,20 +113,6 @@ def test_cluster_sums_by_product_are_the_scattered_sums():
         # Small whole numbers add up exactly in any order: every point is counted once, in its own cluster.
         whole = torch.randint(-8, 9, (3, n_points, 4), generator=gen).float()
         assert torch.equal(cluster_sums(whole, codes, 8, by_product=True), cluster_sums(whole, codes, 8))
-
-
-def test_first_of_stable_sort_is_the_stable_descending_sort_with_its_ties():
-    gen = torch.Generator().manual_seed(14)
-    # Few distinct values (many ties), negatives, zeros and -1 (the non-candidates' vote).
-    scores = torch.randint(-3, 4, (5, 300), generator=gen).float() / 4
-    scores[:, :40] = -1.0
-    scores[0] = 0.0
-    for k in (1, 17, 300):
-        expected = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
-        assert torch.equal(first_of_stable_sort(scores, k), expected)
-    spread = torch.randn(3, 1000, generator=gen)
-    expected = spread.sort(dim=-1, descending=True, stable=True).indices[:, :50]
-    assert torch.equal(first_of_stable_sort(spread, 50), expected)
 
 
 # --------------------------------------------------------------------------------------------------------- the layer
