@@ -487,3 +487,34 @@ def test_throughput_comes_from_the_newest_file_of_each_context_with_its_limits(b
     in_turn, side_by_side = text.split("\n\n", 2)[0], text.split("\n\n")[2]
     assert "20261202-100000" in in_turn and "side by side" not in in_turn
     assert "20261203-100000" in side_by_side and "side by side on streams of their own" in side_by_side
+
+
+def test_other_gpus_come_from_the_folders_with_last_round_times_and_ratios_of_their_own_file(bench_tables, tmp_path):
+    """Files in a folder of results/bench/ fill the other-GPU table only; per GPU the newest row of each method,
+    ratios to its own file's full caches, TTFT and TT2T from the last round (a variant's rounds its own)."""
+    write_latency(tmp_path, "latency_gpu_20260101-000000.json", "2026-01-01T00:00:00+00:00", "a",
+                  [summary_row("full_static", 1024, 0.010)])
+    other = tmp_path / "h100_20260102"
+    other.mkdir()
+    write_latency(other, "latency_h100_20260102-000000.json", "2026-01-02T00:00:00+00:00", "b", [
+        summary_row("full", 1024, 0.020), summary_row("full_static", 1024, 0.010),
+        summary_row("pqcache", 1024, 0.030), summary_row("pqcache:kmeans_on=host", 1024, 0.040)])
+    path = other / "latency_h100_20260102-000000.json"
+    data = json.loads(path.read_text())
+    data["provenance"]["gpu"] = "Other GPU"
+    data["measurements"] = [
+        {"method": method, "method_label": method.split(":")[0], "context": 1024, "round": r, "ttft_s": ttft,
+         "tt2t_s": ttft + 0.5}
+        for method, firsts in (("full", (4.0, 2.0)), ("pqcache", (8.0, 3.0)), ("pqcache:kmeans_on=host", (9.0, 2.5)))
+        for r, ttft in enumerate(firsts)]
+    path.write_text(json.dumps(data))
+    write_latency(other, "latency_h100_20260101-000000.json", "2026-01-01T00:00:00+00:00", "c",
+                  [summary_row("full_static", 1024, 0.009), summary_row("quest", 1024, 0.011)])
+    rows = {(row[0], row[2]): row for row in table_rows(bench_tables.render_other_gpus(tmp_path, {}))}
+    other_gpu = {"`full`", "`full_static`", "`pqcache`", "`pqcache (kmeans_on=host)`"}
+    assert set(rows) == {("Other GPU", m) for m in other_gpu} | {("Test GPU", "`full_static`"), ("Test GPU", "`quest`")}
+    assert rows["Other GPU", "`pqcache`"][1:8] == ["1k", "`pqcache`", "30.0", "3.00", "3.00", "1.50", "3.50"]
+    assert rows["Other GPU", "`pqcache (kmeans_on=host)`"][5:7] == ["2.50", "1.25"]
+    assert rows["Test GPU", "`quest`"][4] == "1.22"  # to the full_static of its own file
+    assert rows["Other GPU", "`full_static`"][-1] == "b" * 7
+    assert all(row[0] != "`quest`" for row in table_rows(bench_tables.render_latency_summary(tmp_path, {})))

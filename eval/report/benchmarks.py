@@ -292,6 +292,44 @@ def render_latency_summary(results: Path, paper: dict[str, Any]) -> str:
     return "\n\n".join([table(header, rows), note])
 
 
+def last_round(f: Result, row: dict[str, Any], key: str) -> float | None:
+    """``key`` (``ttft_s`` or ``tt2t_s``) of a summary row's last round: the round with the host buffers pooled and
+    the kernels compiled, where the first may pay for both; the median when the file keeps no measurements."""
+    # ``method`` names a variant with its settings (``method_label`` is its base method's name, the same for all).
+    rounds = [m for m in f.data.get("measurements", []) if m.get("context") == row["context"]
+              and m.get("method") == row["method"]]
+    if not rounds:
+        return row.get(f"{key}_median")
+    return max(rounds, key=lambda m: m.get("round", 0)).get(key)
+
+
+def render_other_gpus(results: Path, paper: dict[str, Any]) -> str:
+    """Latency measured on GPUs other than the main tables' (a folder of files under results/bench/ per GPU kind and
+    day): per GPU, the newest row of each context and method, each ratio to the full caches of its own file."""
+    files = [f for f in load(results, "*/latency_*.json") if not is_scaling(f)]
+    if not files:
+        return "None: no `results/bench/<folder>/latency_*.json`."
+    newest = newest_by([((str(f.provenance.get("gpu") or f.host), row["context"], row["method"]), f.order, (row, f))
+                        for f in files for row in f.data["summary"]])
+    rows = []
+    for (gpu, context, method), (row, f) in sorted(
+            newest.items(), key=lambda item: (item[0][0], item[0][1], method_sort_key(item[0][2]))):
+        ttft, tt2t = last_round(f, row, "ttft_s"), last_round(f, row, "tt2t_s")
+        full = reference_row(f, context, "full")
+        full_ttft = last_round(f, full, "ttft_s") if full else None
+        rows.append([gpu, context_label(context), f"`{method_text(method)}`", fmt(row.get("tpot_s_median"), 1000),
+                     ratio_to(row, f, "full_static"), fmt(ttft, digits=2),
+                     f"{ttft / full_ttft:.2f}" if ttft and full_ttft else "-", fmt(tt2t, digits=2),
+                     f"`{f.path.parent.name}/{f.name}`", f.commit_of(row)])
+    header = ["GPU", "context", "method", "TPOT ms", "x full_static", "TTFT s", "x full's TTFT", "TT2T s", "file",
+              "commit"]
+    note = ("The newest row of each method per GPU and context from the files in results/bench's folders (the main "
+            "tables read results/bench/ itself). Ratios are to the full caches of the same file; TTFT and TT2T are "
+            "the last round's (host buffers pooled, kernels compiled). Hosts of one GPU kind differ (host CPUs, "
+            "PCIe): a ratio is of one file, and rows of different files are not one measurement.")
+    return "\n\n".join([table(header, rows), note])
+
+
 # The least relative change the regression gate calls a slowdown: two rounds of 64 steps rarely agree better.
 MIN_NOISE = 0.05
 
@@ -1098,6 +1136,7 @@ RENDERERS: dict[str, Callable[[Path, dict[str, Any]], str]] = {
     "headline": render_headline,
     "latency": render_latency,
     "latency-summary": render_latency_summary,
+    "other-gpus": render_other_gpus,
     "regression": render_regression,
     "regression-summary": render_regression_summary,
     "scaling": render_scaling,
