@@ -18,7 +18,8 @@ most ``page_budget`` pages attention is full. Needs ``budget >= 2 * page_size``.
   updates its page's box with two scatter reductions (``amax`` into ``M``, ``amin`` into ``m``). The bound is
   ``q+ . M + q- . m`` (``q+ = max(q, 0)``, ``q- = min(q, 0)``; equal to the per-channel max since ``M >= m``), one
   Triton pass over both metadata tiles (the ``page_bounds`` kernel), the current and later pages at ``-inf``; one
-  ``topk`` of fixed size over all pages, ``-inf`` picks (fewer finished pages than the budget) turned into padding.
+  top-k of fixed size over all pages (``core.kernels.stable_topk``: equal bounds go to the lower page on every device,
+  a few Triton passes on CUDA), ``-inf`` picks (fewer finished pages than the budget) turned into padding.
   The selection is per query head: the buffers are seen through a stride-0 view with one "virtual page" set per
   query head (page ``kv * P + p``), so one page table per query head serves the paged kernel in one launch.
 * ``simulation``: the Quest paper's accuracy path. The bound is computed from the token keys as
@@ -38,6 +39,7 @@ import torch
 
 from icecache.core.kernels.gqa_scores import page_bounds
 from icecache.core.kernels.paged_decode_attention import paged_decode_attention
+from icecache.core.kernels.stable_topk import stable_topk
 from icecache.core.layer import attended_from_positions
 from icecache.core.method import METHODS, Method, MethodConfig
 from icecache.core.static_kv import StaticDenseKV
@@ -76,7 +78,7 @@ def select_pages(scores: torch.Tensor, n_pages: int, page_budget: int) -> torch.
     n_heads = scores.shape[0]
     if n_pages <= page_budget:
         return torch.arange(n_pages, device=scores.device).expand(n_heads, -1)
-    top = scores.topk(page_budget - 1, dim=-1).indices
+    top = stable_topk(scores, page_budget - 1)
     current = torch.full((n_heads, 1), n_pages - 1, dtype=top.dtype, device=top.device)
     return torch.cat([top, current], dim=-1)
 
@@ -150,17 +152,17 @@ class QuestKV(StaticDenseKV):
             return out.view(1, 1, *q.shape).to(query.dtype)
         with self.seq.timer.phase("select"):
             bounds = page_bounds(q, self.page_max, self.page_min, page)  # pages before the current one
-            top = bounds.topk(min(self.page_budget - 1, bounds.shape[1]), dim=-1)
+            top = stable_topk(bounds, min(self.page_budget - 1, bounds.shape[1]))
         # Fewer finished pages than the budget: the -inf picks are padding, and every finished page is chosen.
-        chosen = top.values > float("-inf")
-        table = torch.cat([torch.where(chosen, top.indices + self._head_base[:, None], -1),
+        chosen = bounds.gather(1, top) > float("-inf")
+        table = torch.cat([torch.where(chosen, top + self._head_base[:, None], -1),
                            (page + self._head_base)[:, None]], dim=1)
         counts = torch.cat([chosen * self.page_size, (slot + 1).expand(q.shape[0], 1)], dim=1)
         out = paged_decode_attention(q, self._per_head_pages(self._keys), self._per_head_pages(self._values),
                                      table, counts, scaling, self._attention_plan)
         self.seq.counters.record_on_device(counts.sum() / q.shape[0])
         if self.seq.trace_selection:
-            pages = torch.cat([top.indices, page.expand(q.shape[0], 1)], dim=1)
+            pages = torch.cat([top, page.expand(q.shape[0], 1)], dim=1)
             self.last_attended = self._attended(pages, counts, self.trace_width())
         return out.view(1, 1, *q.shape)
 

@@ -21,6 +21,7 @@ def tied_scores(gen: torch.Generator, n_rows: int, n: int) -> torch.Tensor:
     scores[:, : n // 8] = -1.0
     scores[:, n // 8 : n // 6] = float("-inf")
     scores[0] = 0.0
+    scores[-1, 1::3] = -0.0  # equal to 0.0: ties in index order with it
     return scores
 
 
@@ -65,7 +66,8 @@ def test_a_long_row_takes_three_passes_and_stays_exact(monkeypatch):
 @pytest.mark.gpu
 def test_bad_arguments_get_one_line():
     device = kernel_device()
-    with pytest.raises(ValueError, match="k=0"):
-        stable_topk_triton(torch.zeros(2, 8, device=device), 0)
+    with pytest.raises(ValueError, match="k=9"):
+        stable_topk_triton(torch.zeros(2, 8, device=device), 9)
+    assert stable_topk_triton(torch.zeros(2, 8, device=device), 0).shape == (2, 0)
     with pytest.raises(ValueError, match="float32"):
         stable_topk_triton(torch.zeros(2, 8, device=device, dtype=torch.float64), 2)

@@ -28,10 +28,11 @@ BLOCK = 4096
 
 
 def stable_topk_reference(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """``[R, k]`` int64 indices of the ``k`` largest of each row of float32 ``scores [R, N]`` (no NaN, no
-    ``-0.0``; ``N < 2**32``), best first, equal scores in index order:
+    """``[R, k]`` int64 indices of the ``k`` largest of each row of float32 ``scores [R, N]`` (no NaN;
+    ``N < 2**32``), best first, equal scores in index order:
     ``scores.sort(descending=True, stable=True).indices[:, :k]``."""
     bits = scores.view(torch.int32)
+    bits = torch.where(bits == -(2**31), 0, bits)  # -0.0 is +0.0's equal: the same key but for the index
     ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     index_key = (2**32 - 1) - torch.arange(scores.shape[-1], device=scores.device)
     # One kernel: index_key + ordered * 2**32, in int64 (the int32 ordered bits are promoted first).
@@ -51,6 +52,7 @@ if triton is not None:
         if FROM_SCORES:  # the first pass: the keys of the scores at these columns
             bits = tl.load(source_ptr + row * stride_source_row + places, mask=inside, other=0.0).to(
                 tl.int32, bitcast=True)
+            bits = tl.where(bits == -2147483648, 0, bits)  # -0.0 as +0.0
             ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
             keys = (ordered << 32) + (0xFFFFFFFF - places.to(tl.int64))
         else:  # a later pass: the keys the pass before kept
@@ -75,8 +77,10 @@ def stable_topk_triton(scores: torch.Tensor, k: int) -> torch.Tensor:
     if scores.dtype != torch.float32 or scores.dim() != 2:
         raise ValueError("stable_topk: float32 scores [rows, n]")
     n_rows, n = scores.shape
-    if not 0 < k <= n or n >= 2**32:
-        raise ValueError(f"stable_topk: k={k} must lie in [1, {n}], and n < 2**32")
+    if not 0 <= k <= n or n >= 2**32:
+        raise ValueError(f"stable_topk: k={k} must lie in [0, {n}], and n < 2**32")
+    if k == 0:
+        return torch.empty(n_rows, 0, dtype=torch.long, device=scores.device)
     scores = scores if scores.stride(-1) == 1 else scores.contiguous()
     k_pow2 = max(2, triton.next_power_of_2(k))  # Triton's top-k of one key would reduce a block to a scalar
     out = torch.empty(n_rows, k, dtype=torch.long, device=scores.device)
