@@ -8,7 +8,10 @@ from one CUDA graph where the method captures its step). TPOT is the median step
 ``B / TPOT``. Rows keep their state from one batch size to the next, so a batch's rows differ in length by the
 steps the earlier batches ran (at most ``decode_steps`` times the number of batch sizes): ragged, as in serving.
 The first out-of-memory error, on the GPU or in host memory, during a prefill or a step, is caught and recorded as
-the method's limit, not raised; the method's sequences are then freed and the next method runs.
+the method's limit, not raised. When a prefill ran out between two batch sizes (4 sequences fit, 8 were asked for),
+the sequences that fit are decoded as one more batch, the method's largest (``at_memory_limit`` in its row): a best
+throughput at the limit is not missed for want of a batch size. The method's sequences are then freed and the next
+method runs.
 
 Writes ``<out>/throughput_<host>_<date>.json`` (settings, provenance, one row per method, length and batch size,
 the limits, the summary), rewritten after every row (``complete: false`` until the end). ``resume`` completes such
@@ -223,6 +226,22 @@ def step_profile(events, top: int = 8, skip: int = UNPROFILED_STEPS) -> dict[str
                             for name, (total, count) in leading]}
 
 
+@dataclass
+class _MethodRun:
+    """One method's sequences at one length while ``measure`` takes its batches: ``caches[i]`` holds row ``i``,
+    ``decoding[i]`` its decoding state (a failed prefill leaves a cache without one), ``stage`` the work under way
+    (``prefill``, ``decode``, ``profile``: where an out-of-memory error is recorded to have happened)."""
+
+    context: int
+    name: str
+    label: str
+    budget: int
+    host_pool: Any
+    caches: list = field(default_factory=list)
+    decoding: list = field(default_factory=list)
+    stage: str = "prefill"
+
+
 def summarise(rows: list[dict[str, Any]], limits: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (method, length): the largest batch measured, the first that did not fit, the best throughput and its
     batch, the first batch after which the next one adds less than 10% throughput, and the best throughput over the
@@ -333,88 +352,112 @@ def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None =
         prompt = torch.randint(0, vocab, (context,), generator=generator).tolist()
         return GenerationRequest(input_ids=prompt, max_new_tokens=settings.reserved_new_tokens, eos_token_ids=())
 
+    def measure_batch(run: "_MethodRun", batch_size: int, prefill_s: float, prefill_peak: int | None,
+                      at_limit: bool) -> None:
+        """Decode ``run``'s first ``batch_size`` rows (and profile them when asked) and record the batch's row."""
+        run.stage = "decode"
+        batch = BatchCache(run.caches[:batch_size], row_streams=settings.row_streams)
+        result = decode_batch(model, batch, run.decoding[:batch_size], max_steps=settings.decode_steps)
+        profiled = None
+        if settings.profile_steps:  # on a CPU the profile has no kernels: None
+            run.stage = "profile"
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if is_cuda else [])
+            with profile(activities=activities) as prof:
+                decode_batch(model, batch, run.decoding[:batch_size],
+                             max_steps=settings.profile_steps + UNPROFILED_STEPS)
+            profiled = step_profile(prof.events())
+        rows.append({
+            "context": run.context, "method": run.name, "method_label": run.label, "budget": run.budget,
+            "batch_size": batch_size, "tpot_s": result.tpot_s, "tokens_per_s": result.tokens_per_s,
+            "step_times_s": result.step_times_s, "positions": [row.position for row in run.decoding[:batch_size]],
+            "prefill_s_added": prefill_s,
+            "peak_gpu_bytes": max(filter(None, [prefill_peak, result.peak_gpu_bytes]), default=None),
+            "gpu_kv_bytes": sum(cache.gpu_kv_bytes() for cache in run.caches[:batch_size]),
+            "cpu_kv_bytes": sum(cache.cpu_kv_bytes() for cache in run.caches[:batch_size]),
+            "host_rss_bytes": resident_bytes(),
+            "host_buffers_bytes": run.host_pool.allocated_bytes,
+            **{key: value for key, value in result.counters.items()
+               if key in ("graph_replays", "graph_capture_error", "host_channel")},
+            **({"profile": profiled} if settings.profile_steps else {}),
+            **({"at_memory_limit": True} if at_limit else {}),
+        })
+        provenance.write_result(out, "throughput", payload(complete=False), path=out_path, quiet=True)
+
+    def measure_largest_fit(run: "_MethodRun", fitted: int, prefill_s: float) -> None:
+        """After a prefill ran out of memory between two batch sizes: the rows that fit, decoded as the method's
+        largest batch (its best may lie there rather than at the last batch size given). The failed row's cache goes
+        first; a batch that does not fit either is left unmeasured."""
+        if len(run.caches) > fitted:
+            run.caches.pop().close()
+        gc.collect()
+        if is_cuda:
+            torch.cuda.empty_cache()
+        try:
+            measure_batch(run, fitted, prefill_s, None, at_limit=True)
+        except Exception as error:  # noqa: BLE001  only allocation failures are expected here
+            if out_of_memory(error) is None:
+                raise
+            print(f"{run.label} at {run.context}: the {fitted} rows that fit ran out of memory too", flush=True)
+
     for context in settings.lengths:
         for name, method in methods.items():
             if (context, name) in done:
                 continue
             label = method_label(dataclasses.asdict(method.config))
             channel = HostFunctions()
-            host_pool = HostPool()  # the method's sequences all live at once: nothing to reuse between them
-            caches: list[HarnessCache] = []
+            # The method's sequences all live at once: nothing to reuse between them in its host pool.
+            run = _MethodRun(context, name, label, method.config.budget, HostPool())
             host_per_row = 0  # the host memory the last prefilled row took
-            decoding: list = []
+            measured_batch = 0
             try:
                 for batch_size in tqdm(settings.batch_sizes, desc=f"{label} at {context}", unit="batch"):
-                    stage = "prefill"
+                    run.stage = "prefill"
+                    prefill_start = time.perf_counter()
                     try:
                         if is_cuda:
                             torch.cuda.reset_peak_memory_stats(device)
-                        prefill_start = time.perf_counter()
-                        while len(decoding) < batch_size:
+                        while len(run.decoding) < batch_size:
                             available = host_available_bytes()
                             if available is not None and host_per_row and available < 1.2 * host_per_row:
                                 raise HostMemoryForecast(
                                     f"{available / 2**30:.1f} GiB of host memory left, {host_per_row / 2**30:.1f} "
                                     f"GiB taken by the last sequence")
                             rss_before = resident_bytes() or 0
-                            cache = HarnessCache(method, host_pool=host_pool, host_functions=channel)
-                            caches.append(cache)
-                            decoding.append(prefill_row(
-                                model, cache, request(context, len(decoding)),
+                            cache = HarnessCache(method, host_pool=run.host_pool, host_functions=channel)
+                            run.caches.append(cache)
+                            run.decoding.append(prefill_row(
+                                model, cache, request(context, len(run.decoding)),
                                 reserved_new_tokens=settings.reserved_new_tokens,
                                 prefill_chunk_size=settings.prefill_chunk_size,
                                 layer_by_layer=settings.layer_by_layer, residual_on_host=settings.residual_on_host))
                             host_per_row = max(0, (resident_bytes() or 0) - rss_before)
                         prefill_s = time.perf_counter() - prefill_start
                         prefill_peak = torch.cuda.max_memory_allocated(device) if is_cuda else None
-                        stage = "decode"
-                        batch = BatchCache(caches[:batch_size], row_streams=settings.row_streams)
-                        result = decode_batch(model, batch, decoding[:batch_size], max_steps=settings.decode_steps)
-                        profiled = None
-                        if settings.profile_steps:  # on a CPU the profile has no kernels: None
-                            stage = "profile"
-                            from torch.profiler import ProfilerActivity, profile
-
-                            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if is_cuda else [])
-                            with profile(activities=activities) as prof:
-                                decode_batch(model, batch, decoding[:batch_size],
-                                             max_steps=settings.profile_steps + UNPROFILED_STEPS)
-                            profiled = step_profile(prof.events())
+                        measure_batch(run, batch_size, prefill_s, prefill_peak, at_limit=False)
+                        measured_batch = batch_size
                     except Exception as error:  # noqa: BLE001  only allocation failures are a limit; others raise
                         kind = out_of_memory(error)
                         if kind is None:
                             raise
+                        fitted = len(run.decoding) if run.stage == "prefill" else 0
                         limits.append({"context": context, "method": name, "method_label": label,
-                                       "batch_size": batch_size, "kind": kind, "stage": stage,
-                                       "error": str(error).splitlines()[0][:300]})
-                        print(f"{label} at {context}: {kind} memory exhausted at batch {batch_size} ({stage})",
+                                       "batch_size": batch_size, "kind": kind, "stage": run.stage,
+                                       "rows_prefilled": fitted, "error": str(error).splitlines()[0][:300]})
+                        print(f"{label} at {context}: {kind} memory exhausted at batch {batch_size} ({run.stage})",
                               flush=True)
+                        if fitted > measured_batch:
+                            measure_largest_fit(run, fitted, time.perf_counter() - prefill_start)
                         break
-                    rows.append({
-                        "context": context, "method": name, "method_label": label, "budget": method.config.budget,
-                        "batch_size": batch_size, "tpot_s": result.tpot_s, "tokens_per_s": result.tokens_per_s,
-                        "step_times_s": result.step_times_s, "positions": [row.position for row in
-                                                                          decoding[:batch_size]],
-                        "prefill_s_added": prefill_s,
-                        "peak_gpu_bytes": max(filter(None, [prefill_peak, result.peak_gpu_bytes]), default=None),
-                        "gpu_kv_bytes": sum(cache.gpu_kv_bytes() for cache in caches[:batch_size]),
-                        "cpu_kv_bytes": sum(cache.cpu_kv_bytes() for cache in caches[:batch_size]),
-                        "host_rss_bytes": resident_bytes(),
-                        "host_buffers_bytes": host_pool.allocated_bytes,
-                        **{key: value for key, value in result.counters.items()
-                           if key in ("graph_replays", "graph_capture_error", "host_channel")},
-                        **({"profile": profiled} if settings.profile_steps else {}),
-                    })
-                    provenance.write_result(out, "throughput", payload(complete=False), path=out_path, quiet=True)
             finally:
-                for cache in caches:
+                for cache in run.caches:
                     cache.close()
-                host_pool.clear()
-                # Every name that holds a row goes, the last batch's too (it holds its caches): a method that ran out
-                # of memory must leave the next one the whole GPU, not its largest batch. Caches can sit in
-                # reference cycles, so they are collected here rather than at the next collection.
-                del caches, decoding
-                cache = batch = result = None
+                run.host_pool.clear()
+                # Every name that holds a row goes: a method that ran out of memory must leave the next one the whole
+                # GPU, not its largest batch. Caches can sit in reference cycles, so they are collected here rather
+                # than at the next collection.
+                run = cache = None
                 gc.collect()
                 if is_cuda:
                     torch.cuda.synchronize(device)

@@ -273,6 +273,50 @@ def test_the_throughput_benchmark_measures_every_batch_up_to_the_first_out_of_me
     assert payload["provenance"]["torch"]
 
 
+def test_the_rows_that_fit_before_a_prefill_runs_out_of_memory_are_measured_as_the_largest_batch(tmp_path,
+                                                                                                monkeypatch):
+    """Quest's fourth sequence does not fit, in the batch of 4: its three rows are decoded as its largest batch (a
+    best throughput that the batch sizes given would miss), and the failed row's cache is closed first. When those
+    three do not fit either, nothing more is recorded."""
+    import icecache.core.batched_generation as batched
+
+    real_prefill = batched.prefill_row
+    closed: list[int] = []
+    attempts = {"quest": 0}
+
+    def prefill(model, cache, request, **kwargs):
+        if cache.method.config.name == "quest":
+            attempts["quest"] += 1
+            if attempts["quest"] == 4:
+                real_close = cache.close
+                cache.close = lambda: (closed.append(attempts["quest"]), real_close())[1]
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_prefill(model, cache, request, **kwargs)
+
+    monkeypatch.setattr(batched, "prefill_row", prefill)
+    _, payload = run_throughput(tmp_path, methods=["quest"], batch_sizes=[1, 2, 4])
+    quest = {r["batch_size"]: r for r in payload["rows"] if r["method"] == "quest"}
+    assert sorted(quest) == [1, 2, 3] and quest[3].get("at_memory_limit") and not quest[2].get("at_memory_limit")
+    assert len(quest[3]["positions"]) == 3 and closed == [4]
+    [limit] = payload["limits"]
+    assert (limit["batch_size"], limit["stage"], limit["rows_prefilled"]) == (4, "prefill", 3)
+    summary = {entry["method"]: entry for entry in payload["summary"]}
+    assert summary["quest"]["largest_batch"] == 3 and summary["quest"]["first_failed_batch"] == 4
+
+    real_decode = batched.decode_batch
+    attempts["quest"] = 0
+
+    def decode(model, batch, rows, **kwargs):  # the three rows that fit run out of memory in their decode too
+        if len(rows) == 3:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return real_decode(model, batch, rows, **kwargs)
+
+    monkeypatch.setattr(batched, "decode_batch", decode)
+    _, payload = run_throughput(tmp_path / "again", methods=["quest"], batch_sizes=[1, 2, 4])
+    assert sorted(r["batch_size"] for r in payload["rows"] if r["method"] == "quest") == [1, 2]
+    assert [(lim["method"], lim["batch_size"]) for lim in payload["limits"]] == [("quest", 4)]
+
+
 def test_a_method_that_ran_out_of_memory_leaves_no_row_alive_for_the_next(tmp_path, monkeypatch):
     """full_static runs out of memory at its third sequence; when quest prefills its first, none of full_static's
     caches is alive (the batch and the decode result of its last batch held them: on a GPU, its KV)."""
