@@ -10,14 +10,21 @@ ArkVale, ShadowKV and PQCache recall pages with it from a pinned host store read
   and one of values; a skipped entry's loads and stores are fully masked, so it moves no byte.
 * ``copy_blocks``: the dispatch, the Triton kernel for a CUDA target when ``triton_runtime.available()``, the
   reference otherwise. It has no launch state: every call goes through Triton's launch path.
+
+With a ``RowTable`` (``rows``, columns ``COPY_ROW_COLUMNS``) one launch copies for every row of a batch, each row with
+its own source, target and copy list, the tensors given being row 0's (``row_table``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .row_table import RowTable, at_row, table_arguments
 from .triton_runtime import available as triton_available
 from .triton_runtime import require_triton, tl, triton
+
+#: The tensors ``copy_blocks`` finds per row of a batch, in the kernel's pointer order.
+COPY_ROW_COLUMNS = ("source_keys", "source_values", "target_keys", "target_values", "pages", "slots", "heads")
 
 
 def copy_blocks_reference(
@@ -39,10 +46,18 @@ if triton is not None:
     @triton.jit
     def _copy_blocks_kernel(
         source_keys_ptr, source_values_ptr, target_keys_ptr, target_values_ptr, pages_ptr, slots_ptr, heads_ptr,
-        stride_source_page, stride_source_head, stride_target_slot, stride_target_head,
-        BLOCK_SIZE: tl.constexpr, BLOCK_ELEMENTS: tl.constexpr,
+        rows_ptr, stride_source_page, stride_source_head, stride_target_slot, stride_target_head,
+        BLOCK_SIZE: tl.constexpr, BLOCK_ELEMENTS: tl.constexpr, N_COLUMNS: tl.constexpr, BATCHED: tl.constexpr,
     ):
         block = tl.program_id(0)
+        row = tl.program_id(2)  # COPY_ROW_COLUMNS
+        source_keys_ptr = at_row(source_keys_ptr, rows_ptr, row, 0, N_COLUMNS, BATCHED)
+        source_values_ptr = at_row(source_values_ptr, rows_ptr, row, 1, N_COLUMNS, BATCHED)
+        target_keys_ptr = at_row(target_keys_ptr, rows_ptr, row, 2, N_COLUMNS, BATCHED)
+        target_values_ptr = at_row(target_values_ptr, rows_ptr, row, 3, N_COLUMNS, BATCHED)
+        pages_ptr = at_row(pages_ptr, rows_ptr, row, 4, N_COLUMNS, BATCHED)
+        slots_ptr = at_row(slots_ptr, rows_ptr, row, 5, N_COLUMNS, BATCHED)
+        heads_ptr = at_row(heads_ptr, rows_ptr, row, 6, N_COLUMNS, BATCHED)
         slot = tl.load(slots_ptr + block).to(tl.int64)
         page = tl.load(pages_ptr + block).to(tl.int64)
         head = tl.load(heads_ptr + block).to(tl.int64)
@@ -60,10 +75,13 @@ if triton is not None:
 def copy_blocks_triton(
     source_keys: torch.Tensor, source_values: torch.Tensor, pages: torch.Tensor,
     target_keys: torch.Tensor, target_values: torch.Tensor, slots: torch.Tensor, heads: torch.Tensor,
+    rows: RowTable | None = None,
 ) -> None:
     """The Triton kernel of ``copy_blocks_reference`` (each block contiguous, keys and values of one layout), entries
-    with a negative slot skipped without a read."""
+    with a negative slot skipped without a read; with ``rows``, for every row of a batch."""
     require_triton()
+    if rows is not None:
+        rows.check(COPY_ROW_COLUMNS, "copy_blocks")
     n = slots.numel()
     if n == 0:
         return
@@ -75,10 +93,12 @@ def copy_blocks_triton(
     if source_keys.stride()[:2] != source_values.stride()[:2] or target_keys.stride()[:2] != target_values.stride()[:2]:
         raise ValueError("keys and values must have the same layout")
     block_size = page_size * head_dim
-    _copy_blocks_kernel[(n,)](
-        source_keys, source_values, target_keys, target_values, pages, slots, heads,
+    rows_ptr, n_rows, n_columns, batched = table_arguments(rows, slots)
+    _copy_blocks_kernel[(n, 1, n_rows)](
+        source_keys, source_values, target_keys, target_values, pages, slots, heads, rows_ptr,
         source_keys.stride(0), source_keys.stride(1), target_keys.stride(0), target_keys.stride(1),
-        BLOCK_SIZE=block_size, BLOCK_ELEMENTS=triton.next_power_of_2(block_size), num_warps=4,
+        BLOCK_SIZE=block_size, BLOCK_ELEMENTS=triton.next_power_of_2(block_size), N_COLUMNS=n_columns,
+        BATCHED=batched, num_warps=4,
     )
 
 

@@ -19,6 +19,10 @@ padding. The softmax is exact and in float32.
 
 The kernel's launch state (split counts, grids, scratch for the partial results, the compiled kernels) lives in a
 ``PagedAttentionPlan`` that the calling layer makes once and passes to every call.
+
+With a ``RowTable`` (``rows``, columns ``ATTENTION_ROW_COLUMNS``) one launch attends for every row of a batch, each row
+with its own query, pages, table, counts and output, the tensors given being row 0's (``row_table``). A row is split
+as it would be alone, so that it computes what it computes alone, bit for bit.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cuda_driver import stream_handle
+from .row_table import RowTable, at_row, table_arguments
 from .triton_runtime import DirectLaunch, aligned, interpreted, require_triton, tl, triton
 from .triton_runtime import available as triton_available
 
@@ -43,6 +48,8 @@ SINGLE_SPLIT_MAX_TOKENS = 512
 MAX_GEOMETRIES = 512
 
 _LOG2_E = math.log2(math.e)
+#: The tensors the attention finds per row of a batch, in the kernel's pointer order.
+ATTENTION_ROW_COLUMNS = ("query", "key_pages", "value_pages", "page_table", "valid_counts", "out")
 
 
 # ------------------------------------------------------------------------------------------------ reference
@@ -98,7 +105,7 @@ if triton is not None:
     @triton.jit
     def _paged_decode_split_kernel(
         query_ptr, key_ptr, value_ptr, table_ptr, counts_ptr,
-        out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+        out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, rows_ptr,
         n_table, pages_per_split, qk_scale_log2,
         stride_qh, stride_qd,
         stride_kp, stride_kh, stride_ks, stride_kd,
@@ -108,10 +115,19 @@ if triton is not None:
         GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_DIM: tl.constexpr,
         PAGE_SIZE: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
-        N_SPLITS: tl.constexpr, IEEE_FP32: tl.constexpr,
+        N_SPLITS: tl.constexpr, IEEE_FP32: tl.constexpr, N_COLUMNS: tl.constexpr, BATCHED: tl.constexpr,
     ):
         kv_head = tl.program_id(0)
         split = tl.program_id(1)
+        row = tl.program_id(2)  # ATTENTION_ROW_COLUMNS
+        query_ptr = at_row(query_ptr, rows_ptr, row, 0, N_COLUMNS, BATCHED)
+        key_ptr = at_row(key_ptr, rows_ptr, row, 1, N_COLUMNS, BATCHED)
+        value_ptr = at_row(value_ptr, rows_ptr, row, 2, N_COLUMNS, BATCHED)
+        table_ptr = at_row(table_ptr, rows_ptr, row, 3, N_COLUMNS, BATCHED)
+        counts_ptr = at_row(counts_ptr, rows_ptr, row, 4, N_COLUMNS, BATCHED)
+        out_ptr = at_row(out_ptr, rows_ptr, row, 5, N_COLUMNS, BATCHED)
+        # Each row's partial results follow the previous row's: Hq * N_SPLITS entries a row.
+        row_parts = row.to(tl.int64) * tl.num_programs(0) * GROUP * N_SPLITS
 
         group_rows = tl.arange(0, BLOCK_GROUP)
         dims = tl.arange(0, BLOCK_DIM)
@@ -177,7 +193,7 @@ if triton is not None:
                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :],
             )
         else:
-            part = heads * N_SPLITS + split
+            part = row_parts + heads * N_SPLITS + split
             tl.store(
                 part_acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc,
                 mask=row_ok[:, None] & dim_ok[None, :],
@@ -187,17 +203,19 @@ if triton is not None:
 
     @triton.jit
     def _combine_splits_kernel(
-        out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+        out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, rows_ptr,
         stride_oh, stride_od,
         HEAD_DIM: tl.constexpr, BLOCK_DIM: tl.constexpr,
-        N_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+        N_SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, N_COLUMNS: tl.constexpr, BATCHED: tl.constexpr,
     ):
         head = tl.program_id(0)
+        row = tl.program_id(2)
+        out_ptr = at_row(out_ptr, rows_ptr, row, 5, N_COLUMNS, BATCHED)
         splits = tl.arange(0, BLOCK_SPLITS)
         dims = tl.arange(0, BLOCK_DIM)
         split_ok = splits < N_SPLITS
         dim_ok = dims < HEAD_DIM
-        part = head * N_SPLITS + splits
+        part = row.to(tl.int64) * tl.num_programs(0) * N_SPLITS + head * N_SPLITS + splits
         maxima = tl.load(part_max_ptr + part, mask=split_ok, other=float("-inf"))
         sums = tl.load(part_sum_ptr + part, mask=split_ok, other=0.0)
         accs = tl.load(
@@ -245,7 +263,7 @@ class _GeometryLaunch:
     __slots__ = ("n_splits", "pages_per_split", "grid", "combine_grid", "constants", "combine_constants",
                  "options", "part_acc", "part_max", "part_sum", "split_kernel", "combine_kernel")
 
-    def __init__(self, plan: PagedAttentionPlan, query, key_pages, page_table, stream):
+    def __init__(self, plan: PagedAttentionPlan, query, key_pages, page_table, stream, rows: RowTable | None = None):
         n_heads, head_dim = query.shape
         _, n_kv_heads, page_size, _ = key_pages.shape
         if n_heads % n_kv_heads:
@@ -266,11 +284,13 @@ class _GeometryLaunch:
             n_splits = math.ceil(n_blocks / blocks_per_split)
             pages_per_split = blocks_per_split * pages_per_block
         self.n_splits, self.pages_per_split = n_splits, pages_per_split
-        self.grid = (n_kv_heads, n_splits)
-        self.combine_grid = (n_heads,)
-        # Scratch for the partial results, shared by the plan's geometries of one stream (one split ignores it).
-        self.part_acc, self.part_max, self.part_sum = plan._split_scratch(device, stream, n_heads, n_kv_heads,
-                                                                          head_dim, n_splits)
+        _, n_rows, n_columns, batched = table_arguments(rows, page_table)
+        self.grid = (n_kv_heads, n_splits, n_rows)
+        self.combine_grid = (n_heads, 1, n_rows)
+        # Scratch for the partial results, shared by the plan's geometries of one stream (one split ignores it); a
+        # batch's rows take one after the other.
+        self.part_acc, self.part_max, self.part_sum = plan._split_scratch(device, stream, n_heads * n_rows,
+                                                                          n_kv_heads, head_dim, n_splits)
         block_dim = triton.next_power_of_2(head_dim)
         # Exact float32 products for float32 inputs. Triton's CPU interpreter multiplies bf16 tiles wrongly (it sees
         # their bits as integers), so there every dot runs in float32 too; compiled 16-bit inputs use tensor cores.
@@ -278,11 +298,12 @@ class _GeometryLaunch:
         group = n_heads // n_kv_heads
         # GROUP, BLOCK_GROUP, HEAD_DIM, BLOCK_DIM, PAGE_SIZE, BLOCK_TOKENS, N_SPLITS, IEEE_FP32 (kernel order).
         self.constants = (group, max(16, triton.next_power_of_2(group)), head_dim, block_dim, page_size,
-                          block_tokens, n_splits, fp32_inputs)
+                          block_tokens, n_splits, fp32_inputs, n_columns, batched)
         # Exact float32 dots run on FMA units and need 8 warps to hold a 64-row tile without spilling (ptxas, sm_90).
         self.options = {"num_warps": plan.num_warps or (8 if fp32_inputs else 4), "num_stages": 2}
-        # HEAD_DIM, BLOCK_DIM, N_SPLITS, BLOCK_SPLITS.
-        self.combine_constants = (head_dim, block_dim, n_splits, max(2, triton.next_power_of_2(n_splits)))
+        # HEAD_DIM, BLOCK_DIM, N_SPLITS, BLOCK_SPLITS, N_COLUMNS, BATCHED.
+        self.combine_constants = (head_dim, block_dim, n_splits, max(2, triton.next_power_of_2(n_splits)), n_columns,
+                                  batched)
         self.split_kernel = None
         self.combine_kernel = None
 
@@ -346,16 +367,24 @@ def paged_decode_attention_triton(
     plan: PagedAttentionPlan,
     *,
     out: torch.Tensor | None = None,
+    rows: RowTable | None = None,
 ) -> torch.Tensor:
     """The Triton kernel: ``query [Hq, D]``, ``key_pages``/``value_pages [P, Hkv, S, D]``,
     ``page_table``/``valid_counts [Hkv, N]`` (entries < 0 are padding; any integer dtype) -> ``[Hq, D]`` in the
     query's dtype, written into ``out`` when given (same shape and dtype as the query, on its device).
 
     Nothing synchronises with the device, and no tensor is allocated except the output (none when ``out`` is
-    given) once ``plan`` has seen the geometry.
+    given) once ``plan`` has seen the geometry. With ``rows`` (``ATTENTION_ROW_COLUMNS``), every row of a batch; the
+    output is then row 0's, ``out`` (given, and in ``rows``) holding every row's.
     """
     require_triton()
     device = query.device
+    if rows is not None:
+        rows.check(ATTENTION_ROW_COLUMNS, "paged_decode_attention")
+        if out is None or page_table.device != device or page_table.stride(-1) != 1 or \
+                valid_counts.device != device or valid_counts.stride(-1) != 1:
+            raise ValueError("paged_decode_attention: a batch's call gives out, and tables on the query's device with "
+                             "unit stride along the entries")
     # Tables are used in place when they are on the device with unit stride along the entries (the kernel takes
     # any row stride and any integer dtype), so the usual call copies nothing.
     if page_table.device != device or page_table.stride(-1) != 1:
@@ -374,8 +403,9 @@ def paged_decode_attention_triton(
     stream = stream_handle(device)
     # Everything Triton specialises on is in the key: dtypes, shapes and strides (the integer arguments follow
     # from them) and, through ``is_aligned``, the pointers' 16-byte alignment.
-    is_aligned = aligned(query, key_pages, value_pages, page_table, valid_counts, out)
-    key = (device, stream, is_aligned,
+    is_aligned = aligned(query, key_pages, value_pages, page_table, valid_counts, out,
+                         *(() if rows is None else (rows.offsets,)))
+    key = (device, stream, is_aligned, None if rows is None else rows.offsets.shape,
            query.dtype, query.shape, query.stride(), out.dtype, out.stride(),
            key_pages.dtype, key_pages.shape, key_pages.stride(), value_pages.dtype, value_pages.stride(),
            page_table.dtype, page_table.shape, page_table.stride(), valid_counts.dtype, valid_counts.stride())
@@ -386,11 +416,12 @@ def paged_decode_attention_triton(
                              "must have the same shape")
         if len(plan._geometries) >= MAX_GEOMETRIES:  # Triton keeps the binaries; only the launch state goes
             plan._geometries.clear()
-        launch = plan._geometries[key] = _GeometryLaunch(plan, query, key_pages, page_table, stream)
+        launch = plan._geometries[key] = _GeometryLaunch(plan, query, key_pages, page_table, stream, rows)
 
+    rows_ptr = page_table if rows is None else rows.offsets
     args = (
         query, key_pages, value_pages, page_table, valid_counts,
-        out, launch.part_acc, launch.part_max, launch.part_sum,
+        out, launch.part_acc, launch.part_max, launch.part_sum, rows_ptr,
         n_table, launch.pages_per_split, float(scaling) * _LOG2_E,
         *query.stride(), *key_pages.stride(), *value_pages.stride(),
         page_table.stride(0), valid_counts.stride(0), *out.stride(),
@@ -400,7 +431,7 @@ def paged_decode_attention_triton(
     if is_aligned:  # unaligned calls always take the JIT path, which specialises on alignment itself
         launch.split_kernel = compiled
     if launch.n_splits > 1:
-        combine_args = (out, launch.part_acc, launch.part_max, launch.part_sum, *out.stride(),
+        combine_args = (out, launch.part_acc, launch.part_max, launch.part_sum, rows_ptr, *out.stride(),
                         *launch.combine_constants)
         compiled = plan._launch(_combine_splits_kernel, launch.combine_kernel, launch.combine_grid, combine_args,
                                 stream, {"num_warps": 4})

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .row_table import RowTable, at_row, at_row_unaligned, row_table, table_arguments
 from .torch_order import ROUNDING, mean_of_rows, rounded
 from .triton_runtime import available as triton_available
 from .triton_runtime import interpreted, require_triton, tl, triton
@@ -112,6 +113,41 @@ class ShadowKVStepPlan:
                                          device=device)
             self.block_sum = torch.empty_like(self.block_max)
             self.block_keys = torch.empty(n_kv_heads, self.n_blocks, self.block_top, **long)
+
+
+#: The tensors each kernel finds per row of a batch (``row_table``), in the order of its pointer arguments. Names
+#: are those of a layer's buffers (``is_outlier``, ``store_values``: the store's device view, ``totals``: the
+#: sequence's device counters), its plan's (``scores`` ... ``loaded``) and the step's (``query [Hq, D]``, ``key`` and
+#: ``value [Hkv, D]``, ``position [1]``).
+TURN_ROW_COLUMNS = ("pool_keys", "pool_values", "landmarks", "store_values", "coefficients", "basis", "position")
+SCORE_ROW_COLUMNS = ("query", "landmarks", "is_outlier", "scores", "block_max", "block_sum", "position")
+RANK_ROW_COLUMNS = ("scores", "block_max", "block_sum", "probabilities", "block_keys")
+PLAN_ROW_COLUMNS = ("block_keys", "top", "is_outlier", "outlier_ids", "slot_chunk", "copy_pages", "copy_slots",
+                    "counts", "loaded", "position")
+FINISH_ROW_COLUMNS = ("pool_keys", "pool_values", "key", "value", "coefficients", "basis", "copy_pages",
+                      "copy_slots", "loaded", "totals", "position")
+
+
+@dataclass(frozen=True)
+class ShadowKVRowTables:
+    """The row tables of one batched step of a layer: ``turn`` for ``turn_window``, ``score``, ``rank`` and ``plan``
+    for ``select_and_plan``'s three kernels, ``finish`` for ``finish_step``."""
+
+    turn: RowTable
+    score: RowTable
+    rank: RowTable
+    plan: RowTable
+    finish: RowTable
+
+    @classmethod
+    def of(cls, rows: list[dict[str, torch.Tensor]]) -> "ShadowKVRowTables":
+        """The tables of ``rows``: each row's tensors by name (every name of the ``*_ROW_COLUMNS``)."""
+
+        def table(columns: tuple[str, ...]) -> RowTable:
+            return row_table([{name: row[name] for name in columns} for row in rows], unaligned=("position",))
+
+        return cls(table(TURN_ROW_COLUMNS), table(SCORE_ROW_COLUMNS), table(RANK_ROW_COLUMNS),
+                   table(PLAN_ROW_COLUMNS), table(FINISH_ROW_COLUMNS))
 
 
 #: Chunks one step of the scoring kernel's loop scores, and about how many programs the scoring runs.
@@ -287,15 +323,24 @@ if triton is not None:
     @triton.jit
     def _turn_window_kernel(
         pool_keys_ptr, pool_values_ptr, landmarks_ptr, store_ptr, coefficients_ptr, basis_ptr, inv_freq_ptr,
-        position_ptr, mean_factor, rope_scaling, rope_scaling_squared,
+        position_ptr, rows_ptr, mean_factor, rope_scaling, rope_scaling_squared,
         stride_pool_slot, stride_pool_head, stride_landmark_head, stride_landmark_chunk, stride_store_chunk,
         stride_store_head, stride_coefficient_row, stride_basis_rank, stride_basis_column,
+        N_COLUMNS: tl.constexpr, BATCHED: tl.constexpr,
         CS: tl.constexpr, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DIM: tl.constexpr,
         HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, N_KV_HEADS: tl.constexpr, RANK: tl.constexpr,
         BLOCK_RANK: tl.constexpr, N_LOCAL: tl.constexpr, WINDOW_SLOT0: tl.constexpr, HAS_ROPE: tl.constexpr,
         ROUNDING: tl.constexpr,
     ):
         program = tl.program_id(0)
+        row = tl.program_id(2)  # the batch's row (TURN_ROW_COLUMNS)
+        pool_keys_ptr = at_row(pool_keys_ptr, rows_ptr, row, 0, N_COLUMNS, BATCHED)
+        pool_values_ptr = at_row(pool_values_ptr, rows_ptr, row, 1, N_COLUMNS, BATCHED)
+        landmarks_ptr = at_row(landmarks_ptr, rows_ptr, row, 2, N_COLUMNS, BATCHED)
+        store_ptr = at_row(store_ptr, rows_ptr, row, 3, N_COLUMNS, BATCHED)
+        coefficients_ptr = at_row(coefficients_ptr, rows_ptr, row, 4, N_COLUMNS, BATCHED)
+        basis_ptr = at_row(basis_ptr, rows_ptr, row, 5, N_COLUMNS, BATCHED)
+        position_ptr = at_row_unaligned(position_ptr, rows_ptr, row, 6, N_COLUMNS, BATCHED)
         position = tl.load(position_ptr).to(tl.int64)
         chunk = position // CS
         leaving = chunk - N_LOCAL
@@ -357,16 +402,25 @@ if triton is not None:
 
     @triton.jit
     def _score_kernel(
-        query_ptr, landmarks_ptr, outlier_ptr, scores_ptr, block_max_ptr, block_sum_ptr, position_ptr,
+        query_ptr, landmarks_ptr, outlier_ptr, scores_ptr, block_max_ptr, block_sum_ptr, position_ptr, rows_ptr,
         n_chunks, scaling,
         stride_query_head, stride_landmark_head, stride_landmark_chunk, stride_outlier_head, stride_scores_head,
         stride_scores_group, stride_block_head, stride_block_group,
+        N_COLUMNS: tl.constexpr, BATCHED: tl.constexpr,
         CS: tl.constexpr, N_LOCAL: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_DIM: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, TILE: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
         head = tl.program_id(0).to(tl.int64)
         block = tl.program_id(1)
+        row = tl.program_id(2)  # SCORE_ROW_COLUMNS
+        query_ptr = at_row(query_ptr, rows_ptr, row, 0, N_COLUMNS, BATCHED)
+        landmarks_ptr = at_row(landmarks_ptr, rows_ptr, row, 1, N_COLUMNS, BATCHED)
+        outlier_ptr = at_row(outlier_ptr, rows_ptr, row, 2, N_COLUMNS, BATCHED)
+        scores_ptr = at_row(scores_ptr, rows_ptr, row, 3, N_COLUMNS, BATCHED)
+        block_max_ptr = at_row(block_max_ptr, rows_ptr, row, 4, N_COLUMNS, BATCHED)
+        block_sum_ptr = at_row(block_sum_ptr, rows_ptr, row, 5, N_COLUMNS, BATCHED)
+        position_ptr = at_row_unaligned(position_ptr, rows_ptr, row, 6, N_COLUMNS, BATCHED)
         position = tl.load(position_ptr).to(tl.int64)
         base = position // CS - N_LOCAL + 1
         groups = tl.arange(0, BLOCK_GROUP)
@@ -398,14 +452,22 @@ if triton is not None:
 
     @triton.jit
     def _rank_kernel(
-        scores_ptr, block_max_ptr, block_sum_ptr, probabilities_ptr, block_keys_ptr, n_chunks, n_score_blocks,
+        scores_ptr, block_max_ptr, block_sum_ptr, probabilities_ptr, block_keys_ptr, rows_ptr, n_chunks,
+        n_score_blocks,
         stride_scores_head, stride_scores_group, stride_block_head, stride_block_group, stride_probabilities_head,
         stride_keys_head, stride_keys_block,
+        N_COLUMNS: tl.constexpr, BATCHED: tl.constexpr,
         GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, BLOCK_BLOCKS: tl.constexpr,
         BLOCK_TOP: tl.constexpr, TOP_POW2: tl.constexpr,
     ):
         head = tl.program_id(0).to(tl.int64)
         block = tl.program_id(1)
+        row = tl.program_id(2)  # RANK_ROW_COLUMNS
+        scores_ptr = at_row(scores_ptr, rows_ptr, row, 0, N_COLUMNS, BATCHED)
+        block_max_ptr = at_row(block_max_ptr, rows_ptr, row, 1, N_COLUMNS, BATCHED)
+        block_sum_ptr = at_row(block_sum_ptr, rows_ptr, row, 2, N_COLUMNS, BATCHED)
+        probabilities_ptr = at_row(probabilities_ptr, rows_ptr, row, 3, N_COLUMNS, BATCHED)
+        block_keys_ptr = at_row(block_keys_ptr, rows_ptr, row, 4, N_COLUMNS, BATCHED)
         groups = tl.arange(0, BLOCK_GROUP)
         group_ok = groups < GROUP
         blocks = tl.arange(0, BLOCK_BLOCKS)
@@ -437,14 +499,26 @@ if triton is not None:
     @triton.jit
     def _plan_kernel(
         block_keys_ptr, top_ptr, outlier_ptr, outlier_ids_ptr, slot_chunk_ptr, copy_pages_ptr, copy_slots_ptr,
-        counts_ptr, loaded_ptr, position_ptr, n_keys,
+        counts_ptr, loaded_ptr, position_ptr, rows_ptr, n_keys,
         stride_keys_head, stride_top_head, stride_outlier_head, stride_outlier_ids_head, stride_slot_head,
         stride_counts_head,
+        N_COLUMNS: tl.constexpr, BATCHED: tl.constexpr,
         CS: tl.constexpr, N_OUTLIER: tl.constexpr, N_SELECTED: tl.constexpr, N_LOCAL: tl.constexpr,
         N_TOP: tl.constexpr, BLOCK_KEYS: tl.constexpr, BLOCK_TOP: tl.constexpr, BLOCK_SLOTS: tl.constexpr,
         BLOCK_OUTLIER: tl.constexpr, BLOCK_LOCAL: tl.constexpr,
     ):
         head = tl.program_id(0).to(tl.int64)
+        row = tl.program_id(2)  # PLAN_ROW_COLUMNS
+        block_keys_ptr = at_row(block_keys_ptr, rows_ptr, row, 0, N_COLUMNS, BATCHED)
+        top_ptr = at_row(top_ptr, rows_ptr, row, 1, N_COLUMNS, BATCHED)
+        outlier_ptr = at_row(outlier_ptr, rows_ptr, row, 2, N_COLUMNS, BATCHED)
+        outlier_ids_ptr = at_row(outlier_ids_ptr, rows_ptr, row, 3, N_COLUMNS, BATCHED)
+        slot_chunk_ptr = at_row(slot_chunk_ptr, rows_ptr, row, 4, N_COLUMNS, BATCHED)
+        copy_pages_ptr = at_row(copy_pages_ptr, rows_ptr, row, 5, N_COLUMNS, BATCHED)
+        copy_slots_ptr = at_row(copy_slots_ptr, rows_ptr, row, 6, N_COLUMNS, BATCHED)
+        counts_ptr = at_row(counts_ptr, rows_ptr, row, 7, N_COLUMNS, BATCHED)
+        loaded_ptr = at_row(loaded_ptr, rows_ptr, row, 8, N_COLUMNS, BATCHED)
+        position_ptr = at_row_unaligned(position_ptr, rows_ptr, row, 9, N_COLUMNS, BATCHED)
         position = tl.load(position_ptr).to(tl.int64)
         base = position // CS - N_LOCAL + 1
 
@@ -502,9 +576,11 @@ if triton is not None:
     @triton.jit
     def _finish_kernel(
         pool_keys_ptr, pool_values_ptr, key_ptr, value_ptr, coefficients_ptr, basis_ptr, inv_freq_ptr,
-        copy_pages_ptr, copy_slots_ptr, loaded_ptr, totals_ptr, position_ptr, rope_scaling, inv_heads, block_bytes,
+        copy_pages_ptr, copy_slots_ptr, loaded_ptr, totals_ptr, position_ptr, rows_ptr, rope_scaling, inv_heads,
+        block_bytes,
         stride_pool_slot, stride_pool_head, stride_key_head, stride_value_head, stride_coefficient_row,
         stride_basis_rank, stride_basis_column,
+        N_COLUMNS: tl.constexpr, BATCHED: tl.constexpr,
         CS: tl.constexpr, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DIM: tl.constexpr,
         HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, N_KV_HEADS: tl.constexpr, BLOCK_HEADS: tl.constexpr,
         N_TOP: tl.constexpr, RANK: tl.constexpr, BLOCK_RANK: tl.constexpr, N_LOCAL: tl.constexpr,
@@ -512,6 +588,18 @@ if triton is not None:
     ):
         head = tl.program_id(0).to(tl.int64)
         entry = tl.program_id(1)
+        row = tl.program_id(2)  # FINISH_ROW_COLUMNS
+        pool_keys_ptr = at_row(pool_keys_ptr, rows_ptr, row, 0, N_COLUMNS, BATCHED)
+        pool_values_ptr = at_row(pool_values_ptr, rows_ptr, row, 1, N_COLUMNS, BATCHED)
+        key_ptr = at_row(key_ptr, rows_ptr, row, 2, N_COLUMNS, BATCHED)
+        value_ptr = at_row(value_ptr, rows_ptr, row, 3, N_COLUMNS, BATCHED)
+        coefficients_ptr = at_row(coefficients_ptr, rows_ptr, row, 4, N_COLUMNS, BATCHED)
+        basis_ptr = at_row(basis_ptr, rows_ptr, row, 5, N_COLUMNS, BATCHED)
+        copy_pages_ptr = at_row(copy_pages_ptr, rows_ptr, row, 6, N_COLUMNS, BATCHED)
+        copy_slots_ptr = at_row(copy_slots_ptr, rows_ptr, row, 7, N_COLUMNS, BATCHED)
+        loaded_ptr = at_row(loaded_ptr, rows_ptr, row, 8, N_COLUMNS, BATCHED)
+        totals_ptr = at_row(totals_ptr, rows_ptr, row, 9, N_COLUMNS, BATCHED)
+        position_ptr = at_row_unaligned(position_ptr, rows_ptr, row, 10, N_COLUMNS, BATCHED)
         dtype = pool_keys_ptr.dtype.element_ty
         position = tl.load(position_ptr).to(tl.int64)
         if entry == 0:  # the new token of this KV head into its window slot
@@ -593,9 +681,13 @@ def _check_layouts(pool_keys, pool_values, coefficients, basis) -> None:
 
 
 def turn_window_triton(layout: ShadowKVSlots, position, pool_keys, pool_values, landmarks, store_values,
-                       coefficients, basis, rotary, inv_freq) -> None:
-    """The Triton version of ``turn_window_reference``."""
+                       coefficients, basis, rotary, inv_freq, rows: RowTable | None = None) -> None:
+    """The Triton version of ``turn_window_reference``; with ``rows`` (``TURN_ROW_COLUMNS``), for every row of a
+    batch, the tensors given being row 0's."""
     require_triton()
+    if rows is not None:
+        rows.check(TURN_ROW_COLUMNS, "turn_window")
+    rows_ptr, n_rows, n_columns, batched = table_arguments(rows, position)
     _check_layouts(pool_keys, pool_values, coefficients, basis)
     if store_values.stride()[2:] != pool_values.stride()[2:] or landmarks.stride(-1) != 1:
         raise ValueError("shadowkv_step: store chunk blocks laid out as the pool's, landmarks contiguous rows")
@@ -604,12 +696,13 @@ def turn_window_triton(layout: ShadowKVSlots, position, pool_keys, pool_values, 
     block_rank = 32
     has_rope, frequencies, rope_scaling = _rope_arguments(rotary, inv_freq, pool_keys.device)
     half = head_dim // 2
-    grid = (n_kv_heads + triton.cdiv(rank, block_rank),)
+    grid = (n_kv_heads + triton.cdiv(rank, block_rank), 1, n_rows)
     _turn_window_kernel[grid](
-        pool_keys, pool_values, landmarks, store_values, coefficients, basis, frequencies, position,
+        pool_keys, pool_values, landmarks, store_values, coefficients, basis, frequencies, position, rows_ptr,
         1.0 / layout.chunk_size, rope_scaling, rope_scaling ** 2,
         pool_keys.stride(0), pool_keys.stride(1), landmarks.stride(0), landmarks.stride(1), store_values.stride(0),
         store_values.stride(1), coefficients.stride(0), basis.stride(0), basis.stride(1),
+        N_COLUMNS=n_columns, BATCHED=batched,
         CS=layout.chunk_size, BLOCK_ROWS=max(16, triton.next_power_of_2(layout.chunk_size)), HEAD_DIM=head_dim,
         BLOCK_DIM=triton.next_power_of_2(head_dim), HALF=half, BLOCK_HALF=max(16, triton.next_power_of_2(half)),
         N_KV_HEADS=n_kv_heads, RANK=rank, BLOCK_RANK=block_rank, N_LOCAL=layout.n_local,
@@ -618,10 +711,16 @@ def turn_window_triton(layout: ShadowKVSlots, position, pool_keys, pool_values, 
 
 
 def select_and_plan_triton(layout: ShadowKVSlots, position, query, landmarks, is_outlier, outlier_ids, slot_chunk,
-                           scaling: float, plan: ShadowKVStepPlan) -> None:
+                           scaling: float, plan: ShadowKVStepPlan, rows: ShadowKVRowTables | None = None) -> None:
     """The Triton version of ``select_and_plan_reference``: the scores by blocks of chunks, each block's top, then
-    per KV head the merge and the plan."""
+    per KV head the merge and the plan; with ``rows``, for every row of a batch (the tensors given, ``plan``'s
+    included, being row 0's)."""
     require_triton()
+    score_rows, rank_rows, plan_rows = (None, None, None) if rows is None else (rows.score, rows.rank, rows.plan)
+    for table, columns, name in ((score_rows, SCORE_ROW_COLUMNS, "score"), (rank_rows, RANK_ROW_COLUMNS, "rank"),
+                                 (plan_rows, PLAN_ROW_COLUMNS, "plan")):
+        if table is not None:
+            table.check(columns, f"select_and_plan ({name})")
     n_kv_heads, n_chunks, head_dim = landmarks.shape
     if n_chunks != plan.n_chunks or query.stride(-1) != 1 or landmarks.stride(-1) != 1:
         raise ValueError("shadowkv_step: a plan made for these landmarks, query and landmarks contiguous rows")
@@ -629,30 +728,37 @@ def select_and_plan_triton(layout: ShadowKVSlots, position, query, landmarks, is
         raise ValueError("shadowkv_step: int64 slot table and outlier ids, a bool outlier mask")
     group = query.shape[0] // n_kv_heads
     outlier = is_outlier.view(torch.uint8)
-    _score_kernel[(n_kv_heads, plan.n_score_blocks)](
-        query, landmarks, outlier, plan.scores, plan.block_max, plan.block_sum, position, n_chunks, float(scaling),
+    rows_ptr, n_rows, n_columns, batched = table_arguments(score_rows, position)
+    _score_kernel[(n_kv_heads, plan.n_score_blocks, n_rows)](
+        query, landmarks, outlier, plan.scores, plan.block_max, plan.block_sum, position, rows_ptr, n_chunks,
+        float(scaling),
         query.stride(0), landmarks.stride(0), landmarks.stride(1), outlier.stride(0), plan.scores.stride(0),
         plan.scores.stride(1), plan.block_max.stride(0), plan.block_max.stride(1),
+        N_COLUMNS=n_columns, BATCHED=batched,
         CS=layout.chunk_size, N_LOCAL=layout.n_local, GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_DIM=max(16, triton.next_power_of_2(head_dim)), BLOCK_CHUNKS=plan.score_chunks,
         TILE=SCORE_TILE, PRECISION=_dot_precision(landmarks.dtype), num_warps=4,
     )
-    _rank_kernel[(n_kv_heads, plan.n_blocks)](
-        plan.scores, plan.block_max, plan.block_sum, plan.probabilities, plan.block_keys, n_chunks,
+    rows_ptr, n_rows, n_columns, batched = table_arguments(rank_rows, position)
+    _rank_kernel[(n_kv_heads, plan.n_blocks, n_rows)](
+        plan.scores, plan.block_max, plan.block_sum, plan.probabilities, plan.block_keys, rows_ptr, n_chunks,
         plan.n_score_blocks,
         plan.scores.stride(0), plan.scores.stride(1), plan.block_max.stride(0), plan.block_max.stride(1),
         plan.probabilities.stride(0), plan.block_keys.stride(0), plan.block_keys.stride(1),
+        N_COLUMNS=n_columns, BATCHED=batched,
         GROUP=group, BLOCK_GROUP=triton.next_power_of_2(group), BLOCK_CHUNKS=plan.block_chunks,
         BLOCK_BLOCKS=triton.next_power_of_2(plan.n_score_blocks), BLOCK_TOP=plan.block_top,
         TOP_POW2=triton.next_power_of_2(plan.block_top),
         num_warps=8 if plan.block_chunks >= 1024 else 4,
     )
     n_keys = plan.n_blocks * plan.block_top
-    _plan_kernel[(n_kv_heads,)](
+    rows_ptr, n_rows, n_columns, batched = table_arguments(plan_rows, position)
+    _plan_kernel[(n_kv_heads, 1, n_rows)](
         plan.block_keys, plan.top, outlier, outlier_ids, slot_chunk, plan.copy_pages, plan.copy_slots, plan.counts,
-        plan.loaded, position, n_keys,
+        plan.loaded, position, rows_ptr, n_keys,
         plan.block_keys.stride(0), plan.top.stride(0), outlier.stride(0), outlier_ids.stride(0), slot_chunk.stride(0),
         plan.counts.stride(0),
+        N_COLUMNS=n_columns, BATCHED=batched,
         CS=layout.chunk_size, N_OUTLIER=layout.n_outlier, N_SELECTED=layout.n_selected, N_LOCAL=layout.n_local,
         N_TOP=plan.n_top, BLOCK_KEYS=triton.next_power_of_2(n_keys), BLOCK_TOP=triton.next_power_of_2(plan.n_top),
         BLOCK_SLOTS=triton.next_power_of_2(layout.n_selected),
@@ -662,20 +768,26 @@ def select_and_plan_triton(layout: ShadowKVSlots, position, query, landmarks, is
 
 
 def finish_step_triton(layout: ShadowKVSlots, position, key, value, pool_keys, pool_values, coefficients, basis,
-                       rotary, inv_freq, plan: ShadowKVStepPlan, totals: torch.Tensor, block_bytes: int) -> None:
-    """The Triton version of ``finish_step_reference``: one program per (KV head, ranked chunk)."""
+                       rotary, inv_freq, plan: ShadowKVStepPlan, totals: torch.Tensor, block_bytes: int,
+                       rows: RowTable | None = None) -> None:
+    """The Triton version of ``finish_step_reference``: one program per (KV head, ranked chunk); with ``rows``
+    (``FINISH_ROW_COLUMNS``), per row of a batch too, the tensors given being row 0's."""
     require_triton()
+    if rows is not None:
+        rows.check(FINISH_ROW_COLUMNS, "finish_step")
+    rows_ptr, n_rows, n_columns, batched = table_arguments(rows, position)
     _check_layouts(pool_keys, pool_values, coefficients, basis)
     if key.stride(-1) != 1 or value.stride(-1) != 1 or totals.dtype != torch.float64:
         raise ValueError("shadowkv_step: key and value contiguous in the last dimension, float64 totals")
     n_kv_heads, head_dim = pool_keys.shape[1], pool_keys.shape[3]
     half = head_dim // 2
     has_rope, frequencies, rope_scaling = _rope_arguments(rotary, inv_freq, pool_keys.device)
-    _finish_kernel[(n_kv_heads, plan.n_top)](
+    _finish_kernel[(n_kv_heads, plan.n_top, n_rows)](
         pool_keys, pool_values, key, value, coefficients, basis, frequencies, plan.copy_pages, plan.copy_slots,
-        plan.loaded, totals, position, rope_scaling, 1.0 / n_kv_heads, block_bytes,
+        plan.loaded, totals, position, rows_ptr, rope_scaling, 1.0 / n_kv_heads, block_bytes,
         pool_keys.stride(0), pool_keys.stride(1), key.stride(0), value.stride(0), coefficients.stride(0),
         basis.stride(0), basis.stride(1),
+        N_COLUMNS=n_columns, BATCHED=batched,
         CS=layout.chunk_size, BLOCK_ROWS=max(16, triton.next_power_of_2(layout.chunk_size)), HEAD_DIM=head_dim,
         BLOCK_DIM=triton.next_power_of_2(head_dim), HALF=half, BLOCK_HALF=max(16, triton.next_power_of_2(half)),
         N_KV_HEADS=n_kv_heads, BLOCK_HEADS=triton.next_power_of_2(n_kv_heads), N_TOP=plan.n_top,
