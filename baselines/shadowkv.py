@@ -61,19 +61,26 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from icecache.core.kernels.block_copy import copy_blocks
-from icecache.core.kernels.paged_decode_attention import paged_decode_attention
+from icecache.core.kernels.block_copy import copy_blocks, copy_blocks_triton
+from icecache.core.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_triton
+from icecache.core.kernels.row_table import RowTable, row_table
 from icecache.core.kernels.shadowkv_step import (
+    ShadowKVRowTables,
     ShadowKVSlots,
     ShadowKVStepPlan,
     finish_step,
+    finish_step_triton,
     key_coefficients,
     ring_chunks,
+    runs_triton,
     select_and_plan,
+    select_and_plan_triton,
     turn_window,
+    turn_window_triton,
     window_base,
 )
 from icecache.core.layer import attended_from_positions
@@ -93,6 +100,7 @@ class ShadowKVConfig(MethodConfig):
     n_local_chunks: int = 4  # the window, in chunks, the current one included
     n_outlier_chunks: int | None = None  # None: 48 in 304 of the chunks besides the window (the paper's share)
     basis_solver: str = "svd"  # how the prompt's key basis is found: "svd" (QR, then SVD) or "gram" (float64 eigh)
+    batch_kernels: bool = True  # a batch's rows share each kernel launch (decode_rows); False: each row its own
 
     def check_budget(self) -> None:
         super().check_budget()
@@ -259,6 +267,10 @@ class ShadowKVKV(StaticDenseKV):
         self.rotary = model.rotary if model.rotary is not None else _NoRotary()
         self.sparse = False
         self._entering: Future | None = None  # the prompt's factorisation on the worker (CUDA), until joined
+        # A new object at each allocation of the sparse buffers: a batch's row tables (decode_rows) were made for the
+        # buffers of the tokens they hold (kept with the tables, so that no later object takes their identity).
+        self._buffers_token: object | None = None
+        self._batch_tables: tuple | None = None  # (tokens, step key, tables), kept on a batch's row-0 layer
 
     # --- prompt ----------------------------------------------------------------------------------------------------
     def prefill(self, query, key, value, attention_mask, scaling):
@@ -337,6 +349,7 @@ class ShadowKVKV(StaticDenseKV):
     def _allocate_sparse(self, n_chunks, n_kv_heads, head_dim, rank, device, dtype) -> None:
         cs = self.chunk_size
         self.n_chunks = n_chunks
+        self._buffers_token = object()
         n_slots = self.layout.n_attended_slots + 1
         self.pool_keys = torch.zeros(n_slots, n_kv_heads, cs, head_dim, dtype=dtype, device=device)
         self.pool_values = torch.zeros_like(self.pool_keys)
@@ -412,16 +425,24 @@ class ShadowKVKV(StaticDenseKV):
             self.last_attended = self._attended_positions(plan.counts, window_base(layout, position))
         return out.view(1, 1, *q.shape)
 
-    def _load_values(self):
-        """The missing chunks' values from the host store into their slots: one block-copy kernel, on a side stream
-        on CUDA so that it overlaps the key rebuild (the caller joins it). ``copy_blocks`` moves two arrays of
-        blocks of one layout; a chunk's values are one, so it is passed as its two halves."""
+    def _copy_arguments(self) -> dict[str, torch.Tensor]:
+        """``copy_blocks``' arguments by name (``COPY_ROW_COLUMNS``): it moves two arrays of blocks of one layout; a
+        chunk's values are one, so it is passed as its two halves."""
         half = self.chunk_size // 2
         plan, source, target = self._step_plan, self._store_on_device, self.pool_values
-        arguments = (source[:, :, :half], source[:, :, half:], plan.copy_pages, target[:, :, :half],
-                     target[:, :, half:], plan.copy_slots, plan.copy_heads)
+        return {"source_keys": source[:, :, :half], "source_values": source[:, :, half:],
+                "target_keys": target[:, :, :half], "target_values": target[:, :, half:],
+                "pages": plan.copy_pages, "slots": plan.copy_slots, "heads": plan.copy_heads}
+
+    def _load_values(self, rows: RowTable | None = None):
+        """The missing chunks' values from the host store into their slots: one block-copy kernel, on a side stream
+        on CUDA so that it overlaps the key rebuild (the caller joins it); with ``rows``, every row's of a batch."""
+        named = self._copy_arguments()
+        arguments = tuple(named[name] for name in ("source_keys", "source_values", "pages", "target_keys",
+                                                   "target_values", "slots", "heads"))
+        copy = partial(copy_blocks, *arguments) if rows is None else partial(copy_blocks_triton, *arguments, rows=rows)
         if not self.pool_values.is_cuda:
-            copy_blocks(*arguments)
+            copy()
             return None
         shared = self.seq.state(ShadowKVSequence)
         if shared.copy_stream is None:
@@ -429,8 +450,81 @@ class ShadowKVKV(StaticDenseKV):
         side = shared.copy_stream
         side.wait_stream(torch.cuda.current_stream(self.pool_values.device))
         with torch.cuda.stream(side), self.seq.timer.phase("load"):
-            copy_blocks(*arguments)  # the copy list is the plan's, kept across steps: no temporary to outlive
+            copy()  # the copy list is the plan's, kept across steps: no temporary to outlive
         return side
+
+    # --- a batch's step ---------------------------------------------------------------------------------------------
+    @classmethod
+    def decode_rows(cls, layers, query, key, value, scaling):
+        """Every row's step at once: each kernel of ``decode`` launched once for the batch, a program finding its
+        row's buffers through a row table (``kernels.row_table``), so that a batch of B rows costs the launches of
+        one. On CUDA with Triton, when every row's layer is sparse and laid out as row 0's (rows of one length);
+        otherwise (a row still dense or about to grow, ragged rows, a traced selection, ``batch_kernels=false``)
+        the rows decode one by one.
+        Each row computes what its own ``decode`` computes, bit for bit: the same kernels on the same buffers."""
+        device = key.device
+        if not (layers[0].cfg.batch_kernels and runs_triton(key)) or any(layer.seq.trace_selection
+                                                                        for layer in layers):
+            return None
+        for layer in layers:
+            layer._join_prompt_work(device)
+            layer.seq.prompt_copies.join()
+        if not all(layer.sparse and layer.seq_len + 1 <= layer.n_chunks * layer.chunk_size for layer in layers):
+            return None
+        if len({(layer.n_chunks, layer.layout, tuple(layer.basis.shape)) for layer in layers}) != 1:
+            return None
+        n_rows, n_heads, _, head_dim = query.shape
+        q, k, v = query[:, :, 0], key[:, :, 0], value[:, :, 0]
+        out = torch.empty(n_rows, n_heads, head_dim, dtype=query.dtype, device=device)
+        positions = [layer.decode_position(device) for layer in layers]
+        step_rows, copy_rows, attention_rows = cls._row_tables(layers, q, k, v, out, positions)
+        first, position = layers[0], positions[0]
+        layout, plan = first.layout, first._step_plan
+        turn_window_triton(layout, position, first.pool_keys, first.pool_values, first.landmarks,
+                           first._store_on_device, first.coefficients, first.basis, first.rotary, first._inv_freq,
+                           rows=step_rows.turn)
+        select_and_plan_triton(layout, position, q[0], first.landmarks, first.is_outlier, first.outlier_ids,
+                               first.slot_chunk, scaling, plan, rows=step_rows)
+        side = first._load_values(rows=copy_rows)
+        finish_step_triton(layout, position, k[0], v[0], first.pool_keys, first.pool_values, first.coefficients,
+                           first.basis, first.rotary, first._inv_freq, plan, first.seq.counters.device_totals(device),
+                           first.pool_values[0, 0].nbytes, rows=step_rows.finish)
+        if side is not None:
+            torch.cuda.current_stream(device).wait_stream(side)
+        paged_decode_attention_triton(q[0], first.pool_keys, first.pool_values, first._slot_table, plan.counts,
+                                      scaling, first._attention_plan, out=out[0], rows=attention_rows)
+        return out.view(n_rows, 1, n_heads, head_dim)
+
+    @staticmethod
+    def _row_tables(layers, q, k, v, out, positions) -> tuple[ShadowKVRowTables, RowTable, RowTable]:
+        """The step's row tables, made once for these rows' buffers and kept on row 0's layer: the step's own
+        tensors (``q``, ``k``, ``v``, ``out``, one batch tensor each, and the positions) keep their rows' distances
+        from step to step, which the key holds."""
+        tokens = tuple(layer._buffers_token for layer in layers)
+        step_key = (q.stride(), k.stride(), v.stride(), out.stride(),
+                    tuple(p.data_ptr() - positions[0].data_ptr() for p in positions))
+        cached = layers[0]._batch_tables
+        if cached is not None and len(cached[0]) == len(tokens) and cached[1] == step_key \
+                and all(a is b for a, b in zip(cached[0], tokens)):
+            return cached[2]
+        step, copies, attention = [], [], []
+        for b, layer in enumerate(layers):
+            plan = layer._step_plan
+            step.append({
+                "pool_keys": layer.pool_keys, "pool_values": layer.pool_values, "landmarks": layer.landmarks,
+                "store_values": layer._store_on_device, "coefficients": layer.coefficients, "basis": layer.basis,
+                "position": positions[b], "query": q[b], "is_outlier": layer.is_outlier, "scores": plan.scores,
+                "block_max": plan.block_max, "block_sum": plan.block_sum, "probabilities": plan.probabilities,
+                "block_keys": plan.block_keys, "top": plan.top, "outlier_ids": layer.outlier_ids,
+                "slot_chunk": layer.slot_chunk, "copy_pages": plan.copy_pages, "copy_slots": plan.copy_slots,
+                "counts": plan.counts, "loaded": plan.loaded, "key": k[b], "value": v[b],
+                "totals": layer.seq.counters.device_totals(k.device)})
+            copies.append(layer._copy_arguments())
+            attention.append({"query": q[b], "key_pages": layer.pool_keys, "value_pages": layer.pool_values,
+                              "page_table": layer._slot_table, "valid_counts": plan.counts, "out": out[b]})
+        tables = (ShadowKVRowTables.of(step), row_table(copies), row_table(attention))
+        layers[0]._batch_tables = (tokens, step_key, tables)
+        return tables
 
     def _attended_positions(self, counts: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         """bool ``[Hq, trace_width()]``: the valid tokens of the attended chunks (outliers, selected, window), in

@@ -133,6 +133,36 @@ def test_rows_side_by_side_or_in_turn_reproduce_each_sequence_alone(case, row_st
         assert len(set(streams)) == 1
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_a_shadowkv_batch_of_one_length_steps_its_rows_together_as_each_alone(arch, row_by_row_linear, monkeypatch):
+    """Rows of one length share a layout, so ShadowKV steps them together (``ShadowKVKV.decode_rows``: one launch of
+    each kernel for the batch); its tokens and logits, captured and eager, are still each row's alone."""
+    from baselines.shadowkv import ShadowKVKV
+
+    model, info = tiny_model_on(arch, "cuda")
+    method = build_method(case_config("shadowkv"), info)
+    together = []
+    rows_at_once = ShadowKVKV.decode_rows.__func__
+
+    def counted(cls, layers, *args):
+        out = rows_at_once(cls, layers, *args)
+        together.append(out is not None)
+        return out
+
+    monkeypatch.setattr(ShadowKVKV, "decode_rows", classmethod(counted))
+    batch_requests = [GenerationRequest(prompt(300, seed), 8) for seed in (4, 5, 6)]
+    singles = [alone(model, method, request) for request in batch_requests]
+    for cuda_graph in (True, False):
+        together.clear()
+        rows, _ = batched_greedy_generate(model, method, batch_requests, keep_logits=True, cuda_graph=cuda_graph)
+        assert [row.generated for row in rows] == [single.token_ids for single in singles]
+        for row, single in zip(rows, singles):
+            assert all(torch.equal(ours, theirs) for ours, theirs in zip(row.logits, single.logits))
+        assert together and all(together)  # every step of a sparse layer, the eager ones that capture included
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_a_full_cache_batch_differs_from_batch_one_only_by_rounding(arch):
     model, _, info = tiny_model(arch)

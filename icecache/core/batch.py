@@ -12,6 +12,9 @@ The sequences of a batch share the one stream they decode on, and so its hand-of
 (``HarnessCache(host_functions=...)``): one host worker serves every row's host step in stream order, instead of B
 workers spinning on the cores the host steps' own threads need.
 
+A method may attend for every row at once instead (``LayerKV.decode_rows``): ShadowKV launches each of its step's
+kernels once for the batch, each program finding its row's buffers through a ``kernels.row_table.RowTable``.
+
 With ``row_streams`` (``BatchCache``'s default; ``row_streams=False`` keeps the rows in turn on the model's
 stream) each row's attention runs on a stream of its own on CUDA, forked from the model's stream and joined back
 before the rows' outputs are concatenated, in eager steps and in captured ones alike: a sparse method's step is
@@ -49,6 +52,14 @@ class BatchKVHandle(KVHandle):
             return KVHandle(self.layers[b], self.key[b : b + 1], self.value[b : b + 1]).attend(query[b : b + 1], None,
                                                                                               scaling)
 
+        layers = self.layers
+        kind = type(layers[0])
+        if all(type(layer) is kind and layer.seq_len > 0 and layer.seq.selection_meter is None for layer in layers):
+            out = kind.decode_rows(layers, query, self.key, self.value, scaling)
+            if out is not None:  # the method's one launch per kernel for every row
+                for layer in layers:
+                    layer.seq_len += 1
+                return out
         if self.streams is None or self.layers[0].seq.host_functions.kind is not None:
             return torch.cat([attend_row(b) for b in range(len(self.layers))], dim=0)
         current = torch.cuda.current_stream(query.device)

@@ -174,6 +174,17 @@ class LayerKV(ABC):
     def decode(self, query, key, value, scaling) -> torch.Tensor:
         """One new token (``S = 1``)."""
 
+    @classmethod
+    def decode_rows(cls, layers: tuple[LayerKV, ...], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    scaling: float) -> torch.Tensor | None:
+        """One decode step of a batch's rows in one go (``core.batch``): ``layers[b]`` is row ``b``'s layer (all of
+        this class, every one past its prompt), ``query [B, Hq, 1, D]``, ``key``/``value [B, Hkv, 1, D]``; returns
+        ``[B, 1, Hq, D]``, each row what its own ``decode`` returns, or None to have the rows decode one by one (the
+        default; a method may also decline one step, e.g. when its rows' layouts differ). The caller counts the new
+        token in every row's ``seq_len``. A method whose step is a few kernels overrides it to launch each kernel
+        once for all rows (``kernels.row_table``), where row by row a batch costs B launches of each."""
+        return None
+
     @property
     def graph_ready(self) -> bool:
         """Whether the next decode step may be captured in a CUDA graph (for methods that ``captures_decode_step``):
