@@ -489,6 +489,41 @@ def test_throughput_comes_from_the_newest_file_of_each_context_with_its_limits(b
     assert "20261203-100000" in side_by_side and "side by side on streams of their own" in side_by_side
 
 
+def test_throughput_files_of_other_gpus_get_tables_of_their_own_per_gpu(bench_tables, tmp_path):
+    """A throughput file in a folder of results/bench/ stays out of the main throughput tables and fills the other-GPU
+    ones, one per GPU (the newest file of each), named with its folder."""
+    from eval.throughput import summarise
+
+    def write(folder, name, gpu, date, tokens_per_s):
+        rows = [{"context": 131072, "method": method, "method_label": method, "batch_size": batch,
+                 "tokens_per_s": tokens, "tpot_s": batch / tokens, "peak_gpu_bytes": 2**30}
+                for method, batch, tokens in (("full_static", 1, 60.0), ("shadowkv", 4, tokens_per_s))]
+        folder.mkdir(exist_ok=True)
+        payload = {"kind": "throughput", "settings": {"model_name": "llama", "budget": 256, "decode_steps": 8,
+                                                      "row_streams": True},
+                   "provenance": {**provenance(date, "abc1234"), "gpu": gpu}, "rows": rows, "limits": [],
+                   "summary": summarise(rows, [])}
+        (folder / name).write_text(json.dumps(payload))
+
+    write(tmp_path / "h100_20261201", "throughput_h100_20261201-100000.json", "GPU A", "2026-12-01", 120.0)
+    write(tmp_path / "h100_20261202", "throughput_h100_20261202-100000.json", "GPU A", "2026-12-02", 240.0)
+    write(tmp_path / "b200_20261202", "throughput_b200_20261202-100000.json", "GPU B", "2026-12-02", 300.0)
+    assert "No throughput file yet" in bench_tables.render_throughput(tmp_path, {})
+    text = bench_tables.render_other_gpus_throughput(tmp_path, {})
+    assert "`h100_20261202/throughput_h100_20261202-100000.json`" in text and "20261201" not in text
+    assert "`b200_20261202/throughput_b200_20261202-100000.json`" in text
+    assert text.index("GPU A") < text.index("GPU B")
+    shadowkv = [r[3:5] for r in table_rows(text) if r[0] == "`shadowkv`"]
+    assert shadowkv == [["240 (4)", "4.00x"], ["300 (4)", "5.00x"]]  # GPU A's newest file, then GPU B's
+    assert "resumed across GPUs" not in text
+    # A file finished on another GPU than it began says so: its ratio is not one machine's.
+    path = tmp_path / "b200_20261202" / "throughput_b200_20261202-100000.json"
+    data = json.loads(path.read_text())
+    data["resumed_by"] = [{"provenance": {"gpu": "GPU A"}}]
+    path.write_text(json.dumps(data))
+    assert "resumed across GPUs (GPU B + GPU A)" in bench_tables.render_other_gpus_throughput(tmp_path, {})
+
+
 def test_other_gpus_come_from_the_folders_with_last_round_times_and_ratios_of_their_own_file(bench_tables, tmp_path):
     """Files in a folder of results/bench/ fill the other-GPU table only; per GPU the newest row of each method,
     ratios to its own file's full caches, TTFT and TT2T from the last round (a variant's rounds its own)."""

@@ -552,17 +552,39 @@ def line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return mean_y - slope * mean_x, slope
 
 
+def file_gpus(f: Result) -> list[str]:
+    """The GPUs a file was measured on: its own, then those of the runs that resumed it, each once."""
+    names = [f.provenance.get("gpu") or (f.data.get("settings") or {}).get("device_resolved") or "?"]
+    names += [(run.get("provenance") or {}).get("gpu") for run in f.data.get("resumed_by", [])]
+    return list(dict.fromkeys(str(name) for name in names if name))
+
+
 def render_throughput(results: Path, paper: dict[str, Any]) -> str:
     """Per model, context and way of running a batch's rows (side by side on streams of their own, the default, or
     in turn: ``--rows-in-turn``), from the newest throughput file that measured it (``full_static`` in the same
     file): decode tokens per second at each batch size, the limit, and the best over ``full_static``'s best."""
-    files = load(results, "throughput_*.json")
-    newest = newest_by([((model_of(f), row["context"], bool((f.data.get("settings") or {}).get("row_streams"))),
-                         f.order, f) for f in files for row in f.data.get("rows", [])])
-    if not newest:
-        return "No throughput file yet: `python scripts/bench/throughput.py` on a GPU host writes one."
+    tables = throughput_tables(load(results, "throughput_*.json"))
+    return "\n\n".join(tables) or ("No throughput file yet: `python scripts/bench/throughput.py` on a GPU host "
+                                    "writes one.")
+
+
+def render_other_gpus_throughput(results: Path, paper: dict[str, Any]) -> str:
+    """``render_throughput``'s tables for the throughput files in results/bench's folders (GPUs other than the main
+    tables'), per GPU as well."""
+    tables = throughput_tables(load(results, "*/throughput_*.json"), per_gpu=True)
+    return "\n\n".join(tables) or "None: no `results/bench/<folder>/throughput_*.json`."
+
+
+def throughput_tables(files: list[Result], per_gpu: bool = False) -> list[str]:
+    """One table per model, context, way of running the rows (and GPU, ``per_gpu``): the newest file's."""
+    def gpu(f: Result) -> str:
+        return " + ".join(file_gpus(f)) if per_gpu else ""
+
+    newest = newest_by([((gpu(f), model_of(f), row["context"],
+                          bool((f.data.get("settings") or {}).get("row_streams"))), f.order, f)
+                        for f in files for row in f.data.get("rows", [])])
     parts = []
-    for (model, context, side_by_side), f in sorted(newest.items(), key=lambda item: item[0]):
+    for (_, model, context, side_by_side), f in sorted(newest.items(), key=lambda item: item[0]):
         rows = [r for r in f.data["rows"] if r["context"] == context]
         batches = sorted({r["batch_size"] for r in rows})
         summary = [e for e in f.data.get("summary", []) if e["context"] == context]
@@ -587,12 +609,15 @@ def render_throughput(results: Path, paper: dict[str, Any]) -> str:
         rows_run = (", the rows side by side on streams of their own" if side_by_side
                     else ", the rows in turn on the model's stream (`--rows-in-turn`; a file that records no "
                          "`row_streams` ran them so)")
+        name = f"{f.path.parent.name}/{f.name}" if per_gpu else f.name
+        gpus = file_gpus(f)
+        machine = gpus[0] if len(gpus) == 1 else (f"resumed across GPUs ({' + '.join(gpus)}): its ratios are not "
+                                                  f"one machine's")
         note = (f"{model} at {context_label(context)} tokens, budget {settings.get('budget')}, "
-                f"{settings.get('decode_steps')} steps per batch{rows_run}; `{f.name}`, commit {f.commit}, "
-                f"{f.provenance.get('gpu') or settings.get('device_resolved') or '?'}. Decode tokens per second "
-                f"(batch / median step).")
+                f"{settings.get('decode_steps')} steps per batch{rows_run}; `{name}`, commit {f.commit}, "
+                f"{machine}. Decode tokens per second (batch / median step).")
         parts.append(note + "\n\n" + table(header, lines))
-    return "\n\n".join(parts)
+    return parts
 
 
 def render_capacity(results: Path, paper: dict[str, Any]) -> str:
@@ -1137,6 +1162,7 @@ RENDERERS: dict[str, Callable[[Path, dict[str, Any]], str]] = {
     "latency": render_latency,
     "latency-summary": render_latency_summary,
     "other-gpus": render_other_gpus,
+    "other-gpus-throughput": render_other_gpus_throughput,
     "regression": render_regression,
     "regression-summary": render_regression_summary,
     "scaling": render_scaling,
