@@ -45,7 +45,9 @@ CUDA launches 8 kernels (page_start, page_bounds, the group mean, the sink mask,
 attention; topk may take two), counted by reading the code; before, the same step was 166 PyTorch operations on the
 CPU profile (torch.profiler, top-level non-view aten operations of one decode step at budget 256, 8 KV heads),
 of which some 45 are the CPU references of the three kernels and about 20 casts that launch nothing on CUDA: about
-100 launches on CUDA.
+100 launches on CUDA. A batch's rows of one length share each launch (``decode_rows``, ``kernels.row_table``): 8
+launches a layer for the whole batch, the group means, the sink mask and the top-k one PyTorch call each over every
+row's scores.
 
 **Deviations.** A decode step's backup of its finished page is written by the step itself into the mapped host store
 (ArkVale uses a side stream; the prompt's backups here do too); the bookkeeping is two Triton kernels of this harness on
@@ -59,10 +61,25 @@ from dataclasses import dataclass
 
 import torch
 
-from icecache.core.kernels.arkvale_step import ArkValeSlots, home_slot, page_digests, page_start, recall_plan
-from icecache.core.kernels.block_copy import copy_blocks
-from icecache.core.kernels.gqa_scores import page_bounds
-from icecache.core.kernels.paged_decode_attention import PagedAttentionPlan, paged_decode_attention
+from icecache.core.kernels import arkvale_step
+from icecache.core.kernels.arkvale_step import (
+    UNALIGNED_ROW_COLUMNS,
+    ArkValeSlots,
+    home_slot,
+    page_digests,
+    page_start,
+    page_start_triton,
+    recall_plan,
+    recall_plan_triton,
+)
+from icecache.core.kernels.block_copy import copy_blocks, copy_blocks_triton
+from icecache.core.kernels.gqa_scores import gqa_scores_triton, page_bounds
+from icecache.core.kernels.paged_decode_attention import (
+    PagedAttentionPlan,
+    paged_decode_attention,
+    paged_decode_attention_triton,
+)
+from icecache.core.kernels.row_table import ROW_ALIGNMENT, KeptRowTables, RowTable, row_table, step_layout
 from icecache.core.layer import attended_from_positions
 from icecache.core.method import METHODS, DenseKV, Method, MethodConfig, storage_capacity
 from icecache.core.paged import mapped_device_view
@@ -80,6 +97,7 @@ class ArkValeConfig(MethodConfig):
     n_window_pages: int = 2  # the last pages, the one being filled included
     n_groups: int = 1  # query-head groups that share a page ranking (must divide the KV heads)
     page_topks: int | None = None  # ArkVale's knob, sink and window counted; None: min(1280, budget / 2) / page_size
+    batch_kernels: bool = True  # a batch's rows share each kernel launch (decode_rows); False: each row its own
 
     def budget_page_size(self) -> int | None:
         return self.page_size
@@ -146,6 +164,11 @@ class ArkValeKV(DenseKV):
         self._copy_heads: torch.Tensor | None = None
         self._table: torch.Tensor | None = None
         self._counts: torch.Tensor | None = None
+        self.batch_kernels = config.batch_kernels
+        # A new object at each allocation of the store (decode_rows: a batch's row tables were made for the buffers
+        # it names), and the batch's tables and buffers, kept on its row-0 layer.
+        self._buffers_token: object | None = None
+        self._batch_tables: KeptRowTables | None = None
 
     # --- slots ---------------------------------------------------------------------------------------------------
     def home_slot(self, page: torch.Tensor) -> torch.Tensor:
@@ -160,6 +183,7 @@ class ArkValeKV(DenseKV):
     def _allocate_store(self, n_pages: int, like: torch.Tensor) -> None:
         """CPU store and digests for ``n_pages`` pages plus the scratch page, keeping what is there."""
         n_kv_heads, head_dim, ps = self.model.n_kv_heads, like.shape[-1], self.page_size
+        self._buffers_token = object()
         # From the host pool (kept across sequences), not cleared: a page is read only once it has been written.
         shape = (n_pages + 1, n_kv_heads, ps, head_dim)
         keys = self.seq.prompt_copies.take(shape, like.dtype, like.device)
@@ -296,6 +320,97 @@ class ArkValeKV(DenseKV):
             self.last_attended = self._attended_positions(self._counts)
         return out.view(1, 1, *q.shape)
 
+    # --- a batch's step ---------------------------------------------------------------------------------------------
+    @classmethod
+    def decode_rows(cls, layers, query, key, value, scaling):
+        """Every row's step at once: each kernel of ``decode`` launched once for the batch (``kernels.row_table``),
+        the group means, sink mask and top-k one PyTorch call each over the batch's scores; on CUDA with Triton,
+        when every row is past its prompt and laid out as row 0 (rows of one length). Otherwise (ragged rows, a
+        traced selection, ``batch_kernels=false``) the rows decode one by one. Each row computes what its own
+        ``decode`` computes: the same kernels on the same buffers, and the same reductions row by row."""
+        first, device = layers[0], key.device
+        if not (first.batch_kernels and arkvale_step.runs_triton(key)) or any(layer.seq.trace_selection
+                                                                              for layer in layers):
+            return None
+        for layer in layers:
+            layer.seq.prompt_copies.join()
+        if any(layer.pool_keys is None or layer.seq_len // layer.page_size + 1 > layer.scratch_page
+               for layer in layers):
+            return None
+        if len({(layer.scratch_page, tuple(layer.digest_hi.shape), layer._copy_pages.numel()) for layer in layers}) > 1:
+            return None
+        n_rows, n_heads, _, head_dim = query.shape
+        q, k, v = query[:, :, 0], key[:, :, 0], value[:, :, 0]
+        positions = [layer.decode_position(device) for layer in layers]
+        step = cls._batch_step(layers, q, k, v, positions)
+        position, layout = positions[0], first.layout
+        page_start_triton(layout, position, k[0], v[0], first.pool_keys, first.pool_values, first.slot_page,
+                          first._store_keys_on_device, first._store_values_on_device, first.digest_hi,
+                          first.digest_lo, first._end, rows=step.page_start)
+        gqa_scores_triton(q[0], first.digest_hi, 1.0, first._end, second_keys=first.digest_lo, out=step.bounds[0],
+                          rows=step.bounds_rows)
+        # group_page_scores and the sink mask of _candidate_scores, for every row in one call each.
+        torch.mean(step.bounds.view(n_rows, first.n_groups, -1, step.bounds.shape[-1]), dim=2, out=step.scores)
+        step.scores[:, :, : first.n_sink] = float("-inf")
+        torch.topk(step.scores, step.top_values.shape[-1], dim=-1, out=(step.top_values, step.top_indices))
+        recall_plan_triton(layout, position, first.slot_page, step.scores[0], step.top_values[0],
+                           step.top_indices[0], first._copy_pages, first._copy_slots, first._table, first._counts,
+                           first.seq.counters.device_totals(device), 2 * first.pool_keys[0, 0].nbytes,
+                           rows=step.recall)
+        copy_blocks_triton(first._store_keys_on_device, first._store_values_on_device, first._copy_pages,
+                           first.pool_keys, first.pool_values, first._copy_slots, first._copy_heads, rows=step.copy)
+        paged_decode_attention_triton(q[0], first.pool_keys, first.pool_values, first._table,
+                                      first._counts.expand(first.model.n_kv_heads, -1), scaling,
+                                      first._attention_plan, out=step.out[0], rows=step.attention)
+        return step.out.view(n_rows, 1, n_heads, head_dim)
+
+    @staticmethod
+    def _batch_step(layers, q, k, v, positions) -> "ArkValeBatchStep":
+        """The batch's row tables and step buffers, made once for these rows' buffers and kept on row 0's layer."""
+        tokens = tuple(layer._buffers_token for layer in layers)
+        step_key = step_layout((q, k, v), positions)
+        kept = layers[0]._batch_tables
+        if kept is not None and kept.hold_for(tokens, step_key):
+            return kept.tables
+        first, device = layers[0], q.device
+        n_rows, n_heads, head_dim = q.shape
+        n_pages = first.digest_hi.shape[1]
+        # Each row's per-head bounds start at a multiple of 16 bytes, as the scoring kernel assumes of its output.
+        padded = -(-n_pages // ROW_ALIGNMENT) * ROW_ALIGNMENT
+        bounds = torch.empty(n_rows, n_heads, padded, dtype=torch.float32, device=device)[:, :, :n_pages]
+        scores = torch.empty(n_rows, first.n_groups, n_pages, dtype=torch.float32, device=device)
+        n_top = min(first.n_topk, n_pages)
+        top_values = torch.empty(n_rows, first.n_groups, n_top, dtype=torch.float32, device=device)
+        top_indices = torch.empty(n_rows, first.n_groups, n_top, dtype=torch.long, device=device)
+        out = torch.empty(n_rows, n_heads, head_dim, dtype=q.dtype, device=device)
+        columns = {"page_start": [], "bounds": [], "recall": [], "copy": [], "attention": []}
+        for b, layer in enumerate(layers):
+            store_keys, store_values = layer._store_keys_on_device, layer._store_values_on_device
+            columns["page_start"].append({
+                "pool_keys": layer.pool_keys, "pool_values": layer.pool_values, "store_keys": store_keys,
+                "store_values": store_values, "digest_hi": layer.digest_hi, "digest_lo": layer.digest_lo,
+                "slot_page": layer.slot_page, "key": k[b], "value": v[b], "position": positions[b], "end": layer._end})
+            columns["bounds"].append({"query": q[b], "keys": layer.digest_hi, "second_keys": layer.digest_lo,
+                                      "n_valid": layer._end, "out": bounds[b]})
+            columns["recall"].append({
+                "slot_page": layer.slot_page, "position": positions[b], "scores": scores[b],
+                "top_values": top_values[b], "top_indices": top_indices[b], "copy_pages": layer._copy_pages,
+                "copy_slots": layer._copy_slots, "table": layer._table, "counts": layer._counts,
+                "totals": layer.seq.counters.device_totals(device)})
+            columns["copy"].append({
+                "source_keys": store_keys, "source_values": store_values, "target_keys": layer.pool_keys,
+                "target_values": layer.pool_values, "pages": layer._copy_pages, "slots": layer._copy_slots,
+                "heads": layer._copy_heads})
+            columns["attention"].append({
+                "query": q[b], "key_pages": layer.pool_keys, "value_pages": layer.pool_values,
+                "page_table": layer._table, "valid_counts": layer._counts.expand(layer.model.n_kv_heads, -1),
+                "out": out[b]})
+        tables = {name: row_table(rows, unaligned=UNALIGNED_ROW_COLUMNS) for name, rows in columns.items()}
+        step = ArkValeBatchStep(tables["page_start"], tables["bounds"], tables["recall"], tables["copy"],
+                                tables["attention"], bounds, scores, top_values, top_indices, out)
+        layers[0]._batch_tables = KeptRowTables(tokens, step_key, step)
+        return step
+
     def _attended_positions(self, counts: torch.Tensor) -> torch.Tensor:
         """bool ``[Hq, trace_width()]`` of the positions in resident pages (valid slots only); ``counts [B]`` the
         valid tokens of each pool slot."""
@@ -312,6 +427,24 @@ class ArkValeKV(DenseKV):
 
     def cpu_kv_bytes(self) -> int:
         return 0 if self.store_keys is None else self.store_keys.nbytes + self.store_values.nbytes
+
+
+@dataclass(frozen=True)
+class ArkValeBatchStep:
+    """What a batch's step of one layer launches with (``ArkValeKV.decode_rows``): the row tables of its kernels, and
+    the batch's buffers for the per-head bounds (rows padded to whole multiples of 16 elements), the group scores,
+    their top-k and the attention's output."""
+
+    page_start: RowTable
+    bounds_rows: RowTable
+    recall: RowTable
+    copy: RowTable
+    attention: RowTable
+    bounds: torch.Tensor  # [B, Hq, P + 1] float32
+    scores: torch.Tensor  # [B, G, P + 1] float32
+    top_values: torch.Tensor  # [B, G, k] float32
+    top_indices: torch.Tensor  # [B, G, k] int64
+    out: torch.Tensor  # [B, Hq, D]
 
 
 @METHODS.register("arkvale")

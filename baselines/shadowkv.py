@@ -67,7 +67,7 @@ import torch
 
 from icecache.core.kernels.block_copy import copy_blocks, copy_blocks_triton
 from icecache.core.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_triton
-from icecache.core.kernels.row_table import RowTable, row_table
+from icecache.core.kernels.row_table import KeptRowTables, RowTable, row_table, step_layout
 from icecache.core.kernels.shadowkv_step import (
     ShadowKVRowTables,
     ShadowKVSlots,
@@ -270,7 +270,7 @@ class ShadowKVKV(StaticDenseKV):
         # A new object at each allocation of the sparse buffers: a batch's row tables (decode_rows) were made for the
         # buffers of the tokens they hold (kept with the tables, so that no later object takes their identity).
         self._buffers_token: object | None = None
-        self._batch_tables: tuple | None = None  # (tokens, step key, tables), kept on a batch's row-0 layer
+        self._batch_tables: KeptRowTables | None = None  # a batch's, kept on its row-0 layer
 
     # --- prompt ----------------------------------------------------------------------------------------------------
     def prefill(self, query, key, value, attention_mask, scaling):
@@ -501,12 +501,10 @@ class ShadowKVKV(StaticDenseKV):
         tensors (``q``, ``k``, ``v``, ``out``, one batch tensor each, and the positions) keep their rows' distances
         from step to step, which the key holds."""
         tokens = tuple(layer._buffers_token for layer in layers)
-        step_key = (q.stride(), k.stride(), v.stride(), out.stride(),
-                    tuple(p.data_ptr() - positions[0].data_ptr() for p in positions))
-        cached = layers[0]._batch_tables
-        if cached is not None and len(cached[0]) == len(tokens) and cached[1] == step_key \
-                and all(a is b for a, b in zip(cached[0], tokens)):
-            return cached[2]
+        step_key = step_layout((q, k, v, out), positions)
+        kept = layers[0]._batch_tables
+        if kept is not None and kept.hold_for(tokens, step_key):
+            return kept.tables
         step, copies, attention = [], [], []
         for b, layer in enumerate(layers):
             plan = layer._step_plan
@@ -523,7 +521,7 @@ class ShadowKVKV(StaticDenseKV):
             attention.append({"query": q[b], "key_pages": layer.pool_keys, "value_pages": layer.pool_values,
                               "page_table": layer._slot_table, "valid_counts": plan.counts, "out": out[b]})
         tables = (ShadowKVRowTables.of(step), row_table(copies), row_table(attention))
-        layers[0]._batch_tables = (tokens, step_key, tables)
+        layers[0]._batch_tables = KeptRowTables(tokens, step_key, tables)
         return tables
 
     def _attended_positions(self, counts: torch.Tensor, base: torch.Tensor) -> torch.Tensor:

@@ -136,22 +136,25 @@ def test_rows_side_by_side_or_in_turn_reproduce_each_sequence_alone(case, row_st
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_a_shadowkv_batch_of_one_length_steps_its_rows_together_as_each_alone(arch, row_by_row_linear, monkeypatch):
-    """Rows of one length share a layout, so ShadowKV steps them together (``ShadowKVKV.decode_rows``: one launch of
+@pytest.mark.parametrize("case", ["shadowkv", "arkvale"])
+def test_a_batch_of_one_length_steps_its_rows_together_as_each_alone(case, arch, row_by_row_linear, monkeypatch):
+    """Rows of one length share a layout, so ShadowKV and ArkVale step them together (``decode_rows``: one launch of
     each kernel for the batch); its tokens and logits, captured and eager, are still each row's alone."""
+    from baselines.arkvale import ArkValeKV
     from baselines.shadowkv import ShadowKVKV
 
+    layer_class = {"shadowkv": ShadowKVKV, "arkvale": ArkValeKV}[case]
     model, info = tiny_model_on(arch, "cuda")
-    method = build_method(case_config("shadowkv"), info)
+    method = build_method(case_config(case), info)
     together = []
-    rows_at_once = ShadowKVKV.decode_rows.__func__
+    rows_at_once = layer_class.decode_rows.__func__
 
     def counted(cls, layers, *args):
         out = rows_at_once(cls, layers, *args)
         together.append(out is not None)
         return out
 
-    monkeypatch.setattr(ShadowKVKV, "decode_rows", classmethod(counted))
+    monkeypatch.setattr(layer_class, "decode_rows", classmethod(counted))
     batch_requests = [GenerationRequest(prompt(300, seed), 8) for seed in (4, 5, 6)]
     singles = [alone(model, method, request) for request in batch_requests]
     for cuda_graph in (True, False):

@@ -14,12 +14,14 @@ import dataclasses
 import pytest
 import torch
 
+import baselines.arkvale as arkvale_module
 import baselines.shadowkv as shadowkv_module
 from eval.plugins import build_method
 from icecache.core.batched_generation import batched_greedy_generate
 from icecache.core.generation import GenerationRequest
-from icecache.core.kernels import shadowkv_step
+from icecache.core.kernels import arkvale_step, shadowkv_step
 from icecache.core.kernels.block_copy import COPY_ROW_COLUMNS, copy_blocks_triton
+from icecache.core.kernels.gqa_scores import gqa_scores_triton
 from icecache.core.kernels.paged_decode_attention import (
     ATTENTION_ROW_COLUMNS,
     PagedAttentionPlan,
@@ -196,6 +198,60 @@ def test_shadowkv_rows_step_one_by_one_where_the_kernels_cannot_run():
     layers = (shadowkv_layer(torch.device("cpu")),)
     step = [torch.randn(1, h, 1, HEAD_DIM) for h in (N_KV_HEADS * GROUP, N_KV_HEADS, N_KV_HEADS)]
     assert shadowkv_module.ShadowKVKV.decode_rows(layers, *step, 0.25) is None
+
+
+# --- ArkVale's batched step -----------------------------------------------------------------------------------------
+
+
+def arkvale_layer(device, dtype=torch.float32):
+    info = ModelInfo(n_layers=1, n_heads=N_KV_HEADS * GROUP, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM,
+                     rotary=ROTARY, device=device, dtype=dtype)
+    config = {"name": "arkvale", "budget": 64, "page_size": 8, "n_dense_layers": 0}
+    seq = SequenceContext()
+    seq.max_total_tokens = 340
+    return build_method(config, info).make_layer(0, seq)
+
+
+@pytest.mark.gpu
+def test_arkvale_rows_stepped_together_match_each_row_stepped_alone(monkeypatch):
+    """Three rows of one length stepped 30 times (pages finishing, the ring turning, pages recalled): every output,
+    pool, digest, host backup, counter and slot (the scratch row aside: it takes whatever the top-k's padding names)
+    of the batched steps equals the row's own steps, the Triton kernels on both sides."""
+    device = kernel_device()
+    monkeypatch.setattr(arkvale_step, "runs_triton", lambda tensor: True)
+    monkeypatch.setattr(arkvale_module, "copy_blocks", copy_blocks_triton)
+    monkeypatch.setattr(arkvale_module, "paged_decode_attention", paged_decode_attention_triton)
+    monkeypatch.setattr(arkvale_module, "page_bounds", lambda q, hi, lo, n: gqa_scores_triton(q, hi, 1.0, n,
+                                                                                             second_keys=lo))
+    gen = torch.Generator().manual_seed(9)
+
+    def qkv(n_rows, n_tokens):
+        return tuple(torch.randn(n_rows, heads, n_tokens, HEAD_DIM, generator=gen).to(device)
+                     for heads in (N_KV_HEADS * GROUP, N_KV_HEADS, N_KV_HEADS))
+
+    n_rows = 3
+    prompts, steps = qkv(n_rows, 300), [qkv(n_rows, 1) for _ in range(30)]
+    together, alone = ([arkvale_layer(device) for _ in range(n_rows)] for _ in range(2))
+    for b in range(n_rows):
+        for layer in (together[b], alone[b]):
+            layer.forward(*(x[b : b + 1] for x in prompts), None, 0.25)
+    for query, key, value in steps:
+        out = arkvale_module.ArkValeKV.decode_rows(tuple(together), query, key, value, 0.25)
+        assert out is not None and out.shape == (n_rows, 1, N_KV_HEADS * GROUP, HEAD_DIM)
+        for layer in together:
+            layer.seq_len += 1
+        for b, layer in enumerate(alone):
+            single = layer.forward(query[b : b + 1], key[b : b + 1], value[b : b + 1], None, 0.25)
+            assert torch.equal(out[b : b + 1], single), b
+    n_finished = (300 + len(steps)) // 8  # the host store holds what its pool left there past the finished pages
+    for mine, theirs in zip(together, alone):
+        for name in ("pool_keys", "pool_values", "digest_hi", "digest_lo"):
+            assert torch.equal(getattr(mine, name), getattr(theirs, name)), name
+        for name in ("store_keys", "store_values"):
+            assert torch.equal(getattr(mine, name)[:n_finished], getattr(theirs, name)[:n_finished]), name
+        assert torch.equal(mine.slot_page[:-1], theirs.slot_page[:-1])
+        assert torch.equal(mine.seq.counters.device_totals(device), theirs.seq.counters.device_totals(device))
+    assert float(together[0].seq.counters.device_totals(device)[2]) > 0  # pages were recalled
 
 
 # --- the core's hook -------------------------------------------------------------------------------------------------

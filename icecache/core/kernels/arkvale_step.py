@@ -44,10 +44,19 @@ from dataclasses import dataclass
 
 import torch
 
+from .row_table import RowTable, at_row, at_row_unaligned, table_arguments
 from .torch_order import ROUNDING as _DIGEST_ROUNDING
 from .torch_order import rounded
 from .triton_runtime import available as triton_available
 from .triton_runtime import require_triton, tl, triton
+
+#: The tensors each kernel finds per row of a batch (``row_table``), in its pointer order. ``position``, ``scores``,
+#: ``top_values`` and ``top_indices`` may be rows of one batch tensor at any distance (``unaligned``).
+PAGE_START_ROW_COLUMNS = ("pool_keys", "pool_values", "store_keys", "store_values", "digest_hi", "digest_lo",
+                          "slot_page", "key", "value", "position", "end")
+RECALL_ROW_COLUMNS = ("slot_page", "position", "scores", "top_values", "top_indices", "copy_pages", "copy_slots",
+                      "table", "counts", "totals")
+UNALIGNED_ROW_COLUMNS = ("position", "scores", "top_values", "top_indices")
 
 
 @dataclass(frozen=True)
@@ -242,15 +251,27 @@ if triton is not None:
     @triton.jit
     def _page_start_kernel(
         pool_keys_ptr, pool_values_ptr, store_keys_ptr, store_values_ptr, hi_ptr, lo_ptr, slot_page_ptr,
-        key_ptr, value_ptr, position_ptr, end_ptr,
+        key_ptr, value_ptr, position_ptr, end_ptr, rows_ptr,
         scratch_page, mean_factor,
         stride_pool_slot, stride_pool_head, stride_store_page, stride_store_head, stride_digest_head,
         stride_digest_page, stride_key_head, stride_value_head, stride_slot,
         PAGE_SIZE: tl.constexpr, BLOCK_PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DIM: tl.constexpr,
         N_SINK: tl.constexpr, N_WINDOW: tl.constexpr, N_SLOTS: tl.constexpr, BLOCK_MIDDLE: tl.constexpr,
-        ROUNDING: tl.constexpr,
+        ROUNDING: tl.constexpr, N_COLUMNS: tl.constexpr, BATCHED: tl.constexpr,
     ):
         head = tl.program_id(0).to(tl.int64)
+        row = tl.program_id(2)  # PAGE_START_ROW_COLUMNS
+        pool_keys_ptr = at_row(pool_keys_ptr, rows_ptr, row, 0, N_COLUMNS, BATCHED)
+        pool_values_ptr = at_row(pool_values_ptr, rows_ptr, row, 1, N_COLUMNS, BATCHED)
+        store_keys_ptr = at_row(store_keys_ptr, rows_ptr, row, 2, N_COLUMNS, BATCHED)
+        store_values_ptr = at_row(store_values_ptr, rows_ptr, row, 3, N_COLUMNS, BATCHED)
+        hi_ptr = at_row(hi_ptr, rows_ptr, row, 4, N_COLUMNS, BATCHED)
+        lo_ptr = at_row(lo_ptr, rows_ptr, row, 5, N_COLUMNS, BATCHED)
+        slot_page_ptr = at_row(slot_page_ptr, rows_ptr, row, 6, N_COLUMNS, BATCHED)
+        key_ptr = at_row(key_ptr, rows_ptr, row, 7, N_COLUMNS, BATCHED)
+        value_ptr = at_row(value_ptr, rows_ptr, row, 8, N_COLUMNS, BATCHED)
+        position_ptr = at_row_unaligned(position_ptr, rows_ptr, row, 9, N_COLUMNS, BATCHED)
+        end_ptr = at_row(end_ptr, rows_ptr, row, 10, N_COLUMNS, BATCHED)
         dtype = pool_keys_ptr.dtype.element_ty
         position = tl.load(position_ptr).to(tl.int64)
         page = position // PAGE_SIZE
@@ -328,14 +349,26 @@ if triton is not None:
     @triton.jit
     def _recall_plan_kernel(
         slot_page_ptr, position_ptr, scores_ptr, top_values_ptr, top_indices_ptr, copy_pages_ptr, copy_slots_ptr,
-        table_ptr, counts_ptr, totals_ptr,
+        table_ptr, counts_ptr, totals_ptr, rows_ptr,
         n_top, block_bytes, inv_groups,
         stride_slot, stride_scores, stride_top, stride_table,
         PAGE_SIZE: tl.constexpr, N_SINK: tl.constexpr, N_WINDOW: tl.constexpr, N_SLOTS: tl.constexpr,
         N_GROUPS: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, BLOCK_TOP: tl.constexpr,
         BLOCK_MIDDLE: tl.constexpr, BLOCK_SLOTS: tl.constexpr, BLOCK_GROUPS: tl.constexpr,
-        BLOCK_GROUP_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr,
+        BLOCK_GROUP_HEADS: tl.constexpr, BLOCK_KV_HEADS: tl.constexpr, N_COLUMNS: tl.constexpr,
+        BATCHED: tl.constexpr,
     ):
+        row = tl.program_id(2)  # RECALL_ROW_COLUMNS
+        slot_page_ptr = at_row(slot_page_ptr, rows_ptr, row, 0, N_COLUMNS, BATCHED)
+        position_ptr = at_row_unaligned(position_ptr, rows_ptr, row, 1, N_COLUMNS, BATCHED)
+        scores_ptr = at_row_unaligned(scores_ptr, rows_ptr, row, 2, N_COLUMNS, BATCHED)
+        top_values_ptr = at_row_unaligned(top_values_ptr, rows_ptr, row, 3, N_COLUMNS, BATCHED)
+        top_indices_ptr = at_row_unaligned(top_indices_ptr, rows_ptr, row, 4, N_COLUMNS, BATCHED)
+        copy_pages_ptr = at_row(copy_pages_ptr, rows_ptr, row, 5, N_COLUMNS, BATCHED)
+        copy_slots_ptr = at_row(copy_slots_ptr, rows_ptr, row, 6, N_COLUMNS, BATCHED)
+        table_ptr = at_row(table_ptr, rows_ptr, row, 7, N_COLUMNS, BATCHED)
+        counts_ptr = at_row(counts_ptr, rows_ptr, row, 8, N_COLUMNS, BATCHED)
+        totals_ptr = at_row(totals_ptr, rows_ptr, row, 9, N_COLUMNS, BATCHED)
         n_middle = N_SLOTS - N_WINDOW - N_SINK
         position = tl.load(position_ptr).to(tl.int64)
         page = position // PAGE_SIZE
@@ -428,9 +461,12 @@ def _check_block_layout(name: str, tensor: torch.Tensor) -> None:
 
 
 def page_start_triton(layout: ArkValeSlots, position, key, value, pool_keys, pool_values, slot_page, store_keys,
-                      store_values, digest_hi, digest_lo, end) -> None:
-    """The Triton version of ``page_start_reference``: one program per KV head."""
+                      store_values, digest_hi, digest_lo, end, rows: RowTable | None = None) -> None:
+    """The Triton version of ``page_start_reference``: one program per KV head; with ``rows``
+    (``PAGE_START_ROW_COLUMNS``), per row of a batch too, the tensors given being row 0's."""
     require_triton()
+    if rows is not None:
+        rows.check(PAGE_START_ROW_COLUMNS, "page_start")
     for name, tensor in (("pool_keys", pool_keys), ("pool_values", pool_values), ("store_keys", store_keys),
                          ("store_values", store_values)):
         _check_block_layout(name, tensor)
@@ -441,22 +477,26 @@ def page_start_triton(layout: ArkValeSlots, position, key, value, pool_keys, poo
     if key.stride(-1) != 1 or value.stride(-1) != 1 or slot_page.dtype != torch.int64:
         raise ValueError("arkvale_step: key and value contiguous in the last dimension, slot_page int64")
     n_kv_heads, page_size, head_dim = pool_keys.shape[1:]
-    _page_start_kernel[(n_kv_heads,)](
+    rows_ptr, n_rows, n_columns, batched = table_arguments(rows, position)
+    _page_start_kernel[(n_kv_heads, 1, n_rows)](
         pool_keys, pool_values, store_keys, store_values, digest_hi, digest_lo, slot_page, key, value, position, end,
-        store_keys.shape[0] - 1, 1.0 / page_size,
+        rows_ptr, store_keys.shape[0] - 1, 1.0 / page_size,
         pool_keys.stride(0), pool_keys.stride(1), store_keys.stride(0), store_keys.stride(1), digest_hi.stride(0),
         digest_hi.stride(1), key.stride(0), value.stride(0), slot_page.stride(0),
         PAGE_SIZE=page_size, BLOCK_PAGE=triton.next_power_of_2(page_size), HEAD_DIM=head_dim,
         BLOCK_DIM=triton.next_power_of_2(head_dim), N_SINK=layout.n_sink, N_WINDOW=layout.n_window,
         N_SLOTS=layout.n_slots, BLOCK_MIDDLE=triton.next_power_of_2(layout.n_middle),
-        ROUNDING=_DIGEST_ROUNDING[pool_keys.dtype], num_warps=4,
+        ROUNDING=_DIGEST_ROUNDING[pool_keys.dtype], N_COLUMNS=n_columns, BATCHED=batched, num_warps=4,
     )
 
 
 def recall_plan_triton(layout: ArkValeSlots, position, slot_page, scores, top_values, top_indices, copy_pages,
-                       copy_slots, table, counts, totals, block_bytes: int) -> None:
-    """The Triton version of ``recall_plan_reference``: one program for all groups."""
+                       copy_slots, table, counts, totals, block_bytes: int, rows: RowTable | None = None) -> None:
+    """The Triton version of ``recall_plan_reference``: one program for all groups; with ``rows``
+    (``RECALL_ROW_COLUMNS``), one per row of a batch, the tensors given being row 0's."""
     require_triton()
+    if rows is not None:
+        rows.check(RECALL_ROW_COLUMNS, "recall_plan")
     n_top = top_indices.shape[1]
     for name, tensor in (("slot_page", slot_page), ("scores", scores), ("top_values", top_values),
                          ("top_indices", top_indices), ("table", table), ("counts", counts),
@@ -467,8 +507,9 @@ def recall_plan_triton(layout: ArkValeSlots, position, slot_page, scores, top_va
         raise ValueError("arkvale_step: top values and indices of one layout, float32 scores")
     if totals.dtype != torch.float64 or copy_pages.numel() != layout.n_groups * n_top * layout.kv_heads_per_group:
         raise ValueError("arkvale_step: float64 totals, copy lists of G * k * kv_heads_per_group entries")
-    _recall_plan_kernel[(1,)](
-        slot_page, position, scores, top_values, top_indices, copy_pages, copy_slots, table, counts, totals,
+    rows_ptr, n_rows, n_columns, batched = table_arguments(rows, position)
+    _recall_plan_kernel[(1, 1, n_rows)](
+        slot_page, position, scores, top_values, top_indices, copy_pages, copy_slots, table, counts, totals, rows_ptr,
         n_top, block_bytes, 1.0 / layout.n_groups,
         slot_page.stride(0), scores.stride(0), top_indices.stride(0), table.stride(0),
         PAGE_SIZE=layout.page_size, N_SINK=layout.n_sink, N_WINDOW=layout.n_window, N_SLOTS=layout.n_slots,
@@ -476,5 +517,6 @@ def recall_plan_triton(layout: ArkValeSlots, position, slot_page, scores, top_va
         BLOCK_TOP=triton.next_power_of_2(n_top), BLOCK_MIDDLE=triton.next_power_of_2(layout.n_middle),
         BLOCK_SLOTS=triton.next_power_of_2(layout.n_slots), BLOCK_GROUPS=triton.next_power_of_2(layout.n_groups),
         BLOCK_GROUP_HEADS=triton.next_power_of_2(layout.kv_heads_per_group),
-        BLOCK_KV_HEADS=triton.next_power_of_2(layout.n_kv_heads), num_warps=4,
+        BLOCK_KV_HEADS=triton.next_power_of_2(layout.n_kv_heads), N_COLUMNS=n_columns, BATCHED=batched,
+        num_warps=4,
     )

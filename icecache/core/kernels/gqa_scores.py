@@ -10,15 +10,20 @@ Each has a PyTorch reference (``gqa_scores_reference``, ``page_bounds_reference`
 defines the semantics; ``gqa_scores_triton`` is the Triton kernel of both (``second_keys`` for the bound: both
 metadata tiles loaded and both dots summed in one program); ``gqa_scores`` and ``page_bounds`` dispatch to it on
 CUDA when ``triton_runtime.available()``. The products of 16-bit inputs are exact in float32 on both paths, so the
-two differ only in the order of float32 sums. No launch state: every call goes through Triton's launch path.
+two differ only in the order of float32 sums. No launch state: every call goes through Triton's launch path. With a
+``RowTable`` (``rows``, columns ``GQA_ROW_COLUMNS``), one launch scores every row of a batch (``row_table``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .row_table import RowTable, at_row, table_arguments
 from .triton_runtime import available as triton_available
 from .triton_runtime import last_dim_contiguous, require_triton, tl, triton
+
+#: The tensors the kernel finds per row of a batch, in its pointer order.
+GQA_ROW_COLUMNS = ("query", "keys", "second_keys", "n_valid", "out")
 
 
 def gqa_scores_reference(query: torch.Tensor, keys: torch.Tensor, scale: float, n_valid: torch.Tensor) -> torch.Tensor:
@@ -60,15 +65,22 @@ if triton is not None:
 
     @triton.jit
     def _gqa_scores_kernel(
-        query_ptr, key_ptr, second_key_ptr, n_valid_ptr, out_ptr,
+        query_ptr, key_ptr, second_key_ptr, n_valid_ptr, out_ptr, rows_ptr,
         n_keys, scale,
         stride_qh, stride_kh, stride_kt, stride_oh,
         GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_DIM: tl.constexpr,
-        BLOCK_T: tl.constexpr, IEEE_FP32: tl.constexpr, SIGN_SPLIT: tl.constexpr,
+        BLOCK_T: tl.constexpr, IEEE_FP32: tl.constexpr, SIGN_SPLIT: tl.constexpr, N_COLUMNS: tl.constexpr,
+        BATCHED: tl.constexpr,
     ):
         # SIGN_SPLIT: max(q, 0) against the first keys plus min(q, 0) against the second (Quest's page bound).
         kv_head = tl.program_id(0)
         block = tl.program_id(1)
+        row = tl.program_id(2)  # GQA_ROW_COLUMNS
+        query_ptr = at_row(query_ptr, rows_ptr, row, 0, N_COLUMNS, BATCHED)
+        key_ptr = at_row(key_ptr, rows_ptr, row, 1, N_COLUMNS, BATCHED)
+        second_key_ptr = at_row(second_key_ptr, rows_ptr, row, 2, N_COLUMNS, BATCHED)
+        n_valid_ptr = at_row(n_valid_ptr, rows_ptr, row, 3, N_COLUMNS, BATCHED)
+        out_ptr = at_row(out_ptr, rows_ptr, row, 4, N_COLUMNS, BATCHED)
         rows = tl.arange(0, BLOCK_GROUP)
         dims = tl.arange(0, BLOCK_DIM)
         heads = kv_head * GROUP + rows
@@ -99,10 +111,17 @@ if triton is not None:
 
 
 def gqa_scores_triton(query: torch.Tensor, keys: torch.Tensor, scale: float, n_valid: torch.Tensor,
-                      block_tokens: int = 128, second_keys: torch.Tensor | None = None) -> torch.Tensor:
+                      block_tokens: int = 128, second_keys: torch.Tensor | None = None, *,
+                      out: torch.Tensor | None = None, rows: RowTable | None = None) -> torch.Tensor:
     """The Triton version of ``gqa_scores_reference`` (CUDA tensors); with ``second_keys`` (same layout as ``keys``)
-    that of ``page_bounds_reference`` (``scale`` applies to the sum)."""
+    that of ``page_bounds_reference`` (``scale`` applies to the sum). ``out``: where to write (float32 ``[Hq, T]``,
+    unit stride along the keys). With ``rows`` (``GQA_ROW_COLUMNS``), every row of a batch, the tensors given being
+    row 0's (``out`` and ``n_valid`` given as the kernel reads them: ``[1]`` on the device)."""
     require_triton()
+    if rows is not None:
+        rows.check(GQA_ROW_COLUMNS, "gqa_scores")
+        if out is None or second_keys is None or any(t.stride(-1) != 1 for t in (query, keys, second_keys)):
+            raise ValueError("gqa_scores: a batch's call gives out and second_keys, every row contiguous along D")
     query, keys = last_dim_contiguous(query), last_dim_contiguous(keys)
     if second_keys is not None:
         second_keys = last_dim_contiguous(second_keys)
@@ -111,17 +130,21 @@ def gqa_scores_triton(query: torch.Tensor, keys: torch.Tensor, scale: float, n_v
     n_heads, head_dim = query.shape
     n_kv_heads, n_keys = keys.shape[:2]
     group = n_heads // n_kv_heads
-    out = torch.empty(n_heads, n_keys, dtype=torch.float32, device=query.device)
+    if out is None:
+        out = torch.empty(n_heads, n_keys, dtype=torch.float32, device=query.device)
+    elif out.shape != (n_heads, n_keys) or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError(f"gqa_scores: out must be float32 [{n_heads}, {n_keys}] with unit stride along the keys")
     if n_keys == 0:
         return out
     n_valid = n_valid.reshape(1).to(device=query.device)
     fp32 = query.dtype == torch.float32 or keys.dtype == torch.float32
-    grid = (n_kv_heads, triton.cdiv(n_keys, block_tokens))
+    rows_ptr, n_rows, n_columns, batched = table_arguments(rows, n_valid)
+    grid = (n_kv_heads, triton.cdiv(n_keys, block_tokens), n_rows)
     _gqa_scores_kernel[grid](
-        query, keys, keys if second_keys is None else second_keys, n_valid, out, n_keys, float(scale),
+        query, keys, keys if second_keys is None else second_keys, n_valid, out, rows_ptr, n_keys, float(scale),
         query.stride(0), keys.stride(0), keys.stride(1), out.stride(0),
         GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_DIM=triton.next_power_of_2(head_dim), BLOCK_T=block_tokens, IEEE_FP32=fp32,
-        SIGN_SPLIT=second_keys is not None, num_warps=8 if fp32 else 4,
+        SIGN_SPLIT=second_keys is not None, N_COLUMNS=n_columns, BATCHED=batched, num_warps=8 if fp32 else 4,
     )
     return out

@@ -92,6 +92,29 @@ def row_table(rows: Sequence[Mapping[str, torch.Tensor]], unaligned: tuple[str, 
     return RowTable(torch.tensor(offsets, dtype=torch.int64).to(device), tuple(rows[0]))
 
 
+@dataclass
+class KeptRowTables:
+    """The row tables a batch's layer made at one step, kept for the next: they stand while every row's buffers are
+    those they were made for (``tokens``: an object per row that its layer replaces whenever it reallocates them; kept
+    here, so that no later object takes its identity) and the step's own tensors keep their rows' distances
+    (``step_key``: ``step_layout`` of them)."""
+
+    tokens: tuple[object, ...]
+    step_key: tuple
+    tables: object
+
+    def hold_for(self, tokens: tuple[object, ...], step_key: tuple) -> bool:
+        return (self.step_key == step_key and len(self.tokens) == len(tokens)
+                and all(kept is token for kept, token in zip(self.tokens, tokens)))
+
+
+def step_layout(batch_tensors: Sequence[torch.Tensor], per_row: Sequence[torch.Tensor]) -> tuple:
+    """What a step's own tensors' row distances follow from: the strides of its batch tensors (each row a slice of
+    one) and the distances of ``per_row``'s tensors (one a row, e.g. the positions) from the first."""
+    first = per_row[0].data_ptr() if per_row else 0
+    return (tuple(t.stride() for t in batch_tensors), tuple(t.data_ptr() - first for t in per_row))
+
+
 def table_arguments(rows: RowTable | None, fallback: torch.Tensor) -> tuple[torch.Tensor, int, int, bool]:
     """A kernel's ``(rows_ptr, n_rows, N_COLUMNS, BATCHED)``: the table's, or for one row without a table any tensor
     of the call (the kernel reads nothing from it)."""
