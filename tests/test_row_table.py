@@ -120,16 +120,47 @@ def test_a_batched_paged_attention_attends_each_row_as_alone(n_splits):
         assert torch.equal(out[b], alone[b]), b
 
 
-# --- ShadowKV's batched step -----------------------------------------------------------------------------------------
+# --- ShadowKV's and ArkVale's batched steps ---------------------------------------------------------------------------
 
 
-def shadowkv_layer(device, dtype=torch.float32):
+def small_layer(config: dict, device, dtype=torch.float32):
+    """A layer of a one-layer geometry for ``config``, its sequence announced at 340 tokens."""
     info = ModelInfo(n_layers=1, n_heads=N_KV_HEADS * GROUP, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM,
                      rotary=ROTARY, device=device, dtype=dtype)
-    config = {"name": "shadowkv", "budget": 64, "rank": 8, "n_local_chunks": 2, "n_dense_layers": 0}
     seq = SequenceContext()
     seq.max_total_tokens = 340
-    return build_method(config, info).make_layer(0, seq)
+    return build_method({**config, "n_dense_layers": 0}, info).make_layer(0, seq)
+
+
+SHADOWKV = {"name": "shadowkv", "budget": 64, "rank": 8, "n_local_chunks": 2}
+ARKVALE = {"name": "arkvale", "budget": 64, "page_size": 8}
+
+
+def random_qkv(gen, device, n_rows, n_tokens):
+    return tuple(torch.randn(n_rows, heads, n_tokens, HEAD_DIM, generator=gen).to(device)
+                 for heads in (N_KV_HEADS * GROUP, N_KV_HEADS, N_KV_HEADS))
+
+
+def step_together_and_alone(config: dict, n_steps: int, seed: int, n_rows: int = 3):
+    """``n_rows`` layers of ``config`` prefilled with 300 random tokens each, then stepped ``n_steps`` times together
+    (``decode_rows``) beside copies stepped alone (``forward``); every step's outputs must be equal, bit for bit.
+    Returns the two lists of layers."""
+    device = kernel_device()
+    gen = torch.Generator().manual_seed(seed)
+    prompts, steps = random_qkv(gen, device, n_rows, 300), [random_qkv(gen, device, n_rows, 1) for _ in range(n_steps)]
+    together, alone = ([small_layer(config, device) for _ in range(n_rows)] for _ in range(2))
+    for b in range(n_rows):
+        for layer in (together[b], alone[b]):
+            layer.forward(*(x[b : b + 1] for x in prompts), None, 0.25)
+    for query, key, value in steps:
+        out = type(together[0]).decode_rows(tuple(together), query, key, value, 0.25)
+        assert out is not None and out.shape == (n_rows, 1, N_KV_HEADS * GROUP, HEAD_DIM)
+        for layer in together:
+            layer.seq_len += 1
+        for b, layer in enumerate(alone):
+            single = layer.forward(query[b : b + 1], key[b : b + 1], value[b : b + 1], None, 0.25)
+            assert torch.equal(out[b : b + 1], single), b
+    return together, alone
 
 
 @pytest.mark.gpu
@@ -137,34 +168,12 @@ def test_shadowkv_rows_stepped_together_match_each_row_stepped_alone(monkeypatch
     """Three rows of one length, prompts apart, stepped 24 times (turning the window, loading chunks): every output,
     slot table, pool and counter of the batched steps equals the row's own steps, bit for bit, the Triton kernels
     on both sides."""
-    device = kernel_device()
     for module in (shadowkv_step, shadowkv_module):
         monkeypatch.setattr(module, "runs_triton", lambda tensor: True)
     monkeypatch.setattr(shadowkv_module, "copy_blocks", copy_blocks_triton)
     monkeypatch.setattr(shadowkv_module, "paged_decode_attention", paged_decode_attention_triton)
-    gen = torch.Generator().manual_seed(7)
-
-    def qkv(n_rows, n_tokens):
-        return tuple(torch.randn(n_rows, heads, n_tokens, HEAD_DIM, generator=gen).to(device)
-                     for heads in (N_KV_HEADS * GROUP, N_KV_HEADS, N_KV_HEADS))
-
-    n_rows = 3
-    prompts, steps = qkv(n_rows, 300), [qkv(n_rows, 1) for _ in range(24)]
-    together, alone = ([shadowkv_layer(device) for _ in range(n_rows)] for _ in range(2))
-    for b in range(n_rows):
-        for layer in (together[b], alone[b]):
-            layer.forward(*(x[b : b + 1] for x in prompts), None, 0.25)
-    batched_calls = 0
-    for query, key, value in steps:
-        out = shadowkv_module.ShadowKVKV.decode_rows(tuple(together), query, key, value, 0.25)
-        assert out is not None and out.shape == (n_rows, 1, N_KV_HEADS * GROUP, HEAD_DIM)
-        batched_calls += 1
-        for layer in together:
-            layer.seq_len += 1
-        for b, layer in enumerate(alone):
-            single = layer.forward(query[b : b + 1], key[b : b + 1], value[b : b + 1], None, 0.25)
-            assert torch.equal(out[b : b + 1], single), b
-    assert batched_calls == len(steps)
+    together, alone = step_together_and_alone(SHADOWKV, n_steps=24, seed=7)
+    device = together[0].pool_keys.device
     for mine, theirs in zip(together, alone):
         for name in ("pool_keys", "pool_values", "landmarks", "coefficients", "slot_chunk", "store_values"):
             assert torch.equal(getattr(mine, name), getattr(theirs, name)), name
@@ -173,77 +182,19 @@ def test_shadowkv_rows_stepped_together_match_each_row_stepped_alone(monkeypatch
 
 
 @pytest.mark.gpu
-def test_shadowkv_rows_of_different_lengths_step_one_by_one(monkeypatch):
-    device = kernel_device()
-    monkeypatch.setattr(shadowkv_module, "runs_triton", lambda tensor: True)
-    gen = torch.Generator().manual_seed(8)
-    layers = (shadowkv_layer(device), shadowkv_layer(device))
-    layers[1].seq.max_total_tokens = 700  # another capacity: another layout
-    for layer in layers:
-        layer.forward(*(torch.randn(1, h, 300, HEAD_DIM, generator=gen).to(device)
-                        for h in (N_KV_HEADS * GROUP, N_KV_HEADS, N_KV_HEADS)), None, 0.25)
-    step = [torch.randn(2, h, 1, HEAD_DIM, generator=gen).to(device) for h in (N_KV_HEADS * GROUP, N_KV_HEADS,
-                                                                               N_KV_HEADS)]
-    assert shadowkv_module.ShadowKVKV.decode_rows(layers, *step, 0.25) is None
-    layers[1].seq.max_total_tokens = 340
-    alike = (layers[0], shadowkv_layer(device))
-    alike[1].forward(*(torch.randn(1, h, 300, HEAD_DIM, generator=gen).to(device)
-                       for h in (N_KV_HEADS * GROUP, N_KV_HEADS, N_KV_HEADS)), None, 0.25)
-    for layer in alike:  # one layout, but the setting asks for each row's own launches
-        layer.cfg = dataclasses.replace(layer.cfg, batch_kernels=False)
-    assert shadowkv_module.ShadowKVKV.decode_rows(alike, *step, 0.25) is None
-
-
-def test_shadowkv_rows_step_one_by_one_where_the_kernels_cannot_run():
-    layers = (shadowkv_layer(torch.device("cpu")),)
-    step = [torch.randn(1, h, 1, HEAD_DIM) for h in (N_KV_HEADS * GROUP, N_KV_HEADS, N_KV_HEADS)]
-    assert shadowkv_module.ShadowKVKV.decode_rows(layers, *step, 0.25) is None
-
-
-# --- ArkVale's batched step -----------------------------------------------------------------------------------------
-
-
-def arkvale_layer(device, dtype=torch.float32):
-    info = ModelInfo(n_layers=1, n_heads=N_KV_HEADS * GROUP, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM,
-                     rotary=ROTARY, device=device, dtype=dtype)
-    config = {"name": "arkvale", "budget": 64, "page_size": 8, "n_dense_layers": 0}
-    seq = SequenceContext()
-    seq.max_total_tokens = 340
-    return build_method(config, info).make_layer(0, seq)
-
-
-@pytest.mark.gpu
 def test_arkvale_rows_stepped_together_match_each_row_stepped_alone(monkeypatch):
     """Three rows of one length stepped 30 times (pages finishing, the ring turning, pages recalled): every output,
     pool, digest, host backup, counter and slot (the scratch row aside: it takes whatever the top-k's padding names)
     of the batched steps equals the row's own steps, the Triton kernels on both sides."""
-    device = kernel_device()
     monkeypatch.setattr(arkvale_step, "runs_triton", lambda tensor: True)
     monkeypatch.setattr(arkvale_module, "copy_blocks", copy_blocks_triton)
     monkeypatch.setattr(arkvale_module, "paged_decode_attention", paged_decode_attention_triton)
     monkeypatch.setattr(arkvale_module, "page_bounds", lambda q, hi, lo, n: gqa_scores_triton(q, hi, 1.0, n,
                                                                                              second_keys=lo))
-    gen = torch.Generator().manual_seed(9)
-
-    def qkv(n_rows, n_tokens):
-        return tuple(torch.randn(n_rows, heads, n_tokens, HEAD_DIM, generator=gen).to(device)
-                     for heads in (N_KV_HEADS * GROUP, N_KV_HEADS, N_KV_HEADS))
-
-    n_rows = 3
-    prompts, steps = qkv(n_rows, 300), [qkv(n_rows, 1) for _ in range(30)]
-    together, alone = ([arkvale_layer(device) for _ in range(n_rows)] for _ in range(2))
-    for b in range(n_rows):
-        for layer in (together[b], alone[b]):
-            layer.forward(*(x[b : b + 1] for x in prompts), None, 0.25)
-    for query, key, value in steps:
-        out = arkvale_module.ArkValeKV.decode_rows(tuple(together), query, key, value, 0.25)
-        assert out is not None and out.shape == (n_rows, 1, N_KV_HEADS * GROUP, HEAD_DIM)
-        for layer in together:
-            layer.seq_len += 1
-        for b, layer in enumerate(alone):
-            single = layer.forward(query[b : b + 1], key[b : b + 1], value[b : b + 1], None, 0.25)
-            assert torch.equal(out[b : b + 1], single), b
-    n_finished = (300 + len(steps)) // 8  # the host store holds what its pool left there past the finished pages
+    n_steps = 30
+    together, alone = step_together_and_alone(ARKVALE, n_steps=n_steps, seed=9)
+    device = together[0].pool_keys.device
+    n_finished = (300 + n_steps) // 8  # the host store holds what its pool left there past the finished pages
     for mine, theirs in zip(together, alone):
         for name in ("pool_keys", "pool_values", "digest_hi", "digest_lo"):
             assert torch.equal(getattr(mine, name), getattr(theirs, name)), name
@@ -252,6 +203,32 @@ def test_arkvale_rows_stepped_together_match_each_row_stepped_alone(monkeypatch)
         assert torch.equal(mine.slot_page[:-1], theirs.slot_page[:-1])
         assert torch.equal(mine.seq.counters.device_totals(device), theirs.seq.counters.device_totals(device))
     assert float(together[0].seq.counters.device_totals(device)[2]) > 0  # pages were recalled
+
+
+@pytest.mark.gpu
+def test_shadowkv_rows_of_different_lengths_step_one_by_one(monkeypatch):
+    device = kernel_device()
+    monkeypatch.setattr(shadowkv_module, "runs_triton", lambda tensor: True)
+    gen = torch.Generator().manual_seed(8)
+    layers = (small_layer(SHADOWKV, device), small_layer(SHADOWKV, device))
+    layers[1].seq.max_total_tokens = 700  # another capacity: another layout
+    for layer in layers:
+        layer.forward(*random_qkv(gen, device, 1, 300), None, 0.25)
+    step = random_qkv(gen, device, 2, 1)
+    assert shadowkv_module.ShadowKVKV.decode_rows(layers, *step, 0.25) is None
+    alike = (layers[0], small_layer(SHADOWKV, device))
+    alike[1].forward(*random_qkv(gen, device, 1, 300), None, 0.25)
+    for layer in alike:  # one layout, but the setting asks for each row's own launches
+        layer.cfg = dataclasses.replace(layer.cfg, batch_kernels=False)
+    assert shadowkv_module.ShadowKVKV.decode_rows(alike, *step, 0.25) is None
+
+
+def test_shadowkv_and_arkvale_rows_step_one_by_one_where_the_kernels_cannot_run():
+    step = random_qkv(torch.Generator().manual_seed(1), torch.device("cpu"), 1, 1)
+    for config in (SHADOWKV, ARKVALE):
+        layer = small_layer(config, torch.device("cpu"))
+        layer.forward(*random_qkv(torch.Generator().manual_seed(2), torch.device("cpu"), 1, 300), None, 0.25)
+        assert type(layer).decode_rows((layer,), *step, 0.25) is None
 
 
 # --- the core's hook -------------------------------------------------------------------------------------------------
