@@ -495,9 +495,10 @@ def test_throughput_files_of_other_gpus_get_tables_of_their_own_per_gpu(bench_ta
     from eval.throughput import summarise
 
     def write(folder, name, gpu, date, tokens_per_s):
-        rows = [{"context": 131072, "method": method, "method_label": method, "batch_size": batch,
+        rows = [{"context": 131072, "method": method, "method_label": method.partition(":")[0], "batch_size": batch,
                  "tokens_per_s": tokens, "tpot_s": batch / tokens, "peak_gpu_bytes": 2**30}
-                for method, batch, tokens in (("full_static", 1, 60.0), ("shadowkv", 4, tokens_per_s))]
+                for method, batch, tokens in (("full_static", 1, 60.0), ("shadowkv", 4, tokens_per_s),
+                                              ("shadowkv:batch_kernels=false", 2, 90.0))]
         folder.mkdir(exist_ok=True)
         payload = {"kind": "throughput", "settings": {"model_name": "llama", "budget": 256, "decode_steps": 8,
                                                       "row_streams": True},
@@ -513,7 +514,10 @@ def test_throughput_files_of_other_gpus_get_tables_of_their_own_per_gpu(bench_ta
     assert "`h100_20261202/throughput_h100_20261202-100000.json`" in text and "20261201" not in text
     assert "`b200_20261202/throughput_b200_20261202-100000.json`" in text
     assert text.index("GPU A") < text.index("GPU B")
-    shadowkv = [r[3:5] for r in table_rows(text) if r[0] == "`shadowkv`"]
+    variant = [r for r in table_rows(text) if r[0] == "`shadowkv (batch_kernels=false)`"]
+    # Columns B=1, B=2, B=4: the variant has its own row and numbers, not its base method's.
+    assert [r[1:6] for r in variant] == [["-", "90", "-", "90 (2)", "1.50x"]] * 2
+    shadowkv = [r[4:6] for r in table_rows(text) if r[0] == "`shadowkv`"]
     assert shadowkv == [["240 (4)", "4.00x"], ["300 (4)", "5.00x"]]  # GPU A's newest file, then GPU B's
     assert "resumed across GPUs" not in text
     # A file finished on another GPU than it began says so: its ratio is not one machine's.
@@ -522,6 +526,10 @@ def test_throughput_files_of_other_gpus_get_tables_of_their_own_per_gpu(bench_ta
     data["resumed_by"] = [{"provenance": {"gpu": "GPU A"}}]
     path.write_text(json.dumps(data))
     assert "resumed across GPUs (GPU B + GPU A)" in bench_tables.render_other_gpus_throughput(tmp_path, {})
+    assert "ended before its last batch" not in bench_tables.render_other_gpus_throughput(tmp_path, {})
+    data["complete"] = False  # a run that ran out of time says so
+    path.write_text(json.dumps(data))
+    assert "ended before its last batch" in bench_tables.render_other_gpus_throughput(tmp_path, {})
 
 
 def test_other_gpus_come_from_the_folders_with_last_round_times_and_ratios_of_their_own_file(bench_tables, tmp_path):

@@ -589,8 +589,10 @@ def throughput_tables(files: list[Result], per_gpu: bool = False) -> list[str]:
         batches = sorted({r["batch_size"] for r in rows})
         summary = [e for e in f.data.get("summary", []) if e["context"] == context]
         lines = []
-        for entry in sorted(summary, key=lambda e: method_sort_key(e["method_label"])):
-            by_batch = {r["batch_size"]: r for r in rows if r["method_label"] == entry["method_label"]}
+        # A variant (``shadowkv:batch_kernels=false``) has its base method's label: rows go by the recorded method.
+        for entry in sorted(summary, key=lambda e: method_sort_key(e.get("method", e["method_label"]))):
+            method = entry.get("method", entry["method_label"])
+            by_batch = {r["batch_size"]: r for r in rows if r.get("method", r["method_label"]) == method}
             limit = (f"{entry['failure']} memory at {entry['first_failed_batch']}" if entry.get("failure")
                      else f"none up to {entry['largest_batch']}")
             best = (f"{entry['best_tokens_per_s']:.0f} ({entry['best_batch']})" if entry.get("best_tokens_per_s")
@@ -598,7 +600,7 @@ def throughput_tables(files: list[Result], per_gpu: bool = False) -> list[str]:
             ratio = entry.get("best_over_reference")
             peak = by_batch[entry["largest_batch"]].get("peak_gpu_bytes") if entry["largest_batch"] in by_batch \
                 else None
-            lines.append([method_cell(entry["method_label"]),
+            lines.append([method_cell(method),
                           *(fmt(by_batch[b]["tokens_per_s"], digits=0) if b in by_batch else "-" for b in batches),
                           best, "-" if ratio is None else f"{ratio:.2f}x", limit,
                           "-" if peak is None else f"{peak / 2**30:.0f}",
@@ -613,9 +615,12 @@ def throughput_tables(files: list[Result], per_gpu: bool = False) -> list[str]:
         gpus = file_gpus(f)
         machine = gpus[0] if len(gpus) == 1 else (f"resumed across GPUs ({' + '.join(gpus)}): its ratios are not "
                                                   f"one machine's")
+        unfinished = ("" if f.data.get("complete", True) else
+                      " The run ended before its last batch (its time ran out): a method's sizes past its last "
+                      "column were not measured, so its limit is where it stopped.")
         note = (f"{model} at {context_label(context)} tokens, budget {settings.get('budget')}, "
                 f"{settings.get('decode_steps')} steps per batch{rows_run}; `{name}`, commit {f.commit}, "
-                f"{machine}. Decode tokens per second (batch / median step).")
+                f"{machine}. Decode tokens per second (batch / median step).{unfinished}")
         parts.append(note + "\n\n" + table(header, lines))
     return parts
 
