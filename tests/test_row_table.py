@@ -80,10 +80,12 @@ def test_a_batched_block_copy_copies_each_rows_blocks_as_alone():
     def row():
         source = torch.randn(n_pages, n_kv_heads, page_size, head_dim, generator=gen).to(device)
         target = torch.randn(n_slots, n_kv_heads, page_size, head_dim, generator=gen).to(device)
-        slots = torch.randint(-1, n_slots - 1, (n,), generator=gen).to(device)
+        # Distinct (slot, head) targets, as the methods' copy lists have: two entries writing one block would race.
+        targets = torch.randperm(n_slots * n_kv_heads, generator=gen)[:n]
+        slots = torch.where(torch.rand(n, generator=gen) < 0.3, -1, targets // n_kv_heads)
         return {"source_keys": source, "source_values": source * 2, "target_keys": target,
                 "target_values": target.clone(), "pages": torch.randint(0, n_pages, (n,), generator=gen).to(device),
-                "slots": slots, "heads": torch.randint(0, n_kv_heads, (n,), generator=gen).to(device)}
+                "slots": slots.to(device), "heads": (targets % n_kv_heads).to(device)}
 
     rows = [row() for _ in range(n_rows)]
     order = ("source_keys", "source_values", "pages", "target_keys", "target_values", "slots", "heads")
@@ -94,7 +96,7 @@ def test_a_batched_block_copy_copies_each_rows_blocks_as_alone():
     for batched, single in zip(rows, alone):
         for name in ("target_keys", "target_values"):
             assert torch.equal(batched[name], single[name]), name
-    assert any((r["slots"] >= 0).any() for r in rows)
+    assert all((r["slots"] >= 0).any() and (r["slots"] < 0).any() for r in rows)
 
 
 @pytest.mark.gpu
