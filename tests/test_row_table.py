@@ -27,7 +27,7 @@ from icecache.core.kernels.paged_decode_attention import (
     PagedAttentionPlan,
     paged_decode_attention_triton,
 )
-from icecache.core.kernels.row_table import ROW_ALIGNMENT, row_offsets, row_table
+from icecache.core.kernels.row_table import ROW_ALIGNMENT, KeptRowTables, row_offsets, row_table, step_layout
 from icecache.core.layer import DenseKV, LayerKV
 from icecache.core.method import ModelInfo, SequenceContext
 from tests.conftest import kernel_device, tiny_model
@@ -60,6 +60,21 @@ def test_a_row_table_refuses_rows_laid_out_differently_or_unaligned_naming_the_c
     with pytest.raises(ValueError, match=f"multiple of {ROW_ALIGNMENT} bytes"):
         row_offsets(rows)
     assert row_offsets(rows, unaligned=("position",)) == [[0], [1], [2]]
+
+
+def test_kept_tables_hold_only_for_the_same_buffers_and_the_same_step_layout():
+    """A batch layer's tables are reused at the next step only while every row keeps the buffers they were made for
+    (the same token objects, not equal ones) and the step's tensors keep their rows' distances."""
+    tokens = (object(), object())
+    query, positions = torch.zeros(2, 4, 16), torch.zeros(2, 1, dtype=torch.long)
+    key = step_layout((query,), [positions[0], positions[1]])
+    kept = KeptRowTables(tokens, key, tables="tables")
+    assert kept.hold_for(tokens, step_layout((torch.ones(2, 4, 16),), list(torch.ones(2, 1, dtype=torch.long))))
+    assert not kept.hold_for((tokens[0], object()), key)  # a row reallocated its buffers
+    assert not kept.hold_for(tokens[:1], key)  # another batch
+    assert not kept.hold_for(tokens, step_layout((torch.zeros(2, 4, 32),), [positions[0], positions[1]]))
+    apart = torch.zeros(4, 1, dtype=torch.long)
+    assert not kept.hold_for(tokens, step_layout((query,), [apart[0], apart[2]]))  # positions two rows apart
 
 
 def test_a_kernel_refuses_a_table_made_for_another_kernel():
