@@ -293,6 +293,11 @@ def print_table(summary: list[dict[str, Any]], rows: list[dict[str, Any]]) -> No
     print("(decode tokens per second; a blank cell: not measured, at or past the limit)")
 
 
+def bytes_loaded(caches) -> int:
+    """The bytes the caches' decode steps have copied into GPU memory so far (``DecodeCounters.bytes_to_gpu``)."""
+    return sum(cache.seq.counters.as_dict()["bytes_to_gpu"] or 0 for cache in caches)
+
+
 def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None = None) -> Path:
     """Measure ``settings`` into a new throughput file in ``out`` (or complete the unfinished file ``resume``);
     print the table; return the file's path. Bad settings raise ``ConfigError`` before the model is built."""
@@ -357,7 +362,10 @@ def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None =
         """Decode ``run``'s first ``batch_size`` rows (and profile them when asked) and record the batch's row."""
         run.stage = "decode"
         batch = BatchCache(run.caches[:batch_size], row_streams=settings.row_streams)
+        loaded_before = bytes_loaded(run.caches[:batch_size])
         result = decode_batch(model, batch, run.decoding[:batch_size], max_steps=settings.decode_steps)
+        # What a step copies into GPU memory for all rows (host-resident KV: PCIe's share of the step).
+        loaded_per_step = (bytes_loaded(run.caches[:batch_size]) - loaded_before) / max(1, len(result.step_times_s))
         profiled = None
         if settings.profile_steps:  # on a CPU the profile has no kernels: None
             run.stage = "profile"
@@ -378,6 +386,7 @@ def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None =
             "cpu_kv_bytes": sum(cache.cpu_kv_bytes() for cache in run.caches[:batch_size]),
             "host_rss_bytes": resident_bytes(),
             "host_buffers_bytes": run.host_pool.allocated_bytes,
+            "bytes_to_gpu_per_step": loaded_per_step,
             **{key: value for key, value in result.counters.items()
                if key in ("graph_replays", "graph_capture_error", "host_channel")},
             **({"profile": profiled} if settings.profile_steps else {}),

@@ -300,6 +300,9 @@ def test_the_throughput_benchmark_measures_every_batch_up_to_the_first_out_of_me
     # Rows continue from batch to batch: the first row has stepped through every earlier batch.
     assert rows[("quest", 4)]["positions"][0] == 200 + 3 * 4
     assert rows[("quest", 4)]["positions"][3] == 200 + 4
+    # IceCache copies selected pages from host memory at every step; the GPU-resident caches copy nothing.
+    assert rows[("icecache", 2)]["bytes_to_gpu_per_step"] > 0
+    assert rows[("full_static", 4)]["bytes_to_gpu_per_step"] == rows[("quest", 4)]["bytes_to_gpu_per_step"] == 0
     summary = {entry["method"]: entry for entry in payload["summary"]}
     assert summary["icecache"]["largest_batch"] == 2 and summary["icecache"]["first_failed_batch"] == 4
     assert summary["full_static"]["best_over_reference"] == pytest.approx(1.0)
