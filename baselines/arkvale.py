@@ -310,8 +310,7 @@ class ArkValeKV(DenseKV):
             recall_plan(self.layout, position, self.slot_page, scores, top.values, top.indices, self._copy_pages,
                         self._copy_slots, self._table, self._counts, totals, 2 * self.pool_keys[0, 0].nbytes)
         with self.seq.timer.phase("load"):
-            copy_blocks(self._store_keys_on_device, self._store_values_on_device, self._copy_pages, self.pool_keys,
-                        self.pool_values, self._copy_slots, self._copy_heads)
+            copy_blocks(**self._copy_arguments())
 
         # Attention over every resident page; the current page has offset + 1 valid tokens.
         out = paged_decode_attention(q, self.pool_keys, self.pool_values, self._table,
@@ -319,6 +318,12 @@ class ArkValeKV(DenseKV):
         if self.seq.trace_selection:
             self.last_attended = self._attended_positions(self._counts)
         return out.view(1, 1, *q.shape)
+
+    def _copy_arguments(self) -> dict[str, torch.Tensor]:
+        """``copy_blocks``' arguments by name (``COPY_ROW_COLUMNS``): the missing pages from the host store."""
+        return {"source_keys": self._store_keys_on_device, "source_values": self._store_values_on_device,
+                "target_keys": self.pool_keys, "target_values": self.pool_values, "pages": self._copy_pages,
+                "slots": self._copy_slots, "heads": self._copy_heads}
 
     # --- a batch's step ---------------------------------------------------------------------------------------------
     @classmethod
@@ -357,8 +362,7 @@ class ArkValeKV(DenseKV):
                            step.top_indices[0], first._copy_pages, first._copy_slots, first._table, first._counts,
                            first.seq.counters.device_totals(device), 2 * first.pool_keys[0, 0].nbytes,
                            rows=step.recall)
-        copy_blocks_triton(first._store_keys_on_device, first._store_values_on_device, first._copy_pages,
-                           first.pool_keys, first.pool_values, first._copy_slots, first._copy_heads, rows=step.copy)
+        copy_blocks_triton(**first._copy_arguments(), rows=step.copy)
         paged_decode_attention_triton(q[0], first.pool_keys, first.pool_values, first._table,
                                       first._counts.expand(first.model.n_kv_heads, -1), scaling,
                                       first._attention_plan, out=step.out[0], rows=step.attention)
@@ -397,10 +401,7 @@ class ArkValeKV(DenseKV):
                 "top_values": top_values[b], "top_indices": top_indices[b], "copy_pages": layer._copy_pages,
                 "copy_slots": layer._copy_slots, "table": layer._table, "counts": layer._counts,
                 "totals": layer.seq.counters.device_totals(device)})
-            columns["copy"].append({
-                "source_keys": store_keys, "source_values": store_values, "target_keys": layer.pool_keys,
-                "target_values": layer.pool_values, "pages": layer._copy_pages, "slots": layer._copy_slots,
-                "heads": layer._copy_heads})
+            columns["copy"].append(layer._copy_arguments())
             columns["attention"].append({
                 "query": q[b], "key_pages": layer.pool_keys, "value_pages": layer.pool_values,
                 "page_table": layer._table, "valid_counts": layer._counts.expand(layer.model.n_kv_heads, -1),

@@ -437,10 +437,9 @@ class ShadowKVKV(StaticDenseKV):
     def _load_values(self, rows: RowTable | None = None):
         """The missing chunks' values from the host store into their slots: one block-copy kernel, on a side stream
         on CUDA so that it overlaps the key rebuild (the caller joins it); with ``rows``, every row's of a batch."""
-        named = self._copy_arguments()
-        arguments = tuple(named[name] for name in ("source_keys", "source_values", "pages", "target_keys",
-                                                   "target_values", "slots", "heads"))
-        copy = partial(copy_blocks, *arguments) if rows is None else partial(copy_blocks_triton, *arguments, rows=rows)
+        arguments = self._copy_arguments()
+        copy = partial(copy_blocks, **arguments) if rows is None else partial(copy_blocks_triton, **arguments,
+                                                                              rows=rows)
         if not self.pool_values.is_cuda:
             copy()
             return None

@@ -12,8 +12,9 @@ The sequences of a batch share the one stream they decode on, and so its hand-of
 (``HarnessCache(host_functions=...)``): one host worker serves every row's host step in stream order, instead of B
 workers spinning on the cores the host steps' own threads need.
 
-A method may attend for every row at once instead (``LayerKV.decode_rows``): ShadowKV launches each of its step's
-kernels once for the batch, each program finding its row's buffers through a ``kernels.row_table.RowTable``.
+A method may attend for every row at once instead (``LayerKV.decode_rows``): ShadowKV and ArkVale launch each of
+their step's kernels once for the batch, each program finding its row's buffers through a
+``kernels.row_table.RowTable``.
 
 With ``row_streams`` (``BatchCache``'s default; ``row_streams=False`` keeps the rows in turn on the model's
 stream) each row's attention runs on a stream of its own on CUDA, forked from the model's stream and joined back
@@ -60,8 +61,8 @@ class BatchKVHandle(KVHandle):
                 for layer in layers:
                     layer.seq_len += 1
                 return out
-        if self.streams is None or self.layers[0].seq.host_functions.kind is not None:
-            return torch.cat([attend_row(b) for b in range(len(self.layers))], dim=0)
+        if self.streams is None or layers[0].seq.host_functions.kind is not None:
+            return torch.cat([attend_row(b) for b in range(len(layers))], dim=0)
         current = torch.cuda.current_stream(query.device)
         rows = []
         for b, stream in enumerate(self.streams):

@@ -418,7 +418,7 @@ def paged_decode_attention_triton(
             plan._geometries.clear()
         launch = plan._geometries[key] = _GeometryLaunch(plan, query, key_pages, page_table, stream, rows)
 
-    rows_ptr = page_table if rows is None else rows.offsets
+    rows_ptr = table_arguments(rows, page_table)[0]
     args = (
         query, key_pages, value_pages, page_table, valid_counts,
         out, launch.part_acc, launch.part_max, launch.part_sum, rows_ptr,
