@@ -26,6 +26,8 @@ import dataclasses
 import gc
 import json
 import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +71,10 @@ class ThroughputSettings:
     # A step whose GPU is busy for most of its wall time is bound by the GPU; one whose GPU is mostly idle, by
     # launches, dependencies or the host.
     profile_steps: int = 0
+    # On CUDA, before the model loads: how fast the GPU reads pinned host memory here (core.link_probe: the copy
+    # engines' rate, and the methods' zero-copy block reads, scattered and consecutive), recorded as ``link``: what
+    # bounds the host-resident methods' copies at large batches.
+    link_probe: bool = True
 
     @classmethod
     def compose(cls, given: dict[str, Any]) -> "ThroughputSettings":
@@ -298,6 +304,30 @@ def bytes_loaded(caches) -> int:
     return sum(cache.seq.counters.as_dict()["bytes_to_gpu"] or 0 for cache in caches)
 
 
+def measure_link(settings: ThroughputSettings) -> dict[str, Any] | None:
+    """The link probe's result (scripts/bench/link.py, in a process of its own so that its pinned store goes back to
+    the system before the rows need host memory) on a CUDA device when asked for; a failure is recorded, not raised;
+    None when not asked for or not on CUDA."""
+    import torch
+
+    if not settings.link_probe or settings.device == "cpu" or not torch.cuda.is_available():
+        return None
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "link.py"
+    device = settings.device if settings.device.startswith("cuda") else "cuda"
+    done = subprocess.run([sys.executable, str(script), "--json", "--device", device], capture_output=True,
+                          text=True)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        error = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        print(f"link probe failed: {error}", flush=True)
+        return {"error": error}
+    from icecache.core import link_probe
+
+    result = json.loads(lines[-1])
+    print(link_probe.format_table(result), flush=True)
+    return result
+
+
 def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None = None) -> Path:
     """Measure ``settings`` into a new throughput file in ``out`` (or complete the unfinished file ``resume``);
     print the table; return the file's path. Bad settings raise ``ConfigError`` before the model is built."""
@@ -321,6 +351,7 @@ def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None =
     spec, methods = bench_methods(settings)
     for method in methods.values():  # a method that cannot batch stops the run here, in one line
         method.check_batch_size(max(settings.batch_sizes))
+    link = measure_link(settings) if prior is None else None
     model, device = load_bench_model(spec)
     is_cuda = device.type == "cuda"
     vocab = model.config.vocab_size
@@ -330,7 +361,8 @@ def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None =
                      "dtype_resolved": str(spec.resolved_dtype()),
                      "gpu_total_bytes": torch.cuda.get_device_properties(device).total_memory if is_cuda else None,
                      "host_total_bytes": host_total_bytes(),
-                     "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")})
+                     "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+                     **({"link": link} if link is not None else {})})
     run_provenance = provenance.collect()
     # The (length, method) pairs the file finished stand; one it did not finish is measured again from its first
     # batch, its partial rows dropped.

@@ -489,6 +489,33 @@ def test_throughput_comes_from_the_newest_file_of_each_context_with_its_limits(b
     assert "20261203-100000" in side_by_side and "side by side on streams of their own" in side_by_side
 
 
+def test_throughput_tables_give_each_best_batch_s_host_reads_and_the_file_s_link(bench_tables, tmp_path):
+    """The last column: what the best batch's step copied from host memory and that over its step time; the caption:
+    the file's link probe. A file without either shows neither."""
+    from eval.throughput import summarise
+
+    rows = [{"context": 32768, "method": method, "method_label": method, "batch_size": batch,
+             "tokens_per_s": batch / step, "tpot_s": step, "peak_gpu_bytes": 2**30, **extra}
+            for method, batch, step, extra in (("full_static", 1, 0.01, {}),
+                                               ("shadowkv", 2, 0.02, {"bytes_to_gpu_per_step": 100e6}),
+                                               ("shadowkv", 4, 0.025, {"bytes_to_gpu_per_step": 200e6}))]
+    link = {"dma_gbps": 52.4, "zero_copy_gbps": {"4096": {"random": 41.2, "sequential": 45.0},
+                                                 "1024": {"random": 20.6, "sequential": 30.0}}}
+    payload = {"kind": "throughput", "settings": {"model_name": "llama", "budget": 256, "decode_steps": 8,
+                                                  "link": link},
+               "provenance": provenance("2026-12-01", "abc1234"), "rows": rows, "limits": [],
+               "summary": summarise(rows, [])}
+    (tmp_path / "throughput_h200_20261201-100000.json").write_text(json.dumps(payload))
+    text = bench_tables.render_throughput(tmp_path, {})
+    by_method = {r[0]: r for r in table_rows(text)}
+    assert by_method["`shadowkv`"][-1] == "200, 8.0"  # the best batch (4): 200 MB over 25 ms
+    assert by_method["`full_static`"][-1] == "-"
+    assert "at 52 GB/s with its copy engines" in text and "1 KB 21, 4 KB 41 GB/s" in text
+    del payload["settings"]["link"]
+    (tmp_path / "throughput_h200_20261201-100000.json").write_text(json.dumps(payload))
+    assert "copy engines" not in bench_tables.render_throughput(tmp_path, {})
+
+
 def test_throughput_files_of_other_gpus_get_tables_of_their_own_per_gpu(bench_tables, tmp_path):
     """A throughput file in a folder of results/bench/ stays out of the main throughput tables and fills the other-GPU
     ones, one per GPU (the newest file of each), named with its folder."""

@@ -575,6 +575,27 @@ def render_other_gpus_throughput(results: Path, paper: dict[str, Any]) -> str:
     return "\n\n".join(tables) or "None: no `results/bench/<folder>/throughput_*.json`."
 
 
+def host_reads(row: dict[str, Any] | None) -> str:
+    """What a batch's step copied into GPU memory and the rate that is over its median step ("-" where the file
+    predates the count or the method copies nothing)."""
+    moved = (row or {}).get("bytes_to_gpu_per_step")
+    if not moved or not row.get("tpot_s"):
+        return "-"
+    return f"{moved / 1e6:,.0f}, {moved / row['tpot_s'] / 1e9:.1f}"
+
+
+def link_note(settings: dict[str, Any]) -> str:
+    """The file's link probe (core.link_probe) in one sentence, or nothing where it has none."""
+    link = settings.get("link") or {}
+    if "dma_gbps" not in link:
+        return ""
+    blocks = ", ".join(f"{int(size) // 1024} KB {by_order['random']:.0f}" for size, by_order in
+                       sorted(link.get("zero_copy_gbps", {}).items(), key=lambda item: int(item[0])))
+    return (f" This host's GPU reads pinned host memory at {link['dma_gbps']:.0f} GB/s with its copy engines and, "
+            f"with the methods' zero-copy block copy from scattered blocks, at {blocks} GB/s (`link`, "
+            f"scripts/bench/link.py).")
+
+
 def throughput_tables(files: list[Result], per_gpu: bool = False) -> list[str]:
     """One table per model, context, way of running the rows (and GPU, ``per_gpu``): the newest file's."""
     def gpu(f: Result) -> str:
@@ -604,9 +625,10 @@ def throughput_tables(files: list[Result], per_gpu: bool = False) -> list[str]:
                           *(fmt(by_batch[b]["tokens_per_s"], digits=0) if b in by_batch else "-" for b in batches),
                           best, "-" if ratio is None else f"{ratio:.2f}x", limit,
                           "-" if peak is None else f"{peak / 2**30:.0f}",
-                          str(entry.get("flattens_after_batch") or "-")])
+                          str(entry.get("flattens_after_batch") or "-"),
+                          host_reads(by_batch.get(entry.get("best_batch")))])
         header = ["method", *(f"B={b}" for b in batches), "best tok/s (batch)", "x full_static's best", "out of memory",
-                  "peak GPU GiB", "+<10% after"]
+                  "peak GPU GiB", "+<10% after", "from host at best: MB/step, GB/s"]
         settings = f.data.get("settings") or {}
         rows_run = (", the rows side by side on streams of their own" if side_by_side
                     else ", the rows in turn on the model's stream (`--rows-in-turn`; a file that records no "
@@ -620,7 +642,7 @@ def throughput_tables(files: list[Result], per_gpu: bool = False) -> list[str]:
                       "column were not measured, so its limit is where it stopped.")
         note = (f"{model} at {context_label(context)} tokens, budget {settings.get('budget')}, "
                 f"{settings.get('decode_steps')} steps per batch{rows_run}; `{name}`, commit {f.commit}, "
-                f"{machine}. Decode tokens per second (batch / median step).{unfinished}")
+                f"{machine}. Decode tokens per second (batch / median step).{unfinished}{link_note(settings)}")
         parts.append(note + "\n\n" + table(header, lines))
     return parts
 

@@ -48,6 +48,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--profile-steps", type=int,
                         help="after each batch's timed steps, profile this many more (CUDA): the GPU's busy time per "
                              "step beside its wall time, and the leading kernels; default 0")
+    parser.add_argument("--no-link-probe", dest="link_probe", action="store_false", default=None,
+                        help="skip the probe of how fast the GPU reads pinned host memory (recorded as `link`)")
     parser.add_argument("--out", default=str(REPO / "results" / "bench"), help="output folder")
     parser.add_argument("--figure", type=Path, nargs="+", metavar="FILE",
                         help="only draw the figure of throughput files (beside the first; a context from the last "
