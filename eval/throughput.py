@@ -451,7 +451,7 @@ def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None =
             # The method's sequences all live at once: nothing to reuse between them in its host pool.
             run = _MethodRun(context, name, label, method.config.budget, HostPool())
             host_per_row = 0  # the host memory the last prefilled row took
-            measured_batch = 0
+            measured_batch = fitted = 0
             try:
                 for batch_size in tqdm(settings.batch_sizes, desc=f"{label} at {context}", unit="batch"):
                     run.stage = "prefill"
@@ -488,9 +488,12 @@ def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None =
                                        "rows_prefilled": fitted, "error": str(error).splitlines()[0][:300]})
                         print(f"{label} at {context}: {kind} memory exhausted at batch {batch_size} ({run.stage})",
                               flush=True)
-                        if fitted > measured_batch:
-                            measure_largest_fit(run, fitted, time.perf_counter() - prefill_start)
                         break
+                # Out of the handler: its exception's traceback holds the failed prefill's frames, and with them
+                # its tensors (on a GPU, activations and the KV it was writing), until the handler ends.
+                cache = None
+                if fitted > measured_batch:
+                    measure_largest_fit(run, fitted, time.perf_counter() - prefill_start)
             finally:
                 for cache in run.caches:
                     cache.close()

@@ -312,13 +312,18 @@ def test_the_throughput_benchmark_measures_every_batch_up_to_the_first_out_of_me
 def test_the_rows_that_fit_before_a_prefill_runs_out_of_memory_are_measured_as_the_largest_batch(tmp_path,
                                                                                                 monkeypatch):
     """Quest's fourth sequence does not fit, in the batch of 4: its three rows are decoded as its largest batch (a
-    best throughput that the batch sizes given would miss), and the failed row's cache is closed first. When those
-    three do not fit either, nothing more is recorded."""
+    best throughput that the batch sizes given would miss), and the failed row's cache is closed first, and what the
+    failed prefill's frames held is gone by then. When those three do not fit either, nothing more is recorded."""
+    import weakref
+
     import icecache.core.batched_generation as batched
 
     real_prefill = batched.prefill_row
+    real_decode = batched.decode_batch
     closed: list[int] = []
     attempts = {"quest": 0}
+    held_by_failed_prefill: list[weakref.ref] = []
+    alive_at_largest_fit: list[bool] = []
 
     def prefill(model, cache, request, **kwargs):
         if cache.method.config.name == "quest":
@@ -326,21 +331,30 @@ def test_the_rows_that_fit_before_a_prefill_runs_out_of_memory_are_measured_as_t
             if attempts["quest"] == 4:
                 real_close = cache.close
                 cache.close = lambda: (closed.append(attempts["quest"]), real_close())[1]
+                activations = torch.zeros(16)  # on a GPU: the chunk's activations, the KV being written
+                held_by_failed_prefill.append(weakref.ref(activations))
                 raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real_prefill(model, cache, request, **kwargs)
 
+    def watched_decode(model, batch, rows, **kwargs):
+        if len(rows) == 3:
+            alive_at_largest_fit.append(held_by_failed_prefill[0]() is not None)
+        return real_decode(model, batch, rows, **kwargs)
+
     monkeypatch.setattr(batched, "prefill_row", prefill)
+    monkeypatch.setattr(batched, "decode_batch", watched_decode)
     _, payload = run_throughput(tmp_path, methods=["quest"], batch_sizes=[1, 2, 4])
     quest = {r["batch_size"]: r for r in payload["rows"] if r["method"] == "quest"}
     assert sorted(quest) == [1, 2, 3] and quest[3].get("at_memory_limit") and not quest[2].get("at_memory_limit")
     assert len(quest[3]["positions"]) == 3 and closed == [4]
+    assert alive_at_largest_fit and not any(alive_at_largest_fit)
     [limit] = payload["limits"]
     assert (limit["batch_size"], limit["stage"], limit["rows_prefilled"]) == (4, "prefill", 3)
     summary = {entry["method"]: entry for entry in payload["summary"]}
     assert summary["quest"]["largest_batch"] == 3 and summary["quest"]["first_failed_batch"] == 4
 
-    real_decode = batched.decode_batch
     attempts["quest"] = 0
+    held_by_failed_prefill.clear()
 
     def decode(model, batch, rows, **kwargs):  # the three rows that fit run out of memory in their decode too
         if len(rows) == 3:
