@@ -511,9 +511,17 @@ def test_throughput_tables_give_each_best_batch_s_host_reads_and_the_file_s_link
     assert by_method["`shadowkv`"][-1] == "200, 8.0"  # the best batch (4): 200 MB over 25 ms
     assert by_method["`full_static`"][-1] == "-"
     assert "at 52 GB/s with its copy engines" in text and "1 KB 21, 4 KB 41 GB/s" in text
+    assert "not measured" not in text
     del payload["settings"]["link"]
+    # full_static's third prefill failed with two rows fitted, whose batch was not measured: the table says so.
+    payload["limits"] = [{"context": 32768, "method": "full_static", "method_label": "full_static", "batch_size": 3,
+                          "kind": "gpu", "stage": "prefill", "rows_prefilled": 2}]
+    payload["summary"] = summarise(rows, payload["limits"])
     (tmp_path / "throughput_h200_20261201-100000.json").write_text(json.dumps(payload))
-    assert "copy engines" not in bench_tables.render_throughput(tmp_path, {})
+    text = bench_tables.render_throughput(tmp_path, {})
+    assert "copy engines" not in text
+    assert {r[0]: r for r in table_rows(text)}["`full_static`"][-4] == "gpu memory at 3 (2 fitted, not measured)"
+    assert "2 rows that fit were not measured" in text and "overstate" in text
 
 
 def test_throughput_files_of_other_gpus_get_tables_of_their_own_per_gpu(bench_tables, tmp_path):
