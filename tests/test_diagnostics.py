@@ -2,6 +2,9 @@
 
 import json
 
+import pytest
+import torch
+
 from tests.conftest import load_script
 
 
@@ -23,3 +26,21 @@ def test_the_prefill_profile_times_each_methods_first_token_and_lists_its_host_w
         assert 0 < len(times) <= 5 and times == sorted(times, reverse=True)
         assert any(op["op"].startswith("aten::") for op in result["host_ops"])
 
+
+
+@pytest.mark.parametrize("script,bad,message", [
+    ("diagnostics/attention_sweep", ["--lengths", "100"], "multiple of the page size"),
+    ("diagnostics/shadowkv_score_sweep", ["--length", "100"], "multiple of 8"),
+    ("diagnostics/shadowkv_score_sweep", ["--rows", "0"], "--rows must be positive"),
+])
+def test_the_kernel_sweeps_refuse_bad_settings_in_one_line_before_any_work(script, bad, message, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        load_script(script).main(bad)
+    assert stopped.value.code == 2 and message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message where there is no CUDA device")
+@pytest.mark.parametrize("script", ["diagnostics/attention_sweep", "diagnostics/shadowkv_score_sweep"])
+def test_the_kernel_sweeps_say_they_need_a_cuda_device(script):
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        load_script(script).main([])

@@ -20,6 +20,7 @@ import torch
 
 from icecache.core.kernels import shadowkv_step
 from icecache.core.kernels.shadowkv_step import (
+    ScoreLaunch,
     ShadowKVSlots,
     ShadowKVStepPlan,
     finish_step_reference,
@@ -151,18 +152,25 @@ def test_the_scoring_blocks_tile_the_ranking_blocks_and_fill_the_gpu(n_chunks, n
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("launch,dtype", [(ScoreLaunch(), torch.float32),
+                                          (ScoreLaunch(programs=64, tile=128, num_warps=8, num_stages=3),
+                                           torch.float32),
+                                          (ScoreLaunch(dot_16bit=True), torch.bfloat16)],
+                         ids=["default", "other_launch", "dot_16bit"])
 @pytest.mark.parametrize("n_chunks,position,n_held", [(40, 37 * 8 + 3, 4), (40, 37 * 8, 6), (700, 690 * 8 + 7, 5),
                                                      (5000, 4990 * 8 + 1, 6), (8, 9 * 8, 0)])
-def test_triton_select_and_plan_matches_the_reference(n_chunks, position, n_held):
+def test_triton_select_and_plan_matches_the_reference(n_chunks, position, n_held, launch, dtype):
     """Scores without ties: the same top chunks in the same order, slot table, copy list, counts and loads; the
-    probabilities within float32 rounding. 700 and 5000 chunks score in several blocks; 8 chunks rank padding."""
+    probabilities within float32 rounding. 700 and 5000 chunks score in several blocks; 8 chunks rank padding. The
+    scoring's launch settings (blocks, tile, warps, stages; 16-bit products for 16-bit inputs) change no decision."""
     device = kernel_device()
     gen = torch.Generator().manual_seed(n_chunks + n_held)
     query, landmarks, is_outlier, outlier_ids, slot_chunk = selection_state(gen, device, n_chunks, position, n_held)
+    query, landmarks = query.to(dtype), landmarks.to(dtype)
     at = torch.tensor([position], device=device)
     results = []
     for run in (select_and_plan_triton, select_and_plan_reference):
-        plan = ShadowKVStepPlan(LAYOUT, N_KV_HEADS, GROUP, n_chunks + 1, device)
+        plan = ShadowKVStepPlan(LAYOUT, N_KV_HEADS, GROUP, n_chunks + 1, device, score_launch=launch)
         table = slot_chunk.clone()
         run(LAYOUT, at, query, landmarks, is_outlier, outlier_ids, table, 0.25, plan)
         results.append((plan, table))

@@ -84,7 +84,8 @@ class ShadowKVStepPlan:
     scratch chunk (the landmarks' second dimension)."""
 
     def __init__(self, layout: ShadowKVSlots, n_kv_heads: int, group_size: int, n_chunks: int,
-                 device: torch.device):
+                 device: torch.device, score_launch: "ScoreLaunch | None" = None):
+        self.score_launch = score_launch or ScoreLaunch()
         self.n_top = min(layout.n_selected, n_chunks)
         self.n_chunks = n_chunks
         long = dict(dtype=torch.long, device=device)
@@ -101,8 +102,8 @@ class ShadowKVStepPlan:
         # Triton's scoring reads every landmark once and is bound by memory, so its blocks are smaller: about
         # SCORE_PROGRAMS programs in all, enough to keep every SM reading (with the ranking's blocks, 72 programs
         # read 32 MB a layer at 128k tokens and the scores took 4x the time of a read at the GPU's rate).
-        self.score_chunks = min(self.block_chunks,
-                                max(SCORE_TILE, _next_power_of_2(-(-n_chunks * n_kv_heads // SCORE_PROGRAMS))))
+        self.score_chunks = min(self.block_chunks, max(self.score_launch.tile, _next_power_of_2(
+            -(-n_chunks * n_kv_heads // self.score_launch.programs))))
         self.n_score_blocks = -(-n_chunks // self.score_chunks)
         if device.type == "cuda" or interpreted():
             padded = self.n_blocks * self.block_chunks
@@ -153,6 +154,20 @@ class ShadowKVRowTables:
 #: Chunks one step of the scoring kernel's loop scores, and about how many programs the scoring runs.
 SCORE_TILE = 64
 SCORE_PROGRAMS = 1024
+
+
+@dataclass(frozen=True)
+class ScoreLaunch:
+    """How the scoring kernel is launched (scripts/diagnostics/shadowkv_score_sweep.py times the choices): about
+    ``programs`` programs per row, ``tile`` chunks per loop step, ``num_warps``, ``num_stages`` (None: Triton's
+    default), and ``dot_16bit``: 16-bit landmarks and query multiplied as they are (exact products, float32 sums)
+    instead of widened to float32 first, which halves the tile's registers; the sums may round otherwise."""
+
+    programs: int = SCORE_PROGRAMS
+    tile: int = SCORE_TILE
+    num_warps: int = 4
+    num_stages: int | None = None
+    dot_16bit: bool = False
 
 
 def _next_power_of_2(n: int) -> int:
@@ -409,7 +424,7 @@ if triton is not None:
         N_COLUMNS: tl.constexpr, BATCHED: tl.constexpr,
         CS: tl.constexpr, N_LOCAL: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_DIM: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, TILE: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, DOT_16BIT: tl.constexpr,
     ):
         head = tl.program_id(0).to(tl.int64)
         block = tl.program_id(1)
@@ -428,15 +443,22 @@ if triton is not None:
         dims = tl.arange(0, BLOCK_DIM)
         dim_ok = dims < HEAD_DIM
         q = tl.load(query_ptr + (head * GROUP + groups)[:, None] * stride_query_head + dims[None, :],
-                    mask=group_ok[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
+                    mask=group_ok[:, None] & dim_ok[None, :], other=0.0)
+        if DOT_16BIT:
+            q = q.to(landmarks_ptr.dtype.element_ty)
+        else:
+            q = q.to(tl.float32)
         running_max = tl.full([BLOCK_GROUP], float("-inf"), dtype=tl.float32)
         running_sum = tl.zeros([BLOCK_GROUP], dtype=tl.float32)
         for start in range(0, BLOCK_CHUNKS, TILE):
             chunks = block * BLOCK_CHUNKS + start + tl.arange(0, TILE)
             in_range = chunks < n_chunks
             landmarks = tl.load(landmarks_ptr + head * stride_landmark_head + chunks[:, None] * stride_landmark_chunk
-                                + dims[None, :], mask=in_range[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
-            scores = tl.dot(q, tl.trans(landmarks), input_precision=PRECISION) * scaling  # [BLOCK_GROUP, TILE]
+                                + dims[None, :], mask=in_range[:, None] & dim_ok[None, :], other=0.0)
+            if DOT_16BIT:
+                scores = tl.dot(q, tl.trans(landmarks)) * scaling  # [BLOCK_GROUP, TILE], float32 sums
+            else:
+                scores = tl.dot(q, tl.trans(landmarks.to(tl.float32)), input_precision=PRECISION) * scaling
             outlier = tl.load(outlier_ptr + head * stride_outlier_head + chunks, mask=in_range, other=1)
             candidate = in_range & (chunks < base) & (outlier == 0)
             scores = tl.where(candidate[None, :], scores, float("-inf"))
@@ -729,6 +751,7 @@ def select_and_plan_triton(layout: ShadowKVSlots, position, query, landmarks, is
     group = query.shape[0] // n_kv_heads
     outlier = is_outlier.view(torch.uint8)
     rows_ptr, n_rows, n_columns, batched = table_arguments(score_rows, position)
+    launch = plan.score_launch
     _score_kernel[(n_kv_heads, plan.n_score_blocks, n_rows)](
         query, landmarks, outlier, plan.scores, plan.block_max, plan.block_sum, position, rows_ptr, n_chunks,
         float(scaling),
@@ -737,7 +760,10 @@ def select_and_plan_triton(layout: ShadowKVSlots, position, query, landmarks, is
         N_COLUMNS=n_columns, BATCHED=batched,
         CS=layout.chunk_size, N_LOCAL=layout.n_local, GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_DIM=max(16, triton.next_power_of_2(head_dim)), BLOCK_CHUNKS=plan.score_chunks,
-        TILE=SCORE_TILE, PRECISION=_dot_precision(landmarks.dtype), num_warps=4,
+        TILE=launch.tile, PRECISION=_dot_precision(landmarks.dtype),
+        DOT_16BIT=launch.dot_16bit and landmarks.element_size() == 2 and query.dtype == landmarks.dtype
+        and not interpreted(),
+        num_warps=launch.num_warps, **({} if launch.num_stages is None else {"num_stages": launch.num_stages}),
     )
     rows_ptr, n_rows, n_columns, batched = table_arguments(rank_rows, position)
     _rank_kernel[(n_kv_heads, plan.n_blocks, n_rows)](
