@@ -1,5 +1,6 @@
 """The link probe (icecache/core/link_probe.py): its copy plans on the CPU through the block copy's reference, and the
-probe itself on CUDA (`pytest -m gpu tests/test_link_probe.py`, in make test-gpu)."""
+probe itself on CUDA (`pytest -m gpu tests/test_link_probe.py`, in make test-gpu), with the device timing that the
+probe and the kernel sweeps share (icecache/core/device_timing.py)."""
 
 from __future__ import annotations
 
@@ -82,3 +83,15 @@ def test_the_probe_measures_every_block_size_and_order_in_a_process_of_its_own()
     assert set(result["zero_copy_gbps"]) == {"1024", "4096"}
     for by_order in result["zero_copy_gbps"].values():
         assert set(by_order) == {"random", "sequential"} and min(by_order.values()) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_graph_timing_replays_every_captured_call_and_gives_one_call_s_time():
+    from icecache.core.device_timing import graph_call_us
+
+    counter = torch.zeros(1, device="cuda")
+    us = graph_call_us(lambda: counter.add_(1), calls_per_graph=5, replays=3)
+    # One call before capture, then 2 warm-up and 3 timed replays of 5 calls each (capture itself runs nothing).
+    assert int(counter.item()) == 1 + 5 * (2 + 3)
+    assert us > 0

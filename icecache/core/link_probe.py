@@ -19,11 +19,11 @@ and records in its file's settings as ``link``.
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 import torch
 
+from .device_timing import median_event_seconds
 from .kernels.block_copy import copy_blocks_triton
 from .kernels.triton_runtime import available as triton_available
 from .paged import mapped_device_view
@@ -34,20 +34,6 @@ DEFAULT_ENTRIES = 4096
 DEFAULT_REPEATS = 20
 DMA_BYTES = 256 << 20
 ELEMENT = torch.bfloat16
-
-
-def _median_seconds(launch, device: torch.device, repeats: int, warmup: int = 2) -> float:
-    stream = torch.cuda.current_stream(device)
-    times = []
-    for index in range(warmup + repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-        launch()
-        end.record(stream)
-        end.synchronize()
-        if index >= warmup:
-            times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def block_plan(n_blocks: int, entries: int, order: str, generator: torch.Generator) -> torch.Tensor:
@@ -95,7 +81,7 @@ def measure(device: torch.device | str | None = None, store_bytes: int = DEFAULT
     mapped = mapped_device_view(pinned, device)
     dma_source = pinned[: min(DMA_BYTES, store_bytes) // element_bytes]
     dma_target = torch.empty_like(dma_source, device=device)
-    dma_s = _median_seconds(lambda: dma_target.copy_(dma_source, non_blocking=True), device, repeats)
+    dma_s = median_event_seconds(lambda: dma_target.copy_(dma_source, non_blocking=True), device, repeats)
     if not torch.equal(dma_target.cpu().view(torch.int16), dma_source.view(torch.int16)):  # bits: NaNs too
         raise RuntimeError("the copy engines' copy moved the wrong bytes")
     rates: dict[str, dict[str, float]] = {}
@@ -108,7 +94,7 @@ def measure(device: torch.device | str | None = None, store_bytes: int = DEFAULT
         for order in ("random", "sequential"):
             pages = block_plan(store.shape[0] // 2, entries, order, generator)
             arguments = copy_arguments(store, target, pages)
-            seconds = _median_seconds(lambda arguments=arguments: copy_blocks_triton(**arguments), device, repeats)
+            seconds = median_event_seconds(lambda arguments=arguments: copy_blocks_triton(**arguments), device, repeats)
             moved = target[0].flatten(1).view(torch.int16), target[1].flatten(1).view(torch.int16)
             wanted = [arguments[name][arguments["pages"]].flatten(1).view(torch.int16)
                       for name in ("source_keys", "source_values")]

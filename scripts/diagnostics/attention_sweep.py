@@ -18,34 +18,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 
 import torch
 import torch.nn.functional as F
 
+from icecache.core.device_timing import graph_call_us
 from icecache.core.kernels.paged_decode_attention import PagedAttentionPlan, paged_decode_attention_triton
 
 N_HEADS, N_KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 16
-CALLS_PER_GRAPH = 20
-
-
-def device_us(call, replays: int = 10) -> float:
-    """Median device time of one call, from replays of a graph of CALLS_PER_GRAPH calls."""
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            call()
-    times = []
-    for _ in range(replays + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS_PER_GRAPH)
-    return statistics.median(times[2:])
 
 
 def sweep(length: int, settings: list[tuple[int, int, int, int]]) -> list[dict]:
@@ -66,7 +46,7 @@ def sweep(length: int, settings: list[tuple[int, int, int, int]]) -> list[dict]:
                                   num_stages=num_stages)
         out = torch.empty_like(query)
         try:
-            us = device_us(lambda plan=plan, out=out: paged_decode_attention_triton(
+            us = graph_call_us(lambda plan=plan, out=out: paged_decode_attention_triton(
                 query, keys, values, table, counts, scaling, plan, out=out))
         except Exception as error:  # noqa: BLE001  a setting that does not compile (registers, shared memory)
             rows.append({"length": length, "programs_per_sm": programs_per_sm, "block_tokens": block_tokens,
@@ -79,7 +59,7 @@ def sweep(length: int, settings: list[tuple[int, int, int, int]]) -> list[dict]:
     dense_keys = keys.permute(1, 0, 2, 3).reshape(1, N_KV_HEADS, length, HEAD_DIM)
     dense_values = values.permute(1, 0, 2, 3).reshape(1, N_KV_HEADS, length, HEAD_DIM)
     dense_query = query.view(1, N_HEADS, 1, HEAD_DIM)
-    us = device_us(lambda: F.scaled_dot_product_attention(dense_query, dense_keys, dense_values, scale=scaling,
+    us = graph_call_us(lambda: F.scaled_dot_product_attention(dense_query, dense_keys, dense_values, scale=scaling,
                                                           enable_gqa=True))
     rows.append({"length": length, "kernel": "sdpa_dense", "us": us, "gb_s": kv_bytes / us / 1e3})
     return rows

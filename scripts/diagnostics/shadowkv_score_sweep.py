@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 
 import torch
 
+from icecache.core.device_timing import graph_call_us
 from icecache.core.kernels.row_table import row_table
 from icecache.core.kernels.shadowkv_step import (
     PLAN_ROW_COLUMNS,
@@ -36,7 +36,6 @@ from icecache.core.kernels.shadowkv_step import (
 
 N_HEADS, N_KV_HEADS, HEAD_DIM = 32, 8, 128
 LAYOUT = ShadowKVSlots(chunk_size=8, n_outlier=2, n_selected=32, n_local=4)
-CALLS_PER_GRAPH = 10
 
 
 def row_state(length: int, seed: int) -> dict[str, torch.Tensor]:
@@ -79,24 +78,6 @@ def selection(states: list[dict], launch: ScoreLaunch):
     return call, plans
 
 
-def device_us(call, replays: int = 10) -> float:
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS_PER_GRAPH):
-            call()
-    times = []
-    for _ in range(replays + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS_PER_GRAPH)
-    return statistics.median(times[2:])
-
-
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=131072, help="context tokens (a multiple of 8)")
@@ -126,7 +107,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             fresh = [{**s, "slot_chunk": s["slot_chunk"].clone()} for s in states]
             try:
                 call, plans = selection(fresh, launch)
-                us = device_us(call)
+                us = graph_call_us(call, calls_per_graph=10)
             except Exception as error:  # noqa: BLE001  a setting that does not compile (registers, shared memory)
                 results.append({"rows": n_rows, **launch.__dict__, "error": str(error).splitlines()[0][:200]})
                 continue
