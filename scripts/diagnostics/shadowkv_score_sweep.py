@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--length", type=int, default=131072, help="context tokens (a multiple of 8)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 12], help="batch sizes")
-    parser.add_argument("--programs", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--programs", type=int, nargs="+", default=[256, 512, 1024, 2048],
+                        help="about how many programs a row's scores run (fewer: more chunks each)")
     parser.add_argument("--tiles", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--num-stages", type=int, nargs="+", default=[0, 3], help="0: Triton's default")
