@@ -151,18 +151,28 @@ def test_the_scoring_blocks_tile_the_ranking_blocks_and_fill_the_gpu(n_chunks, n
     assert plan.n_score_blocks >= plan.n_blocks
 
 
+def test_a_score_launch_refuses_unknown_products_and_bad_tiles():
+    with pytest.raises(ValueError, match="products must be one of dot, dot_16bit, fma"):
+        ScoreLaunch(products="wmma")
+    with pytest.raises(ValueError, match="tile a power of two"):
+        ScoreLaunch(tile=48)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("launch,dtype", [(ScoreLaunch(), torch.float32),
                                           (ScoreLaunch(programs=64, tile=128, num_warps=8, num_stages=3),
                                            torch.float32),
-                                          (ScoreLaunch(dot_16bit=True), torch.bfloat16)],
-                         ids=["default", "other_launch", "dot_16bit"])
+                                          (ScoreLaunch(products="dot_16bit"), torch.bfloat16),
+                                          (ScoreLaunch(products="fma", tile=32, num_warps=8), torch.float32),
+                                          (ScoreLaunch(products="fma"), torch.bfloat16)],
+                         ids=["default", "other_launch", "dot_16bit", "fma", "fma_bf16"])
 @pytest.mark.parametrize("n_chunks,position,n_held", [(40, 37 * 8 + 3, 4), (40, 37 * 8, 6), (700, 690 * 8 + 7, 5),
                                                      (5000, 4990 * 8 + 1, 6), (8, 9 * 8, 0)])
 def test_triton_select_and_plan_matches_the_reference(n_chunks, position, n_held, launch, dtype):
     """Scores without ties: the same top chunks in the same order, slot table, copy list, counts and loads; the
     probabilities within float32 rounding. 700 and 5000 chunks score in several blocks; 8 chunks rank padding. The
-    scoring's launch settings (blocks, tile, warps, stages; 16-bit products for 16-bit inputs) change no decision."""
+    scoring's launch settings (blocks, tile, warps, stages; tensor-core products, in 16 bits for 16-bit inputs, or
+    products on the ordinary cores) change no decision."""
     device = kernel_device()
     gen = torch.Generator().manual_seed(n_chunks + n_held)
     query, landmarks, is_outlier, outlier_ids, slot_chunk = selection_state(gen, device, n_chunks, position, n_held)

@@ -9,7 +9,7 @@ the landmarks at the GPU's memory bandwidth.
 Llama-3.1-8B's shapes (32 query heads, 8 KV heads, head_dim 128, bf16), ShadowKV's defaults (8-token chunks, 2
 outlier chunks, 256 / 8 selected, a window of 4 chunks). With more than one row, one launch per kernel serves the
 batch through row tables, as ShadowKV's batched step does. Per setting (`ScoreLaunch`: programs per row, chunks per
-loop step, warps, pipelining stages, 16-bit products): the device time of one selection (CUDA-graph replays of 10,
+loop step, warps, pipelining stages, how the products run): the device time of one selection (CUDA-graph replays of 10,
 median of 10) and the landmark bytes over it. Every setting's top chunks are checked against the default's. With
 --out, writes shadowkv_score_sweep_<host>_<date>.json with provenance there.
 """
@@ -26,6 +26,7 @@ from icecache.core.kernels.row_table import row_table
 from icecache.core.kernels.shadowkv_step import (
     PLAN_ROW_COLUMNS,
     RANK_ROW_COLUMNS,
+    SCORE_PRODUCTS,
     SCORE_ROW_COLUMNS,
     ScoreLaunch,
     ShadowKVRowTables,
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--tiles", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--num-stages", type=int, nargs="+", default=[0, 3], help="0: Triton's default")
+    parser.add_argument("--products", nargs="+", default=list(SCORE_PRODUCTS), choices=SCORE_PRODUCTS)
     parser.add_argument("--out", help="folder for a shadowkv_score_sweep_<host>_<date>.json result file")
     args = parser.parse_args(argv)
     if args.length % LAYOUT.chunk_size or args.length < 64 * LAYOUT.chunk_size:
@@ -96,9 +98,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not torch.cuda.is_available():
         raise SystemExit("error: the sweep needs a CUDA device")
     launches = [ScoreLaunch()] + [
-        ScoreLaunch(programs=p, tile=t, num_warps=w, num_stages=st or None, dot_16bit=d)
-        for p, t, w, st, d in itertools.product(args.programs, args.tiles, args.num_warps, args.num_stages,
-                                                (False, True))]
+        ScoreLaunch(programs=p, tile=t, num_warps=w, num_stages=st or None, products=products)
+        for p, t, w, st, products in itertools.product(args.programs, args.tiles, args.num_warps, args.num_stages,
+                                                       args.products)]
     results = []
     for n_rows in args.rows:
         states = [row_state(args.length, seed) for seed in range(n_rows)]
@@ -120,11 +122,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             same = all(torch.equal(a, b) for a, b in zip(top, reference_top))
             results.append({"rows": n_rows, **launch.__dict__, "us": us, "landmark_gb_s": landmark_bytes / us / 1e3,
                             "same_top_as_default": same})
-    print(f"{'rows':>4} {'programs':>8} {'tile':>4} {'warps':>5} {'stages':>6} {'16bit':>5} {'us':>8} "
+    print(f"{'rows':>4} {'programs':>8} {'tile':>4} {'warps':>5} {'stages':>6} {'products':>9} {'us':>8} "
           f"{'GB/s':>6} same")
     for r in results:
         head = (f"{r['rows']:>4} {r['programs']:>8} {r['tile']:>4} {r['num_warps']:>5} {str(r['num_stages']):>6} "
-                f"{str(r['dot_16bit']):>5}")
+                f"{r['products']:>9}")
         if "error" in r:
             print(f"{head} failed: {r['error']}")
         else:

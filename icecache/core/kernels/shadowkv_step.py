@@ -156,18 +156,36 @@ SCORE_TILE = 64
 SCORE_PROGRAMS = 1024
 
 
+#: How the scoring kernel multiplies the query heads of a group by a tile of landmarks (``ScoreLaunch.products``).
+SCORE_PRODUCTS = ("dot", "dot_16bit", "fma")
+
+
 @dataclass(frozen=True)
 class ScoreLaunch:
     """How the scoring kernel is launched (scripts/diagnostics/shadowkv_score_sweep.py times the choices): about
     ``programs`` programs per row, ``tile`` chunks per loop step, ``num_warps``, ``num_stages`` (None: Triton's
-    default), and ``dot_16bit``: 16-bit landmarks and query multiplied as they are (exact products, float32 sums)
-    instead of widened to float32 first, which halves the tile's registers; the sums may round otherwise."""
+    default), and ``products``:
+
+    * ``dot``: landmarks widened to float32 and multiplied on tensor cores (TF32 products, exact for 16-bit inputs;
+      IEEE for float32 ones), the group's query heads padded to the 16 rows a tensor-core product needs;
+    * ``dot_16bit``: 16-bit landmarks and query multiplied as they are (exact products, float32 sums), which halves
+      the tile's registers; float32 inputs fall back to ``dot``;
+    * ``fma``: each query head of the group against the float32 tile on the ordinary cores, no padding to 16 rows.
+
+    The scores agree within float32 rounding (their sums run in another order), so a near-tie can rank otherwise."""
 
     programs: int = SCORE_PROGRAMS
     tile: int = SCORE_TILE
     num_warps: int = 4
     num_stages: int | None = None
-    dot_16bit: bool = False
+    products: str = "dot"
+
+    def __post_init__(self):
+        if self.products not in SCORE_PRODUCTS:
+            raise ValueError(f"products must be one of {', '.join(SCORE_PRODUCTS)}, not {self.products!r}")
+        if self.programs < 1 or self.tile < 16 or self.tile & (self.tile - 1):
+            raise ValueError(f"programs must be positive and tile a power of two of at least 16, not "
+                             f"{self.programs} and {self.tile}")
 
 
 def _next_power_of_2(n: int) -> int:
@@ -424,7 +442,7 @@ if triton is not None:
         N_COLUMNS: tl.constexpr, BATCHED: tl.constexpr,
         CS: tl.constexpr, N_LOCAL: tl.constexpr, GROUP: tl.constexpr, BLOCK_GROUP: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_DIM: tl.constexpr, BLOCK_CHUNKS: tl.constexpr, TILE: tl.constexpr,
-        PRECISION: tl.constexpr, DOT_16BIT: tl.constexpr,
+        PRECISION: tl.constexpr, DOT_16BIT: tl.constexpr, FMA: tl.constexpr,
     ):
         head = tl.program_id(0).to(tl.int64)
         block = tl.program_id(1)
@@ -457,6 +475,14 @@ if triton is not None:
                                 + dims[None, :], mask=in_range[:, None] & dim_ok[None, :], other=0.0)
             if DOT_16BIT:
                 scores = tl.dot(q, tl.trans(landmarks)) * scaling  # [BLOCK_GROUP, TILE], float32 sums
+            elif FMA:
+                wide = landmarks.to(tl.float32)
+                scores = tl.zeros([BLOCK_GROUP, TILE], dtype=tl.float32)
+                for g in tl.static_range(BLOCK_GROUP):
+                    head_query = tl.sum(tl.where(groups[:, None] == g, q, 0.0), 0)  # [BLOCK_DIM], q's row g
+                    head_scores = tl.sum(wide * head_query[None, :], 1)  # [TILE]
+                    scores = tl.where(groups[:, None] == g, head_scores[None, :], scores)
+                scores = scores * scaling
             else:
                 scores = tl.dot(q, tl.trans(landmarks.to(tl.float32)), input_precision=PRECISION) * scaling
             outlier = tl.load(outlier_ptr + head * stride_outlier_head + chunks, mask=in_range, other=1)
@@ -752,17 +778,21 @@ def select_and_plan_triton(layout: ShadowKVSlots, position, query, landmarks, is
     outlier = is_outlier.view(torch.uint8)
     rows_ptr, n_rows, n_columns, batched = table_arguments(score_rows, position)
     launch = plan.score_launch
+    # Triton's interpreter multiplies 16-bit tiles wrongly (it reads their bits as integers): there they are widened.
+    dot_16bit = (launch.products == "dot_16bit" and landmarks.element_size() == 2 and query.dtype == landmarks.dtype
+                 and not interpreted())
+    fma = launch.products == "fma"
     _score_kernel[(n_kv_heads, plan.n_score_blocks, n_rows)](
         query, landmarks, outlier, plan.scores, plan.block_max, plan.block_sum, position, rows_ptr, n_chunks,
         float(scaling),
         query.stride(0), landmarks.stride(0), landmarks.stride(1), outlier.stride(0), plan.scores.stride(0),
         plan.scores.stride(1), plan.block_max.stride(0), plan.block_max.stride(1),
         N_COLUMNS=n_columns, BATCHED=batched,
-        CS=layout.chunk_size, N_LOCAL=layout.n_local, GROUP=group, BLOCK_GROUP=max(16, triton.next_power_of_2(group)),
+        CS=layout.chunk_size, N_LOCAL=layout.n_local, GROUP=group,
+        BLOCK_GROUP=triton.next_power_of_2(group) if fma else max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_DIM=max(16, triton.next_power_of_2(head_dim)), BLOCK_CHUNKS=plan.score_chunks,
         TILE=launch.tile, PRECISION=_dot_precision(landmarks.dtype),
-        DOT_16BIT=launch.dot_16bit and landmarks.element_size() == 2 and query.dtype == landmarks.dtype
-        and not interpreted(),
+        DOT_16BIT=dot_16bit, FMA=fma,
         num_warps=launch.num_warps, **({} if launch.num_stages is None else {"num_stages": launch.num_stages}),
     )
     rows_ptr, n_rows, n_columns, batched = table_arguments(rank_rows, position)
