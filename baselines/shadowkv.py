@@ -69,6 +69,8 @@ from icecache.core.kernels.block_copy import copy_blocks, copy_blocks_triton
 from icecache.core.kernels.paged_decode_attention import paged_decode_attention, paged_decode_attention_triton
 from icecache.core.kernels.row_table import KeptRowTables, RowTable, row_table, step_layout
 from icecache.core.kernels.shadowkv_step import (
+    SCORE_PRODUCTS,
+    ScoreLaunch,
     ShadowKVRowTables,
     ShadowKVSlots,
     ShadowKVStepPlan,
@@ -101,6 +103,10 @@ class ShadowKVConfig(MethodConfig):
     n_outlier_chunks: int | None = None  # None: 48 in 304 of the chunks besides the window (the paper's share)
     basis_solver: str = "svd"  # how the prompt's key basis is found: "svd" (QR, then SVD) or "gram" (float64 eigh)
     batch_kernels: bool = True  # a batch's rows share each kernel launch (decode_rows); False: each row its own
+    # How the GPU's landmark scores multiply (core.kernels.shadowkv_step.ScoreLaunch.products): "dot" (tensor cores,
+    # float32 tiles), "dot_16bit" (tensor cores on 16-bit tiles) or "fma" (ordinary cores); float rounding apart,
+    # the same scores
+    score_products: str = "dot"
 
     def check_budget(self) -> None:
         super().check_budget()
@@ -366,7 +372,7 @@ class ShadowKVKV(StaticDenseKV):
         self._slot_table = torch.arange(self.layout.n_attended_slots, device=device, dtype=torch.int32).expand(
             n_kv_heads, -1)
         self._step_plan = ShadowKVStepPlan(self.layout, n_kv_heads, self.model.n_heads // n_kv_heads, n_chunks + 1,
-                                           device)
+                                           device, score_launch=ScoreLaunch(products=self.cfg.score_products))
 
     def _grow(self, n_tokens: int) -> None:
         """Room for ``n_tokens`` (only outside the generation loop, which announces the length)."""
@@ -581,6 +587,8 @@ class ShadowKV(Method):
             raise ConfigError(f"shadowkv: chunk_size={cs} must be a power of two <= 64 for the CUDA paged attention")
         if c.basis_solver not in BASIS_SOLVERS:
             raise ConfigError(f"shadowkv: basis_solver={c.basis_solver!r} must be one of {sorted(BASIS_SOLVERS)}")
+        if c.score_products not in SCORE_PRODUCTS:
+            raise ConfigError(f"shadowkv: score_products={c.score_products!r} must be one of {list(SCORE_PRODUCTS)}")
         if c.rank < 1 or c.n_local_chunks < 1 or (c.n_outlier_chunks is not None and c.n_outlier_chunks < 0):
             raise ConfigError(f"shadowkv: rank={c.rank} and n_local_chunks={c.n_local_chunks} must be >= 1, "
                               f"n_outlier_chunks={c.n_outlier_chunks} >= 0 or null")

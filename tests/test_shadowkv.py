@@ -130,6 +130,18 @@ def test_an_unknown_basis_solver_is_refused_with_the_known_ones():
         build_method({"name": "shadowkv", "budget": 64, "basis_solver": "qr"}, INFO)
 
 
+def test_unknown_score_products_are_refused_with_the_known_ones_and_a_known_one_reaches_the_step_plan():
+    with pytest.raises(ConfigError, match=r"score_products='wmma' must be one of \['dot', 'dot_16bit', 'fma'\]"):
+        build_method({"name": "shadowkv", "budget": 64, "score_products": "wmma"}, INFO)
+    values = {"name": "shadowkv", "budget": 64, "rank": 4, "n_local_chunks": 2, "n_dense_layers": 0,
+              "score_products": "fma"}
+    layer = build_method(values, INFO).make_layer(0, SequenceContext())
+    gen = torch.Generator().manual_seed(3)
+    layer.forward(torch.randn(1, 4, 100, 16, generator=gen), torch.randn(1, 2, 100, 16, generator=gen),
+                  torch.randn(1, 2, 100, 16, generator=gen), None, SCALING)
+    assert layer._step_plan.score_launch.products == "fma"
+
+
 def test_a_layer_built_with_the_gram_solver_chooses_what_the_svd_one_does():
     """Rank 4 of 32 over random keys: the two solvers' bases differ by rounding and by each vector's sign, which
     the rebuilt keys do not see: the same chunks resident and attended, outputs within float tolerance."""
