@@ -498,7 +498,8 @@ def test_throughput_tables_give_each_best_batch_s_host_reads_and_the_file_s_link
              "tokens_per_s": batch / step, "tpot_s": step, "peak_gpu_bytes": 2**30, **extra}
             for method, batch, step, extra in (("full_static", 1, 0.01, {}),
                                                ("shadowkv", 2, 0.02, {"bytes_to_gpu_per_step": 100e6}),
-                                               ("shadowkv", 4, 0.025, {"bytes_to_gpu_per_step": 200e6}))]
+                                               ("shadowkv", 4, 0.025, {"bytes_to_gpu_per_step": 200e6,
+                                                                       "host_rss_bytes": 40 * 2**30}))]
     link = {"dma_gbps": 52.4, "zero_copy_gbps": {"4096": {"random": 41.2, "sequential": 45.0},
                                                  "1024": {"random": 20.6, "sequential": 30.0}}}
     payload = {"kind": "throughput", "settings": {"model_name": "llama", "budget": 256, "decode_steps": 8,
@@ -509,6 +510,7 @@ def test_throughput_tables_give_each_best_batch_s_host_reads_and_the_file_s_link
     text = bench_tables.render_throughput(tmp_path, {})
     by_method = {r[0]: r for r in table_rows(text)}
     assert by_method["`shadowkv`"][-1] == "200, 8.0"  # the best batch (4): 200 MB over 25 ms
+    assert by_method["`shadowkv`"][-3] == "1 / 40" and by_method["`full_static`"][-3] == "1 / -"  # GPU / host GiB
     assert by_method["`full_static`"][-1] == "-"
     assert "at 52 GB/s with its copy engines" in text and "1 KB 21, 4 KB 41 GB/s" in text
     assert "not measured" not in text

@@ -632,16 +632,17 @@ def throughput_tables(files: list[Result], per_gpu: bool = False) -> list[str]:
             best = (f"{entry['best_tokens_per_s']:.0f} ({entry['best_batch']})" if entry.get("best_tokens_per_s")
                     else "-")
             ratio = entry.get("best_over_reference")
-            peak = by_batch[entry["largest_batch"]].get("peak_gpu_bytes") if entry["largest_batch"] in by_batch \
-                else None
+            largest = by_batch.get(entry["largest_batch"], {})
+            peak, host = largest.get("peak_gpu_bytes"), largest.get("host_rss_bytes")
             lines.append([method_cell(method),
                           *(fmt(by_batch[b]["tokens_per_s"], digits=0) if b in by_batch else "-" for b in batches),
                           best, "-" if ratio is None else f"{ratio:.2f}x", limit,
-                          "-" if peak is None else f"{peak / 2**30:.0f}",
+                          f"{'-' if peak is None else f'{peak / 2**30:.0f}'} / "
+                          f"{'-' if host is None else f'{host / 2**30:.0f}'}",
                           str(entry.get("flattens_after_batch") or "-"),
                           host_reads(by_batch.get(entry.get("best_batch")))])
         header = ["method", *(f"B={b}" for b in batches), "best tok/s (batch)", "x full_static's best", "out of memory",
-                  "peak GPU GiB", "+<10% after", "from host at best: MB/step, GB/s"]
+                  "at the largest: peak GPU / host GiB", "+<10% after", "from host at best: MB/step, GB/s"]
         settings = f.data.get("settings") or {}
         rows_run = (", the rows side by side on streams of their own" if side_by_side
                     else ", the rows in turn on the model's stream (`--rows-in-turn`; a file that records no "
