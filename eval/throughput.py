@@ -62,6 +62,10 @@ class ThroughputSettings:
     # Each row attends on a stream of its own (core.batch); False: the rows take turns on the model's stream. On the
     # H200 at 128k, side by side lifted full_static's best from 131 to 186 tokens/s and ArkVale's from 234 to 440.
     row_streams: bool = True
+    # Groups of rows that a method with one launch for every row (LayerKV.decode_rows: ShadowKV, ArkVale) serves a
+    # launch each, side by side on the rows' streams: one group's copies from host memory run under another's
+    # kernels. 1: one launch for all rows.
+    row_groups: int = 1
     set: list[str] = field(default_factory=list)  # METHOD.KEY=VALUE overrides of a method config
     device: str = "auto"
     dtype: str = "auto"
@@ -95,6 +99,8 @@ class ThroughputSettings:
             raise ConfigError(f"--batch-sizes {self.batch_sizes}: give increasing whole numbers, e.g. 1 2 4 8")
         if self.residual_on_host and not self.layer_by_layer:
             raise ConfigError("--residual-on-host needs --layer-by-layer")
+        if self.row_groups < 1:
+            raise ConfigError(f"--row-groups {self.row_groups}: give 1 (one launch for all rows) or more groups")
         if self.profile_steps < 0:
             raise ConfigError(f"--profile-steps {self.profile_steps}: give 0 (no profile) or more steps")
 
@@ -112,8 +118,8 @@ class ThroughputSettings:
 
 # The settings a resumed command must share with the file it completes.
 RESUME_SETTINGS = ("model", "source", "lengths", "methods", "budget", "batch_sizes", "decode_steps", "threads",
-                   "prefill_chunk_size", "layer_by_layer", "residual_on_host", "row_streams", "set", "device",
-                   "dtype", "seed", "profile_steps")
+                   "prefill_chunk_size", "layer_by_layer", "residual_on_host", "row_streams", "row_groups", "set",
+                   "device", "dtype", "seed", "profile_steps")
 
 
 def read_unfinished(path: Path, settings: ThroughputSettings) -> dict[str, Any]:
@@ -393,7 +399,8 @@ def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None =
                       at_limit: bool) -> None:
         """Decode ``run``'s first ``batch_size`` rows (and profile them when asked) and record the batch's row."""
         run.stage = "decode"
-        batch = BatchCache(run.caches[:batch_size], row_streams=settings.row_streams)
+        batch = BatchCache(run.caches[:batch_size], row_streams=settings.row_streams,
+                           row_groups=settings.row_groups)
         loaded_before = bytes_loaded(run.caches[:batch_size])
         result = decode_batch(model, batch, run.decoding[:batch_size], max_steps=settings.decode_steps)
         # What a step copies into GPU memory for all rows (host-resident KV: PCIe's share of the step).

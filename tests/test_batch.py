@@ -137,9 +137,12 @@ def test_rows_side_by_side_or_in_turn_reproduce_each_sequence_alone(case, row_st
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 @pytest.mark.parametrize("case", ["shadowkv", "arkvale"])
-def test_a_batch_of_one_length_steps_its_rows_together_as_each_alone(case, arch, row_by_row_linear, monkeypatch):
+@pytest.mark.parametrize("row_groups", [1, 2])
+def test_a_batch_of_one_length_steps_its_rows_together_as_each_alone(case, arch, row_groups, row_by_row_linear,
+                                                                     monkeypatch):
     """Rows of one length share a layout, so ShadowKV and ArkVale step them together (``decode_rows``: one launch of
-    each kernel for the batch); its tokens and logits, captured and eager, are still each row's alone."""
+    each kernel for the batch, or for each of two groups of rows side by side on their streams); its tokens and
+    logits, captured and eager, are still each row's alone."""
     from baselines.arkvale import ArkValeKV
     from baselines.shadowkv import ShadowKVKV
 
@@ -159,7 +162,8 @@ def test_a_batch_of_one_length_steps_its_rows_together_as_each_alone(case, arch,
     singles = [alone(model, method, request) for request in batch_requests]
     for cuda_graph in (True, False):
         together.clear()
-        rows, _ = batched_greedy_generate(model, method, batch_requests, keep_logits=True, cuda_graph=cuda_graph)
+        rows, _ = batched_greedy_generate(model, method, batch_requests, keep_logits=True, cuda_graph=cuda_graph,
+                                          row_groups=row_groups)
         assert [row.generated for row in rows] == [single.token_ids for single in singles]
         for row, single in zip(rows, singles):
             assert all(torch.equal(ours, theirs) for ours, theirs in zip(row.logits, single.logits))
@@ -270,6 +274,15 @@ def run_throughput(tmp_path, **given):
         "model": "tiny_llama", "lengths": [200], "methods": ["quest", "icecache"], "budget": 64,
         "batch_sizes": [1, 2, 4], "decode_steps": 4, **given})
     return settings, json.loads(throughput.measure(settings, tmp_path).read_text())
+
+
+def test_a_throughput_file_in_row_groups_records_them_and_measures_every_batch(tmp_path):
+    """ShadowKV's batches in two groups of rows (on the CPU its rows decline the batched launch, and each group's
+    rows attend one by one): every batch measured, the setting in the file for its table to say."""
+    settings, payload = run_throughput(tmp_path, methods=["shadowkv"], batch_sizes=[1, 3], row_groups=2)
+    assert payload["settings"]["row_groups"] == 2
+    assert {(r["method"], r["batch_size"]) for r in payload["rows"]} == {("full_static", 1), ("full_static", 3),
+                                                                         ("shadowkv", 1), ("shadowkv", 3)}
 
 
 def test_the_throughput_benchmark_measures_every_batch_up_to_the_first_out_of_memory(tmp_path, monkeypatch):
@@ -434,6 +447,8 @@ def test_throughput_settings_are_checked_in_one_line():
         throughput.ThroughputSettings.compose({"decode_steps": 2})
     with pytest.raises(ConfigError, match="unknown throughput settings: batch"):
         throughput.ThroughputSettings.compose({"batch": 2})
+    with pytest.raises(ConfigError, match="--row-groups 0"):
+        throughput.ThroughputSettings.compose({"row_groups": 0})
     assert throughput.ThroughputSettings.compose({"methods": ["quest"]}).methods == ["full_static", "quest"]
 
 

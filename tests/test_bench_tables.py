@@ -524,6 +524,13 @@ def test_throughput_tables_give_each_best_batch_s_host_reads_and_the_file_s_link
     assert "copy engines" not in text
     assert {r[0]: r for r in table_rows(text)}["`full_static`"][-4] == "gpu memory at 3 (2 fitted, not measured)"
     assert "2 rows that fit were not measured" in text and "overstate" in text
+    assert "groups of rows" not in text
+    # A file whose batched methods ran in groups of rows gets a table of its own, which says so.
+    payload["settings"]["row_groups"] = 2
+    (tmp_path / "throughput_h200_20261202-100000.json").write_text(json.dumps(payload))
+    text = bench_tables.render_throughput(tmp_path, {})
+    assert "20261201-100000" in text and "20261202-100000" in text
+    assert text.count("in 2 groups of rows, a launch each (`--row-groups 2`)") == 1
 
 
 def test_throughput_files_of_other_gpus_get_tables_of_their_own_per_gpu(bench_tables, tmp_path):

@@ -608,11 +608,14 @@ def throughput_tables(files: list[Result], per_gpu: bool = False) -> list[str]:
     def gpu(f: Result) -> str:
         return " + ".join(file_gpus(f)) if per_gpu else ""
 
+    def groups(f: Result) -> int:
+        return int((f.data.get("settings") or {}).get("row_groups") or 1)
+
     newest = newest_by([((gpu(f), model_of(f), row["context"],
-                          bool((f.data.get("settings") or {}).get("row_streams"))), f.order, f)
+                          bool((f.data.get("settings") or {}).get("row_streams")), groups(f)), f.order, f)
                         for f in files for row in f.data.get("rows", [])])
     parts = []
-    for (_, model, context, side_by_side), f in sorted(newest.items(), key=lambda item: item[0]):
+    for (_, model, context, side_by_side, n_groups), f in sorted(newest.items(), key=lambda item: item[0]):
         rows = [r for r in f.data["rows"] if r["context"] == context]
         batches = sorted({r["batch_size"] for r in rows})
         summary = [e for e in f.data.get("summary", []) if e["context"] == context]
@@ -647,6 +650,9 @@ def throughput_tables(files: list[Result], per_gpu: bool = False) -> list[str]:
         rows_run = (", the rows side by side on streams of their own" if side_by_side
                     else ", the rows in turn on the model's stream (`--rows-in-turn`; a file that records no "
                          "`row_streams` ran them so)")
+        if n_groups > 1:
+            rows_run += (f", the methods with one launch for all rows (`decode_rows`) in {n_groups} groups of rows, "
+                         f"a launch each (`--row-groups {n_groups}`)")
         name = f"{f.path.parent.name}/{f.name}" if per_gpu else f.name
         gpus = file_gpus(f)
         machine = gpus[0] if len(gpus) == 1 else (f"resumed across GPUs ({' + '.join(gpus)}): its ratios are not "

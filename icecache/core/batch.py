@@ -14,7 +14,9 @@ workers spinning on the cores the host steps' own threads need.
 
 A method may attend for every row at once instead (``LayerKV.decode_rows``): ShadowKV and ArkVale launch each of
 their step's kernels once for the batch, each program finding its row's buffers through a
-``kernels.row_table.RowTable``.
+``kernels.row_table.RowTable``. With ``row_groups`` G > 1 the rows are cut into G groups of consecutive rows, each
+attending through ``decode_rows`` on a stream of its own where the rows have streams (in turn otherwise): one
+group's copies from host memory can then run under another's kernels, which one launch for all rows serialises.
 
 With ``row_streams`` (``BatchCache``'s default; ``row_streams=False`` keeps the rows in turn on the model's
 stream) each row's attention runs on a stream of its own on CUDA, forked from the model's stream and joined back
@@ -28,6 +30,7 @@ the channel is known to be in use only from then on).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +46,7 @@ class BatchKVHandle(KVHandle):
 
     layers: tuple[LayerKV, ...] = ()
     streams: tuple[torch.cuda.Stream, ...] | None = None  # one per row: the rows attend side by side
+    row_groups: int = 1  # groups of rows that a method's decode_rows serves a launch each
 
     def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         if query.shape[-2] != 1:
@@ -56,6 +60,8 @@ class BatchKVHandle(KVHandle):
         layers = self.layers
         kind = type(layers[0])
         if all(type(layer) is kind and layer.seq_len > 0 and layer.seq.selection_meter is None for layer in layers):
+            if self.row_groups > 1:
+                return self.attend_groups(query, scaling, attend_row)
             out = kind.decode_rows(layers, query, self.key, self.value, scaling)
             if out is not None:  # the method's one launch per kernel for every row
                 for layer in layers:
@@ -78,13 +84,52 @@ class BatchKVHandle(KVHandle):
         return torch.cat(rows, dim=0)
 
 
+    def attend_groups(self, query: torch.Tensor, scaling: float, attend_row) -> torch.Tensor:
+        """The rows in ``row_groups`` groups of consecutive rows, each through the method's ``decode_rows`` (its rows
+        one by one where it declines), group ``g`` on row stream ``g`` when the rows have streams."""
+        layers, kind = self.layers, type(self.layers[0])
+        current = torch.cuda.current_stream(query.device) if self.streams is not None else None
+        outs = []
+        for g, rows in enumerate(row_groups(len(layers), self.row_groups)):
+            stream = self.streams[g] if self.streams is not None else None
+            if stream is not None:
+                stream.wait_stream(current)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                out = kind.decode_rows(layers[rows], query[rows], self.key[rows], self.value[rows], scaling)
+                if out is None:
+                    out = torch.cat([attend_row(b) for b in range(rows.start, rows.stop)], dim=0)
+                else:
+                    for layer in layers[rows]:
+                        layer.seq_len += 1
+            if stream is not None:
+                out.record_stream(current)  # made on the group's stream, read by the model's below
+            outs.append(out)
+        if self.streams is not None:
+            for stream in self.streams[: len(outs)]:
+                for tensor in (query, self.key, self.value):  # the model's step may drop them while a group reads
+                    tensor.record_stream(stream)
+                current.wait_stream(stream)
+        return torch.cat(outs, dim=0)
+
+
+def row_groups(n_rows: int, n_groups: int) -> list[slice]:
+    """``n_rows`` rows cut into at most ``n_groups`` groups of consecutive rows, the larger groups first."""
+    n_groups = max(1, min(n_groups, n_rows))
+    size, extra = divmod(n_rows, n_groups)
+    bounds = [0]
+    for g in range(n_groups):
+        bounds.append(bounds[-1] + size + (g < extra))
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
 class BatchCacheLayer(HarnessCacheLayer):
     """One layer of every row of the batch (``kv`` is the first row's)."""
 
-    def __init__(self, kvs: list[LayerKV], row_streams: "RowStreams | None" = None):
+    def __init__(self, kvs: list[LayerKV], row_streams: "RowStreams | None" = None, row_groups: int = 1):
         super().__init__(kvs[0])
         self.kvs = tuple(kvs)
         self.row_streams = row_streams
+        self.row_groups = row_groups
         self.decode_steps = 0  # steps of one token per row this layer has attended (captures count once)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -99,7 +144,8 @@ class BatchCacheLayer(HarnessCacheLayer):
         if key_states.shape[-2] == 1:
             self.decode_steps += 1
         streams = self.row_streams.on(key_states.device) if side_by_side else None
-        return BatchKVHandle(self.kv, key_states, value_states, layers=self.kvs, streams=streams), None
+        return BatchKVHandle(self.kv, key_states, value_states, layers=self.kvs, streams=streams,
+                             row_groups=self.row_groups), None
 
     def get_seq_length(self) -> int:
         # Only the mask sizes read it (positions are explicit per row), and decode attends unmasked.
@@ -137,12 +183,14 @@ class RowStreams:
 
 class BatchCache(Cache):
     """The rows of a batch: one ``HarnessCache`` per sequence, each prefilled on its own, decoded together. Closing
-    the batch closes every row. ``row_streams``: on CUDA, each row attends on a stream of its own (module
-    docstring)."""
+    the batch closes every row. ``row_streams``: on CUDA, each row attends on a stream of its own; ``row_groups``:
+    the groups of rows a method's ``decode_rows`` serves with a launch each (module docstring)."""
 
-    def __init__(self, caches: list[HarnessCache], row_streams: bool = True):
+    def __init__(self, caches: list[HarnessCache], row_streams: bool = True, row_groups: int = 1):
         if not caches:
             raise ValueError("a batch needs at least one sequence")
+        if row_groups < 1:
+            raise ValueError(f"row_groups={row_groups}: give 1 (one launch for all rows) or more groups")
         n_layers = {len(cache.layers) for cache in caches}
         if len(n_layers) != 1:
             raise ValueError("the sequences of a batch must come from one model")
@@ -155,7 +203,7 @@ class BatchCache(Cache):
         self.caches = list(caches)
         self.method = caches[0].method
         self.row_streams = RowStreams(len(caches)) if row_streams else None
-        layers = [BatchCacheLayer([cache.layers[i].kv for cache in caches], self.row_streams)
+        layers = [BatchCacheLayer([cache.layers[i].kv for cache in caches], self.row_streams, row_groups)
                   for i in range(n_layers.pop())]
         super().__init__(layers=layers)
 

@@ -159,15 +159,17 @@ def decode_batch(model, batch: BatchCache, rows: list[DecodingRow], *, max_steps
 def batched_greedy_generate(model, method, requests: list[GenerationRequest], *, tokenizer=None,
                             prefill_chunk_size: int | None = None, layer_by_layer: bool = False,
                             residual_on_host: bool = False, cuda_graph: bool = True, keep_logits: bool = False,
-                            row_streams: bool = True, **cache_options) -> tuple[list[DecodingRow], BatchDecodeResult]:
+                            row_streams: bool = True, row_groups: int = 1,
+                            **cache_options) -> tuple[list[DecodingRow], BatchDecodeResult]:
     """Greedy decoding of ``requests`` as one batch under ``method``: each prompt prefilled on its own
     ``HarnessCache`` (``cache_options`` passed to it), then decoded together (``row_streams``: each row attends on a
-    CUDA stream of its own, ``core.batch``); the batch is closed at the end."""
+    CUDA stream of its own; ``row_groups``: the groups a method's ``decode_rows`` serves; ``core.batch``); the batch
+    is closed at the end."""
     method.check_batch_size(len(requests))
     channel = HostFunctions()
     reserve = max(request.max_new_tokens for request in requests)
     caches = [HarnessCache(method, host_functions=channel, **cache_options) for _ in requests]
-    with BatchCache(caches, row_streams=row_streams) as batch:
+    with BatchCache(caches, row_streams=row_streams, row_groups=row_groups) as batch:
         rows = [prefill_row(model, cache, request, reserved_new_tokens=reserve, prefill_chunk_size=prefill_chunk_size,
                             layer_by_layer=layer_by_layer, residual_on_host=residual_on_host,
                             keep_logits=keep_logits)

@@ -40,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
                         help="the rows of a batch attend one after the other on the model's stream (default: each "
                              "on a CUDA stream of its own, side by side; methods with host work in their step keep "
                              "taking turns either way)")
+    parser.add_argument("--row-groups", type=int,
+                        help="groups of rows that ShadowKV's and ArkVale's one launch per kernel serves each, side "
+                             "by side (default 1: one launch for all rows)")
     parser.add_argument("--set", nargs="*", action="extend", default=[], metavar="METHOD.KEY=VALUE",
                         help="method setting overrides, e.g. icecache.n_reuse_layers=4")
     parser.add_argument("--device", default="auto")
