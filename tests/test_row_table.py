@@ -87,7 +87,8 @@ def test_a_kernel_refuses_a_table_made_for_another_kernel():
 
 
 @pytest.mark.gpu
-def test_a_batched_block_copy_copies_each_rows_blocks_as_alone():
+@pytest.mark.parametrize("entries_per_program", [1, 4])
+def test_a_batched_block_copy_copies_each_rows_blocks_as_alone(entries_per_program):
     device = kernel_device()
     gen = torch.Generator().manual_seed(3)
     n_rows, n_pages, n_slots, n_kv_heads, page_size, head_dim, n = 3, 12, 6, 2, 8, 16, 7
@@ -107,7 +108,9 @@ def test_a_batched_block_copy_copies_each_rows_blocks_as_alone():
     alone = [{name: tensor.clone() for name, tensor in r.items()} for r in rows]
     for r in alone:
         copy_blocks_triton(*(r[name] for name in order))
-    copy_blocks_triton(*(rows[0][name] for name in order), rows=row_table(rows))
+    # 7 entries: with 4 a program, the second program's last entry lies past the list
+    copy_blocks_triton(*(rows[0][name] for name in order), rows=row_table(rows),
+                       entries_per_program=entries_per_program)
     for batched, single in zip(rows, alone):
         for name in ("target_keys", "target_values"):
             assert torch.equal(batched[name], single[name]), name

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from icecache.core.kernels import triton_runtime
-from icecache.core.kernels.block_copy import copy_blocks, copy_blocks_reference
+from icecache.core.kernels.block_copy import copy_blocks, copy_blocks_reference, copy_blocks_triton
 from icecache.core.kernels.causal_column_sums import causal_column_sums, causal_column_sums_reference
 from icecache.core.kernels.gqa_scores import gqa_scores, gqa_scores_reference
 from icecache.core.paged import mapped_device_view
@@ -103,9 +103,11 @@ def test_triton_causal_column_sums_from_the_attentions_row_lse_match_the_two_pas
     torch.testing.assert_close(given, causal_column_sums_reference(query[0], keys[0], 0.125), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("entries_per_program", [1, 16])
 @pytest.mark.parametrize("mapped_source", [False, True])
 @pytest.mark.gpu
-def test_triton_copy_blocks_matches_the_reference_from_device_or_mapped_host_memory(mapped_source):
+def test_triton_copy_blocks_matches_the_reference_from_device_or_mapped_host_memory(mapped_source,
+                                                                                     entries_per_program):
     if not triton_runtime.available():
         pytest.skip("needs CUDA and Triton")
     gen = torch.Generator().manual_seed(5)
@@ -121,7 +123,10 @@ def test_triton_copy_blocks_matches_the_reference_from_device_or_mapped_host_mem
     slots[::5] = -1
     poison = [torch.full((13, 4, 16, 64), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(2)]
     reference = [p.clone() for p in poison]
-    copy_blocks(*views, pages, *poison, slots, heads)
+    if entries_per_program == 1:
+        copy_blocks(*views, pages, *poison, slots, heads)
+    else:  # 24 entries: a whole program of 16 and one whose last 8 are past the list
+        copy_blocks_triton(*views, pages, *poison, slots, heads, entries_per_program=entries_per_program)
     copy_blocks_reference(*views, pages, *reference, slots, heads)
     torch.cuda.synchronize()
     for ours, theirs in zip(poison, reference):

@@ -46,8 +46,9 @@ if triton is not None:
     @triton.jit
     def _copy_blocks_kernel(
         source_keys_ptr, source_values_ptr, target_keys_ptr, target_values_ptr, pages_ptr, slots_ptr, heads_ptr,
-        rows_ptr, stride_source_page, stride_source_head, stride_target_slot, stride_target_head,
+        rows_ptr, n_entries, stride_source_page, stride_source_head, stride_target_slot, stride_target_head,
         BLOCK_SIZE: tl.constexpr, BLOCK_ELEMENTS: tl.constexpr, N_COLUMNS: tl.constexpr, BATCHED: tl.constexpr,
+        ENTRIES: tl.constexpr,
     ):
         block = tl.program_id(0)
         row = tl.program_id(2)  # COPY_ROW_COLUMNS
@@ -58,13 +59,23 @@ if triton is not None:
         pages_ptr = at_row(pages_ptr, rows_ptr, row, 4, N_COLUMNS, BATCHED)
         slots_ptr = at_row(slots_ptr, rows_ptr, row, 5, N_COLUMNS, BATCHED)
         heads_ptr = at_row(heads_ptr, rows_ptr, row, 6, N_COLUMNS, BATCHED)
-        slot = tl.load(slots_ptr + block).to(tl.int64)
-        page = tl.load(pages_ptr + block).to(tl.int64)
-        head = tl.load(heads_ptr + block).to(tl.int64)
         elements = tl.arange(0, BLOCK_ELEMENTS)
-        ok = elements < tl.where(slot >= 0, BLOCK_SIZE, 0)  # a negative slot: nothing read, nothing written
-        source = page * stride_source_page + head * stride_source_head + elements
-        target = slot * stride_target_slot + head * stride_target_head + elements
+        if ENTRIES == 1:
+            slot = tl.load(slots_ptr + block).to(tl.int64)
+            page = tl.load(pages_ptr + block).to(tl.int64)
+            head = tl.load(heads_ptr + block).to(tl.int64)
+            ok = elements < tl.where(slot >= 0, BLOCK_SIZE, 0)  # a negative slot: nothing read, nothing written
+            source = page * stride_source_page + head * stride_source_head + elements
+            target = slot * stride_target_slot + head * stride_target_head + elements
+        else:  # ENTRIES entries a program: more bytes in flight for each, which reads across PCIe want
+            entries = block * ENTRIES + tl.arange(0, ENTRIES)
+            listed = entries < n_entries
+            slot = tl.load(slots_ptr + entries, mask=listed, other=-1).to(tl.int64)
+            page = tl.load(pages_ptr + entries, mask=listed, other=0).to(tl.int64)
+            head = tl.load(heads_ptr + entries, mask=listed, other=0).to(tl.int64)
+            ok = (slot >= 0)[:, None] & (elements < BLOCK_SIZE)[None, :]
+            source = (page * stride_source_page + head * stride_source_head)[:, None] + elements[None, :]
+            target = (slot * stride_target_slot + head * stride_target_head)[:, None] + elements[None, :]
         keys = tl.load(source_keys_ptr + source, mask=ok)
         values = tl.load(source_values_ptr + source, mask=ok)
         tl.store(target_keys_ptr + target, keys.to(target_keys_ptr.dtype.element_ty), mask=ok)
@@ -75,13 +86,16 @@ if triton is not None:
 def copy_blocks_triton(
     source_keys: torch.Tensor, source_values: torch.Tensor, pages: torch.Tensor,
     target_keys: torch.Tensor, target_values: torch.Tensor, slots: torch.Tensor, heads: torch.Tensor,
-    rows: RowTable | None = None,
+    rows: RowTable | None = None, entries_per_program: int = 1,
 ) -> None:
     """The Triton kernel of ``copy_blocks_reference`` (each block contiguous, keys and values of one layout), entries
-    with a negative slot skipped without a read; with ``rows``, for every row of a batch."""
+    with a negative slot skipped without a read; with ``rows``, for every row of a batch; ``entries_per_program``
+    (a power of two) entries a program."""
     require_triton()
     if rows is not None:
         rows.check(COPY_ROW_COLUMNS, "copy_blocks")
+    if entries_per_program < 1 or entries_per_program & (entries_per_program - 1):
+        raise ValueError(f"entries_per_program must be a power of two, not {entries_per_program}")
     n = slots.numel()
     if n == 0:
         return
@@ -94,11 +108,11 @@ def copy_blocks_triton(
         raise ValueError("keys and values must have the same layout")
     block_size = page_size * head_dim
     rows_ptr, n_rows, n_columns, batched = table_arguments(rows, slots)
-    _copy_blocks_kernel[(n, 1, n_rows)](
-        source_keys, source_values, target_keys, target_values, pages, slots, heads, rows_ptr,
+    _copy_blocks_kernel[(triton.cdiv(n, entries_per_program), 1, n_rows)](
+        source_keys, source_values, target_keys, target_values, pages, slots, heads, rows_ptr, n,
         source_keys.stride(0), source_keys.stride(1), target_keys.stride(0), target_keys.stride(1),
         BLOCK_SIZE=block_size, BLOCK_ELEMENTS=triton.next_power_of_2(block_size), N_COLUMNS=n_columns,
-        BATCHED=batched, num_warps=4,
+        BATCHED=batched, ENTRIES=entries_per_program, num_warps=4,
     )
 
 
