@@ -279,7 +279,8 @@ def test_a_batch_attends_through_its_methods_decode_rows_and_counts_each_rows_to
 
 def test_a_batch_in_row_groups_attends_each_group_through_decode_rows(monkeypatch):
     """Five rows in two groups: the method's ``decode_rows`` serves a group of three and one of two at every decode
-    step, and the tokens are the row-by-row path's; a group it declines attends row by row, with the same tokens."""
+    step, and the tokens are the row-by-row path's; a later group it declines attends row by row, and a declined
+    first group sends every row the way it goes without groups, with the same tokens."""
     from icecache.core.batch import row_groups
 
     assert row_groups(5, 2) == [slice(0, 3), slice(3, 5)]
@@ -287,11 +288,11 @@ def test_a_batch_in_row_groups_attends_each_group_through_decode_rows(monkeypatc
     assert row_groups(2, 8) == [slice(0, 1), slice(1, 2)]
     model, info = tiny_model("llama")[::2]
     method = build_method({"name": "full"}, info)
-    calls, declining = [], {"pairs": False}
+    calls, declining = [], {"size": None}
 
     def rows_at_once(cls, layers, query, key, value, scaling):
         calls.append(len(layers))
-        if declining["pairs"] and len(layers) == 2:
+        if len(layers) == declining["size"]:
             return None
         return torch.cat([layer.decode(query[b : b + 1], key[b : b + 1], value[b : b + 1], scaling)
                           for b, layer in enumerate(layers)])
@@ -299,12 +300,12 @@ def test_a_batch_in_row_groups_attends_each_group_through_decode_rows(monkeypatc
     requests = [GenerationRequest(list(range(5 + b, 45 + b)), 6) for b in range(5)]
     expected, _ = batched_greedy_generate(model, method, requests)
     monkeypatch.setattr(DenseKV, "decode_rows", classmethod(rows_at_once), raising=False)
-    for decline in (False, True):
-        declining["pairs"] = decline
+    for declined, groups_asked in ((None, [2, 3]), (2, [2, 3]), (3, [3])):
+        declining["size"] = declined
         calls.clear()
         rows, _ = batched_greedy_generate(model, method, requests, row_groups=2)
         assert [row.generated for row in rows] == [row.generated for row in expected]
-        assert sorted(set(calls)) == [2, 3] and len(calls) == 2 * 5 * info.n_layers
+        assert sorted(set(calls)) == groups_asked and len(calls) == len(groups_asked) * 5 * info.n_layers
         assert all(kv.seq_len == 40 + 5 for row in rows for kv in row.cache.layer_kvs)
     with pytest.raises(ValueError, match="row_groups=0"):
         batched_greedy_generate(model, method, requests, row_groups=0)

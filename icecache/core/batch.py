@@ -61,11 +61,13 @@ class BatchKVHandle(KVHandle):
         kind = type(layers[0])
         if all(type(layer) is kind and layer.seq_len > 0 and layer.seq.selection_meter is None for layer in layers):
             if self.row_groups > 1:
-                return self.attend_groups(query, scaling, attend_row)
-            out = kind.decode_rows(layers, query, self.key, self.value, scaling)
-            if out is not None:  # the method's one launch per kernel for every row
-                for layer in layers:
-                    layer.seq_len += 1
+                out = self.attend_groups(query, scaling, attend_row)
+            else:
+                out = kind.decode_rows(layers, query, self.key, self.value, scaling)
+                if out is not None:  # the method's one launch per kernel for every row
+                    for layer in layers:
+                        layer.seq_len += 1
+            if out is not None:
                 return out
         if self.streams is None or layers[0].seq.host_functions.kind is not None:
             return torch.cat([attend_row(b) for b in range(len(layers))], dim=0)
@@ -83,19 +85,23 @@ class BatchKVHandle(KVHandle):
             current.wait_stream(stream)
         return torch.cat(rows, dim=0)
 
-
-    def attend_groups(self, query: torch.Tensor, scaling: float, attend_row) -> torch.Tensor:
-        """The rows in ``row_groups`` groups of consecutive rows, each through the method's ``decode_rows`` (its rows
-        one by one where it declines), group ``g`` on row stream ``g`` when the rows have streams."""
+    def attend_groups(self, query: torch.Tensor, scaling: float, attend_row) -> torch.Tensor | None:
+        """The rows in ``row_groups`` groups of consecutive rows, each through the method's ``decode_rows``, group
+        ``g`` on row stream ``g`` when the rows have streams and no host work. None, with nothing done, when the
+        method declines the first group (it has no batched step: the rows attend as without groups); a later group
+        it declines attends row by row."""
         layers, kind = self.layers, type(self.layers[0])
-        current = torch.cuda.current_stream(query.device) if self.streams is not None else None
+        streams = self.streams if self.streams is not None and layers[0].seq.host_functions.kind is None else None
+        current = torch.cuda.current_stream(query.device) if streams is not None else None
         outs = []
         for g, rows in enumerate(row_groups(len(layers), self.row_groups)):
-            stream = self.streams[g] if self.streams is not None else None
+            stream = streams[g] if streams is not None else None
             if stream is not None:
                 stream.wait_stream(current)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 out = kind.decode_rows(layers[rows], query[rows], self.key[rows], self.value[rows], scaling)
+                if out is None and g == 0:
+                    return None
                 if out is None:
                     out = torch.cat([attend_row(b) for b in range(rows.start, rows.stop)], dim=0)
                 else:
@@ -104,8 +110,8 @@ class BatchKVHandle(KVHandle):
             if stream is not None:
                 out.record_stream(current)  # made on the group's stream, read by the model's below
             outs.append(out)
-        if self.streams is not None:
-            for stream in self.streams[: len(outs)]:
+        if streams is not None:
+            for stream in streams[: len(outs)]:
                 for tensor in (query, self.key, self.value):  # the model's step may drop them while a group reads
                     tensor.record_stream(stream)
                 current.wait_stream(stream)
