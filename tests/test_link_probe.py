@@ -95,3 +95,13 @@ def test_a_graph_timing_replays_every_captured_call_and_gives_one_call_s_time():
     # One call before capture, then 2 warm-up and 3 timed replays of 5 calls each (capture itself runs nothing).
     assert int(counter.item()) == 1 + 5 * (2 + 3)
     assert us > 0
+
+
+def test_a_link_probe_that_fails_is_recorded_in_one_line_and_the_run_goes_on(monkeypatch):
+    """Where the probe's process fails (here: the machine has no CUDA device, though torch was told it has), the
+    throughput file records the probe's last error line instead of stopping."""
+    if torch.cuda.is_available():
+        pytest.skip("checks the failure path where the probe's process finds no CUDA device")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    recorded = measure_link(ThroughputSettings(device="cuda"))
+    assert recorded == {"error": "error: the link probe needs a CUDA device"}
