@@ -279,7 +279,7 @@ class _GeometryLaunch:
         pages_per_block = block_tokens // page_size
         if plan.n_splits is None:
             n_splits, pages_per_split = choose_splits(n_table, n_kv_heads, pages_per_block, device, page_size,
-                                                      plan.programs_per_sm or PROGRAMS_PER_SM)
+                                                      plan.programs_per_sm)
         else:
             n_blocks = max(1, math.ceil(n_table / pages_per_block))
             blocks_per_split = math.ceil(n_blocks / max(1, min(plan.n_splits, n_blocks)))
@@ -302,7 +302,7 @@ class _GeometryLaunch:
         self.constants = (group, max(16, triton.next_power_of_2(group)), head_dim, block_dim, page_size,
                           block_tokens, n_splits, fp32_inputs, n_columns, batched)
         # Exact float32 dots run on FMA units and need 8 warps to hold a 64-row tile without spilling (ptxas, sm_90).
-        self.options = {"num_warps": plan.num_warps or (8 if fp32_inputs else 4), "num_stages": plan.num_stages or 2}
+        self.options = {"num_warps": plan.num_warps or (8 if fp32_inputs else 4), "num_stages": plan.num_stages}
         # HEAD_DIM, BLOCK_DIM, N_SPLITS, BLOCK_SPLITS, N_COLUMNS, BATCHED.
         self.combine_constants = (head_dim, block_dim, n_splits, max(2, triton.next_power_of_2(n_splits)), n_columns,
                                   batched)
@@ -317,7 +317,7 @@ class PagedAttentionPlan:
     The settings are ``n_splits`` (a fixed split count instead of the automatic one: tests), ``block_tokens`` (token
     rows per loop step: a power of two, at least 16 and at least the page size), ``num_warps`` and ``num_stages``
     (warps per program and software-pipelining stages: benchmarks), ``programs_per_sm`` (the automatic split
-    count's aim, ``PROGRAMS_PER_SM`` when None: benchmarks) and ``direct_launch`` (None: wherever
+    count's aim: benchmarks) and ``direct_launch`` (None: wherever
     ``triton_runtime.direct_launch_supported``; False: Triton's own launch path every call). The first call of a
     geometry (dtypes, shapes, strides, stream, 16-byte alignment) prepares its launch and compiles; later ones
     launch the compiled kernel directly, so a call's host cost is a dictionary look-up and one or two launches. The
@@ -328,8 +328,8 @@ class PagedAttentionPlan:
     n_splits: int | None = None
     block_tokens: int = DEFAULT_BLOCK_TOKENS
     num_warps: int | None = None
-    num_stages: int | None = None
-    programs_per_sm: int | None = None
+    num_stages: int = 2
+    programs_per_sm: int = PROGRAMS_PER_SM
     direct_launch: bool | None = None
     _launch: DirectLaunch = field(init=False, repr=False)
     _geometries: dict[tuple, _GeometryLaunch] = field(init=False, repr=False, default_factory=dict)
@@ -355,8 +355,7 @@ class PagedAttentionPlan:
         scratch = self._scratch.get(key)
         if scratch is None or scratch[1].numel() < n_heads * n_splits:
             if device.type == "cuda":  # room for the largest automatic split count, so that this rarely grows
-                aim = self.programs_per_sm or PROGRAMS_PER_SM
-                n_splits = max(n_splits, math.ceil(aim * _multiprocessor_count(device) / n_kv_heads))
+                n_splits = max(n_splits, math.ceil(self.programs_per_sm * _multiprocessor_count(device) / n_kv_heads))
             scratch = (torch.empty(n_heads * n_splits * head_dim, device=device, dtype=torch.float32),
                        torch.empty(n_heads * n_splits, device=device, dtype=torch.float32),
                        torch.empty(n_heads * n_splits, device=device, dtype=torch.float32))
