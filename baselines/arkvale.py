@@ -81,7 +81,14 @@ from icecache.core.kernels.paged_decode_attention import (
 )
 from icecache.core.kernels.row_table import ROW_ALIGNMENT, KeptRowTables, RowTable, row_table, step_layout
 from icecache.core.layer import attended_from_positions
-from icecache.core.method import METHODS, DenseKV, Method, MethodConfig, storage_capacity
+from icecache.core.method import (
+    METHODS,
+    DenseKV,
+    Method,
+    MethodConfig,
+    in_run_identity_unless_default,
+    storage_capacity,
+)
 from icecache.core.paged import mapped_device_view
 from icecache.errors import ConfigError
 
@@ -97,7 +104,8 @@ class ArkValeConfig(MethodConfig):
     n_window_pages: int = 2  # the last pages, the one being filled included
     n_groups: int = 1  # query-head groups that share a page ranking (must divide the KV heads)
     page_topks: int | None = None  # ArkVale's knob, sink and window counted; None: min(1280, budget / 2) / page_size
-    batch_kernels: bool = True  # a batch's rows share each kernel launch (decode_rows); False: each row its own
+    # A batch's rows share each kernel launch (decode_rows); False: each row its own.
+    batch_kernels: bool = in_run_identity_unless_default(True)
 
     def budget_page_size(self) -> int | None:
         return self.page_size

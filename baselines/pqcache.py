@@ -79,7 +79,7 @@ from icecache.core.kernels.block_copy import copy_blocks
 from icecache.core.kernels.kmeans_passes import pq_build as pq_build_on_device
 from icecache.core.kernels.pq_votes import pq_votes
 from icecache.core.kernels.stable_topk import stable_topk
-from icecache.core.method import METHODS, Method, MethodConfig, storage_capacity
+from icecache.core.method import METHODS, Method, MethodConfig, in_run_identity_unless_default, storage_capacity
 from icecache.core.paged import mapped_device_view
 from icecache.core.product_quantization import code_rows, pq_build, pq_encode
 from icecache.core.token_slots import RingSlotsKV
@@ -142,7 +142,7 @@ class PQCacheConfig(MethodConfig):
     seed: int = 0  # k-means initialisation (layer l draws with seed + l)
     # Where a CUDA model's prompt k-means runs: "host" (CPU threads from the host store's copy, PQCache's design:
     # the GPU's prefill keeps every SM) or "device" (a side stream on the model's GPU). A CPU model runs it on the CPU.
-    kmeans_on: str = "device"
+    kmeans_on: str = in_run_identity_unless_default("device")
 
     def min_budget(self) -> int:
         budget = self.n_sink_tokens + 2

@@ -86,7 +86,14 @@ from icecache.core.kernels.shadowkv_step import (
     window_base,
 )
 from icecache.core.layer import attended_from_positions
-from icecache.core.method import METHODS, Method, MethodConfig, StaticDenseKV, storage_capacity
+from icecache.core.method import (
+    METHODS,
+    Method,
+    MethodConfig,
+    StaticDenseKV,
+    in_run_identity_unless_default,
+    storage_capacity,
+)
 from icecache.core.paged import mapped_device_view
 from icecache.errors import ConfigError
 
@@ -101,12 +108,14 @@ class ShadowKVConfig(MethodConfig):
     rank: int = 160  # rank of the pre-RoPE key factorisation (all KV heads together)
     n_local_chunks: int = 4  # the window, in chunks, the current one included
     n_outlier_chunks: int | None = None  # None: 48 in 304 of the chunks besides the window (the paper's share)
-    basis_solver: str = "svd"  # how the prompt's key basis is found: "svd" (QR, then SVD) or "gram" (float64 eigh)
-    batch_kernels: bool = True  # a batch's rows share each kernel launch (decode_rows); False: each row its own
+    # How the prompt's key basis is found: "svd" (QR, then SVD) or "gram" (float64 eigh).
+    basis_solver: str = in_run_identity_unless_default("svd")
+    # A batch's rows share each kernel launch (decode_rows); False: each row its own.
+    batch_kernels: bool = in_run_identity_unless_default(True)
     # How the GPU's landmark scores multiply (core.kernels.shadowkv_step.ScoreLaunch.products): "dot" (tensor cores,
     # float32 tiles), "dot_16bit" (tensor cores on 16-bit tiles) or "fma" (ordinary cores); float rounding apart,
     # the same scores
-    score_products: str = "dot"
+    score_products: str = in_run_identity_unless_default("dot")
 
     def check_budget(self) -> None:
         super().check_budget()

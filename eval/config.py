@@ -17,7 +17,7 @@ from typing import Any
 
 from eval import rundir
 from eval.plugins import method_class
-from icecache.core.method import method_settings, run_identity_keys
+from icecache.core.method import method_settings, run_identity
 from icecache.core.models import ModelSpec
 from icecache.errors import ConfigError, check_types, unknown_keys_message
 
@@ -116,13 +116,12 @@ class RunConfig:
 
     def identity(self) -> dict[str, Any]:
         """The settings that can change a result (device and dtype included, threads, paths and the method's
-        ``not_in_run_identity`` fields not)."""
+        ``not_in_run_identity`` fields not, nor the ``in_run_identity_unless_default`` ones at their default)."""
         model = dataclasses.asdict(self.model)
         model["device"] = str(self.model.resolved_device())
         model["dtype"] = str(self.model.resolved_dtype())
         model.pop("install_hint", None)
-        method_keys = run_identity_keys(method_class(self.method["name"]).config_class)
-        method = {key: value for key, value in self.method.items() if key in method_keys}
+        method = run_identity(method_class(self.method["name"]).config_class, self.method)
         identity = {"model": model, "method": method, "task": self.task,
                     "prefill_chunk_size": self.prefill_chunk_size}
         if self.measure_selection:

@@ -99,6 +99,29 @@ def test_a_setting_declared_outside_the_run_identity_keeps_the_run_where_it_is(t
     assert "search_team_spin_us" not in keys and {"budget", "page_size", "cpu_threads"} <= keys
 
 
+@pytest.mark.parametrize(
+    "field, other", [("score_products", "fma"), ("basis_solver", "gram"), ("batch_kernels", False)]
+)
+def test_a_setting_added_later_names_no_directory_at_its_default(tmp_path, field, other):
+    """A method field made with ``in_run_identity_unless_default`` (ShadowKV's options added after runs were made)
+    leaves the runs made before it in their directories at its default, and names a run of its own otherwise."""
+    import dataclasses
+
+    from baselines.shadowkv import ShadowKVConfig
+
+    def shadowkv_run(**method):
+        values = dataclasses.asdict(ShadowKVConfig())
+        values.update(name="shadowkv", budget=96, **method)
+        return make_config(tmp_path, method=values)
+
+    plain = shadowkv_run()
+    before_the_field = dict(plain.method)
+    del before_the_field[field]
+    assert make_config(tmp_path, method=before_the_field).output_dir() == plain.output_dir()
+    assert shadowkv_run(**{field: other}).output_dir() != plain.output_dir()
+    assert shadowkv_run(rank=96).output_dir() != plain.output_dir()
+
+
 def test_second_writer_is_refused(tmp_path):
     directory = tmp_path / "run"
     directory.mkdir()

@@ -26,7 +26,7 @@ from .static_kv import StaticDenseKV
 
 __all__ = ["METHODS", "DenseKV", "LayerKV", "Method", "MethodConfig", "ModelInfo", "SequenceContext",
            "StaticDenseKV", "build_method", "method_class", "method_settings", "not_in_run_identity",
-           "run_identity_keys", "storage_capacity"]
+           "in_run_identity_unless_default", "run_identity", "run_identity_keys", "storage_capacity"]
 
 
 def not_in_run_identity(default: Any) -> Any:
@@ -36,9 +36,33 @@ def not_in_run_identity(default: Any) -> Any:
     return dataclasses.field(default=default, metadata={"run_identity": False})
 
 
+def in_run_identity_unless_default(default: Any) -> Any:
+    """A config field added after runs were made, whose default does what those runs did (the option did not exist,
+    so they ran its default): left out of the run's identity while at its default, so that those runs keep their
+    directories and are not run again; any other value names runs of its own."""
+    return dataclasses.field(default=default, metadata={"run_identity": "unless_default"})
+
+
 def run_identity_keys(config_class: type) -> frozenset[str]:
-    """The fields of a method's config class that are part of a run's identity (all but ``not_in_run_identity``)."""
+    """The fields of a method's config class that can be part of a run's identity (all but ``not_in_run_identity``;
+    an ``in_run_identity_unless_default`` field only when set to another value: ``run_identity``)."""
     return frozenset(f.name for f in dataclasses.fields(config_class) if f.metadata.get("run_identity", True))
+
+
+def run_identity(config_class: type, settings: dict[str, Any]) -> dict[str, Any]:
+    """The method settings that name a run: its config class's fields, less those declared outside the identity and
+    those added later that are at their default."""
+    fields = {f.name: f for f in dataclasses.fields(config_class)}
+    identity = {}
+    for key, value in settings.items():
+        declared = fields.get(key)
+        if declared is None:
+            continue
+        rule = declared.metadata.get("run_identity", True)
+        if rule is False or (rule == "unless_default" and value == declared.default):
+            continue
+        identity[key] = value
+    return identity
 
 
 BUDGET_TYPE_MESSAGE = "budget={value!r} must be a whole number of tokens (or null for budget-free methods)"
