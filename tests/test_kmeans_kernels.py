@@ -18,8 +18,9 @@ from icecache.core import product_quantization
 from icecache.core.kernels import kmeans_passes
 from tests.conftest import kernel_device
 
-# (sets, points, channels, centroids): a partial last block, padded channels and centroids, PQCache's sizes.
-SHAPES = [(3, 300, 4, 8), (2, 1000, 64, 64), (4, 2500, 8, 16), (1, 17, 16, 32)]
+# (sets, points, channels, centroids): a partial last block, padded channels and centroids, PQCache's sizes (a
+# 32k-token prompt's too).
+SHAPES = [(3, 300, 4, 8), (2, 1000, 64, 64), (4, 2500, 8, 16), (1, 17, 16, 32), (2, 32768, 32, 64)]
 
 
 def float64_distances(points: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
