@@ -274,7 +274,8 @@ def test_the_host_launcher_runs_in_parallel_resumes_curates_and_the_table_render
     difference = run["metrics"]["by_length"]["400"] - full["metrics"]["by_length"]["400"]
     assert run["paired"]["difference"]["by_length.400"] == pytest.approx(difference)
     low, high = run["paired"]["intervals"]["by_length.400"]
-    assert low <= difference <= high and quest[2].startswith(f"{difference:+.1f} [")  # its Δ full column
+    assert low <= difference <= high and f" · Δ {difference:+.1f} [" in quest[1]  # beside the score, in its cell
+    assert "**passkey, 400** (2 samples a cell)" in rendered and "| method | budget 128 |" in rendered
     mass = f"{run['selection']['mean_mass']:.3f} ({run['selection']['mean_oracle_mass']:.3f})"
     assert "accuracy_vs_budget_tiny-llama.png" in rendered
 

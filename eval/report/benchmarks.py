@@ -1080,7 +1080,7 @@ def render_accuracy(results: Path, paper: dict[str, Any]) -> str:
         gpus = sorted({str((r.get("provenance") or {}).get("gpu") or "CPU") for r in runs})
         dates = sorted(str((r.get("provenance") or {}).get("date") or "")[:10] for r in runs)
         missing = len(f.data.get("missing") or [])
-        source = (samples_note(rows) + f"`{f.name}`: {len(runs)} finished runs"
+        source = (f"`{f.name}`: {len(runs)} finished runs"
                   + (f", {missing} not finished" if missing else "")
                   + f" of `{'`, `'.join(f.data.get('sweeps') or [])}`; {', '.join(gpus)}; commits "
                   f"{', '.join(commits)}; run {dates[0] if dates else '?'} to {dates[-1] if dates else '?'}.")
@@ -1090,64 +1090,50 @@ def render_accuracy(results: Path, paper: dict[str, Any]) -> str:
                    if (results / name).exists()]
         if figures:
             source += " Figures: " + ", ".join(f"`results/bench/{name}`" for name in figures) + "."
-        blocks += [accuracy_table(rows) if rows else "(no finished runs)", source]
+        blocks += [f"#### {model}, {device(f)}", accuracy_table(rows) if rows else "(no finished runs)", source]
     return "\n\n".join(blocks + [ACCURACY_DEFINITIONS])
 
 
 ACCURACY_DEFINITIONS = (
     "A cell is the task's score in percent (passkey: keys retrieved; RULER: the mean of its tasks' string-match "
     "scores) with the 2.5th-97.5th percentile of a bootstrap that resamples the samples within each (length, task); "
-    "Δ full is the score minus the full cache's on the same samples, with a paired bootstrap's interval (where both "
-    "runs' samples were on disk or in the file when it was curated; files curated before runs carried their samples "
-    "have it only where both runs' predictions were on the curating host's disk). The tokens attended and the "
-    "attention mass they hold are in the curated file and in `scripts/collect.py`'s accuracy.md.")
+    "after it, Δ is the score minus the full cache's on the same samples, with a paired bootstrap's interval "
+    "(where both runs' samples were on disk or in the file when it was curated; files curated before runs carried "
+    "their samples have it only where both runs' predictions were on the curating host's disk). The tokens attended "
+    "and the attention mass they hold are in the curated file and in `scripts/collect.py`'s accuracy.md.")
 
 
 def accuracy_table(rows: list) -> str:
-    """One table of a model's accuracy rows (eval.report.accuracy.AccuracyRow): a line per method, per (task,
-    length) and budget the score [95% interval], then the paired difference with the full cache where some row of
-    that task and length has one. A budget-free method (the full caches) gives its one score under every budget;
-    the samples per cell are said under the table, or in the cell where they differ."""
+    """A model's accuracy rows (eval.report.accuracy.AccuracyRow) as one table per task and length: a line per
+    method, a column per budget, each cell the score [95% interval] and, where the run was paired with the full
+    cache, its difference [paired interval] beside it. A budget-free method (the full caches) gives its one score
+    under every budget; the samples per cell are said in the table's caption, or in the cell where they differ."""
     from eval.report import accuracy as A
+
+    def cell(row: Any, with_n: bool) -> str:
+        if row is None:
+            return "-"
+        text = A.score_cell(row) + (f" (n {row.n})" if with_n else "")
+        return text + (f" · Δ {A.difference_cell(row)}" if row.difference is not None else "")
 
     groups = sorted({(r.task, r.length) for r in rows}, key=lambda c: (c[0], c[1] is None, c[1] or 0))
-    budgets = {group: sorted({r.budget for r in rows if (r.task, r.length) == group and r.budget is not None})
-               for group in groups}
-    columns = [(*group, budget) for group in groups for budget in budgets[group] or [None]]
-    cells: dict[tuple, Any] = {}
-    for r in rows:
-        for budget in ([r.budget] if r.budget is not None else budgets[(r.task, r.length)] or [None]):
-            cells[(r.method, r.task, r.length, budget)] = r
-    counts = {group: {r.n for r in rows if (r.task, r.length) == group} for group in groups}
-    paired = [column for column in columns if any(
-        r.difference is not None for r in rows if (r.task, r.length, r.budget) == column)]
-
-    def label(task: str, length: Any, budget: Any) -> str:
-        return f"{task} {A.length_label(length)}" + ("" if budget is None else f", {budget}")
-
-    def score(method: str, column: tuple) -> str:
-        row = cells.get((method, *column))
-        text = A.score_cell(row)
-        return text + (f" (n {row.n})" if row is not None and len(counts[column[:2]]) > 1 else "")
-
     methods = sorted({r.method for r in rows}, key=method_sort_key)
-    lines = [[method_cell(m), *(score(m, c) for c in columns),
-              *(A.difference_cell(cells.get((m, *c))) for c in paired)] for m in methods]
-    header = ["method", *(label(*c) for c in columns), *(f"Δ full, {label(*c)}" for c in paired)]
-    return table(header, lines)
-
-
-def samples_note(rows: list) -> str:
-    """The samples behind each cell of ``accuracy_table``, for the (task, length) groups where every cell has as
-    many."""
-    from eval.report import accuracy as A
-
-    counts: dict[tuple, set] = {}
-    for r in rows:
-        counts.setdefault((r.task, r.length), set()).add(r.n)
-    same = [f"{task} {A.length_label(length)} {n.pop()}" for (task, length), n in
-            sorted(counts.items(), key=lambda item: (item[0][0], item[0][1] or 0)) if len(n) == 1]
-    return f"Samples per cell: {', '.join(same)}. " if same else ""
+    blocks = []
+    for task, length in groups:
+        members = [r for r in rows if (r.task, r.length) == (task, length)]
+        budgets = sorted({r.budget for r in members if r.budget is not None}) or [None]
+        cells = {}
+        for r in members:
+            for budget in [r.budget] if r.budget is not None else budgets:
+                cells[(r.method, budget)] = r
+        counts = sorted({r.n for r in members}, key=lambda n: n or 0)
+        caption = f"**{task}, {A.length_label(length)}**" + (f" ({counts[0]} samples a cell)" if len(counts) == 1
+                                                             else "")
+        header = ["method", *("score" if b is None else f"budget {b}" for b in budgets)]
+        lines = [[method_cell(m), *(cell(cells.get((m, b)), len(counts) > 1) for b in budgets)]
+                 for m in methods if any((m, b) in cells for b in budgets)]
+        blocks.append(caption + "\n\n" + table(header, lines))
+    return "\n\n".join(blocks)
 
 
 def render_page_quality(results: Path, paper: dict[str, Any]) -> str:
