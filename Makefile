@@ -151,7 +151,9 @@ reproduce-accuracy-long: $(STAMP)
 ## samples whose text differs (compare_runs exits 1 when any differ: a finding, not a failure, so make goes on).
 AGAIN_ROOT ?= results/runs_again
 CURATED_LONG = $(or $(CURATED),$(if $(MODEL),,$(lastword $(sort $(wildcard results/bench/accuracy_qwen2.5-coder-0.5b_2*.json)))))
-reproduce-determinism: LONG_EXTRA = output_root=$(AGAIN_ROOT)
+# AGAIN_EXTRA: overrides that narrow the second pass (budget=256: one budget of every method).
+AGAIN_EXTRA =
+reproduce-determinism: LONG_EXTRA = output_root=$(AGAIN_ROOT) $(AGAIN_EXTRA)
 reproduce-determinism: $(STAMP)
 	@test -n "$(filter ruler passkey gsm8k,$(PART))" || { echo "error: PART=ruler, passkey or gsm8k" >&2; exit 2; }
 	@test -z "$(LENGTH)" -o -n "$(RULER_LENGTH_$(LENGTH))" || { echo "error: LENGTH=16k or 32k (or empty)" >&2; exit 2; }
