@@ -163,6 +163,20 @@ reproduce-determinism: $(STAMP)
 		--out results/bench/determinism_$(PART)$(if $(LENGTH),_$(LENGTH))_$$(date -u +%Y%m%d-%H%M%S).json \
 		--note "the runs of $(CURATED_LONG) (before) and the same runs again (after), $(PART) $(LENGTH)"
 
+.PHONY: reproduce-selection-long
+## The selection diagnostic on the long-context subject (docs/reproduce.md, "Selection quality at 16k"): every
+## method at budget 256 (the look-ahead its own row) on RULER at 16k, SELECTION_SAMPLES of each task's samples,
+## measure_selection=true (an exact attention pass beside each step: the mass each layer's selection holds).
+## Writes results/bench/selection_<model>_<date>.json and mass_by_layer_selection_<model>.png; the accuracy
+## tables do not read it.
+SELECTION_SAMPLES ?= 2
+SELECTION_SWEEP = experiment=accuracy_long_ruler $(LONG_MODEL) task.lengths=[16384] budget=256 \
+	task.num_samples=$(SELECTION_SAMPLES) measure_selection=true
+reproduce-selection-long: $(STAMP)
+	$(PY) scripts/sweep.py --sweep "$(SELECTION_SWEEP)" --sweep "$(SELECTION_SWEEP) method=icecache method.lookahead=true" \
+		--workers $(JOBS) --shards $(SHARDS) $(if $(DEADLINE),--deadline $(DEADLINE)) \
+		--curate selection --out results/bench --bench results/bench
+
 accuracy-long-tables: override LENGTH =
 ## The long grid's curated file and figures from the runs on disk (results/bench/accuracy_<model>_<date>.json).
 accuracy-long-tables: $(STAMP)

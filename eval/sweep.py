@@ -715,7 +715,9 @@ def curate(jobs: list[Job], sweeps: list[list[str]], name: str, out: Path, bench
 
             matplotlib.use("Agg")
             rows = A.accuracy_rows(entry["runs"])
-            for figure in accuracy_figures(rows, bench_rows, out):
+            # a curated file of another kind (a diagnostic grid) draws its figures under its own name
+            prefix = "" if name == "accuracy" else f"{name}_"
+            for figure in accuracy_figures(rows, bench_rows, out, prefix=prefix):
                 if figure.suffix == ".png":
                     written.append(figure)
                 else:

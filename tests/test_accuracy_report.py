@@ -321,6 +321,20 @@ def test_a_task_that_cannot_run_on_this_host_stops_the_host_launcher_before_any_
     assert not (tmp_path / "runs").exists()  # nothing started
 
 
+def test_a_curated_file_of_another_kind_draws_its_figures_under_its_own_name(tmp_path):
+    """``--curate selection`` (the long subject's selection diagnostic) writes selection_<model>_<date>.json and
+    figures named after it, so that it never replaces the accuracy grid's file or figures."""
+    sweep = (f"experiment=accuracy_passkey model=tiny_llama output_root={tmp_path / 'runs'} method=full,quest "
+             "budget=128 task.lengths=[400] task.num_depths=2")
+    out = tmp_path / "bench"
+    assert launcher.main([*sweep.split(), "--workers", "1", "--curate", "selection", "--out", str(out),
+                          "--bench", str(tmp_path / "no_latency_files")]) == 0
+    assert len(list(out.glob("selection_tiny-llama_*.json"))) == 1 and not list(out.glob("accuracy_*.json"))
+    assert not any((out / f"{figure}_tiny-llama.png").exists() for figure in ("accuracy_vs_budget", "mass_by_layer"))
+    assert (out / "mass_by_layer_selection_tiny-llama.png").exists()
+    assert (out / "accuracy_vs_budget_selection_tiny-llama.png").exists()
+
+
 def test_a_fresh_host_puts_back_the_finished_runs_of_a_curated_file_instead_of_running_them(tmp_path):
     import shutil
 
