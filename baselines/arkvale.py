@@ -86,7 +86,9 @@ from icecache.core.method import (
     DenseKV,
     Method,
     MethodConfig,
+    SpeedGoal,
     in_run_identity_unless_default,
+    prompt_offload_goals,
     storage_capacity,
 )
 from icecache.core.paged import mapped_device_view
@@ -463,6 +465,11 @@ class ArkVale(Method):
     paper_names = ("AKV",)
     config_class = ArkValeConfig
     traces_in_graph = True
+    speed_goals = (
+        SpeedGoal(131072, "tpot", 1.0, "its step fused into a few kernels, the recalled pages a fraction of the KV"),
+        SpeedGoal(32768, "tpot", 1.3, "its step fused into a few kernels"),
+        *prompt_offload_goals("the prompt's KV copied to the host beside the next layers' prefill"),
+    )
     test_settings = {"page_size": 8}
 
     def check(self) -> None:

@@ -78,7 +78,15 @@ from icecache.core.host_memory import to_device_without_waiting
 from icecache.core.host_step import HostExchange
 from icecache.core.kernels import _magicpig_host
 from icecache.core.kernels.sign_codes import sign_codes
-from icecache.core.method import METHODS, DenseKV, Method, MethodConfig, storage_capacity
+from icecache.core.method import (
+    METHODS,
+    DenseKV,
+    Method,
+    MethodConfig,
+    SpeedGoal,
+    prompt_offload_goals,
+    storage_capacity,
+)
 from icecache.errors import ConfigError
 
 # A key is sampled when it shares the query's bucket in at least this many tables (the public code's rule).
@@ -528,6 +536,12 @@ class MagicPIG(Method):
     paper_names = ("MPG",)
     config_class = MagicPIGConfig
     traces_in_graph = True
+    speed_goals = (
+        SpeedGoal(131072, "tpot", 5.2, "5.2x its full cache at 128k (ParisKV's head-to-head), its host part on "
+                                        "AVX-512"),
+        SpeedGoal(32768, "tpot", 5.0, "its host part on AVX-512 beside the GPU's sink and window attention"),
+        *prompt_offload_goals("the prompt's KV copied to the host beside the next layers' prefill"),
+    )
     # At the shared tests' budget of 64: 4 sinks, a window of 16 and up to 44 sampled tokens.
     test_settings = {"n_local_tokens": 16}
 

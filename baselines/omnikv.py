@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 import torch
 
 from icecache.core.kernels.gqa_scores import gqa_scores
-from icecache.core.method import METHODS, Method, MethodConfig, storage_capacity
+from icecache.core.method import METHODS, Method, MethodConfig, prompt_offload_goals, storage_capacity
 from icecache.core.paged import mapped_device_view
 from icecache.core.static_kv import StaticDenseKV
 from icecache.core.token_slots import RingSlotsKV
@@ -252,6 +252,7 @@ class OmniKV(Method):
     paper_names = ("OKV",)
     config_class = OmniKVConfig
     traces_in_graph = True
+    speed_goals = (*prompt_offload_goals("the prompt's KV copied to the host beside the next layers' prefill"),)
     # Tiny models have 4 layers: layer 0 dense, layer 1 the filter (inside the dense prefix, which the shared tests
     # hold to no budget: a filter layer attends fully), layers 2 and 3 sparsified by its selection.
     test_settings = {"filter_layers": [1], "n_wait_layers": 0, "n_recent": 16}

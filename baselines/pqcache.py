@@ -79,7 +79,15 @@ from icecache.core.kernels.block_copy import copy_blocks
 from icecache.core.kernels.kmeans_passes import pq_build as pq_build_on_device
 from icecache.core.kernels.pq_votes import pq_votes
 from icecache.core.kernels.stable_topk import stable_topk
-from icecache.core.method import METHODS, Method, MethodConfig, in_run_identity_unless_default, storage_capacity
+from icecache.core.method import (
+    METHODS,
+    Method,
+    MethodConfig,
+    SpeedGoal,
+    in_run_identity_unless_default,
+    prompt_offload_goals,
+    storage_capacity,
+)
 from icecache.core.paged import mapped_device_view
 from icecache.core.product_quantization import code_rows, pq_build, pq_encode
 from icecache.core.token_slots import RingSlotsKV
@@ -512,6 +520,11 @@ class PQCache(Method):
     paper_names = ("PQC",)
     config_class = PQCacheConfig
     traces_in_graph = True
+    speed_goals = (
+        SpeedGoal(32768, "tpot", 3.0, "its block cache updated beside the step, its picks' top-k on the GPU"),
+        SpeedGoal(32768, "tt2t", 4.0, "its k-means off the critical path (its paper: TT2T 13.3 s at 36k on an H100)"),
+        *prompt_offload_goals("the prompt's KV copied to the host beside the next layers' prefill"),
+    )
     # Small parts for 300-token prompts at budget 64: 4 sinks, 30 local, 30 selected; blocks of 8 in a 4-block cache.
     test_settings = {"n_sink_tokens": 4, "cache_block_size": 8, "cache_tokens": 32, "cache_topk_blocks": 4}
 

@@ -90,8 +90,10 @@ from icecache.core.method import (
     METHODS,
     Method,
     MethodConfig,
+    SpeedGoal,
     StaticDenseKV,
     in_run_identity_unless_default,
+    prompt_offload_goals,
     storage_capacity,
 )
 from icecache.core.paged import mapped_device_view
@@ -583,6 +585,12 @@ class ShadowKV(Method):
     display_order = 110
     config_class = ShadowKVConfig
     traces_in_graph = True
+    speed_goals = (
+        SpeedGoal(131072, "tpot", 0.85, "0.81x its full cache at 128k, batch 1 (ParisKV's head-to-head with its "
+                                         "efficient class)"),
+        SpeedGoal(32768, "tpot", 1.1, "its efficient class: selection and gathers on the GPU, values zero-copy"),
+        *prompt_offload_goals("the prompt's KV copied to the host beside the next layers' prefill"),
+    )
     # At the shared tests' budget of 64 with chunks of 8: 2 window, 1 outlier and 5 selected chunks.
     test_settings = {"n_local_chunks": 2}
 

@@ -605,3 +605,28 @@ def test_other_gpus_come_from_the_folders_with_last_round_times_and_ratios_of_th
     assert rows["Test GPU", "`quest`"][4] == "1.22"  # to the full_static of its own file
     assert rows["Other GPU", "`full_static`"][-1] == "b" * 7
     assert all(row[0] != "`quest`" for row in table_rows(bench_tables.render_latency_summary(tmp_path, {})))
+
+
+def test_a_speed_goal_is_checked_against_the_newest_file_of_each_gpu_with_its_reference(bench_tables, tmp_path,
+                                                                                       monkeypatch):
+    """Each goal a method declares gets, per GPU, the ratio from the newest file holding the method and the goal's
+    reference at that context (an older, faster file does not count), met or missed by how much, or "not measured"."""
+    from baselines.shadowkv import ShadowKV
+    from icecache.core.method import SpeedGoal
+
+    monkeypatch.setattr(ShadowKV, "speed_goals", (SpeedGoal(4096, "tpot", 0.85, "a test"),
+                                                 SpeedGoal(4096, "ttft", 1.2, "a test")))
+    write_latency(tmp_path, "latency_gpu_20990101-000000.json", "2026-01-01T00:00:00+00:00", "a", [
+        summary_row("full", 4096, 0.040), summary_row("full_static", 4096, 0.010),
+        summary_row("shadowkv", 4096, 0.008)])
+    write_latency(tmp_path, "latency_gpu_20990101-000001.json", "2026-01-02T00:00:00+00:00", "b", [
+        summary_row("full", 4096, 0.040), summary_row("full_static", 4096, 0.010),
+        summary_row("shadowkv", 4096, 0.009, ttft_s_median=1.5)])
+    (tmp_path / "other").mkdir()
+    write_latency(tmp_path / "other", "latency_gpu_20990101-000002.json", "2026-01-03T00:00:00+00:00", "c", [
+        summary_row("shadowkv", 4096, 0.001)])  # no reference in its file: not a measurement of the goal
+    rows = {(row[0], row[2]): row for row in table_rows(bench_tables.render_speed_goals(tmp_path, {}))}
+    tpot, ttft = rows[("`shadowkv`", "tpot")], rows[("`shadowkv`", "ttft")]
+    assert tpot[4].startswith("0.90, missed by 6% (`latency_gpu_20990101-000001.json`")
+    assert ttft[4].startswith("1.50, missed by 25%") and ttft[-1] == "a test"
+    assert not any(row[0] == "`shadowkv`" and "0.10" in row[4] for row in rows.values())

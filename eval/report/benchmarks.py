@@ -330,6 +330,62 @@ def render_other_gpus(results: Path, paper: dict[str, Any]) -> str:
     return "\n\n".join([table(header, rows), note])
 
 
+def goal_value(f: Result, row: dict[str, Any], measure: str) -> float | None:
+    """A ``SpeedGoal`` measure of a latency row: over its reference method's in the same file (TPOT by the rounds'
+    medians, TTFT and TT2T by the last round's, as the other tables take them); None where the file lacks it."""
+    from icecache.core.method import SPEED_MEASURES
+
+    key, reference = SPEED_MEASURES[measure]
+    base = reference_row(f, row["context"], reference)
+    if base is None:
+        return None
+    if key == "tpot_s":
+        mine, theirs = row.get("tpot_s_median"), base.get("tpot_s_median")
+    else:
+        mine, theirs = last_round(f, row, key), last_round(f, base, key)
+    return mine / theirs if mine and theirs else None
+
+
+def render_speed_goals(results: Path, paper: dict[str, Any]) -> str:
+    """Each method's ``speed_goals`` (declared on the method) against the newest latency file of each GPU that
+    measured it beside the goal's reference: the ratio, met or missed, and the file."""
+    from eval.plugins import method_class
+    from icecache.core.method import METHODS, SPEED_MEASURES
+
+    files = [f for f in [*load(results, "latency_*.json"), *load(results, "*/latency_*.json")] if not is_scaling(f)]
+    measured = newest_by([((str(f.provenance.get("gpu") or f.host), row["context"], row["method"], measure),
+                           f.order, (value, f, row))
+                          for f in files for row in f.data["summary"] for measure in SPEED_MEASURES
+                          if (value := goal_value(f, row, measure)) is not None])
+    gpus = sorted({gpu for gpu, *_ in measured})
+
+    def cell(gpu: str, method: str, goal: Any) -> str:
+        found = measured.get((gpu, goal.context, method, goal.measure))
+        if found is None:
+            return "not measured"
+        value, f, row = found
+        verdict = "met" if value <= goal.at_most else f"missed by {value / goal.at_most - 1:.0%}"
+        folder = f"{f.path.parent.name}/" if f.path.parent != results else ""
+        return f"{value:.2f}, {verdict} (`{folder}{f.name}`, {f.commit_of(row)})"
+
+    rows = []
+    for name in sorted(METHODS, key=method_sort_key):
+        for goal in sorted(method_class(name).speed_goals,
+                           key=lambda g: (g.settings, list(SPEED_MEASURES).index(g.measure), g.context)):
+            method = f"{name}:{goal.settings}" if goal.settings else name
+            rows.append([f"`{method_text(method)}`", context_label(goal.context), goal.measure,
+                         f"{goal.at_most:g}", *(cell(gpu, method, goal) for gpu in gpus), goal.source])
+    if not rows:
+        return "No method declares a speed goal."
+    header = ["method", "context", "measure", "goal (at most)", *gpus, "where the goal comes from"]
+    note = ("Each method declares the speeds its design reaches (`speed_goals` on the method: "
+            "`icecache.core.method.SpeedGoal`); a cell is the newest latency file of that GPU holding the method and "
+            "the goal's reference at that context. tpot: TPOT over `full_static`'s; ttft: TTFT over `full`'s; tt2t: "
+            "time to the second token over `full_static`'s, each in the same file (TTFT and TT2T of the last round). "
+            "A ratio on one GPU is not the other's: their `full_static` and host CPUs differ.")
+    return "\n\n".join([table(header, rows), note])
+
+
 # The least relative change the regression gate calls a slowdown: two rounds of 64 steps rarely agree better.
 MIN_NOISE = 0.05
 
@@ -1199,6 +1255,7 @@ RENDERERS: dict[str, Callable[[Path, dict[str, Any]], str]] = {
     "latency": render_latency,
     "latency-summary": render_latency_summary,
     "other-gpus": render_other_gpus,
+    "speed-goals": render_speed_goals,
     "other-gpus-throughput": render_other_gpus_throughput,
     "regression": render_regression,
     "regression-summary": render_regression_summary,

@@ -24,9 +24,10 @@ from .host_memory import HostPool
 from .layer import DenseKV, LayerKV, ModelInfo, SequenceContext, storage_capacity
 from .static_kv import StaticDenseKV
 
-__all__ = ["METHODS", "DenseKV", "LayerKV", "Method", "MethodConfig", "ModelInfo", "SequenceContext",
-           "StaticDenseKV", "build_method", "method_class", "method_settings", "not_in_run_identity",
-           "in_run_identity_unless_default", "run_identity", "run_identity_keys", "storage_capacity"]
+__all__ = ["METHODS", "SPEED_MEASURES", "DenseKV", "LayerKV", "Method", "MethodConfig", "ModelInfo", "SequenceContext",
+           "SpeedGoal", "StaticDenseKV", "build_method", "in_run_identity_unless_default", "method_class",
+           "method_settings", "not_in_run_identity", "prompt_offload_goals", "run_identity", "run_identity_keys",
+           "storage_capacity"]
 
 
 def not_in_run_identity(default: Any) -> Any:
@@ -124,6 +125,37 @@ class MethodConfig:
                               f"raise the budget")
 
 
+#: What a ``SpeedGoal`` divides by: the measure's own key in a latency file's row and the reference method of the same
+#: file it is divided by.
+SPEED_MEASURES: dict[str, tuple[str, str]] = {"tpot": ("tpot_s", "full_static"), "ttft": ("ttft_s", "full"),
+                                              "tt2t": ("tt2t_s", "full_static")}
+
+
+@dataclass(frozen=True)
+class SpeedGoal:
+    """A speed the method's design reaches, checked against the latency files (BENCHMARKS.md, "Speed goals"): at
+    ``context`` tokens (Llama-3.1-8B, budget 256), the ``measure`` (``tpot``: TPOT over ``full_static``'s in the
+    same file; ``ttft``: TTFT over ``full``'s; ``tt2t``: time to the second token over ``full_static``'s) is at most
+    ``at_most``, for the method with ``settings`` (a variant's, as the latency benchmark names it: ``lookahead=true``)
+    or its defaults. ``source`` says where the number comes from."""
+
+    context: int
+    measure: str
+    at_most: float
+    source: str
+    settings: str = ""
+
+    def __post_init__(self) -> None:
+        if self.measure not in SPEED_MEASURES:
+            raise ValueError(f"SpeedGoal.measure={self.measure!r} must be one of {sorted(SPEED_MEASURES)}")
+
+
+def prompt_offload_goals(source: str) -> tuple[SpeedGoal, ...]:
+    """The first token of a method that offloads its prompt at most 1.2x the full cache's, at 32k and 128k: the
+    offload runs beside the prefill, not after it."""
+    return tuple(SpeedGoal(context, "ttft", 1.2, source) for context in (32768, 131072))
+
+
 class Method(ABC):
     """A KV-selection method: its config and a factory of per-layer ``LayerKV`` objects.
 
@@ -159,6 +191,8 @@ class Method(ABC):
     #: row attending with its own layers). A method that cannot says why in its docstring and ``batch_refusal``.
     batches_decode: ClassVar[bool] = True
     batch_refusal: ClassVar[str] = ""
+    #: The speeds its design reaches (``SpeedGoal``), which BENCHMARKS.md checks against the newest latency files.
+    speed_goals: ClassVar[tuple[SpeedGoal, ...]] = ()
 
     def check_batch_size(self, batch_size: int) -> None:
         """``ConfigError`` unless ``batch_size`` sequences may decode together under this method."""

@@ -3,7 +3,7 @@ layer owns the index and selection a layer uses."""
 
 from __future__ import annotations
 
-from icecache.core.method import METHODS, Method, SequenceContext
+from icecache.core.method import METHODS, Method, SequenceContext, SpeedGoal, prompt_offload_goals
 from icecache.dci.index import SCORE_PRECISIONS
 from icecache.errors import ConfigError
 
@@ -21,6 +21,15 @@ class IceCache(Method):
     # 64 tokens are 4 pages: 1 sink + 2 selected + 1 window.
     test_settings = {"n_sink_pages": 1, "n_window_pages": 1}
     variants = {"lookahead": {"lookahead": True}}
+    # The floor of the design: 30 index searches a step (0.73 ms a layer at 32k on 16 threads), the transformer's
+    # own step and ~1 MB of pages a layer, about 31 ms at 32k beside full_static's 8.8 on an H200.
+    speed_goals = (
+        SpeedGoal(32768, "tpot", 3.5, "its design's floor"),
+        SpeedGoal(131072, "tpot", 8.0, "its design's floor"),
+        SpeedGoal(32768, "tpot", 3.0, "its design's floor, the search under the previous layer's GPU work",
+                  settings="lookahead=true"),
+        *prompt_offload_goals("the prompt's index built beside the prefill"),
+    )
 
     def forced_positions(self, n_tokens):
         # The sink pages, and the window, which always holds its n_window_pages - 1 full pages and one more token.
@@ -92,3 +101,8 @@ class IceCacheReuse(IceCache):
     display_order = 121
     paper_names = ("Ice(r)",)
     config_class = IceCacheReuseConfig
+    speed_goals = (
+        SpeedGoal(32768, "tpot", 2.0, "its design's floor: a third of IceCache's searches"),
+        SpeedGoal(131072, "tpot", 4.0, "its design's floor: a third of IceCache's searches"),
+        *prompt_offload_goals("the prompt's index built beside the prefill"),
+    )
