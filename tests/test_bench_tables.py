@@ -630,3 +630,18 @@ def test_a_speed_goal_is_checked_against_the_newest_file_of_each_gpu_with_its_re
     assert tpot[4].startswith("0.90, missed by 6% (`latency_gpu_20990101-000001.json`")
     assert ttft[4].startswith("1.50, missed by 25%") and ttft[-1] == "a test"
     assert not any(row[0] == "`shadowkv`" and "0.10" in row[4] for row in rows.values())
+
+
+def test_a_throughput_goal_is_a_lower_bound_on_the_best_over_full_static_s_best(bench_tables, tmp_path, monkeypatch):
+    from baselines.shadowkv import ShadowKV
+    from icecache.core.method import SpeedGoal
+
+    monkeypatch.setattr(ShadowKV, "speed_goals", (SpeedGoal(4096, "throughput", 3.0, "a test"),))
+    summary = [{"context": 4096, "method": "full_static", "best_tokens_per_s": 100.0, "largest_batch": 2},
+               {"context": 4096, "method": "shadowkv", "best_tokens_per_s": 250.0, "largest_batch": 8}]
+    limits = [{"context": 4096, "method": "full_static", "stage": "prefill", "rows_prefilled": 3}]
+    (tmp_path / "throughput_gpu_20990101-000000.json").write_text(json.dumps(
+        {"kind": "throughput", "settings": {}, "provenance": provenance("2026-01-01T00:00:00+00:00", "a"),
+         "rows": [], "limits": limits, "summary": summary}))
+    [row] = [row for row in table_rows(bench_tables.render_speed_goals(tmp_path, {})) if row[0] == "`shadowkv`"]
+    assert row[3] == "≥ 3" and row[4].startswith("2.50, missed by 17%, overstated: `full_static`'s fitted rows")

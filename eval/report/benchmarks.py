@@ -331,31 +331,39 @@ def render_other_gpus(results: Path, paper: dict[str, Any]) -> str:
 
 
 def goal_value(f: Result, row: dict[str, Any], measure: str) -> float | None:
-    """A ``SpeedGoal`` measure of a latency row: over its reference method's in the same file (TPOT by the rounds'
-    medians, TTFT and TT2T by the last round's, as the other tables take them); None where the file lacks it."""
+    """A ``SpeedGoal`` measure of a file's summary row: over its reference method's in the same file (TPOT by the
+    rounds' medians, TTFT and TT2T by the last round's, as the other tables take them; throughput by the best over
+    batch sizes); None where the file lacks it."""
     from icecache.core.method import SPEED_MEASURES
 
-    key, reference = SPEED_MEASURES[measure]
+    key, reference, _ = SPEED_MEASURES[measure]
     base = reference_row(f, row["context"], reference)
     if base is None:
         return None
-    if key == "tpot_s":
-        mine, theirs = row.get("tpot_s_median"), base.get("tpot_s_median")
-    else:
+    if key in ("ttft_s", "tt2t_s"):
         mine, theirs = last_round(f, row, key), last_round(f, base, key)
+    else:
+        field = "tpot_s_median" if key == "tpot_s" else key
+        mine, theirs = row.get(field), base.get(field)
     return mine / theirs if mine and theirs else None
 
 
 def render_speed_goals(results: Path, paper: dict[str, Any]) -> str:
-    """Each method's ``speed_goals`` (declared on the method) against the newest latency file of each GPU that
-    measured it beside the goal's reference: the ratio, met or missed, and the file."""
+    """Each method's ``speed_goals`` (declared on the method) against the newest file of each GPU that measured it
+    beside the goal's reference (latency files; throughput files for ``throughput``): the ratio, met or missed,
+    and the file."""
     from eval.plugins import method_class
     from icecache.core.method import METHODS, SPEED_MEASURES
 
-    files = [f for f in [*load(results, "latency_*.json"), *load(results, "*/latency_*.json")] if not is_scaling(f)]
+    def files(kind: str) -> list[Result]:  # a file resumed on another GPU is no one GPU's measurement
+        return [f for f in [*load(results, f"{kind}_*.json"), *load(results, f"*/{kind}_*.json")]
+                if not is_scaling(f) and len(file_gpus(f)) == 1]
+
+    sources = [(measure, f) for measure in SPEED_MEASURES
+               for f in files("throughput" if measure == "throughput" else "latency")]
     measured = newest_by([((str(f.provenance.get("gpu") or f.host), row["context"], row["method"], measure),
                            f.order, (value, f, row))
-                          for f in files for row in f.data["summary"] for measure in SPEED_MEASURES
+                          for measure, f in sources for row in f.data.get("summary") or []
                           if (value := goal_value(f, row, measure)) is not None])
     gpus = sorted({gpu for gpu, *_ in measured})
 
@@ -364,7 +372,12 @@ def render_speed_goals(results: Path, paper: dict[str, Any]) -> str:
         if found is None:
             return "not measured"
         value, f, row = found
-        verdict = "met" if value <= goal.at_most else f"missed by {value / goal.at_most - 1:.0%}"
+        short = value / goal.bound - 1 if goal.lower_is_better else 1 - value / goal.bound
+        verdict = "met" if goal.met_by(value) else f"missed by {short:.0%}"
+        if goal.measure == "throughput":
+            reference = reference_row(f, goal.context, "full_static") or {}
+            if fitted_unmeasured(f, goal.context, "full_static", int(reference.get("largest_batch") or 0)):
+                verdict += ", overstated: `full_static`'s fitted rows went unmeasured"
         folder = f"{f.path.parent.name}/" if f.path.parent != results else ""
         return f"{value:.2f}, {verdict} (`{folder}{f.name}`, {f.commit_of(row)})"
 
@@ -374,15 +387,18 @@ def render_speed_goals(results: Path, paper: dict[str, Any]) -> str:
                            key=lambda g: (g.settings, list(SPEED_MEASURES).index(g.measure), g.context)):
             method = f"{name}:{goal.settings}" if goal.settings else name
             rows.append([f"`{method_text(method)}`", context_label(goal.context), goal.measure,
-                         f"{goal.at_most:g}", *(cell(gpu, method, goal) for gpu in gpus), goal.source])
+                         f"{'≤' if goal.lower_is_better else '≥'} {goal.bound:g}",
+                         *(cell(gpu, method, goal) for gpu in gpus), goal.source])
     if not rows:
         return "No method declares a speed goal."
-    header = ["method", "context", "measure", "goal (at most)", *gpus, "where the goal comes from"]
+    header = ["method", "context", "measure", "goal", *gpus, "where the goal comes from"]
     note = ("Each method declares the speeds its design reaches (`speed_goals` on the method: "
-            "`icecache.core.method.SpeedGoal`); a cell is the newest latency file of that GPU holding the method and "
-            "the goal's reference at that context. tpot: TPOT over `full_static`'s; ttft: TTFT over `full`'s; tt2t: "
-            "time to the second token over `full_static`'s, each in the same file (TTFT and TT2T of the last round). "
-            "A ratio on one GPU is not the other's: their `full_static` and host CPUs differ.")
+            "`icecache.core.method.SpeedGoal`); a cell is the newest file of that GPU holding the method and the "
+            "goal's reference at that context. tpot: TPOT over `full_static`'s; ttft: TTFT over `full`'s; tt2t: time "
+            "to the second token over `full_static`'s (TTFT and TT2T of the last round), from the latency files; "
+            "throughput: the best decode tokens per second over batch sizes over `full_static`'s best, from the "
+            "throughput files; each ratio within one file. A ratio on one GPU is not the other's: their "
+            "`full_static` and host CPUs differ.")
     return "\n\n".join([table(header, rows), note])
 
 
