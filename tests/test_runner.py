@@ -80,7 +80,7 @@ def test_a_setting_declared_outside_the_run_identity_keeps_the_run_where_it_is(t
     sets it, or one from before the field existed, is the same run; the method's other fields still name it."""
     import dataclasses
 
-    from icecache.core.method import run_identity_keys
+    from icecache.core.method import run_identity
     from icecache.method.config import IceCacheConfig
 
     def icecache_run(**method):
@@ -95,7 +95,7 @@ def test_a_setting_declared_outside_the_run_identity_keeps_the_run_where_it_is(t
     before_the_field = dict(plain.method)
     del before_the_field["search_team_spin_us"]
     assert make_config(tmp_path, method=before_the_field).output_dir() == plain.output_dir()
-    keys = run_identity_keys(IceCacheConfig)
+    keys = set(run_identity(IceCacheConfig, dataclasses.asdict(IceCacheConfig())))
     assert "search_team_spin_us" not in keys and {"budget", "page_size", "cpu_threads"} <= keys
 
 

@@ -184,11 +184,23 @@ def reference_row(f: Result, context: int, method: str) -> dict[str, Any] | None
     return next((r for r in f.data["summary"] if r["context"] == context and r["method"] == method), None)
 
 
-def ratio_to(row: dict[str, Any], f: Result, reference: str) -> str:
+def ratio_value(row: dict[str, Any], f: Result, reference: str, key: str = "tpot_s_median") -> float | None:
+    """A summary row's ``key`` over the ``reference`` method's in the same file (TTFT and TT2T: the last round's,
+    ``last_round``); None where the file lacks either."""
     base = reference_row(f, row["context"], reference)
-    if base is None or not base.get("tpot_s_median") or row.get("tpot_s_median") is None:
-        return "-"
-    return f"{row['tpot_s_median'] / base['tpot_s_median']:.2f}"
+    if base is None:
+        return None
+    if key in ("ttft_s", "tt2t_s"):
+        mine, theirs = last_round(f, row, key), last_round(f, base, key)
+    else:
+        mine, theirs = row.get(key), base.get(key)
+    return mine / theirs if mine and theirs else None
+
+
+def ratio_to(row: dict[str, Any], f: Result, reference: str) -> str:
+    """The row's TPOT over the reference method's in the same file, formatted ("-" where there is none)."""
+    value = ratio_value(row, f, reference)
+    return "-" if value is None else f"{value:.2f}"
 
 
 def nearest_context(contexts: list[int], target: int | None) -> int | None:
@@ -315,11 +327,10 @@ def render_other_gpus(results: Path, paper: dict[str, Any]) -> str:
     for (gpu, context, method), (row, f) in sorted(
             newest.items(), key=lambda item: (item[0][0], item[0][1], method_sort_key(item[0][2]))):
         ttft, tt2t = last_round(f, row, "ttft_s"), last_round(f, row, "tt2t_s")
-        full = reference_row(f, context, "full")
-        full_ttft = last_round(f, full, "ttft_s") if full else None
+        over_full = ratio_value(row, f, "full", "ttft_s")
         rows.append([gpu, context_label(context), f"`{method_text(method)}`", fmt(row.get("tpot_s_median"), 1000),
                      ratio_to(row, f, "full_static"), fmt(ttft, digits=2),
-                     f"{ttft / full_ttft:.2f}" if ttft and full_ttft else "-", fmt(tt2t, digits=2),
+                     "-" if over_full is None else f"{over_full:.2f}", fmt(tt2t, digits=2),
                      f"`{f.path.parent.name}/{f.name}`", f.commit_of(row)])
     header = ["GPU", "context", "method", "TPOT ms", "x full_static", "TTFT s", "x full's TTFT", "TT2T s", "file",
               "commit"]
@@ -331,21 +342,11 @@ def render_other_gpus(results: Path, paper: dict[str, Any]) -> str:
 
 
 def goal_value(f: Result, row: dict[str, Any], measure: str) -> float | None:
-    """A ``SpeedGoal`` measure of a file's summary row: over its reference method's in the same file (TPOT by the
-    rounds' medians, TTFT and TT2T by the last round's, as the other tables take them; throughput by the best over
-    batch sizes); None where the file lacks it."""
+    """A ``SpeedGoal`` measure of a file's summary row, over its reference method's in the same file."""
     from icecache.core.method import SPEED_MEASURES
 
     key, reference, _ = SPEED_MEASURES[measure]
-    base = reference_row(f, row["context"], reference)
-    if base is None:
-        return None
-    if key in ("ttft_s", "tt2t_s"):
-        mine, theirs = last_round(f, row, key), last_round(f, base, key)
-    else:
-        field = "tpot_s_median" if key == "tpot_s" else key
-        mine, theirs = row.get(field), base.get(field)
-    return mine / theirs if mine and theirs else None
+    return ratio_value(row, f, reference, key)
 
 
 def render_speed_goals(results: Path, paper: dict[str, Any]) -> str:

@@ -26,8 +26,7 @@ from .static_kv import StaticDenseKV
 
 __all__ = ["METHODS", "SPEED_MEASURES", "DenseKV", "LayerKV", "Method", "MethodConfig", "ModelInfo", "SequenceContext",
            "SpeedGoal", "StaticDenseKV", "build_method", "in_run_identity_unless_default", "method_class",
-           "method_settings", "not_in_run_identity", "prompt_offload_goals", "run_identity", "run_identity_keys",
-           "storage_capacity"]
+           "method_settings", "not_in_run_identity", "prompt_offload_goals", "run_identity", "storage_capacity"]
 
 
 def not_in_run_identity(default: Any) -> Any:
@@ -42,12 +41,6 @@ def in_run_identity_unless_default(default: Any) -> Any:
     so they ran its default): left out of the run's identity while at its default, so that those runs keep their
     directories and are not run again; any other value names runs of its own."""
     return dataclasses.field(default=default, metadata={"run_identity": "unless_default"})
-
-
-def run_identity_keys(config_class: type) -> frozenset[str]:
-    """The fields of a method's config class that can be part of a run's identity (all but ``not_in_run_identity``;
-    an ``in_run_identity_unless_default`` field only when set to another value: ``run_identity``)."""
-    return frozenset(f.name for f in dataclasses.fields(config_class) if f.metadata.get("run_identity", True))
 
 
 def run_identity(config_class: type, settings: dict[str, Any]) -> dict[str, Any]:
@@ -125,10 +118,11 @@ class MethodConfig:
                               f"raise the budget")
 
 
-#: What a ``SpeedGoal`` measures: the key it reads (a latency file's summary row's, or a throughput file's), the
-#: reference method of the same file it is divided by, and whether lower is better (a goal is then an upper bound).
+#: What a ``SpeedGoal`` measures: the key it reads (a latency file's summary row's, TTFT and TT2T from its last round,
+#: or a throughput file's), the reference method of the same file it is divided by, and whether lower is better (a
+#: goal is then an upper bound).
 SPEED_MEASURES: dict[str, tuple[str, str, bool]] = {
-    "tpot": ("tpot_s", "full_static", True),
+    "tpot": ("tpot_s_median", "full_static", True),
     "ttft": ("ttft_s", "full", True),
     "tt2t": ("tt2t_s", "full_static", True),
     "throughput": ("best_tokens_per_s", "full_static", False),
@@ -203,7 +197,8 @@ class Method(ABC):
     #: row attending with its own layers). A method that cannot says why in its docstring and ``batch_refusal``.
     batches_decode: ClassVar[bool] = True
     batch_refusal: ClassVar[str] = ""
-    #: The speeds its design reaches (``SpeedGoal``), which BENCHMARKS.md checks against the newest latency files.
+    #: The speeds its design reaches (``SpeedGoal``), which BENCHMARKS.md checks against the newest latency and
+    #: throughput files.
     speed_goals: ClassVar[tuple[SpeedGoal, ...]] = ()
 
     def check_batch_size(self, batch_size: int) -> None:
