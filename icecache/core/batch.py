@@ -62,11 +62,8 @@ class BatchKVHandle(KVHandle):
         if all(type(layer) is kind and layer.seq_len > 0 and layer.seq.selection_meter is None for layer in layers):
             if self.row_groups > 1:
                 out = self.attend_groups(query, scaling, attend_row)
-            else:
-                out = kind.decode_rows(layers, query, self.key, self.value, scaling)
-                if out is not None:  # the method's one launch per kernel for every row
-                    for layer in layers:
-                        layer.seq_len += 1
+            else:  # the method's one launch per kernel for every row
+                out = decode_rows(layers, query, self.key, self.value, scaling)
             if out is not None:
                 return out
         if self.streams is None or layers[0].seq.host_functions.kind is not None:
@@ -90,7 +87,7 @@ class BatchKVHandle(KVHandle):
         ``g`` on row stream ``g`` when the rows have streams and no host work. None, with nothing done, when the
         method declines the first group (it has no batched step: the rows attend as without groups); a later group
         it declines attends row by row."""
-        layers, kind = self.layers, type(self.layers[0])
+        layers = self.layers
         streams = self.streams if self.streams is not None and layers[0].seq.host_functions.kind is None else None
         current = torch.cuda.current_stream(query.device) if streams is not None else None
         outs = []
@@ -99,14 +96,11 @@ class BatchKVHandle(KVHandle):
             if stream is not None:
                 stream.wait_stream(current)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                out = kind.decode_rows(layers[rows], query[rows], self.key[rows], self.value[rows], scaling)
+                out = decode_rows(layers[rows], query[rows], self.key[rows], self.value[rows], scaling)
                 if out is None and g == 0:
                     return None
                 if out is None:
                     out = torch.cat([attend_row(b) for b in range(rows.start, rows.stop)], dim=0)
-                else:
-                    for layer in layers[rows]:
-                        layer.seq_len += 1
             if stream is not None:
                 out.record_stream(current)  # made on the group's stream, read by the model's below
             outs.append(out)
@@ -116,6 +110,17 @@ class BatchKVHandle(KVHandle):
                     tensor.record_stream(stream)
                 current.wait_stream(stream)
         return torch.cat(outs, dim=0)
+
+
+def decode_rows(layers: tuple[LayerKV, ...], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                scaling: float) -> torch.Tensor | None:
+    """The rows' step through their method's ``decode_rows``, each row's length advanced when it took it; None (and
+    nothing done) when the method declines."""
+    out = type(layers[0]).decode_rows(layers, query, key, value, scaling)
+    if out is not None:
+        for layer in layers:
+            layer.seq_len += 1
+    return out
 
 
 def row_groups(n_rows: int, n_groups: int) -> list[slice]:
