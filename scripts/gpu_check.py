@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from eval.provenance import cpu_model  # stdlib-only at import
+from icecache.core.device_timing import graph_call_us, median_event_seconds
 from icecache.core.kernels import triton_runtime
 from icecache.core.kernels.block_copy import copy_blocks_triton
 from icecache.core.kernels.page_scatter import PageScatterPlan, scatter_pages_triton
@@ -141,19 +142,12 @@ def builtin_correctness() -> list[dict]:
 
 def cuda_time_us(fn, reps: int = 200, repeats: int = 5) -> float:
     """Median over ``repeats`` of the mean time per call of ``reps`` back-to-back calls (launch cost included)."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    def calls() -> None:
         for _ in range(reps):
             fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return statistics.median(times)
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    return median_event_seconds(calls, device, repeats, warmup=1) * 1e6 / reps
 
 
 def _time_per_call_us(fn, reps: int, repeats: int, sync_every_call: bool) -> float:
@@ -209,11 +203,7 @@ def bench_attention() -> list[dict]:
         row["triton_us_1split"] = cuda_time_us(lambda: paged_decode_attention_triton(*args, one_split))
         row["triton_host_jit_launch_us"] = host_time_us(lambda: paged_decode_attention_triton(*args, jit_launch))
         try:  # device time alone: the calls replayed from a CUDA graph carry no host cost
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(20):
-                    paged_decode_attention_triton(*args, plan, out=out)
-            row["triton_graph_us"] = cuda_time_us(graph.replay, reps=10) / 20
+            row["triton_graph_us"] = graph_call_us(lambda: paged_decode_attention_triton(*args, plan, out=out))
         except Exception as error:  # noqa: BLE001 - a report line, not a failure
             row["triton_graph_us"] = float("nan")
             print(f"graph capture failed: {error!r}")
