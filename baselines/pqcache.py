@@ -66,7 +66,16 @@ window (the same code: the centroids are fixed after the prompt). The block cach
 blocks are cached. ``pages_loaded`` counts (token, KV head) entries read from host memory plus (block, KV head) blocks
 copied into the cache; ``bytes_to_gpu`` their bytes. A prompt with fewer middle tokens than centroids makes every middle
 token a centroid (exact scores); one with none leaves all centroids at zero, so later tokens score alike until they are
-the middle. """
+the middle.
+
+**Long prompts, small budgets.** A key's code has ``m * b`` bits (12 by default), and the budget here is a fixed
+number of tokens where PQCache's scripts keep a tenth of the prompt (half of it selected). At 32k tokens and budget
+1024 the ``n_topk`` picks are 1.5% of the middle, and approximate scores that coarse rank tokens an exact score would
+keep below them: on Qwen2.5-Coder-0.5B's passkey at 32k PQCache answers with the key's first digits and then strays
+(0-15% of the keys at budgets 128-1024 on the GPU; the same with its CPU k-means). That is its resolution, not its
+mechanics: with ``n_bits: 8`` it found 3 of 4 keys where the paper's 6 bits found none, on the same samples
+(CPU, budget 1024; ``results/bench/ab_pqcache_code_bits_passkey_32k_cpu_20261206.json``). The default stays the
+paper's. """
 
 from __future__ import annotations
 
