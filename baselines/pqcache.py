@@ -73,9 +73,9 @@ number of tokens where PQCache's scripts keep a tenth of the prompt (half of it 
 1024 the ``n_topk`` picks are 1.5% of the middle, and approximate scores that coarse rank tokens an exact score would
 keep below them: on Qwen2.5-Coder-0.5B's passkey at 32k PQCache answers with the key's first digits and then strays
 (0-15% of the keys at budgets 128-1024 on the GPU; the same with its CPU k-means). That is its resolution, not its
-mechanics: with ``n_bits: 8`` it found 3 of 4 keys where the paper's 6 bits found none, on the same samples
-(CPU, budget 1024; ``results/bench/ab_pqcache_code_bits_passkey_32k_cpu_20261206.json``). The default stays the
-paper's. """
+mechanics: with ``n_bits: 8`` it found 3 of 4 keys where the paper's 6 bits found none and the full cache all 4,
+on the same samples (CPU, budget 1024; in results/bench,
+``ab_pqcache_code_bits_passkey_32k_cpu_qwen2.5-coder-0.5b_20261206-105022.json``). The default stays the paper's. """
 
 from __future__ import annotations
 
