@@ -695,7 +695,9 @@ def curate(jobs: list[Job], sweeps: list[list[str]], name: str, out: Path, bench
     out.mkdir(parents=True, exist_ok=True)
     bench_rows = []
     if bench is not None and bench.exists():
-        frame = latest_bench(load_bench(bench))
+        # the folder's own files, not its per-GPU subfolders (results/bench/<gpu>_<date>/): the figure's TPOTs come
+        # from one GPU, as BENCHMARKS.md's headline table's do
+        frame = latest_bench(load_bench(bench, recursive=False))
         bench_rows = frame.to_dict("records") if not frame.empty else []
     written = []
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -468,7 +468,7 @@ def test_page_quality_files_render_their_means(tmp_path):
     assert len(body) == 1 and "| 0.710 |" in body[0] and "20261202" in body[0] and "| 16 | 12 |" in body[0]
 
 
-def test_the_tpot_figure_title_names_the_model_timed_and_no_files(tmp_path, monkeypatch):
+def test_the_tpot_figure_title_names_the_model_and_gpu_timed_and_no_files(tmp_path, monkeypatch):
     from eval.report import plots as P
     from eval.report import summary
     from eval.report.collect import latest_bench, load_bench
@@ -480,10 +480,33 @@ def test_the_tpot_figure_title_names_the_model_timed_and_no_files(tmp_path, monk
     monkeypatch.setattr(P, "accuracy_vs_tpot_panels", lambda points, stem, title="": titles.append(title) or [])
     monkeypatch.setattr(P, "accuracy_vs_budget_panels", lambda *a, **k: [])
     monkeypatch.setattr(P, "mass_by_layer_panels", lambda *a, **k: [])
-    summary.accuracy_figures(rows, latest_bench(load_bench(bench)).to_dict("records"), tmp_path)
+    summary.accuracy_figures(rows, latest_bench(load_bench(bench, recursive=False)).to_dict("records"), tmp_path)
     [title] = titles
     assert len(title.splitlines()) == 1 and len(title) <= 120  # one line that does not set the figure's width
-    assert "latency_" not in title and "llama-3.1-8b-instruct" in title  # whose TPOT it is; the files are the page's
+    # whose TPOT it is and on which GPU; the files are the page's
+    assert "latency_" not in title and "llama-3.1-8b-instruct" in title and "NVIDIA H200" in title
+
+
+def test_the_figures_tpots_come_from_the_folders_own_files_not_another_gpus_subfolder(tmp_path):
+    from eval.report.collect import latest_bench, load_bench
+
+    def latency_file(path: Path, gpu: str, date: str, tpot: float) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({
+            "settings": {}, "provenance": {"gpu": gpu, "date": date},
+            "summary": [{"method": "icecache", "model": "m", "budget": 256, "context": 32768, "tpot_s_median": tpot},
+                        {"method": "full_static", "model": "m", "budget": None, "context": 32768,
+                         "tpot_s_median": 0.01}]}))
+
+    latency_file(tmp_path / "latency_h200_1.json", "NVIDIA H200", "2026-12-01", 0.04)
+    latency_file(tmp_path / "h100_2" / "latency_h100_2.json", "NVIDIA H100", "2026-12-02", 0.03)  # newer
+    row = A.AccuracyRow(task="ruler", model="m", length=32768, method="icecache", budget=256, score=50.0,
+                        interval=None, n=10, share_of_full=80.0)
+    everywhere = latest_bench(load_bench(tmp_path)).to_dict("records")
+    assert A.tpot_for(row, everywhere)["gpu"] == "NVIDIA H100"  # the newest file wins across folders
+    own = latest_bench(load_bench(tmp_path, recursive=False)).to_dict("records")
+    [point] = [p for p in A.tradeoff_points([row], own) if p.row.method == "icecache"]
+    assert point.timed_gpu == "NVIDIA H200" and abs(point.tpot_ratio - 4.0) < 1e-9
 
 
 def test_the_queue_hands_out_the_runs_with_the_most_work_left_first(tmp_path):

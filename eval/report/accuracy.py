@@ -173,6 +173,7 @@ class TradeoffPoint:
     paired: bool  # the interval is the paired difference's (else the run's own, the full cache's spread ignored)
     timed_model: str | None = None
     timed_context: int | None = None  # the context the TPOT was measured at
+    timed_gpu: str | None = None  # the GPU it was measured on
 
 
 def share_interval(row: AccuracyRow, full_score: float | None) -> tuple[float | None, float | None, bool]:
@@ -221,7 +222,8 @@ def tradeoff_points(rows: list[AccuracyRow], bench: list[dict[str, Any]]) -> lis
             low = high = None  # the reference against itself
         points.append(TradeoffPoint(row, float(timed["tpot_s_median"]) / static, share, low, high, paired,
                                     str(timed.get("model")) if timed.get("model") else None,
-                                    _length(timed.get("context"))))
+                                    _length(timed.get("context")),
+                                    str(timed.get("gpu")) if timed.get("gpu") else None))
     return points
 
 

@@ -416,11 +416,13 @@ def ruler_categories(scores: pd.DataFrame) -> pd.DataFrame:
 # Latency benchmarks (scripts/bench/latency.py)
 
 
-def load_bench(roots: str | Path | Iterable[str | Path]) -> pd.DataFrame:
-    """Summary rows of every ``latency_*.json`` under ``roots``: one row per (file, method, context)."""
+def load_bench(roots: str | Path | Iterable[str | Path], recursive: bool = True) -> pd.DataFrame:
+    """Summary rows of every ``latency_*.json`` under ``roots`` (``recursive=False``: in the folders themselves, not
+    their subfolders): one row per (file, method, context)."""
     rows = []
     for root in _as_roots(roots):
-        paths = [root] if root.is_file() else sorted(root.rglob("latency_*.json"))
+        pattern = "latency_*.json"
+        paths = [root] if root.is_file() else sorted(root.rglob(pattern) if recursive else root.glob(pattern))
         for path in paths:
             try:
                 payload = json.loads(path.read_text(encoding="utf-8"))

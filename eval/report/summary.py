@@ -298,8 +298,10 @@ def accuracy_figures(rows: list[A.AccuracyRow], bench: list[dict], folder: Path,
         contexts = sorted({p.timed_context for p in points if p.timed_context})
         at = f" at {length_label(contexts[0])}" if len(contexts) == 1 else (
             f" at {length_label(contexts[0])}-{length_label(contexts[-1])}" if contexts else "")
-        title = (f"{model}: score as % of the full cache's against TPOT / full_static's (timed on "
-                 f"{', '.join(timed)}{at})" if timed else "")
+        gpus = sorted({p.timed_gpu for p in points if p.timed_gpu})
+        on = f", {' + '.join(gpus)}" if gpus else ""
+        title = (f"{model}: score (% of the full cache's) against TPOT / full_static's ({', '.join(timed)}{at}{on})"
+                 if timed else "")
         files += P.accuracy_vs_tpot_panels(points, folder / f"accuracy_vs_tpot_{name}", title=title)
         files += P.mass_by_layer_panels(mine, folder / f"mass_by_layer_{name}",
                                         title=f"Attention mass captured by layer, {model}")
