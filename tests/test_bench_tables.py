@@ -386,6 +386,13 @@ def test_the_headline_puts_each_method_s_share_of_full_beside_its_speed(bench_ta
     # the run's declared variant and the latency file's inline settings are one row
     assert rows["icecache (new_variant=1)"] == ["-", "12.00"] and rows["icecache (new_variant)"] == ["90%", "-"]
     assert "`accuracy_tiny_1.json`" in rendered and "budget 256" in rendered
+    # a newer check on the CPU host does not replace the GPU grid's shares
+    cpu_runs = [{**run, "provenance": {**run["provenance"], "gpu": None}, "score": 0.0} for run in runs]
+    (latency_folder / "accuracy_cpu_tiny_2.json").write_text(json.dumps(
+        {"model": "tiny", "provenance": provenance("2026-02-01T00:00:00+00:00", "b"), "runs": cpu_runs}))
+    rendered = bench_tables.render_headline(latency_folder, {})
+    assert "`accuracy_tiny_1.json`" in rendered and "accuracy_cpu_tiny_2" not in rendered
+    assert {row[0].strip("`"): row[1:] for row in table_rows(rendered)}["icecache"] == ["80%", "10.00"]
 
 
 def test_the_summaries_are_one_line_per_method_and_per_context(bench_tables, latency_folder):
