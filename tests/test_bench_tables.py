@@ -276,6 +276,8 @@ def test_accuracy_keeps_the_newest_file_per_model_and_device(bench_tables, tmp_p
     text = bench_tables.render_accuracy(tmp_path, {})
     assert "`accuracy_smollm2-135m_2.json`" in text and "`accuracy_cpu_smollm2-135m_3.json`" in text
     assert "`accuracy_smollm2-135m_1.json`" not in text
+    # the GPU's grid comes first though the CPU host's check is newer
+    assert text.index("#### smollm2-135m, NVIDIA H200") < text.index("#### smollm2-135m, CPU")
 
 
 def test_the_largest_context_is_where_a_line_through_the_measured_memory_meets_the_capacity(bench_tables, tmp_path,

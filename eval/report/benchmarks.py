@@ -1144,9 +1144,9 @@ def render_accuracy(results: Path, paper: dict[str, Any]) -> str:
                 "in docs/reproduce.md, \"Accuracy\") runs the experiments and writes one; every cell of this table "
                 "will come from the metrics.json of those runs.")
     blocks = []
-    # per model, the newest file first (the full grid before a later, smaller check on another device)
+    # per model, the GPU's files before the CPU host's (the grid before a smaller check), then the newest first
     for (model, _), f in sorted(sorted(newest.items(), key=lambda item: item[1].order, reverse=True),
-                                key=lambda item: item[0][0]):
+                                key=lambda item: (item[0][0], item[0][1] == "CPU")):
         runs = f.data.get("runs") or []
         rows = A.accuracy_rows(runs)
         commits = sorted({short_commit(r.get("provenance") or {}) for r in runs})
