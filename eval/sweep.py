@@ -704,14 +704,7 @@ def curate(jobs: list[Job], sweeps: list[list[str]], name: str, out: Path, bench
     for model, entry in sorted(by_model.items()):
         stem = f"{name}_{safe_name(model)}"
         path = out / f"{stem}_{stamp}.json"
-        payload = {"kind": name, "model": model, "sweeps": [" ".join(s) for s in sweeps],
-                   "n_runs": len(entry["runs"]), "missing": entry["missing"], "runs": entry["runs"],
-                   "provenance": provenance.collect()}
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(payload, indent=1, sort_keys=True, default=str), encoding="utf-8")
-        tmp.replace(path)
-        written.append(path)
-        print(f"wrote {path}: {len(entry['runs'])} finished run(s), {len(entry['missing'])} not finished")
+        figures: list[Path] = []
         if plots and entry["runs"]:
             import matplotlib
 
@@ -721,9 +714,19 @@ def curate(jobs: list[Job], sweeps: list[list[str]], name: str, out: Path, bench
             prefix = "" if name == "accuracy" else f"{name}_"
             for figure in accuracy_figures(rows, bench_rows, out, prefix=prefix):
                 if figure.suffix == ".png":
-                    written.append(figure)
+                    figures.append(figure)
                 else:
                     figure.unlink()  # the PNG is what the page shows; collect.py writes both
+        payload = {"kind": name, "model": model, "sweeps": [" ".join(s) for s in sweeps],
+                   "n_runs": len(entry["runs"]), "missing": entry["missing"], "runs": entry["runs"],
+                   "provenance": provenance.collect()}
+        if figures:  # the page names these beside the file's table, not another file's figures of the model
+            payload["figures"] = [figure.name for figure in figures]
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(payload, indent=1, sort_keys=True, default=str), encoding="utf-8")
+        tmp.replace(path)
+        written += [path, *figures]
+        print(f"wrote {path}: {len(entry['runs'])} finished run(s), {len(entry['missing'])} not finished")
     return written
 
 

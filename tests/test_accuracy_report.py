@@ -4,6 +4,7 @@ resume, curation) and the rendering into BENCHMARKS.md and results/summary. CPU 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -212,6 +213,9 @@ def test_tpot_is_matched_by_method_and_budget_then_model_then_context():
     assert A.tpot_for(full, bench) is None
     bench.append({"method": "full", "budget": 256, "context": 8192, "model": "x", "tpot_s_median": 0.05})
     assert A.tpot_for(full, bench)["tpot_s_median"] == 0.05  # budget-free: any budget
+    # a task whose prompts have no set length (GSM8K) has no context to take a decode time at
+    unsized = dataclasses.replace(row, task="gsm8k", length=None)
+    assert A.tpot_for(unsized, bench) is None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -333,6 +337,10 @@ def test_a_curated_file_of_another_kind_draws_its_figures_under_its_own_name(tmp
     assert not any((out / f"{figure}_tiny-llama.png").exists() for figure in ("accuracy_vs_budget", "mass_by_layer"))
     assert (out / "mass_by_layer_selection_tiny-llama.png").exists()
     assert (out / "accuracy_vs_budget_selection_tiny-llama.png").exists()
+    # the file names its own figures, which the page shows beside its table (not the grid's of the same model)
+    [curated] = out.glob("selection_tiny-llama_*.json")
+    figures = json.loads(curated.read_text())["figures"]
+    assert "accuracy_vs_budget_selection_tiny-llama.png" in figures and all((out / f).exists() for f in figures)
 
 
 def test_a_fresh_host_puts_back_the_finished_runs_of_a_curated_file_instead_of_running_them(tmp_path):

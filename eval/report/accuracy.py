@@ -141,7 +141,10 @@ def tpot_for(row: AccuracyRow, bench: list[dict[str, Any]]) -> dict[str, Any] | 
     """The latency file row that times ``row``'s method: the same method and (for a method that uses it) the same
     budget, preferring the same model, then the context nearest the row's length by ratio (16k is as near 8k as
     32k: contexts are measured on a doubling grid), then the newest file, then the longer context. None when no file
-    timed that method at that budget."""
+    timed that method at that budget, or when the row has no length (GSM8K's prompts are the problems' own): no
+    context's decode time stands for it."""
+    if not row.length:
+        return None
     # a declared variant's row (``<name>+<variant>``) is timed by the latency rows of that label, whatever inline
     # settings named them there (``icecache:lookahead=true``)
     candidates = [b for b in bench if (b.get("method") == row.method
