@@ -673,7 +673,7 @@ def curate(jobs: list[Job], sweeps: list[list[str]], name: str, out: Path, bench
     """One result file per model of the sweeps' finished runs, and its figures."""
     from eval import provenance
     from eval.report import accuracy as A
-    from eval.report.collect import latest_bench, load_bench, safe_name
+    from eval.report.collect import reference_bench_rows, safe_name
     from eval.report.paired import attach_paired, attach_samples
     from eval.report.summary import accuracy_figures
 
@@ -693,12 +693,7 @@ def curate(jobs: list[Job], sweeps: list[list[str]], name: str, out: Path, bench
         attach_samples(entry["runs"], lambda payload: paths[payload["run_dir"]])
         attach_paired(entry["runs"], lambda payload: paths[payload["run_dir"]])
     out.mkdir(parents=True, exist_ok=True)
-    bench_rows = []
-    if bench is not None and bench.exists():
-        # the folder's own files, not its per-GPU subfolders (results/bench/<gpu>_<date>/): the figure's TPOTs come
-        # from one GPU, as BENCHMARKS.md's headline table's do
-        frame = latest_bench(load_bench(bench, recursive=False))
-        bench_rows = frame.to_dict("records") if not frame.empty else []
+    bench_rows = reference_bench_rows(bench) if bench is not None else []
     written = []
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     for model, entry in sorted(by_model.items()):

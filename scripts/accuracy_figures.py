@@ -26,15 +26,12 @@ def main(argv: list[str] | None = None) -> int:
 
     matplotlib.use("Agg")
     from eval.report import accuracy as A
-    from eval.report.collect import latest_bench, load_bench
+    from eval.report.collect import reference_bench_rows
     from eval.report.summary import accuracy_figures
 
     runs = [run for path in args.curated for run in json.loads(path.read_text(encoding="utf-8"))["runs"]]
-    # the folder's own files, not its per-GPU subfolders: one GPU's TPOTs, the GPU of BENCHMARKS.md's own tables
-    bench = latest_bench(load_bench(args.bench, recursive=False)) if args.bench.exists() else None
     rows = A.accuracy_rows(runs)
-    for figure in accuracy_figures(rows, bench.to_dict("records") if bench is not None and not bench.empty else [],
-                                   args.out):
+    for figure in accuracy_figures(rows, reference_bench_rows(args.bench), args.out):
         if figure.suffix == ".png":
             print(f"wrote {figure}")
         else:

@@ -479,7 +479,7 @@ def test_page_quality_files_render_their_means(tmp_path):
 def test_the_tpot_figure_title_names_the_model_and_gpu_timed_and_no_files(tmp_path, monkeypatch):
     from eval.report import plots as P
     from eval.report import summary
-    from eval.report.collect import latest_bench, load_bench
+    from eval.report.collect import reference_bench_rows
 
     bench = REPO / "results" / "bench"
     [curated] = sorted(bench.glob("accuracy_smollm2-135m_*.json"))[-1:]  # the page's H200 file
@@ -488,7 +488,7 @@ def test_the_tpot_figure_title_names_the_model_and_gpu_timed_and_no_files(tmp_pa
     monkeypatch.setattr(P, "accuracy_vs_tpot_panels", lambda points, stem, title="": titles.append(title) or [])
     monkeypatch.setattr(P, "accuracy_vs_budget_panels", lambda *a, **k: [])
     monkeypatch.setattr(P, "mass_by_layer_panels", lambda *a, **k: [])
-    summary.accuracy_figures(rows, latest_bench(load_bench(bench, recursive=False)).to_dict("records"), tmp_path)
+    summary.accuracy_figures(rows, reference_bench_rows(bench), tmp_path)
     [title] = titles
     assert len(title.splitlines()) == 1 and len(title) <= 120  # one line that does not set the figure's width
     # whose TPOT it is and on which GPU; the files are the page's
@@ -496,7 +496,7 @@ def test_the_tpot_figure_title_names_the_model_and_gpu_timed_and_no_files(tmp_pa
 
 
 def test_the_figures_tpots_come_from_the_folders_own_files_not_another_gpus_subfolder(tmp_path):
-    from eval.report.collect import latest_bench, load_bench
+    from eval.report.collect import latest_bench, load_bench, reference_bench_rows
 
     def latency_file(path: Path, gpu: str, date: str, tpot: float) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -512,8 +512,7 @@ def test_the_figures_tpots_come_from_the_folders_own_files_not_another_gpus_subf
                         interval=None, n=10, share_of_full=80.0)
     everywhere = latest_bench(load_bench(tmp_path)).to_dict("records")
     assert A.tpot_for(row, everywhere)["gpu"] == "NVIDIA H100"  # the newest file wins across folders
-    own = latest_bench(load_bench(tmp_path, recursive=False)).to_dict("records")
-    [point] = [p for p in A.tradeoff_points([row], own) if p.row.method == "icecache"]
+    [point] = [p for p in A.tradeoff_points([row], reference_bench_rows(tmp_path)) if p.row.method == "icecache"]
     assert point.timed_gpu == "NVIDIA H200" and abs(point.tpot_ratio - 4.0) < 1e-9
 
 

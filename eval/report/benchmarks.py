@@ -1131,14 +1131,17 @@ def render_cpu_accuracy(results: Path, paper: dict[str, Any]) -> str:
 # Accuracy with the selection diagnostic, and the page layouts' own quality
 
 
+def runs_device(f: Result) -> str:
+    """Where a curated accuracy file's runs ran: their GPUs, or ``CPU``."""
+    gpus = {str((r.get("provenance") or {}).get("gpu") or "CPU") for r in f.data.get("runs") or []}
+    return ", ".join(sorted(gpus)) or "CPU"
+
+
 def render_accuracy(results: Path, paper: dict[str, Any]) -> str:
     from eval.report import accuracy as A
 
-    def device(f: Result) -> str:  # the GPU the runs ran on, or CPU
-        gpus = {str((r.get("provenance") or {}).get("gpu") or "CPU") for r in f.data.get("runs") or []}
-        return ", ".join(sorted(gpus)) or "CPU"
-
-    newest = newest_by([((str(f.data.get("model")), device(f)), f.order, f) for f in load(results, "accuracy_*.json")])
+    newest = newest_by([((str(f.data.get("model")), runs_device(f)), f.order, f)
+                        for f in load(results, "accuracy_*.json")])
     if not newest:
         return ("Not measured yet: no `results/bench/accuracy_*.json`. `make reproduce-accuracy` (or the commands "
                 "in docs/reproduce.md, \"Accuracy\") runs the experiments and writes one; every cell of this table "
@@ -1163,7 +1166,7 @@ def render_accuracy(results: Path, paper: dict[str, Any]) -> str:
                    if (results / name).exists()]
         if figures:
             source += " Figures: " + ", ".join(f"`results/bench/{name}`" for name in figures) + "."
-        blocks += [f"#### {model}, {device(f)}", accuracy_table(rows) if rows else "(no finished runs)", source]
+        blocks += [f"#### {model}, {runs_device(f)}", accuracy_table(rows) if rows else "(no finished runs)", source]
     return "\n\n".join(blocks + [ACCURACY_DEFINITIONS])
 
 
@@ -1246,8 +1249,7 @@ def render_headline(results: Path, paper: dict[str, Any]) -> str:
     accuracy_files = load(results, "accuracy_*.json")
     # the newest grid run on a GPU, as the speeds beside it were: a later, smaller check on the CPU host does not
     # replace it
-    on_gpu = [f for f in accuracy_files
-              if any((r.get("provenance") or {}).get("gpu") for r in f.data.get("runs") or [])]
+    on_gpu = [f for f in accuracy_files if runs_device(f) != "CPU"]
     newest = (on_gpu or accuracy_files)[-1] if accuracy_files else None
     scores = A.accuracy_rows(newest.data.get("runs") or []) if newest else []
     scores = [r for r in scores if r.budget is None or r.budget == budget]

@@ -454,6 +454,15 @@ def curve_method(method: str, label: str | None) -> str | None:
     return label if isinstance(label, str) and "+" in label else None
 
 
+def reference_bench_rows(folder: str | Path) -> list[dict[str, Any]]:
+    """The latency rows the accuracy figures take their TPOTs from: the newest of each (model, method, budget,
+    context) among ``folder``'s own files, not its per-GPU subfolders (results/bench/<gpu>_<date>/), so that they
+    are one GPU's, the GPU of BENCHMARKS.md's own tables. [] without any."""
+    folder = Path(folder)
+    frame = latest_bench(load_bench(folder, recursive=False)) if folder.exists() else pd.DataFrame()
+    return frame.to_dict("records") if not frame.empty else []
+
+
 def latest_bench(bench: pd.DataFrame) -> pd.DataFrame:
     """Of several benchmark files, keep the newest measurement of each (model, method, budget, context)."""
     if bench.empty:
