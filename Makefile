@@ -42,7 +42,7 @@ GPU_TESTS = tests/test_gpu_methods.py tests/test_method_invariants.py tests/test
 	tests/test_pqcache.py tests/test_omnikv.py tests/test_selection_quality.py tests/test_arkvale_kernels.py \
 	tests/test_host_memory.py tests/test_batch.py tests/test_shadowkv_kernels.py \
 	tests/test_kmeans_kernels.py tests/test_stable_topk.py tests/test_row_table.py \
-	tests/test_link_probe.py
+	tests/test_link_probe.py tests/test_runner_batch.py
 test-gpu:
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} python3 scripts/gpu_check.py --skip-tests
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} python3 -m pytest -q -m gpu $(GPU_TESTS)

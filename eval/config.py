@@ -65,6 +65,11 @@ class RunConfig:
     # The selection-quality diagnostic (icecache.core.selection_quality): every decode step of the sparsified
     # layers measured against its exact attention; generates the same tokens.
     measure_selection: bool = False
+    # Samples decoded together, each with its own cache and selection (icecache.core.batch). The model's matrix
+    # products then run over the batch, which may round differently from one sample alone, so a batched run is a
+    # run of its own; every batch is filled to batch_size (the last with copies of its first sample, whose output
+    # is dropped), so that a sample's tokens do not depend on where a shard or a resumed run starts its batches.
+    batch_size: int = 1
     resume: bool = True
     # This process's share of the run's samples: the samples at positions shard, shard + n_shards, ... Processes
     # that share a run this way write a predictions file each, and whichever completes the run's last sample merges
@@ -105,6 +110,12 @@ class RunConfig:
         if self.n_shards < 1 or not 0 <= self.shard < self.n_shards:
             raise ConfigError(f"shard={self.shard} of n_shards={self.n_shards}: n_shards must be at least 1 and "
                               f"shard one of 0..n_shards-1")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size={self.batch_size} must be at least 1 (samples decoded together)")
+        if self.batch_size > 1 and (self.measure_selection or self.measure_phases):
+            setting = "measure_selection" if self.measure_selection else "measure_phases"
+            raise ConfigError(f"{setting}=true measures one sample's decode steps, and batch_size={self.batch_size} "
+                              f"decodes several in one step: run it with batch_size=1")
         if self.n_shards > 1 and not self.resume:
             raise ConfigError("resume=false restarts the whole run, which other shards may be writing: run it "
                               "with n_shards=1")
@@ -128,6 +139,8 @@ class RunConfig:
             # Only when on, so that every directory of an unmeasured run keeps its hash. A measured run is a run of
             # its own: its records carry the measurement, and its timings include the measuring.
             identity["measure_selection"] = True
+        if self.batch_size > 1:  # likewise: batch-1 runs keep their hashes
+            identity["batch_size"] = self.batch_size
         return identity
 
     def config_hash(self) -> str:

@@ -68,6 +68,7 @@ def prepare(config: RunConfig):
                                                      lambda: model_info(config.model)))
     check_positions(task, config, info.max_positions)
     method = build_method(config.method, info)
+    method.check_batch_size(config.batch_size)
     return task, method
 
 
@@ -215,10 +216,18 @@ def run(config: RunConfig) -> dict[str, Any] | None:
                   f"{len(todo)} to run")
         default_eos = default_eos_token_ids(tokenizer, getattr(model, "generation_config", None))
         shard_label = f" (shard {config.shard + 1}/{config.n_shards})" if sharded else ""
-        with open(predictions_path, "a", encoding="utf-8") as sink:
-            for sample in tqdm(todo, desc=f"{config.task['name']} / {config.method['name']}{shard_label}",
-                               initial=len(mine) - len(todo), total=len(mine)):
-                rundir.append_record(sink, run_sample(config, task, method, model, tokenizer, sample, default_eos))
+        with open(predictions_path, "a", encoding="utf-8") as sink, \
+                tqdm(desc=f"{config.task['name']} / {config.method['name']}{shard_label}",
+                     initial=len(mine) - len(todo), total=len(mine)) as progress:
+            for start in range(0, len(todo), config.batch_size):
+                group = todo[start : start + config.batch_size]
+                if config.batch_size == 1:
+                    records = [run_sample(config, task, method, model, tokenizer, group[0], default_eos)]
+                else:
+                    records = run_batch(config, task, method, model, tokenizer, group, default_eos)
+                for record in records:  # a batch's lines go in together: a killed run redoes the whole batch
+                    rundir.append_record(sink, record)
+                progress.update(len(records))
         if not sharded:
             return finish(config, task, samples, holds_run_lock=True)
     return finish(config, task, samples, holds_run_lock=False)
@@ -237,13 +246,10 @@ def check_same_dci_kernels(out_dir: Path, predictions_path: Path, environment: d
                           f"process has {now}: resume with ICECACHE_DCI_ISA={before}, or restart it with resume=false")
 
 
-def run_sample(config: RunConfig, task, method, model, tokenizer, sample, default_eos) -> dict[str, Any]:
-    """One sample generated greedily with a fresh cache of the method, and scored: its predictions line."""
-    from icecache.core.cache import HarnessCache
-    from icecache.core.generation import GenerationRequest, greedy_generate
-    from icecache.core.timing import PhaseTimer
+def generation_request(sample, default_eos):
+    from icecache.core.generation import GenerationRequest
 
-    request = GenerationRequest(
+    return GenerationRequest(
         input_ids=sample.input_ids,
         max_new_tokens=sample.max_new_tokens,
         eos_token_ids=sample.eos_token_ids if sample.eos_token_ids is not None else default_eos,
@@ -251,14 +257,42 @@ def run_sample(config: RunConfig, task, method, model, tokenizer, sample, defaul
         stop_strings=sample.stop_strings,
         suffix_ids=sample.suffix_ids,
     )
+
+
+def run_sample(config: RunConfig, task, method, model, tokenizer, sample, default_eos) -> dict[str, Any]:
+    """One sample generated greedily with a fresh cache of the method, and scored: its predictions line."""
+    from icecache.core.cache import HarnessCache
+    from icecache.core.generation import greedy_generate
+    from icecache.core.timing import PhaseTimer
+
     # Closed when the generation ends (an error included): its workers end now, not when the garbage collector
     # runs, and its host buffers go back to the method's pool.
     with HarnessCache(method, PhaseTimer(config.model.resolved_device(), config.measure_phases),
                       measure_selection=config.measure_selection) as cache:
         result = greedy_generate(
-            model, cache, request, prefill_chunk_size=config.prefill_chunk_size, tokenizer=tokenizer,
-            layer_by_layer=config.layer_by_layer_prefill, residual_on_host=config.prefill_residual_on_host,
+            model, cache, generation_request(sample, default_eos), prefill_chunk_size=config.prefill_chunk_size,
+            tokenizer=tokenizer, layer_by_layer=config.layer_by_layer_prefill,
+            residual_on_host=config.prefill_residual_on_host,
         )
+    return sample_record(task, tokenizer, sample, result)
+
+
+def run_batch(config: RunConfig, task, method, model, tokenizer, samples, default_eos) -> list[dict[str, Any]]:
+    """``samples`` decoded together (``config.batch_size`` rows, the missing ones copies of the first sample, whose
+    output is dropped), each with a fresh cache of the method, and scored: their predictions lines, in order."""
+    from icecache.core.batched_generation import batched_greedy_generate
+
+    requests = [generation_request(sample, default_eos) for sample in samples]
+    requests += [generation_request(samples[0], default_eos) for _ in range(config.batch_size - len(samples))]
+    rows, batch = batched_greedy_generate(
+        model, method, requests, tokenizer=tokenizer, prefill_chunk_size=config.prefill_chunk_size,
+        layer_by_layer=config.layer_by_layer_prefill, residual_on_host=config.prefill_residual_on_host,
+    )
+    return [sample_record(task, tokenizer, sample, row.result(batch)) for sample, row in zip(samples, rows)]
+
+
+def sample_record(task, tokenizer, sample, result) -> dict[str, Any]:
+    """A generated sample, scored: its predictions line."""
     prediction = tokenizer.decode(result.token_ids, skip_special_tokens=True)
     record = {
         "sample_id": sample.sample_id,

@@ -20,7 +20,7 @@ import torch
 from .batch import BatchCache, forward_step
 from .cache import HarnessCache
 from .cuda_driver import HostFunctions
-from .generation import GenerationRequest, capturable, pick_token, prefill_sequence, why_stopped
+from .generation import GenerationRequest, GenerationResult, capturable, pick_token, prefill_sequence, why_stopped
 from .graphs import GraphedDecodeStep
 from .layer_inputs import previous_layer_inputs
 from .timing import synchronize
@@ -40,6 +40,8 @@ class DecodingRow:
     ttft_s: float
     stop_reason: str | None = None
     logits: list[torch.Tensor] | None = None
+    # What the row's cache reports after its latest decode_batch (read before the batch closes the caches).
+    cache_report: dict[str, Any] = field(default_factory=dict)
 
     @property
     def prompt_tokens(self) -> int:
@@ -47,6 +49,23 @@ class DecodingRow:
 
     def pick(self, logits: torch.Tensor) -> int:
         return pick_token(logits, self.request, len(self.generated))
+
+    def result(self, batch: "BatchDecodeResult") -> GenerationResult:
+        """The row as a ``GenerationResult``, as batch-1 generation reports a sequence: its tokens, stop reason and
+        TTFT are its own; TT2T and TPOT are the batch's steps (one step decodes every row); ``counters`` and the KV
+        sizes are its cache's (its counters count the steps it stepped along after it stopped too), with ``batch_size``
+        among the counters."""
+        report = self.cache_report
+        first_step = batch.step_times_s[0] if batch.step_times_s else None
+        return GenerationResult(
+            token_ids=list(self.generated), stop_reason=self.stop_reason or "length", prompt_tokens=self.prompt_tokens,
+            ttft_s=self.ttft_s, tt2t_s=self.ttft_s + first_step if first_step is not None else None,
+            tpot_s=batch.tpot_s, step_times_s=list(batch.step_times_s),
+            counters={**report.get("counters", {}), **batch.counters, "batch_size": batch.batch_size},
+            gpu_kv_bytes=report.get("gpu_kv_bytes", 0), cpu_kv_bytes=report.get("cpu_kv_bytes", 0),
+            offloaded_kv_bytes=report.get("offloaded_kv_bytes", 0), peak_gpu_bytes=batch.peak_gpu_bytes,
+            logits=self.logits,
+        )
 
     def check_stop(self, tokenizer) -> bool:
         """Whether the row is done (its reason kept in ``stop_reason``; a final EOS is not returned)."""
@@ -153,6 +172,10 @@ def decode_batch(model, batch: BatchCache, rows: list[DecodingRow], *, max_steps
             result.counters.update(graphed.counters())
             graphed.close()
     result.peak_gpu_bytes = torch.cuda.max_memory_allocated(device) if is_cuda else None
+    for row in rows:
+        cache = row.cache
+        row.cache_report = {"counters": cache.seq.counters.as_dict(), "gpu_kv_bytes": cache.gpu_kv_bytes(),
+                            "cpu_kv_bytes": cache.cpu_kv_bytes(), "offloaded_kv_bytes": cache.offloaded_kv_bytes()}
     return result
 
 
