@@ -247,6 +247,7 @@ def check_same_dci_kernels(out_dir: Path, predictions_path: Path, environment: d
 
 
 def generation_request(sample, default_eos):
+    """What generating ``sample`` asks for; the model's EOS ids where the task gives none."""
     from icecache.core.generation import GenerationRequest
 
     return GenerationRequest(
