@@ -71,6 +71,7 @@ if [ -z "$(find "$out" -maxdepth 1 -name 'accuracy_*.json' -newer "$started")" ]
     python3 scripts/sweep.py "${sweeps[@]}" --no-run --curate accuracy --out "$out" --bench results/bench
 fi
 rm -f "$started"
-tar -czf "$out/runs.tar.gz" results/runs
+# shellcheck disable=SC2046  # every output root under results/ (a determinism pass writes results/runs_again)
+tar -czf "$out/runs.tar.gz" $(ls -d results/runs results/runs_* 2>/dev/null)
 echo "sweep.py: exit status $status (0: every run done; 3: time ran out: call again with RUNS_TAR=<runs.tar.gz>)"
 exit "$status"

@@ -63,9 +63,12 @@ fi
 out=${OUT:-.}
 OUT=$out bash "$here/detached.sh" wait "$name" "$wait_s" | tail -c 3000
 waited=${PIPESTATUS[0]}
-# Every sample on this host's disk, whatever the state of the grid (a torn last line is cut when a run resumes).
+# Every sample on this host's disk, whatever the state of the grid (a torn last line is cut when a run resumes),
+# of every output root under results/ (results/runs, and results/runs_again of a determinism pass).
 tree=$root/$name/tree
-[ -d "$tree/results/runs" ] && tar -C "$tree" --warning=no-file-changed -czf "$out/runs.tar.gz" results/runs
+roots=$(cd "$tree" 2>/dev/null && ls -d results/runs results/runs_* 2>/dev/null)
+# shellcheck disable=SC2086  # the roots are words without spaces, one per output root
+[ -n "$roots" ] && tar -C "$tree" --warning=no-file-changed -czf "$out/runs.tar.gz" $roots
 if [ "$waited" = 3 ]; then
     echo "running: call again within the host's idle limit"; exit 3
 fi
