@@ -289,4 +289,4 @@ def test_a_grid_on_qwen_alone_stages_no_smollm2_parts(tmp_path):
                             capture_output=True, text=True, timeout=60)
     lines = listed.stdout.splitlines()
     assert listed.returncode == 3 and not [line for line in lines if "smollm2" in line]
-    assert len([line for line in lines if line.startswith("qwen.part")]) == 11 and len(lines) == 11 + 3 + 5
+    assert len([line for line in lines if line.startswith("qwen.part")]) == 13 and len(lines) == 13 + 3 + 5
