@@ -87,8 +87,10 @@ def test_a_kernel_refuses_a_table_made_for_another_kernel():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("entries_per_program", [1, 4])
-def test_a_batched_block_copy_copies_each_rows_blocks_as_alone(entries_per_program):
+@pytest.mark.parametrize("launch", [{"entries_per_program": 1}, {"entries_per_program": 4},
+                                    {"programs": 3, "chunk_elements": 32}],
+                         ids=["one_a_program", "four_a_program", "three_programs_in_turn"])
+def test_a_batched_block_copy_copies_each_rows_blocks_as_alone(launch):
     device = kernel_device()
     gen = torch.Generator().manual_seed(3)
     n_rows, n_pages, n_slots, n_kv_heads, page_size, head_dim, n = 3, 12, 6, 2, 8, 16, 7
@@ -108,9 +110,9 @@ def test_a_batched_block_copy_copies_each_rows_blocks_as_alone(entries_per_progr
     alone = [{name: tensor.clone() for name, tensor in r.items()} for r in rows]
     for r in alone:
         copy_blocks_triton(*(r[name] for name in order))
-    # 7 entries: with 4 a program, the second program's last entry lies past the list
-    copy_blocks_triton(*(rows[0][name] for name in order), rows=row_table(rows),
-                       entries_per_program=entries_per_program)
+    # 7 entries: with 4 a program, the second program's last entry lies past the list; with 3 programs in turn, the
+    # third program's last turn does, and each block (8 x 16 elements) moves in four chunks
+    copy_blocks_triton(*(rows[0][name] for name in order), rows=row_table(rows), **launch)
     for batched, single in zip(rows, alone):
         for name in ("target_keys", "target_values"):
             assert torch.equal(batched[name], single[name]), name

@@ -13,6 +13,7 @@ from icecache.core.kernels.block_copy import copy_blocks, copy_blocks_reference,
 from icecache.core.kernels.causal_column_sums import causal_column_sums, causal_column_sums_reference
 from icecache.core.kernels.gqa_scores import gqa_scores, gqa_scores_reference
 from icecache.core.paged import mapped_device_view
+from tests.conftest import kernel_device
 
 
 def test_gqa_scores_reference_is_scaled_dot_products_masked_past_the_count():
@@ -103,32 +104,43 @@ def test_triton_causal_column_sums_from_the_attentions_row_lse_match_the_two_pas
     torch.testing.assert_close(given, causal_column_sums_reference(query[0], keys[0], 0.125), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("entries_per_program", [1, 16])
+# One program an entry; 16 entries a program (24 entries: a whole program of 16 and one whose last 8 are past the
+# list); programs taking the entries in turn, a block several chunks at a time (the last chunk partial at head_dim
+# 48: 768 elements in chunks of 512), one program for all, more programs than entries.
+COPY_LAUNCHES = [{}, {"entries_per_program": 16}, {"programs": 5, "chunk_elements": 256},
+                 {"programs": 5, "chunk_elements": 512}, {"programs": 1}, {"programs": 40, "chunk_elements": 128}]
+
+
+@pytest.mark.parametrize("launch", COPY_LAUNCHES, ids=lambda launch: "-".join(f"{k}={v}" for k, v in launch.items())
+                         or "one_a_program")
+@pytest.mark.parametrize("head_dim", [64, 48])
 @pytest.mark.parametrize("mapped_source", [False, True])
 @pytest.mark.gpu
-def test_triton_copy_blocks_matches_the_reference_from_device_or_mapped_host_memory(mapped_source,
-                                                                                     entries_per_program):
-    if not triton_runtime.available():
-        pytest.skip("needs CUDA and Triton")
+def test_triton_copy_blocks_matches_the_reference_from_device_or_mapped_host_memory(mapped_source, head_dim,
+                                                                                     launch):
+    device = kernel_device()
+    if mapped_source and device.type != "cuda":
+        pytest.skip("mapped host memory needs CUDA")
     gen = torch.Generator().manual_seed(5)
-    source = [torch.randn(40, 4, 16, 64, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    source = [torch.randn(40, 4, 16, head_dim, generator=gen).to(torch.bfloat16) for _ in range(2)]
     if mapped_source:  # the CPU store that ArkVale reads in place
         source = [s.pin_memory() for s in source]
-        views = [mapped_device_view(s, torch.device("cuda")) for s in source]
+        views = [mapped_device_view(s, device) for s in source]
     else:
-        views = [s.cuda() for s in source]
-    pages = torch.randint(0, 40, (24,), generator=gen).cuda()
-    slots = torch.randperm(12, generator=gen)[:24 // 2].repeat(2).cuda()
-    heads = torch.cat([torch.zeros(12, dtype=torch.long), torch.ones(12, dtype=torch.long)]).cuda()
+        views = [s.to(device) for s in source]
+    pages = torch.randint(0, 40, (24,), generator=gen).to(device)
+    slots = torch.randperm(12, generator=gen)[:24 // 2].repeat(2).to(device)
+    heads = torch.cat([torch.zeros(12, dtype=torch.long), torch.ones(12, dtype=torch.long)]).to(device)
     slots[::5] = -1
-    poison = [torch.full((13, 4, 16, 64), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+    poison = [torch.full((13, 4, 16, head_dim), float("nan"), dtype=torch.bfloat16, device=device) for _ in range(2)]
     reference = [p.clone() for p in poison]
-    if entries_per_program == 1:
-        copy_blocks(*views, pages, *poison, slots, heads)
-    else:  # 24 entries: a whole program of 16 and one whose last 8 are past the list
-        copy_blocks_triton(*views, pages, *poison, slots, heads, entries_per_program=entries_per_program)
+    if device.type == "cuda" and set(launch) <= {"programs"}:  # the dispatch, which passes `programs` on
+        copy_blocks(*views, pages, *poison, slots, heads, **launch)
+    else:  # under Triton's interpreter the dispatch would take the reference
+        copy_blocks_triton(*views, pages, *poison, slots, heads, **launch)
     copy_blocks_reference(*views, pages, *reference, slots, heads)
-    torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     for ours, theirs in zip(poison, reference):
         assert torch.equal(ours[:12].isnan(), theirs[:12].isnan())  # skipped blocks untouched (slot 12: scratch)
         torch.testing.assert_close(ours[:12].nan_to_num(0), theirs[:12].nan_to_num(0), rtol=0, atol=0)

@@ -10,7 +10,8 @@ link's headline rate. The probe measures, on one pinned store:
   as the methods call it, from distinct random places in the store (``random``) and from consecutive places
   (``sequential``): the methods' pattern, and what the same kernel reaches without the scattering; and from random
   places with 4 and 16 entries a program (``random_4_a_program``, ``random_16_a_program``): more bytes in flight
-  per program.
+  per program; and from random places by 32 programs taking the blocks in turn (``random_32_programs``, the launch
+  of PQCache's block-cache update): what a copy that leaves most SMs to other kernels reaches.
 
 Each figure is the median of ``repeats`` timed launches (CUDA events) after two warm-up launches; bytes moved per
 second, counting what crossed the link (both arrays); every launch's bytes are checked against the store. ``measure``
@@ -35,9 +36,11 @@ DEFAULT_BLOCK_BYTES = (1024, 2048, 4096, 8192)
 DEFAULT_ENTRIES = 4096
 DEFAULT_REPEATS = 20
 DMA_BYTES = 256 << 20
-#: The block copies timed per block size: (name, order of the blocks, entries a program).
-VARIANTS = (("random", "random", 1), ("sequential", "sequential", 1), ("random_4_a_program", "random", 4),
-            ("random_16_a_program", "random", 16))
+#: The block copies timed per block size: (name, order of the blocks, ``copy_blocks_triton``'s launch arguments).
+VARIANTS = (("random", "random", {}), ("sequential", "sequential", {}),
+            ("random_4_a_program", "random", {"entries_per_program": 4}),
+            ("random_16_a_program", "random", {"entries_per_program": 16}),
+            ("random_32_programs", "random", {"programs": 32}))
 ELEMENT = torch.bfloat16
 
 
@@ -96,12 +99,12 @@ def measure(device: torch.device | str | None = None, store_bytes: int = DEFAULT
         store = mapped[: pinned.numel() // elements * elements].view(-1, 1, 1, elements)
         target = torch.empty((2, entries, 1, 1, elements), dtype=ELEMENT, device=device)
         rates[str(size)] = {}
-        for name, order, per_program in VARIANTS:
+        for name, order, launch in VARIANTS:
             pages = block_plan(store.shape[0] // 2, entries, order, generator)
             arguments = copy_arguments(store, target, pages)
             target.zero_()
-            seconds = median_event_seconds(lambda arguments=arguments, per_program=per_program: copy_blocks_triton(
-                **arguments, entries_per_program=per_program), device, repeats)
+            seconds = median_event_seconds(lambda arguments=arguments, launch=launch: copy_blocks_triton(
+                **arguments, **launch), device, repeats)
             moved = target[0].flatten(1).view(torch.int16), target[1].flatten(1).view(torch.int16)
             wanted = [arguments[array][arguments["pages"]].flatten(1).view(torch.int16)
                       for array in ("source_keys", "source_values")]
@@ -127,8 +130,9 @@ def format_table(result: dict[str, Any]) -> str:
              f"  {'copy engines, one ' + str(result.get('dma_bytes', DMA_BYTES) >> 20) + ' MiB copy':<40} "
              f"{result['dma_gbps']:6.1f} GB/s"]
     for size, by_order in result["zero_copy_gbps"].items():
-        per_program = "".join(f", {by_order[name]:.1f} with {count} a program" for name, count in
-                              (("random_4_a_program", 4), ("random_16_a_program", 16)) if name in by_order)
+        per_program = "".join(f", {by_order[name]:.1f} {label}" for name, label in
+                              (("random_4_a_program", "with 4 a program"), ("random_16_a_program", "with 16 a program"),
+                               ("random_32_programs", "by 32 programs in turn")) if name in by_order)
         lines.append(f"  {f'zero-copy blocks of {size} B':<40} {by_order['random']:6.1f} GB/s random, "
                      f"{by_order['sequential']:6.1f} GB/s sequential{per_program}")
     return "\n".join(lines)
