@@ -47,10 +47,11 @@ to a block's count; a missing block takes an empty slot or evicts the slot with 
 equals, never one of the step's blocks) and copied in from the host store; on CUDA the updates run on a side stream
 beside the rest of the step, as in PQCache, and the last layer makes the model's stream wait for them all before the
 step ends. The update's copy is the step's largest transfer (at 32k on Llama-3.1-8B about 460 of the 480 MB a step
-reads from host memory, a block cache that the selections keep changing), so it runs as ``cache_copy_programs``
-programs that take the blocks in turn, a few programs' registers held while their PCIe reads are in flight, rather
-than one program per (block, KV head) on every SM, so that the step's own kernels keep room to run beside it. The
-step reads no host value, so on CUDA it replays from a CUDA graph.
+reads from host memory, a block cache that the selections keep changing); with ``cache_copy_programs`` it runs as
+that many programs taking the blocks in turn, a few programs' registers held while their PCIe reads are in flight,
+rather than one program per (block, KV head) on every SM, so that the step's own kernels may keep room to run
+beside it (opt-in: not yet timed against the default launch). The step reads no host value, so on CUDA it replays
+from a CUDA graph.
 
 **Deviations.** The number of k-means iterations is fixed (``kmeans_iters``, default 10); PQCache's code picks it per
 layer from a timing model so that clustering ends within the GPU's work on the following layers (3 to 300 iterations),
@@ -166,8 +167,9 @@ class PQCacheConfig(MethodConfig):
     # the GPU's prefill keeps every SM) or "device" (a side stream on the model's GPU). A CPU model runs it on the CPU.
     kmeans_on: str = in_run_identity_unless_default("device")
     # On CUDA, the programs of the block-cache update's copy, which runs on a side stream beside the step (0: one
-    # program per (block, KV head) entry, every entry at once). The same bytes either way.
-    cache_copy_programs: int = not_in_run_identity(32)
+    # program per (block, KV head) entry, every entry at once; 32, say: that many programs taking the entries in
+    # turn). The same bytes either way. 0 until the other launch is timed against it on a GPU.
+    cache_copy_programs: int = not_in_run_identity(0)
 
     def min_budget(self) -> int:
         budget = self.n_sink_tokens + 2
