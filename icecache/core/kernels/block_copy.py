@@ -11,7 +11,8 @@ ArkVale, ShadowKV and PQCache recall pages with it from a pinned host store read
   instead, P programs take the entries in turn (entry ``i`` to program ``i % P``), each moving a block
   ``chunk_elements`` at a time and skipping a negative slot's entry with a branch: a copy that runs beside other
   kernels (PQCache's block-cache update, on a side stream) then holds P programs' registers, not one program per
-  entry on every SM, and crosses PCIe at the link's rate with P programs' chunks in flight.
+  entry on every SM, with P chunks of each array in flight across PCIe (the link probe's ``random_32_programs``
+  times the rate it reaches).
 * ``copy_blocks``: the dispatch, the Triton kernel for a CUDA target when ``triton_runtime.available()``, the
   reference otherwise. It has no launch state: every call goes through Triton's launch path.
 
