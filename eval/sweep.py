@@ -668,6 +668,25 @@ def run_here(runs: list[Job], host: HostOptions) -> int:
 # Curation: the finished runs of the sweeps as one result file per model, and its figures
 
 
+def curated_json(payload: dict[str, Any]) -> str:
+    """A curated file's text: JSON with sorted keys, one space an indent level, but each run's samples one a line,
+    so that a file of thousands of samples stays a few MB (a GPU host takes the working tree with it) and a sample
+    is found with grep."""
+    runs, held = [], {}
+    for i, run in enumerate(payload.get("runs", [])):
+        if isinstance(run, dict) and isinstance(run.get("samples"), list) and run["samples"]:
+            mark = f"@samples of run {i}@"
+            held[json.dumps(mark)] = run["samples"]
+            run = {**run, "samples": mark}
+        runs.append(run)
+    text = json.dumps({**payload, "runs": runs}, indent=1, sort_keys=True, default=str)
+    for mark, samples in held.items():
+        lines = ",\n".join("    " + json.dumps(sample, sort_keys=True, separators=(",", ":"), default=str)
+                           for sample in samples)
+        text = text.replace(mark, "[\n" + lines + "\n   ]", 1)
+    return text
+
+
 def curate(jobs: list[Job], sweeps: list[list[str]], name: str, out: Path, bench: Path | None,
            plots: bool = True) -> list[Path]:
     """One result file per model of the sweeps' finished runs, and its figures."""
@@ -718,7 +737,7 @@ def curate(jobs: list[Job], sweeps: list[list[str]], name: str, out: Path, bench
         if figures:  # the page names these beside the file's table, not another file's figures of the model
             payload["figures"] = [figure.name for figure in figures]
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(payload, indent=1, sort_keys=True, default=str), encoding="utf-8")
+        tmp.write_text(curated_json(payload), encoding="utf-8")
         tmp.replace(path)
         written += [path, *figures]
         print(f"wrote {path}: {len(entry['runs'])} finished run(s), {len(entry['missing'])} not finished")

@@ -296,6 +296,23 @@ def test_the_host_launcher_runs_in_parallel_resumes_curates_and_the_table_render
     assert tree.set_index("method")["difference"].isna().tolist() == [True, False]  # full, quest
 
 
+def test_a_curated_file_reads_back_as_written_with_each_sample_on_a_line_of_its_own():
+    samples = [{"sample_id": f"passkey/{i}", "score": float(i % 2), "meta": {"depths": [i / 3], "task": "t"}}
+               for i in range(5)]
+    payload = {"kind": "accuracy", "n_runs": 3, "runs": [
+        {"method": "quest", "samples": samples, "metrics": {"score": 40.0}},
+        {"method": "full", "samples": []},  # a run with no sample kept, and one with no samples field
+        {"method": "h2o", "note": "@samples of run 0@ inside a value is left alone"}]}
+    text = launcher.curated_json(payload)
+    assert json.loads(text) == payload
+    lines = text.splitlines()
+    for sample in samples:
+        assert sum(sample["sample_id"] in line for line in lines) == 1  # the whole sample on one line
+        assert json.loads(next(line for line in lines if sample["sample_id"] in line).strip().rstrip(",")) == sample
+    # everything else as indent=1 would write it, one key a line
+    assert '   "method": "quest",' in lines and ' "kind": "accuracy",' in lines
+
+
 def test_runs_split_into_shards_give_the_runs_unsplit(tmp_path):
     def sweep(root: str) -> str:
         return (f"experiment=accuracy_passkey model=tiny_llama output_root={tmp_path / root} method=full,quest "
