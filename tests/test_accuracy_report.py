@@ -584,7 +584,9 @@ def test_every_cell_of_a_grid_run_over_two_fresh_hosts_gets_its_paired_interval(
                           "--no-plots"]) == 0
     [curated] = first.glob("accuracy_*.json")
     [reference] = json.loads(curated.read_text())["runs"]
-    assert len(reference["samples"]) == 3 and {"score", "meta", "generated_sha256"} <= set(reference["samples"][0])
+    assert len(reference["samples"]) == 3
+    assert {"score", "meta", "generated_sha256", "stop_reason"} <= set(reference["samples"][0])
+    assert {s["stop_reason"] for s in reference["samples"]} <= {"eos", "stop_string", "length"}
     import shutil
 
     shutil.rmtree(tmp_path / "runs")

@@ -44,13 +44,18 @@ def generated_sha256(record: dict[str, Any]) -> str:
 
 def sample_summaries(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """What a curated payload keeps of each sample: its id, its scores and meta (all a task's aggregate and the
-    bootstrap read) and the hash of what it generated."""
+    bootstrap read), the hash of what it generated and why its generation stopped (``eos``, ``stop_string`` or
+    ``length``: a method whose answers run to the token cap shows it without the texts)."""
     out = []
     for record in records:
         scores = {key: value for key, value in record.items() if key not in _NOT_SCORES
                   and isinstance(value, (int, float)) and not isinstance(value, bool)}
-        out.append({"sample_id": record["sample_id"], **scores, "meta": record.get("meta") or {},
-                    "generated_sha256": generated_sha256(record)})
+        summary = {"sample_id": record["sample_id"], **scores, "meta": record.get("meta") or {},
+                   "generated_sha256": generated_sha256(record)}
+        stop_reason = (record.get("gen") or {}).get("stop_reason")
+        if stop_reason is not None:
+            summary["stop_reason"] = stop_reason
+        out.append(summary)
     return out
 
 
