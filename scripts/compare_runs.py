@@ -3,9 +3,10 @@ code A did? (eval/report/compare.py)
 
 Each side is a run directory, a root of runs (a sweep's output root) or a curated file (results/bench/accuracy_*.json,
 whose runs carry each sample's generation hash). Runs are paired by their directory below the output root when both
-sides hold it (the same jobs run twice), else by ``<task>/<model>/<method>/budget-<b>`` (a setting added between two
-codes changes the config hash). For every pair: both metrics, the samples in common, how many generated the same
-text and token ids, the ids of those that differ, both provenances; per method, the share of samples that differ.
+sides hold it (the same jobs run twice), else by ``<task>/<model>/<method>/budget-<b>`` with the method's row and
+the task's lengths (a setting added between two codes, or fewer samples, changes the config hash). For every
+pair: both metrics, the samples in common, how many generated the same text and token ids, the ids of those that
+differ, both provenances; per method, the share of samples that differ.
 This is how a change meant to be exact is checked, and how a grid's determinism is measured.
 
     python scripts/compare_runs.py /tmp/runs_before /tmp/runs_after --out results/bench/ab_<name>.json

@@ -395,6 +395,35 @@ def test_compare_runs_pairs_runs_by_task_model_method_budget_and_counts_identica
     assert compare_runs.main([str(tmp_path / "a"), str(tmp_path / "a")]) == 0
 
 
+def test_compare_runs_tells_a_cells_lengths_and_variants_apart_when_their_hashes_differ(tmp_path):
+    """A curated grid holds, under one ``task/model/method/budget`` cell, a run per length and the look-ahead
+    beside the plain method; a second pass with fewer samples has other hashes. Each run finds its own partner."""
+    from eval.report.compare import compare
+
+    def make_run(root, method, label, length, config_hash, predictions):
+        run_dir = root / "ruler" / "tiny" / method / "budget-64" / config_hash
+        run_dir.mkdir(parents=True)
+        lines = [json.dumps({"sample_id": sid, "prediction": text, "output_ids": [len(text)]})
+                 for sid, text in predictions.items()]
+        (run_dir / "predictions.jsonl").write_text("\n".join(lines) + "\n")
+        settings = {"task": {"name": "ruler", "lengths": [length]}}
+        (run_dir / "metrics.json").write_text(json.dumps({"method_label": label, "settings": settings}))
+
+    grid = {("icecache", "icecache", 16384): "a", ("icecache", "icecache", 32000): "b",
+            ("icecache", "icecache+lookahead", 32000): "c"}
+    for (method, label, length), text in grid.items():
+        make_run(tmp_path / "before", method, label, length, f"h{length}{label[-1]}",
+                 {"s1": text, "s2": text + "2", "s3": text + "3"})
+    # the second pass: 32k only, two samples a run, other hashes; the look-ahead's second sample differs
+    make_run(tmp_path / "after", "icecache", "icecache", 32000, "x1", {"s1": "b", "s2": "b2"})
+    make_run(tmp_path / "after", "icecache", "icecache+lookahead", 32000, "x2", {"s1": "c", "s2": "other"})
+    result = compare(tmp_path / "before", tmp_path / "after")
+    by_run = {pair["run"]: (pair["n_samples"], pair["differ"]) for pair in result["pairs"]}
+    assert by_run == {"ruler/tiny/icecache/budget-64 lengths=32000": (2, []),
+                      "ruler/tiny/icecache/budget-64 icecache+lookahead lengths=32000": (2, ["s2"])}
+    assert result["unpaired"] == ["ruler/tiny/icecache/budget-64/h16384e"]
+
+
 def test_bench_host_step_times_the_parts_of_a_layer_step(tmp_path, capsys):
 
     bench_host_step = load_script("bench/host_step")

@@ -3,8 +3,10 @@
 A side is a run directory, a root of runs (a sweep's output root) or a curated file (``scripts/sweep.py
 --curate``, whose payloads carry each sample's generation hash, ``paired.generated_sha256``). Runs are paired by
 their directory below the output root, ``<task>/<model>/<method>/budget-<b>/<hash>``, when both sides hold it (the
-same job run twice: a determinism check); the runs left are paired by ``<task>/<model>/<method>/budget-<b>`` where
-each side holds one run of it (a setting added between two codes changes the hash, not the run). Two run
+same job run twice: a determinism check); the runs left are paired by ``<task>/<model>/<method>/budget-<b>``, with
+the method's row and the task's lengths (``RunSide.variant``), where each side holds one run of it (a setting added
+between two codes changes the hash, not the run; so does a smaller ``num_samples``, whose samples are the first of
+the larger run's, compared where both have them). Two run
 directories given directly are paired with each other. A sample differs when its text or token ids differ.
 
 ``by_method`` then says, per method (a variant as its own row, ``icecache+lookahead``), how many samples the
@@ -38,6 +40,19 @@ class RunSide:
     def cell(self) -> str:
         """``task/model/method/budget-b``: the run without its settings hash."""
         return "/".join(Path(self.path).parts[-5:-1])
+
+    @property
+    def variant(self) -> str:
+        """The cell, told apart from the cell's other runs by what a grid varies in it: the method's row (the
+        look-ahead shares IceCache's directory) and the task's lengths (one run per length)."""
+        words = [self.cell]
+        parts = Path(self.path).parts
+        if self.label and len(parts) >= 3 and self.label != parts[-3]:
+            words.append(self.label)
+        lengths = ((self.metrics.get("settings") or {}).get("task") or {}).get("lengths")
+        if lengths:
+            words.append("lengths=" + ",".join(str(length) for length in lengths))
+        return " ".join(words)
 
     @property
     def method(self) -> str:
@@ -98,7 +113,7 @@ def pair_runs(before: Side, after: Side) -> tuple[list[tuple[str, RunSide, RunSi
     def unique(runs: list[RunSide]) -> dict[str, RunSide]:
         cells: dict[str, list[RunSide]] = {}
         for run in runs:
-            cells.setdefault(run.cell, []).append(run)
+            cells.setdefault(run.variant, []).append(run)
         return {cell: members[0] for cell, members in cells.items() if len(members) == 1}
 
     cells_a, cells_b = unique(left_a), unique(left_b)
