@@ -318,10 +318,12 @@ def measure_link(settings: ThroughputSettings) -> dict[str, Any] | None:
 
     if not settings.link_probe or settings.device == "cpu" or not torch.cuda.is_available():
         return None
-    script = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "link.py"
+    repo = Path(__file__).resolve().parents[1]
     device = settings.device if settings.device.startswith("cuda") else "cuda"
-    done = subprocess.run([sys.executable, str(script), "--json", "--device", device], capture_output=True,
-                          text=True)
+    # the probe imports this repository's package, which a checkout run through PYTHONPATH has not installed
+    path = os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, str(repo / "scripts" / "bench" / "link.py"), "--json", "--device", device],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path})
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         error = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]

@@ -5,6 +5,7 @@ probe and the kernel sweeps share (icecache/core/device_timing.py)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -75,9 +76,10 @@ def test_bad_probe_arguments_stop_with_one_line_before_any_work():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_probe_measures_every_block_size_and_order_in_a_process_of_its_own():
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # a checkout not installed
     done = subprocess.run([sys.executable, str(REPO / "scripts/bench/link.py"), "--json", "--store-gib", "0.0625",
                            "--block-bytes", "1024", "4096", "--entries", "512", "--repeats", "3"],
-                          capture_output=True, text=True, cwd=REPO, check=True)
+                          capture_output=True, text=True, cwd=REPO, check=True, env={**os.environ, "PYTHONPATH": path})
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["dma_gbps"] > 0
     assert set(result["zero_copy_gbps"]) == {"1024", "4096"}
