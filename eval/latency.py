@@ -24,12 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eval.report.names import LATENCY_REFERENCES
 from icecache.errors import ConfigError
 
 MIN_DECODE_STEPS = 64
-# Every row's ratios: to plain transformers decode (full) and to the fast full cache (full_static: static buffers
-# and a CUDA-graphed step), which is the fair reference; both run in every measurement.
-REFERENCES = ("full", "full_static")
+REFERENCES = LATENCY_REFERENCES
 SEARCH_STATS = ("rows_read", "bytes_read", "scores", "lists")  # DCIIndex.last_query_stats, per decode step
 # Where the step's searches spent their time (QueryPhases in icecache/dci/src/dci.hpp), nanoseconds per decode step
 SEARCH_PHASES = ("fork", "descend", "group", "scan", "merge", "scan_busy")
@@ -215,6 +214,8 @@ def summarise(measurements: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"method": method, "method_label": group[0].get("method_label", method),
                                "budget": group[0]["budget"], "context": context, "model": group[0]["model"],
                                "repeats": len(group)}
+        if "method_config" in group[0]:
+            row["method_config"] = group[0]["method_config"]
         for key in ("ttft_s", "tt2t_s", "tpot_s"):
             stats = spread([g[key] for g in group if g[key] is not None])
             row.update({f"{key}_median": stats["median"], f"{key}_min": stats["min"], f"{key}_max": stats["max"]})
@@ -514,7 +515,11 @@ def measurement(model: str, name: str, method, context: int, process: int, round
     counters = result.counters
     return {
         "model": model, "method": name, "budget": method.config.budget, "context": context, "process": process,
-        "method_label": label, "round": round_index, "ttft_s": result.ttft_s, "tt2t_s": result.tt2t_s,
+        "method_label": label, "round": round_index,
+        # every setting as it ran, defaults included: a default changed later does not rename this row (its label
+        # is its settings against the defaults of the day the tables are drawn, eval/report/variants.py)
+        "method_config": dataclasses.asdict(method.config),
+        "ttft_s": result.ttft_s, "tt2t_s": result.tt2t_s,
         "tpot_s": result.tpot_s, "phases_s": result.phase_breakdown(), "prefill_phases_s": result.prefill_phases,
         "decode_steps": len(result.step_times_s), "gpu_kv_bytes": result.gpu_kv_bytes,
         "cpu_kv_bytes": result.cpu_kv_bytes, "peak_gpu_bytes": result.peak_gpu_bytes,

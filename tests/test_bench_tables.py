@@ -654,3 +654,63 @@ def test_a_throughput_goal_is_a_lower_bound_on_the_best_over_full_static_s_best(
          "rows": [], "limits": limits, "summary": summary}))
     [row] = [row for row in table_rows(bench_tables.render_speed_goals(tmp_path, {})) if row[0] == "`shadowkv`"]
     assert row[3] == "≥ 3" and row[4].startswith("2.50, missed by 17%, overstated: `full_static`'s fitted rows")
+
+
+def test_a_latency_row_is_named_by_the_settings_it_ran_with_against_today_s_defaults(bench_tables, tmp_path):
+    """A default that changes after a file was written does not rename that file's rows: a row that recorded its
+    settings is named by those that differ from the method's defaults of today, whatever its command called it."""
+    import dataclasses
+
+    from eval.latency import method_values
+    from eval.report.variants import measured_variant
+    from icecache.core.method import method_settings
+
+    def ran(variant: str) -> dict:  # the settings a latency run of ``variant`` records (eval/latency.py)
+        return dataclasses.asdict(method_settings(method_values(variant, 256, [])))
+
+    today = ran("pqcache")["cache_copy_programs"]
+    older = today + 7  # a file from the day this setting had another default
+    assert measured_variant("pqcache", 256, {**ran("pqcache"), "cache_copy_programs": older}) == \
+        f"pqcache:cache_copy_programs={older}"
+    assert measured_variant(f"pqcache:cache_copy_programs={today}", 256, ran(f"pqcache:cache_copy_programs={today}")) \
+        == "pqcache"
+    assert measured_variant("icecache:lookahead=true", 256, ran("icecache:lookahead=true")) == "icecache:lookahead=true"
+    assert measured_variant("pqcache", 256, None) == "pqcache"  # a file from before rows recorded their settings
+
+    # in the tables: an older file's typed "pqcache" is the old setting; a newer file's typed variant is today's
+    reference = {"name": "full_static", "cuda_graph": False}  # a reference keeps its name: every ratio is to it
+    write_latency(tmp_path, "latency_gpu_20260101-000000.json", "2026-01-01T00:00:00+00:00", "a", [
+        summary_row("full_static", 1024, 0.010, method_config=reference),
+        summary_row("pqcache", 1024, 0.030, budget=256,
+                    method_config={**ran("pqcache"), "cache_copy_programs": older})])
+    write_latency(tmp_path, "latency_gpu_20260102-000000.json", "2026-01-02T00:00:00+00:00", "b", [
+        summary_row("full_static", 1024, 0.010, method_config=reference),
+        summary_row(f"pqcache:cache_copy_programs={today}", 1024, 0.020, budget=256,
+                    method_config=ran(f"pqcache:cache_copy_programs={today}"))])
+    first = bench_tables.Result(tmp_path / "latency_gpu_20260101-000000.json")
+    assert [row["method"] for row in first.data["summary"]] == ["full_static", f"pqcache:cache_copy_programs={older}"]
+    rows = {row[1]: row for row in table_rows(bench_tables.render_latency(tmp_path, {}))}
+    assert rows["`pqcache`"][2] == "20.0" and rows["`pqcache`"][-1] == "b" * 7
+    assert rows["`full_static`"][-1] == "b" * 7
+
+
+def test_today_s_defaults_of_every_method_are_its_config_class_s_as_a_run_composes_them():
+    """The renaming reads a method's defaults from its config class, without Hydra (the report package sits below
+    the application): they must be what a run composes from configs/method/<name>.yaml."""
+    import dataclasses
+
+    from eval.latency import method_values
+    from eval.report.names import LATENCY_REFERENCES
+    from eval.report.variants import _defaults, measured_variant
+    from icecache.core.layer import ModelInfo
+    from icecache.core.method import METHODS, build_method, method_class, method_settings
+
+    for name in METHODS.names():
+        if name in LATENCY_REFERENCES:
+            continue
+        budget = 256 if method_class(name).uses_budget else None
+        composed = dataclasses.asdict(method_settings(method_values(name, budget, [])))
+        assert _defaults(name, budget) == composed, name
+        # a method built for a model keeps its settings: a default run is named by its method alone
+        built = build_method(composed, ModelInfo(n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128))
+        assert measured_variant(name, budget, dataclasses.asdict(built.config)) == name

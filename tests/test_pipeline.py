@@ -339,6 +339,11 @@ def test_a_look_ahead_latency_row_carries_its_label_and_its_miss_rate(tmp_path):
     assert 0.0 <= row["lookahead_miss_rate"] <= 1.0
     assert row["search_gbps"] is None  # its query phase is a wait, not the search: no rate from it
     assert summary["full"]["lookahead_miss_rate"] is None
+    # the row records every setting it ran with, so that a later default does not rename it (report/variants.py)
+    assert row["method_config"]["lookahead"] is True and row["method_config"]["budget"] == 64
+    from eval.report.variants import measured_variant
+
+    assert measured_variant(row["method"], row["budget"], row["method_config"]) == "icecache:lookahead=true"
 
 
 def test_bench_method_values_take_set_overrides_then_a_variants_own():

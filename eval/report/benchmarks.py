@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .names import method_text, split_method
+from .variants import rename_rows
 
 REPO = Path(__file__).resolve().parents[2]
 # The pages with table regions: the numbers, and what bounds them.
@@ -68,6 +69,7 @@ class Result:
     def __init__(self, path: Path):
         self.path = path
         self.data = json.loads(path.read_text(encoding="utf-8"))
+        rename_rows(self.data)  # a latency row named by the settings it ran with (report/variants.py)
         self.provenance: dict[str, Any] = self.data.get("provenance") or {}
 
     @property

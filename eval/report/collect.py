@@ -32,6 +32,7 @@ from eval.rundir import METRICS, PREDICTIONS
 from eval.tasks.base import TASKS
 
 from .methods import canonical_method, sort_key, uses_budget
+from .variants import rename_rows
 
 LONGBENCH_16 = [
     "narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "gov_report", "qmsum",
@@ -429,6 +430,7 @@ def load_bench(roots: str | Path | Iterable[str | Path], recursive: bool = True)
             except (OSError, ValueError) as error:
                 warnings.warn(f"skipping unreadable {path}: {error}", stacklevel=2)
                 continue
+            rename_rows(payload)  # each row named by the settings it ran with (report/variants.py)
             settings = payload.get("settings", {})
             provenance = payload.get("provenance", {})
             for entry in payload.get("summary", []):

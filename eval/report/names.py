@@ -9,6 +9,10 @@ methods, torch or pandas, so every report module can use it.
 
 from __future__ import annotations
 
+# The latency files' references: every row's ratios are to plain transformers decode (full) and to the fast full
+# cache (full_static: static buffers and a CUDA-graphed step), the fair one; both run in every measurement.
+LATENCY_REFERENCES = ("full", "full_static")
+
 
 def split_method(recorded: str) -> tuple[str, str]:
     """``icecache:lookahead=true`` or ``icecache+lookahead`` -> ``("icecache", "lookahead")``;
