@@ -249,6 +249,7 @@ class _MethodRun:
     label: str
     budget: int
     host_pool: Any
+    config: dict[str, Any] = field(default_factory=dict)  # every setting it runs with (eval/report/variants.py)
     caches: list = field(default_factory=list)
     decoding: list = field(default_factory=list)
     stage: str = "prefill"
@@ -419,7 +420,8 @@ def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None =
             profiled = step_profile(prof.events())
         rows.append({
             "context": run.context, "method": run.name, "method_label": run.label, "budget": run.budget,
-            "batch_size": batch_size, "tpot_s": result.tpot_s, "tokens_per_s": result.tokens_per_s,
+            "method_config": run.config, "batch_size": batch_size, "tpot_s": result.tpot_s,
+            "tokens_per_s": result.tokens_per_s,
             "step_times_s": result.step_times_s, "positions": [row.position for row in run.decoding[:batch_size]],
             "prefill_s_added": prefill_s,
             "peak_gpu_bytes": max(filter(None, [prefill_peak, result.peak_gpu_bytes]), default=None),
@@ -458,7 +460,8 @@ def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None =
             label = method_label(dataclasses.asdict(method.config))
             channel = HostFunctions()
             # The method's sequences all live at once: nothing to reuse between them in its host pool.
-            run = _MethodRun(context, name, label, method.config.budget, HostPool())
+            run = _MethodRun(context, name, label, method.config.budget, HostPool(),
+                             config=dataclasses.asdict(method.config))
             host_per_row = 0  # the host memory the last prefilled row took
             measured_batch = fitted = 0
             try:

@@ -283,6 +283,12 @@ def test_a_throughput_file_in_row_groups_records_them_and_measures_every_batch(t
     assert payload["settings"]["row_groups"] == 2
     assert {(r["method"], r["batch_size"]) for r in payload["rows"]} == {("full_static", 1), ("full_static", 3),
                                                                          ("shadowkv", 1), ("shadowkv", 3)}
+    # each row records the settings it ran with: the tables name it by them (eval/report/variants.py)
+    from eval.report.variants import measured_variant
+
+    for row in payload["rows"]:
+        assert row["method_config"]["name"] == row["method"]
+        assert measured_variant(row["method"], row["budget"], row["method_config"]) == row["method"]
 
 
 def test_the_throughput_benchmark_measures_every_batch_up_to_the_first_out_of_memory(tmp_path, monkeypatch):

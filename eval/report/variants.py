@@ -1,11 +1,12 @@
 """A measured row's method named by what ran, not by what was typed.
 
-A latency row's ``method`` is the string its command was given (``pqcache``, ``icecache:lookahead=true``); what that
-string runs is the method's defaults of the day. When a default changes (PQCache's ``cache_copy_programs`` went from
-0 to 32), an older file's ``pqcache`` row is the old setting under today's name. Files written since the rows
-recorded their settings (``method_config``, eval/latency.py) are named instead by the settings that differ from the
-method's defaults as composed today: the old row becomes ``pqcache:cache_copy_programs=0``, and a row typed
-``pqcache:cache_copy_programs=32`` becomes ``pqcache``. Rows without recorded settings keep their string.
+A latency or throughput row's ``method`` is the string its command was given (``pqcache``,
+``icecache:lookahead=true``); what that string runs is the method's defaults of the day. When a default changes
+(PQCache's ``cache_copy_programs`` went from 0 to 32), an older file's ``pqcache`` row is the old setting under
+today's name. Files whose rows recorded their settings (``method_config``, eval/latency.py and eval/throughput.py)
+are named instead by the settings that differ from the method's defaults as composed today: the old row becomes
+``pqcache:cache_copy_programs=0``, and a row typed ``pqcache:cache_copy_programs=32`` becomes ``pqcache``. Rows
+without recorded settings keep their string.
 """
 
 from __future__ import annotations
@@ -59,11 +60,15 @@ def measured_variant(method: str, budget: int | None, config: dict[str, Any] | N
 
 
 def rename_rows(data: dict[str, Any]) -> None:
-    """Rename in place every summary row and measurement of a latency file that recorded its settings; the file's
-    references (``full``, ``full_static``) stay as typed: the other rows' ratios are to them."""
+    """Rename in place every entry of a result file (a latency file's summary rows and measurements, a throughput
+    file's rows, limits and summary) whose method recorded its settings in some entry of the file; the references
+    (``full``, ``full_static``) stay as typed: the other rows' ratios are to them."""
+    entries = [entry for value in data.values() if isinstance(value, list)
+               for entry in value if isinstance(entry, dict) and "method" in entry]
     renamed: dict[str, str] = {}
-    for row in [*(data.get("summary") or []), *(data.get("measurements") or [])]:
-        method = row.get("method")
-        if method is None or method in LATENCY_REFERENCES or "method_config" not in row:
-            continue
-        row["method"] = renamed.setdefault(method, measured_variant(method, row.get("budget"), row["method_config"]))
+    for entry in entries:
+        method = entry["method"]
+        if "method_config" in entry and method not in LATENCY_REFERENCES and method not in renamed:
+            renamed[method] = measured_variant(method, entry.get("budget"), entry["method_config"])
+    for entry in entries:
+        entry["method"] = renamed.get(entry["method"], entry["method"])
