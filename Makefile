@@ -85,12 +85,15 @@ collect: $(STAMP)
 .PHONY: reproduce-accuracy accuracy-tables
 JOBS ?= 1
 SHARDS ?= 1
-ACCURACY_SWEEPS = --sweep "experiment=accuracy_passkey $(MODEL_ARG)" --sweep "experiment=accuracy_ruler $(MODEL_ARG)"
+ACCURACY_SWEEPS = --sweep "experiment=accuracy_passkey $(MODEL_ARG)" --sweep "experiment=accuracy_ruler $(MODEL_ARG)" \
+	--sweep "experiment=accuracy_passkey $(MODEL_ARG) method=icecache method.lookahead=true" \
+	--sweep "experiment=accuracy_ruler $(MODEL_ARG) method=icecache method.lookahead=true"
 
-## The accuracy table (BENCHMARKS.md, "Accuracy with the selection diagnostic"): passkey and RULER at 4k and 8k,
-## every method at budgets 128 / 256 / 512 beside the full cache, the selection diagnostic on. JOBS=N runs N jobs
-## at once on this host, DEADLINE=<seconds> stops them then (the next call resumes), SHARDS=N splits each run into
-## N jobs of every N-th sample (the slow methods' runs then end with the others). RULER sources: make ruler-data.
+## The short-context accuracy table (BENCHMARKS.md, "Accuracy"): passkey and RULER at 4k and 8k, every method at
+## budgets 128 / 256 / 512 beside the full cache (IceCache's look-ahead its own row), 16 samples a decode step.
+## JOBS=N runs N jobs at once on this host, DEADLINE=<seconds> stops them then (the next call resumes), SHARDS=N
+## splits each run into N jobs of every N-th sample (the slow methods' runs then end with the others). RULER
+## sources: make ruler-data. The selection diagnostic: make reproduce-selection.
 ## On a Slurm cluster: python scripts/sweep.py experiment=accuracy_passkey hydra/launcher=slurm (and
 ## experiment=accuracy_ruler), then make accuracy-tables.
 reproduce-accuracy: $(STAMP)
@@ -163,19 +166,24 @@ reproduce-determinism: $(STAMP)
 		--out results/bench/determinism_$(PART)$(if $(LENGTH),_$(LENGTH))_$$(date -u +%Y%m%d-%H%M%S).json \
 		--note "the runs of $(CURATED_LONG) (before) and the same runs again (after), $(PART) $(LENGTH)"
 
-.PHONY: reproduce-selection-long
-## The selection diagnostic on the long-context subject (docs/reproduce.md, "Selection quality at 16k"): every
-## method at budget 256 (the look-ahead its own row) on RULER at 16k, SELECTION_SAMPLES of each task's samples,
-## measure_selection=true (an exact attention pass beside each step: the mass each layer's selection holds).
+.PHONY: reproduce-selection reproduce-selection-long
+## The selection diagnostic (docs/reproduce.md, "Selection quality"): every method at budget 256 (the look-ahead its
+## own row) on RULER, SELECTION_SAMPLES of each task's samples, one sample at a time, measure_selection=true (an
+## exact attention pass beside each step: the mass each layer's selection holds). reproduce-selection: the short
+## grid's model (SmolLM2-135M; MODEL=... another) at 4k and 8k; reproduce-selection-long: the long grid's at 16k.
 ## Writes results/bench/selection_<model>_<date>.json and mass_by_layer_selection_<model>.png; the accuracy
 ## tables do not read it.
 SELECTION_SAMPLES ?= 2
-SELECTION_SWEEP = experiment=accuracy_long_ruler $(LONG_MODEL) task.lengths=[16384] budget=256 \
-	task.num_samples=$(SELECTION_SAMPLES) measure_selection=true
+SELECTION_ARGS = budget=256 task.num_samples=$(SELECTION_SAMPLES) measure_selection=true batch_size=1
+SELECTION_SWEEP = experiment=accuracy_ruler $(MODEL_ARG) $(SELECTION_ARGS)
+SELECTION_SWEEP_LONG = experiment=accuracy_long_ruler $(LONG_MODEL) task.lengths=[16384] $(SELECTION_ARGS)
+SELECTION_RUN = $(PY) scripts/sweep.py --sweep "$(1)" --sweep "$(1) method=icecache method.lookahead=true" \
+	--workers $(JOBS) --shards $(SHARDS) $(if $(DEADLINE),--deadline $(DEADLINE)) \
+	--curate selection --out results/bench --bench results/bench
+reproduce-selection: $(STAMP)
+	$(call SELECTION_RUN,$(SELECTION_SWEEP))
 reproduce-selection-long: $(STAMP)
-	$(PY) scripts/sweep.py --sweep "$(SELECTION_SWEEP)" --sweep "$(SELECTION_SWEEP) method=icecache method.lookahead=true" \
-		--workers $(JOBS) --shards $(SHARDS) $(if $(DEADLINE),--deadline $(DEADLINE)) \
-		--curate selection --out results/bench --bench results/bench
+	$(call SELECTION_RUN,$(SELECTION_SWEEP_LONG))
 
 accuracy-long-tables: override LENGTH =
 ## The long grid's curated file and figures from the runs on disk (results/bench/accuracy_<model>_<date>.json).

@@ -238,7 +238,8 @@ def test_the_accuracy_experiments_run_every_registered_method_at_three_budgets(e
     # Passkey's character-calibrated filler makes an 8000-length prompt longer than SmolLM2's 8k context.
     lengths = {"accuracy_passkey": "[4096],[7500]", "accuracy_ruler": "[4096],[8000]"}[experiment]
     assert str(params["budget"]) == "128,256,512" and str(params["task.lengths"]) == lengths
-    assert base.measure_selection is True
+    # every run of the grid decodes 16 samples a step, the full caches' too; the diagnostic is a grid of its own
+    assert base.batch_size == 16 and base.measure_selection is False
     if experiment == "accuracy_ruler":
         assert len(base.task.tasks) == 13 and base.task.num_samples >= 10
     else:
@@ -252,7 +253,8 @@ def test_the_accuracy_experiments_run_every_registered_method_at_three_budgets(e
 def test_the_host_launcher_runs_in_parallel_resumes_curates_and_the_table_renders(tmp_path):
     from eval.report import benchmarks as bench_tables
     sweep = (f"experiment=accuracy_passkey model=tiny_llama output_root={tmp_path / 'runs'} method=full,quest "
-             "budget=128 task.lengths=[400] task.num_depths=2")
+             "budget=128 task.lengths=[400] task.num_depths=2 "
+             "measure_selection=true batch_size=1")
     out = tmp_path / "bench"
     assert launcher.main([*sweep.split(), "--deadline", "0", "--no-plots"]) == 3  # stopped before any job
     assert not list((tmp_path / "runs").rglob("metrics.json"))
@@ -346,7 +348,8 @@ def test_a_curated_file_of_another_kind_draws_its_figures_under_its_own_name(tmp
     """``--curate selection`` (the long subject's selection diagnostic) writes selection_<model>_<date>.json and
     figures named after it, so that it never replaces the accuracy grid's file or figures."""
     sweep = (f"experiment=accuracy_passkey model=tiny_llama output_root={tmp_path / 'runs'} method=full,quest "
-             "budget=128 task.lengths=[400] task.num_depths=2")
+             "budget=128 task.lengths=[400] task.num_depths=2 "
+             "measure_selection=true batch_size=1")
     out = tmp_path / "bench"
     assert launcher.main([*sweep.split(), "--workers", "1", "--curate", "selection", "--out", str(out),
                           "--bench", str(tmp_path / "no_latency_files")]) == 0

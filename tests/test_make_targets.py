@@ -66,11 +66,15 @@ def test_determinism_without_a_curated_grid_says_which_file_to_give(tmp_path):
     assert result.returncode != 0 and "give CURATED=" in result.stderr and not result.stdout
 
 
-def test_the_selection_diagnostic_runs_every_method_at_one_budget_and_curates_under_its_own_name():
-    result = make("reproduce-selection-long", "SELECTION_SAMPLES=3")
+@pytest.mark.parametrize("target, experiment", [("reproduce-selection", "experiment=accuracy_ruler "),
+                                                ("reproduce-selection-long", "experiment=accuracy_long_ruler ")])
+def test_the_selection_diagnostic_runs_every_method_at_one_budget_and_curates_under_its_own_name(target, experiment):
+    result = make(target, "SELECTION_SAMPLES=3")
     assert result.returncode == 0, result.stderr
     [sweep] = result.stdout.splitlines()
-    assert sweep.count("--sweep") == 2 and sweep.count("measure_selection=true") == 2
+    assert sweep.count("--sweep") == 2 and sweep.count("measure_selection=true") == 2 == sweep.count(experiment)
+    # the diagnostic measures one sample's steps: the short grid's batches of 16 are undone
+    assert sweep.count("batch_size=1") == 2
     assert sweep.count("budget=256") == 2 and sweep.count("task.num_samples=3") == 2
     assert "method=icecache method.lookahead=true" in sweep and "--curate selection" in sweep
     assert "--restore" not in sweep  # its runs are its own: none of the grid's comes back

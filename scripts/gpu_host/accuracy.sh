@@ -20,7 +20,7 @@
 # run beside each other.
 # Usage: [JOBS=6] [SHARDS=1] [DEADLINE=420] [MODEL=smollm2_135m] [RUNS_TAR=runs.tar.gz] [MPS=1] [RESTORE=0] \
 #        bash scripts/gpu_host/accuracy.sh \
-#        [experiment ...]          (default: accuracy_passkey accuracy_ruler; an entry may carry overrides:
+#        [experiment ...]          (default: accuracy_passkey accuracy_ruler and their look-ahead rows; an entry may carry overrides:
 #                                   "accuracy_ruler budget=256 task.lengths=[4096]")
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OMP_PROC_BIND=false TOKENIZERS_PARALLELISM=false
@@ -32,7 +32,9 @@ out=${OUT:-results/bench}
 mkdir -p "$out"
 sweeps=()
 experiments=("$@")
-[ ${#experiments[@]} -gt 0 ] || experiments=(accuracy_passkey accuracy_ruler)
+# the default: the short grid, as make reproduce-accuracy runs it (IceCache's look-ahead its own row)
+[ ${#experiments[@]} -gt 0 ] || experiments=(accuracy_passkey accuracy_ruler
+    "accuracy_passkey method=icecache method.lookahead=true" "accuracy_ruler method=icecache method.lookahead=true")
 for experiment in "${experiments[@]}"; do
     sweeps+=(--sweep "experiment=$experiment${MODEL:+ model=$MODEL}")
 done
