@@ -18,7 +18,9 @@
 # (one core each) a RULER sample of IceCache, PQCache or MagicPIG takes 3-10 s of wall time at 4k, so one such run
 # of 130 samples needs 7-22 minutes by itself, more at 8k, and ends a call's work last; with SHARDS=4 its quarters
 # run beside each other.
-# Usage: [JOBS=6] [SHARDS=1] [DEADLINE=420] [MODEL=smollm2_135m] [RUNS_TAR=runs.tar.gz] [MPS=1] [RESTORE=0] \
+# CURATE=selection curates under that name instead (a diagnostic grid: make reproduce-selection's sweeps given as
+# experiments), so that its file never stands for the accuracy grid's.
+# Usage: [JOBS=6] [SHARDS=1] [DEADLINE=420] [MODEL=smollm2_135m] [RUNS_TAR=runs.tar.gz] [MPS=1] [RESTORE=0] [CURATE=...] \
 #        bash scripts/gpu_host/accuracy.sh \
 #        [experiment ...]          (default: accuracy_passkey accuracy_ruler and their look-ahead rows; an entry may carry overrides:
 #                                   "accuracy_ruler budget=256 task.lengths=[4096]")
@@ -29,6 +31,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # A git-archive copy has no .git: name the commit (ICECACHE_GIT_COMMIT=<sha> bash ...) so result files carry it.
 export ICECACHE_GIT_COMMIT=${ICECACHE_GIT_COMMIT:-unknown}
 out=${OUT:-results/bench}
+curate=${CURATE:-accuracy}
 mkdir -p "$out"
 sweeps=()
 experiments=("$@")
@@ -67,10 +70,10 @@ fi
 # written (a job that cannot run, a crash), a second process curates what is on disk.
 started=$(mktemp)
 python3 scripts/sweep.py "${sweeps[@]}" "${restore[@]}" --workers "${JOBS:-6}" --shards "${SHARDS:-1}" \
-    --deadline "${DEADLINE:-420}" --curate accuracy --out "$out" --bench results/bench
+    --deadline "${DEADLINE:-420}" --curate "$curate" --out "$out" --bench results/bench
 status=$?
-if [ -z "$(find "$out" -maxdepth 1 -name 'accuracy_*.json' -newer "$started")" ]; then
-    python3 scripts/sweep.py "${sweeps[@]}" --no-run --curate accuracy --out "$out" --bench results/bench
+if [ -z "$(find "$out" -maxdepth 1 -name "${curate}_*.json" -newer "$started")" ]; then
+    python3 scripts/sweep.py "${sweeps[@]}" --no-run --curate "$curate" --out "$out" --bench results/bench
 fi
 rm -f "$started"
 # shellcheck disable=SC2046  # every output root under results/ (a determinism pass writes results/runs_again)

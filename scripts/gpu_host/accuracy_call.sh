@@ -10,7 +10,7 @@
 #      runs.tar.gz of every sample on the host's disk: the RUNS_TAR of the next host, should this one be lost.
 # A call before all pieces are kept lists those missing and returns at once.
 #
-#   ICECACHE_GIT_COMMIT=<sha> DEADLINE=<seconds> [JOBS=14] [SHARDS=4] [MPS=1] [WAIT=540] [MODEL=...] \
+#   ICECACHE_GIT_COMMIT=<sha> DEADLINE=<seconds> [JOBS=14] [SHARDS=4] [MPS=1] [WAIT=540] [MODEL=...] [NAME=...] [CURATE=...] \
 #       bash scripts/gpu_host/accuracy_call.sh [FOLDER...]   [experiment ...: after --, as accuracy.sh takes]
 #
 # DEADLINE counts from the start of the grid (step 3): leave room after it for curating and one last wait. With
@@ -24,7 +24,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 export ICECACHE_STAGE=${ICECACHE_STAGE:-/tmp/icecache-stage}
 export ICECACHE_DETACHED_ROOT=${ICECACHE_DETACHED_ROOT:-/tmp/icecache-detached}
 stage=$ICECACHE_STAGE root=$ICECACHE_DETACHED_ROOT
-name=accuracy
+# NAME=<word> starts another grid on a host where one has run (each name once a host); CURATE as accuracy.sh takes it
+name=${NAME:-accuracy}
 wait_s=${WAIT:-540}
 folders=() experiments=()
 while [ $# -gt 0 ]; do
@@ -58,7 +59,7 @@ if [ ! -d "$root/$name" ]; then  # not started on this host yet
     [ ${#experiments[@]} -gt 0 ] && printf -v grid '%q ' "${experiments[@]}"
     bash "$here/detached.sh" start "$name" \
         "RUNS_TAR=$runs_tar OUT=\$DETACHED_OUT MPS=${MPS:-1} JOBS=${JOBS:-14} SHARDS=${SHARDS:-4} \
-DEADLINE=$DEADLINE${MODEL:+ MODEL=$MODEL} bash scripts/gpu_host/accuracy.sh $grid" || exit 2
+DEADLINE=$DEADLINE${MODEL:+ MODEL=$MODEL}${CURATE:+ CURATE=$CURATE} bash scripts/gpu_host/accuracy.sh $grid" || exit 2
 fi
 out=${OUT:-.}
 OUT=$out bash "$here/detached.sh" wait "$name" "$wait_s" | tail -c 3000
