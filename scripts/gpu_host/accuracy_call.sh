@@ -14,8 +14,8 @@
 #       bash scripts/gpu_host/accuracy_call.sh [FOLDER...]   [experiment ...: after --, as accuracy.sh takes]
 #
 # DEADLINE counts from the start of the grid (step 3): leave room after it for curating and one last wait. With
-# the folders of pack.sh the calls carry .parts/w .parts/m1, then .parts/r .parts/m2, then .parts/m3
-# (the start and the first wait come with it), then nothing, until the grid's call ends.
+# the folders of pack.sh the calls carry .parts/w, then .parts/r, .parts/m1, .parts/m2, then .parts/m3 (the start
+# and the first wait come with it), then nothing, until the grid's call ends (a call passes 64 MiB: pack.sh).
 # Exit status: 0 it ended with every run done; 1 it ended otherwise (its log's end is printed); 3 pieces missing,
 # or still running; 2 bad input.
 set -uo pipefail

@@ -12,10 +12,11 @@
 #                    beside a working tree of up to 26 MiB (a call carries 64 MiB)
 #
 # Usage: [QWEN=1] [GSM8K=<test.jsonl>] bash scripts/gpu_host/pack.sh [PARTS]        (default .parts, which git ignores)
-# Then, in calls to one warm host (each within the host's idle limit of the one before):
-#   bash scripts/gpu_host/stage.sh keep .parts/w .parts/m1    (carry: .parts/w, .parts/m1: 54 MB beside the tree)
-#   bash scripts/gpu_host/stage.sh keep .parts/r .parts/m2    (carry: .parts/r, .parts/m2)
-#   bash scripts/gpu_host/stage.sh keep .parts/m3             (carry: .parts/m3)
+# Then, in calls to one warm host (each within the host's idle limit of the one before), one folder a call where
+# two would pass 64 MiB beside the working tree (~20 MiB: the wheels are 27 MiB, a SmolLM2 part 32 MiB):
+#   bash scripts/gpu_host/stage.sh keep .parts/w              (carry: .parts/w)
+#   bash scripts/gpu_host/stage.sh keep .parts/r              (carry: .parts/r; with QWEN=1, .parts/q13 beside it)
+#   bash scripts/gpu_host/stage.sh keep .parts/m1             (and .parts/m2, .parts/m3, a call each)
 #   bash scripts/gpu_host/stage.sh install                    (joins the model, checks its sha256, installs)
 # or, the same command in every call, staging and then running the accuracy grid: scripts/gpu_host/accuracy_call.sh.
 set -euo pipefail
