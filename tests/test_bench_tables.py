@@ -619,7 +619,8 @@ def test_other_gpus_come_from_the_folders_with_last_round_times_and_ratios_of_th
 def test_a_speed_goal_is_checked_against_the_newest_file_of_each_gpu_with_its_reference(bench_tables, tmp_path,
                                                                                        monkeypatch):
     """Each goal a method declares gets, per GPU, the ratio from the newest file holding the method and the goal's
-    reference at that context (an older, faster file does not count), met or missed by how much, or "not measured"."""
+    reference at that context (an older, faster file does not decide it, but is named beside it as the best), met
+    or missed by how much, or "not measured"."""
     from baselines.shadowkv import ShadowKV
     from icecache.core.method import SpeedGoal
 
@@ -636,9 +637,18 @@ def test_a_speed_goal_is_checked_against_the_newest_file_of_each_gpu_with_its_re
         summary_row("shadowkv", 4096, 0.001)])  # no reference in its file: not a measurement of the goal
     rows = {(row[0], row[2]): row for row in table_rows(bench_tables.render_speed_goals(tmp_path, {}))}
     tpot, ttft = rows[("`shadowkv`", "tpot")], rows[("`shadowkv`", "ttft")]
-    assert tpot[4].startswith("0.90, missed by 6% (`latency_gpu_20990101-000001.json`")
+    assert tpot[4] == ("0.90, missed by 6% (`latency_gpu_20990101-000001.json`, bbbbbbb); "
+                       "best 0.80, met (`latency_gpu_20990101-000000.json`, aaaaaaa)")
     assert ttft[4].startswith("1.50, missed by 25%") and ttft[-1] == "a test"
+    assert ttft[4].endswith("; best 1.00, met (`latency_gpu_20990101-000000.json`, aaaaaaa)")
     assert not any(row[0] == "`shadowkv`" and "0.10" in row[4] for row in rows.values())
+    # a newest file as good as the best names no other
+    write_latency(tmp_path, "latency_gpu_20990101-000003.json", "2026-01-04T00:00:00+00:00", "d", [
+        summary_row("full", 4096, 0.040), summary_row("full_static", 4096, 0.010),
+        summary_row("shadowkv", 4096, 0.007)])
+    rows = {(row[0], row[2]): row for row in table_rows(bench_tables.render_speed_goals(tmp_path, {}))}
+    assert rows[("`shadowkv`", "tpot")][4] == "0.70, met (`latency_gpu_20990101-000003.json`, ddddddd)"
+    assert rows[("`shadowkv`", "ttft")][4] == "1.00, met (`latency_gpu_20990101-000003.json`, ddddddd)"
 
 
 def test_a_throughput_goal_is_a_lower_bound_on_the_best_over_full_static_s_best(bench_tables, tmp_path, monkeypatch):
