@@ -94,8 +94,8 @@ ACCURACY_SWEEPS = --sweep "experiment=accuracy_passkey $(MODEL_ARG)" --sweep "ex
 ## JOBS=N runs N jobs at once on this host, DEADLINE=<seconds> stops them then (the next call resumes), SHARDS=N
 ## splits each run into N jobs of every N-th sample (the slow methods' runs then end with the others). RULER
 ## sources: make ruler-data. The selection diagnostic: make reproduce-selection.
-## On a Slurm cluster: python scripts/sweep.py experiment=accuracy_passkey hydra/launcher=slurm (and
-## experiment=accuracy_ruler), then make accuracy-tables.
+## On a Slurm cluster: python scripts/sweep.py experiment=accuracy_passkey hydra/launcher=slurm (and each other
+## sweep of ACCURACY_SWEEPS), then make accuracy-tables.
 reproduce-accuracy: $(STAMP)
 	-$(PY) scripts/sweep.py $(ACCURACY_SWEEPS) --workers $(JOBS) --shards $(SHARDS) \
 		$(if $(DEADLINE),--deadline $(DEADLINE))
