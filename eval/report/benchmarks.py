@@ -370,7 +370,7 @@ def render_speed_goals(results: Path, paper: dict[str, Any]) -> str:
             if (value := goal_value(f, row, measure)) is not None:
                 key = (str(f.provenance.get("gpu") or f.host), row["context"], row["method"], measure)
                 found_all.setdefault(key, []).append((f.order, (value, f, row)))
-    measured = {key: max(found, key=lambda item: item[0])[1] for key, found in found_all.items()}
+    measured = newest_by([(key, order, found) for key, items in found_all.items() for order, found in items])
     gpus = sorted({gpu for gpu, *_ in measured})
 
     def verdict_of(value: float, goal: Any) -> str:
