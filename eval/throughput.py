@@ -26,8 +26,6 @@ import dataclasses
 import gc
 import json
 import os
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -319,19 +317,15 @@ def measure_link(settings: ThroughputSettings) -> dict[str, Any] | None:
 
     if not settings.link_probe or settings.device == "cpu" or not torch.cuda.is_available():
         return None
-    repo = Path(__file__).resolve().parents[1]
+    from icecache.core import link_probe
+
     device = settings.device if settings.device.startswith("cuda") else "cuda"
-    # the probe imports this repository's package, which a checkout run through PYTHONPATH has not installed
-    path = os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, str(repo / "scripts" / "bench" / "link.py"), "--json", "--device", device],
-                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path})
+    done = link_probe.run_probe_process(["--json", "--device", device])
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         error = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
         print(f"link probe failed: {error}", flush=True)
         return {"error": error}
-    from icecache.core import link_probe
-
     result = json.loads(lines[-1])
     print(link_probe.format_table(result), flush=True)
     return result

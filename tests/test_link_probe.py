@@ -5,10 +5,6 @@ probe and the kernel sweeps share (icecache/core/device_timing.py)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +12,6 @@ import torch
 from eval.throughput import ThroughputSettings, measure_link
 from icecache.core import link_probe
 from icecache.core.kernels.block_copy import copy_blocks_reference
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("order", ["random", "sequential"])
@@ -67,8 +61,7 @@ def test_the_throughput_benchmark_records_no_link_off_cuda_or_when_told_not_to()
 
 
 def test_bad_probe_arguments_stop_with_one_line_before_any_work():
-    done = subprocess.run([sys.executable, str(REPO / "scripts/bench/link.py"), "--store-gib", "0.001"],
-                          capture_output=True, text=True, cwd=REPO)
+    done = link_probe.run_probe_process(["--store-gib", "0.001"])
     assert done.returncode == 2
     assert "too small" in done.stderr.strip().splitlines()[-1]
 
@@ -76,10 +69,9 @@ def test_bad_probe_arguments_stop_with_one_line_before_any_work():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_probe_measures_every_block_size_and_order_in_a_process_of_its_own():
-    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # a checkout not installed
-    done = subprocess.run([sys.executable, str(REPO / "scripts/bench/link.py"), "--json", "--store-gib", "0.0625",
-                           "--block-bytes", "1024", "4096", "--entries", "512", "--repeats", "3"],
-                          capture_output=True, text=True, cwd=REPO, check=True, env={**os.environ, "PYTHONPATH": path})
+    done = link_probe.run_probe_process(["--json", "--store-gib", "0.0625", "--block-bytes", "1024", "4096",
+                                         "--entries", "512", "--repeats", "3"])
+    assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["dma_gbps"] > 0
     assert set(result["zero_copy_gbps"]) == {"1024", "4096"}

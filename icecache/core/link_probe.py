@@ -22,6 +22,10 @@ and records in its file's settings as ``link``.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,6 +46,15 @@ VARIANTS = (("random", "random", {}), ("sequential", "sequential", {}),
             ("random_16_a_program", "random", {"entries_per_program": 16}),
             ("random_32_programs", "random", {"programs": 32}))
 ELEMENT = torch.bfloat16
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_probe_process(arguments: list[str]) -> subprocess.CompletedProcess:
+    """scripts/bench/link.py with ``arguments`` in a process of its own (its output captured as text), with this
+    repository on its PYTHONPATH: a checkout run without installing the package imports it from there."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "link.py"), *arguments],
+                          capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": path})
 
 
 def block_plan(n_blocks: int, entries: int, order: str, generator: torch.Generator) -> torch.Tensor:
