@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "gpu_host" / "detached.sh"
 
@@ -184,6 +186,13 @@ def grid_call(tmp_path: Path, *args: str, wait: str = "1", **env_overrides: str)
            "OUT": str(out), "GATE": str(tmp_path / "gate"), "ICECACHE_GIT_COMMIT": "abc123", "DEADLINE": "900",
            "WAIT": wait, **env_overrides}
     (tmp_path / "stage").mkdir(exist_ok=True)
+    # the host's GPU, as nvidia-smi reports it: FAKE_GPU_MIB MiB of memory, or no GPU when that is unset
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "nvidia-smi").write_text('#!/usr/bin/env bash\n[ -n "${FAKE_GPU_MIB:-}" ] || exit 9\n'
+                                        'echo "$FAKE_GPU_MIB"\n')
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
     return subprocess.run(["bash", str(repo / "scripts" / "gpu_host" / "accuracy_call.sh"), *args], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=60)
 
@@ -221,6 +230,29 @@ def test_the_grid_call_stages_starts_once_waits_and_hands_back_every_sample(tmp_
     ended = grid_call(tmp_path, wait="30")
     assert ended.returncode == 1 and "the deadline came first" in ended.stdout
     assert (tmp_path / "out" / "accuracy_model_stamp.json").read_text() == "curated\n"
+
+
+@pytest.mark.parametrize(("gpu_mib", "jobs", "expected"), [
+    ("143771", "", "JOBS=14"),  # an H200
+    ("81559", "", "JOBS=8"),  # an 80 GB H100, where 14 jobs of the short grid ran out of memory
+    ("4096", "", "JOBS=1"),
+    ("81559", "5", "JOBS=5"),  # given, kept
+])
+def test_the_grid_takes_as_many_jobs_as_the_gpus_memory_holds(tmp_path, gpu_mib, jobs, expected):
+    pieces = tmp_path / "pieces"
+    pieces.mkdir()
+    (pieces / "piece").write_text("x")
+    env = {"FAKE_GPU_MIB": gpu_mib, **({"JOBS": jobs} if jobs else {})}
+    started = grid_call(tmp_path, str(pieces), **env)
+    assert started.returncode == 3, started.stdout + started.stderr
+    assert f"{expected} SHARDS=4" in (tmp_path / "out" / "args.txt").read_text()
+    (tmp_path / "gate").write_text("0")
+    assert grid_call(tmp_path, wait="30").returncode == 0
+
+
+def test_the_grid_refuses_a_job_count_that_is_not_a_whole_number(tmp_path):
+    refused = grid_call(tmp_path, JOBS="many")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "JOBS" in refused.stderr
 
 
 def test_the_stage_lists_the_pieces_not_kept(tmp_path):

@@ -10,7 +10,7 @@
 #      runs.tar.gz of every sample on the host's disk: the RUNS_TAR of the next host, should this one be lost.
 # A call before all pieces are kept lists those missing and returns at once.
 #
-#   ICECACHE_GIT_COMMIT=<sha> DEADLINE=<seconds> [JOBS=14] [SHARDS=4] [MPS=1] [WAIT=540] [MODEL=...] [NAME=...] [CURATE=...] \
+#   ICECACHE_GIT_COMMIT=<sha> DEADLINE=<seconds> [JOBS=N] [SHARDS=4] [MPS=1] [WAIT=540] [MODEL=...] [NAME=...] [CURATE=...] \
 #       bash scripts/gpu_host/accuracy_call.sh [FOLDER...]   [experiment ...: after --, as accuracy.sh takes]
 #
 # DEADLINE counts from the start of the grid (step 3): leave room after it for curating and one last wait. With
@@ -36,6 +36,7 @@ done
 [ -n "${ICECACHE_GIT_COMMIT:-}" ] ||
     { echo "error: set ICECACHE_GIT_COMMIT=<sha> (the result files carry it)" >&2; exit 2; }
 [[ ${DEADLINE:-} =~ ^[0-9]+$ ]] || { echo "error: set DEADLINE=<seconds> for the grid, a whole number" >&2; exit 2; }
+[[ ${JOBS:-1} =~ ^[1-9][0-9]*$ ]] || { echo "error: JOBS must be a whole number of at least 1, not '$JOBS'" >&2; exit 2; }
 [[ $wait_s =~ ^[0-9]+$ ]] || { echo "error: WAIT must be a whole number of seconds, not '$wait_s'" >&2; exit 2; }
 for folder in "${folders[@]}"; do
     [ -d "$folder" ] || { echo "error: $folder is not a folder: carry it, or leave it out" >&2; exit 2; }
@@ -57,8 +58,18 @@ if [ ! -d "$root/$name" ]; then  # not started on this host yet
     [ -f "$stage/runs.tar.gz" ] && runs_tar=$stage/runs.tar.gz
     grid=
     [ ${#experiments[@]} -gt 0 ] && printf -v grid '%q ' "${experiments[@]}"
+    # One job per 9.5 GiB of the GPU's memory, 14 at most: a job of the short grid (16 samples a step) held up to
+    # 9.5 GiB, and 14 of them ran an 80 GB H100 out of memory, where they fit an H200.
+    jobs=${JOBS:-}
+    if [ -z "$jobs" ]; then
+        mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
+        jobs=14
+        [[ $mib =~ ^[0-9]+$ ]] && jobs=$(( mib / 9728 < 14 ? mib / 9728 : 14 ))
+        [ "$jobs" -ge 1 ] || jobs=1
+        echo "JOBS=$jobs (from the GPU's ${mib:-unknown} MiB)"
+    fi
     bash "$here/detached.sh" start "$name" \
-        "RUNS_TAR=$runs_tar OUT=\$DETACHED_OUT MPS=${MPS:-1} JOBS=${JOBS:-14} SHARDS=${SHARDS:-4} \
+        "RUNS_TAR=$runs_tar OUT=\$DETACHED_OUT MPS=${MPS:-1} JOBS=$jobs SHARDS=${SHARDS:-4} \
 DEADLINE=$DEADLINE${MODEL:+ MODEL=$MODEL}${CURATE:+ CURATE=$CURATE} bash scripts/gpu_host/accuracy.sh $grid" || exit 2
 fi
 out=${OUT:-.}
