@@ -395,6 +395,17 @@ def test_the_headline_puts_each_method_s_share_of_full_beside_its_speed(bench_ta
     rendered = bench_tables.render_headline(latency_folder, {})
     assert "`accuracy_tiny_1.json`" in rendered and "accuracy_cpu_tiny_2" not in rendered
     assert {row[0].strip("`"): row[1:] for row in table_rows(rendered)}["icecache"] == ["80%", "10.00"]
+    # nor does a newer GPU grid of shorter contexts (another model's); a newer one as long does
+    short = [payload("passkey", "full", None, 2048, 100.0), payload("passkey", "icecache", 256, 2048, 50.0)]
+    (latency_folder / "accuracy_short_3.json").write_text(json.dumps(
+        {"model": "short", "provenance": provenance("2026-03-01T00:00:00+00:00", "c"), "runs": short}))
+    assert "`accuracy_tiny_1.json`" in bench_tables.render_headline(latency_folder, {})
+    again = [payload("passkey", "full", None, 4096, 100.0), payload("passkey", "icecache", 256, 4096, 70.0)]
+    (latency_folder / "accuracy_tiny_4.json").write_text(json.dumps(
+        {"model": "tiny", "provenance": provenance("2026-04-01T00:00:00+00:00", "d"), "runs": again}))
+    rendered = bench_tables.render_headline(latency_folder, {})
+    assert "`accuracy_tiny_4.json`" in rendered
+    assert {row[0].strip("`"): row[1:] for row in table_rows(rendered)}["icecache"] == ["70%", "10.00"]
 
 
 def test_the_summaries_are_one_line_per_method_and_per_context(bench_tables, latency_folder):

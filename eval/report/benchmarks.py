@@ -6,8 +6,9 @@
 A region is the text between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->``; NAME is one of ``RENDERERS``.
 Each table shows the newest numbers, row by row, and names the file and commit each row comes from:
 
-* headline: per method, its accuracy as a share of the full cache's (the newest ``accuracy_*.json`` of runs on a GPU,
-  at the latency files' budget) beside its decode time over ``full_static``'s (the latency table's rows).
+* headline: per method, its accuracy as a share of the full cache's (the ``accuracy_*.json`` of runs on a GPU that
+  reaches the longest context, the newest of those, at the latency files' budget) beside its decode time over
+  ``full_static``'s (the latency table's rows).
 
 * latency (``latency_*.json``): for every (context, method) the newest file that measured it. A method variant
   (``icecache:key=value``) is shown only from the file that gives its base method's row at that context, since it
@@ -1267,10 +1268,14 @@ def render_headline(results: Path, paper: dict[str, Any]) -> str:
     budgets = {(f.data.get("settings") or {}).get("budget") for _, f in latency}
     budget = budgets.pop() if len(budgets) == 1 else None
     accuracy_files = load(results, "accuracy_*.json")
-    # the newest grid run on a GPU, as the speeds beside it were: a later, smaller check on the CPU host does not
-    # replace it
-    on_gpu = [f for f in accuracy_files if runs_device(f) != "CPU"]
-    newest = (on_gpu or accuracy_files)[-1] if accuracy_files else None
+    # the grid run on a GPU (as the speeds beside it were) that reaches the longest context, the newest of those: a
+    # later, smaller check on the CPU host, or a newer grid of a short-context model, does not replace it
+    on_gpu = [f for f in accuracy_files if runs_device(f) != "CPU"] or accuracy_files
+
+    def longest_context(f) -> int:
+        return max((r.length or 0 for r in A.accuracy_rows(f.data.get("runs") or [])), default=0)
+
+    newest = max(reversed(on_gpu), key=longest_context) if on_gpu else None
     scores = A.accuracy_rows(newest.data.get("runs") or []) if newest else []
     scores = [r for r in scores if r.budget is None or r.budget == budget]
     accuracy_columns = sorted({(r.task, r.length) for r in scores}, key=lambda c: (c[0], c[1] or 0))
