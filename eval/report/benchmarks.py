@@ -1271,12 +1271,9 @@ def render_headline(results: Path, paper: dict[str, Any]) -> str:
     # the grid run on a GPU (as the speeds beside it were) that reaches the longest context, the newest of those: a
     # later, smaller check on the CPU host, or a newer grid of a short-context model, does not replace it
     on_gpu = [f for f in accuracy_files if runs_device(f) != "CPU"] or accuracy_files
-
-    def longest_context(f) -> int:
-        return max((r.length or 0 for r in A.accuracy_rows(f.data.get("runs") or [])), default=0)
-
-    newest = max(reversed(on_gpu), key=longest_context) if on_gpu else None
-    scores = A.accuracy_rows(newest.data.get("runs") or []) if newest else []
+    graded = [(f, A.accuracy_rows(f.data.get("runs") or [])) for f in reversed(on_gpu)]  # newest first
+    newest, scores = max(graded, key=lambda fr: max((r.length or 0 for r in fr[1]), default=0),
+                         default=(None, []))
     scores = [r for r in scores if r.budget is None or r.budget == budget]
     accuracy_columns = sorted({(r.task, r.length) for r in scores}, key=lambda c: (c[0], c[1] or 0))
     shares = {(method_text(r.method), r.task, r.length): r.share_of_full for r in scores}
