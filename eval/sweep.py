@@ -541,6 +541,23 @@ def is_device_fault(error: BaseException) -> bool:
     return type(error).__name__ == "AcceleratorError" or "CUDA error" in str(error)
 
 
+def is_out_of_memory(error: BaseException) -> bool:
+    """The GPU's memory ran out. Not sticky, and where jobs share the GPU often not the job's own doing: its
+    neighbours' caches held the memory at that moment."""
+    return type(error).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(error)
+
+
+def release_device_memory() -> None:
+    """Give the GPU memory this process caches but no longer uses back to the device, so that the jobs sharing the
+    GPU see it: a worker's cache otherwise keeps the peak of every run it served."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def run_job(values: dict[str, Any]) -> None:
     from eval.config import RunConfig
     from eval.runner import run
@@ -550,7 +567,7 @@ def run_job(values: dict[str, Any]) -> None:
 
 def worker(jobs: "mp.Queue", results: "mp.Queue", threads: int | None, run=run_job, first: Job | None = None) -> None:
     """One process: runs ``first`` if given, then jobs from ``jobs`` until it is empty, reporting each as (key,
-    error or None, whether the error is a device fault). After a device fault it reports and exits: the driver
+    error or None, what failed: None, "fault" or "memory"). After a device fault it reports and exits: the driver
     starts a fresh process."""
     os.chdir(REPO)  # run directories are relative to the repository, as for run.py
     from icecache.errors import ConfigError
@@ -568,21 +585,26 @@ def worker(jobs: "mp.Queue", results: "mp.Queue", threads: int | None, run=run_j
             values["threads"] = threads  # not part of a run's identity: the directory stays the same
         try:
             run(values)
-            results.put((job.key, None, False))
+            outcome = (job.key, None, None)
         except ConfigError as error:
-            results.put((job.key, str(error), False))
+            outcome = (job.key, str(error), None)
         except Exception as error:  # noqa: BLE001  one job's failure (out of memory, a bug) must not stop the others
             traceback.print_exc()
-            fault = is_device_fault(error)
-            results.put((job.key, f"{type(error).__name__}: {error}", fault))
-            if fault:
-                return
+            kind = "fault" if is_device_fault(error) else "memory" if is_out_of_memory(error) else None
+            outcome = (job.key, f"{type(error).__name__}: {error}", kind)
+        if outcome[2] == "fault":
+            results.put(outcome)
+            return
+        release_device_memory()  # here, not in the handler: the handled error's frames hold the run's tensors there
+        results.put(outcome)
 
 
 def run_all(jobs: list[Job], workers: int, deadline_s: float | None, run=run_job) -> tuple[int, list[str]]:
     """(jobs finished in this call, their errors); hands ``jobs`` out in their order and stops the workers at the
     deadline. A job that ends in a device fault is run once more in a fresh process (the fault may be the job
-    before's); a second fault is its error."""
+    before's); a second fault is its error. A job that runs out of GPU memory is run once more after every other
+    job has ended, in one process alone on the GPU (its neighbours' memory may have been the cause); a second time
+    is its error. Either retry resumes from the samples the first attempt saved."""
     if deadline_s is not None and deadline_s <= 0:
         return 0, []
     context = mp.get_context("spawn")  # CUDA does not survive a fork
@@ -592,7 +614,9 @@ def run_all(jobs: list[Job], workers: int, deadline_s: float | None, run=run_job
     results: mp.Queue = context.Queue()
     threads = max(1, (os.cpu_count() or 1) // workers) if workers > 1 else None
     by_key = {job.key: job for job in jobs}
-    retried: set[str] = set()
+    retried: set[str] = set()  # run again after a device fault
+    deferred: list[str] = []  # out of GPU memory once: to run again, alone, once the others have ended
+    retried_memory: set[str] = set()
     processes: list = []
 
     def start_worker(first: Job | None = None) -> None:
@@ -615,13 +639,25 @@ def run_all(jobs: list[Job], workers: int, deadline_s: float | None, run=run_job
                 print(f"deadline of {deadline_s:.0f} s reached: stopping the workers; the next call resumes",
                       flush=True)
                 break
+            only_deferred_left = bool(deferred) and finished + len(errors) + len(deferred) == len(jobs)
+            if only_deferred_left and not any(p.is_alive() for p in processes):
+                for name in deferred:
+                    pending.put(by_key[name])
+                print(f"running {len(deferred)} job(s) that ran out of GPU memory again, one at a time", flush=True)
+                deferred.clear()
+                start_worker()
             try:
-                name, error, fault = results.get(timeout=min(5.0, left) if left is not None else 5.0)
+                name, error, failure = results.get(timeout=min(5.0, left) if left is not None else 5.0)
             except queue.Empty:
-                if not any(p.is_alive() for p in processes):
-                    break  # a worker died (out of memory, say) and nothing more will come
+                if not only_deferred_left and not any(p.is_alive() for p in processes):
+                    break  # a worker died (killed for host memory, say) and nothing more will come
                 continue
-            if fault:
+            if failure == "memory" and name not in retried_memory:
+                retried_memory.add(name)
+                deferred.append(name)
+                print(f"out of GPU memory in {name}: it runs again when the other jobs have ended", flush=True)
+                continue
+            if failure == "fault":
                 # The faulted worker has exited, its CUDA context with it. Its replacement starts with the job
                 # (once), ahead of the queue, so that a retry is not left behind long jobs by a deadline.
                 if name not in retried:

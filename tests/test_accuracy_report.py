@@ -455,6 +455,37 @@ def test_a_device_fault_ends_its_worker_and_the_job_runs_again_in_a_fresh_proces
     assert not launcher.is_device_fault(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
 
 
+def test_a_job_out_of_gpu_memory_runs_again_alone_after_the_others(tmp_path):
+    import dataclasses
+
+    from tests import device_fault_jobs
+
+    sweep = (f"experiment=accuracy_passkey model=tiny_llama output_root={tmp_path / 'runs'} method=full,quest,h2o "
+             "budget=128 task.lengths=[400] task.num_depths=2").split()
+    jobs = launcher.plan([sweep], None).runs
+    assert len(jobs) == 3
+    # Two workers: the first job to start runs out of memory; the other two finish, and only then, in a process of
+    # its own, does it run again.
+    finished, failed = launcher.run_all(jobs, 2, None, run=device_fault_jobs.out_of_memory_first_call)
+    assert (finished, failed) == (3, [])
+    calls = [line.split() for line in (tmp_path / "memory" / "calls").read_text().splitlines()]
+    assert len(calls) == 4
+    first_method, first_pid = calls[0]
+    assert calls[-1][0] == first_method and sorted(method for method, _ in calls[1:]) == ["full", "h2o", "quest"]
+    assert calls[-1][1] not in {pid for _, pid in calls[:-1]}  # a fresh process, started after the others ended
+    assert first_pid in {pid for _, pid in calls[1:-1]}  # running out of memory did not end its worker
+    assert all(job.is_done() for job in jobs)
+
+    # Out of memory on its second attempt too: reported once, after two attempts.
+    (tmp_path / "memory").rename(tmp_path / "memory_before")
+    again = [dataclasses.replace(jobs[0], run_dir=tmp_path / "never")]
+    finished, failed = launcher.run_all(again, 2, None, run=device_fault_jobs.always_out_of_memory)
+    assert finished == 0 and len(failed) == 1 and "CUDA out of memory" in failed[0]
+    assert len((tmp_path / "memory" / "calls").read_text().splitlines()) == 2
+    assert launcher.is_out_of_memory(RuntimeError(device_fault_jobs.OUT_OF_MEMORY))
+    assert not launcher.is_out_of_memory(RuntimeError(device_fault_jobs.FAULT))
+
+
 def test_several_sweeps_read_each_model_once_and_keep_the_settings_they_composed(tmp_path, monkeypatch):
     from eval.cli import JobComposer, hydra_context, run_values
     from icecache.core import models
@@ -502,7 +533,7 @@ def test_the_tpot_figure_title_names_the_model_and_gpu_timed_and_no_files(tmp_pa
     from eval.report.collect import reference_bench_rows
 
     bench = REPO / "results" / "bench"
-    [curated] = sorted(bench.glob("accuracy_smollm2-135m_*.json"))[-1:]  # the page's H200 file
+    [curated] = sorted(bench.glob("accuracy_smollm2-135m_*.json"))[-1:]  # the page's SmolLM2 grid
     rows = A.accuracy_rows(json.loads(curated.read_text())["runs"])
     titles = []
     monkeypatch.setattr(P, "accuracy_vs_tpot_panels", lambda points, stem, title="": titles.append(title) or [])

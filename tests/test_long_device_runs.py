@@ -233,8 +233,8 @@ def test_the_grid_call_stages_starts_once_waits_and_hands_back_every_sample(tmp_
 
 
 @pytest.mark.parametrize(("gpu_mib", "jobs", "expected"), [
-    ("143771", "", "JOBS=14"),  # an H200
-    ("81559", "", "JOBS=8"),  # an 80 GB H100, where 14 jobs of the short grid ran out of memory
+    ("143771", "", "JOBS=11"),  # an H200
+    ("81559", "", "JOBS=6"),  # an 80 GB H100, where 8 jobs of the short grid ran out of memory
     ("4096", "", "JOBS=1"),
     ("81559", "5", "JOBS=5"),  # given, kept
 ])

@@ -58,13 +58,14 @@ if [ ! -d "$root/$name" ]; then  # not started on this host yet
     [ -f "$stage/runs.tar.gz" ] && runs_tar=$stage/runs.tar.gz
     grid=
     [ ${#experiments[@]} -gt 0 ] && printf -v grid '%q ' "${experiments[@]}"
-    # One job per 9.5 GiB of the GPU's memory, 14 at most: a job of the short grid (16 samples a step) held up to
-    # 9.5 GiB, and 14 of them ran an 80 GB H100 out of memory, where they fit an H200.
+    # One job per 12.5 GiB of the GPU's memory, 14 at most: a job of the short grid (16 samples a step) held up to
+    # 12.5 GiB (8.3 of them its tensors), and 8 of them ran an 80 GB H100 out of memory. A job that runs out all the
+    # same runs again once the others have ended (eval/sweep.py).
     jobs=${JOBS:-}
     if [ -z "$jobs" ]; then
         mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -n 1)
         jobs=14
-        [[ $mib =~ ^[0-9]+$ ]] && jobs=$(( mib / 9728 < 14 ? mib / 9728 : 14 ))
+        [[ $mib =~ ^[0-9]+$ ]] && jobs=$(( mib / 12800 < 14 ? mib / 12800 : 14 ))
         [ "$jobs" -ge 1 ] || jobs=1
         echo "JOBS=$jobs (from the GPU's ${mib:-unknown} MiB)"
     fi
