@@ -3,8 +3,8 @@
 accuracy_vs_budget_<model>.png, accuracy_vs_tpot_<model>.png (TPOT from the latency files in --bench) and
 mass_by_layer_<model>.png, as ``scripts/sweep.py --curate`` draws them beside the file.
 
-    python scripts/accuracy_figures.py results/bench/accuracy_smollm2-135m_20261202-152952.json
-    make accuracy-figures CURATED=results/bench/accuracy_smollm2-135m_20261202-152952.json
+    python scripts/accuracy_figures.py results/bench/accuracy_smollm2-135m_20261207-064023.json
+    make accuracy-figures CURATED=results/bench/accuracy_smollm2-135m_20261207-064023.json
 """
 
 from __future__ import annotations
