@@ -316,10 +316,11 @@ class DCIIndex:
 
     def last_query_phases(self) -> dict[str, int]:
         """Where the last query's wall-clock time went, in nanoseconds, for a query with one direction (IceCache's):
-        ``fork`` (until the last OpenMP thread had started: the cost of waking the team), ``descend`` (every head
-        down to the last level), ``group`` (the heads' runs grouped by parent), ``scan`` (the shared last-level
-        scan) and ``merge`` (each head's result), each to the end of its barrier; ``scan_busy``, the scan's time in
-        work items summed over threads. All zero after a query with several directions."""
+        ``fork`` (until the last thread of the team had started: the cost of waking it), ``descend`` (until every
+        head had descended to the last level; the instances grouped by then are scanned meanwhile), ``group``
+        (until the last instance's runs were grouped by parent), ``scan`` (the rest of the shared last-level scan,
+        to its barrier) and ``merge`` (each head's result); they add up to the query's wall clock. ``scan_busy``
+        is the scan's time in work items summed over threads. All zero after a query with several directions."""
         return dict(self._forest.last_query_phases())
 
     def memory_bytes(self) -> dict[str, int]:

@@ -274,7 +274,8 @@ class Forest {
     if (static_cast<int>(acc_.size()) < nthreads) acc_.resize(nthreads);
     if (static_cast<int64_t>(heads_.size()) < nq) heads_.resize(nq);
     if (static_cast<int>(jobs_.size()) < I) jobs_.resize(I);
-    // Items cut into chunks of at most chunk_rows rows (at leaf boundaries) need no global sort to end balanced.
+    // Items cut into chunks of at most chunk_rows rows (at leaf boundaries) end the shared loops balanced in any
+    // order; with chunk_rows == 0 an item is a whole parent, and each instance's are sorted largest first.
     const int chunk_rows = dci::scan_tuning().chunk_rows;
     if (static_cast<int>(inst_items_.size()) < I) inst_items_.resize(I);
     if (bars_capacity_ < nq) {
@@ -287,18 +288,30 @@ class Forest {
     };
     const Clock::time_point started = Clock::now();
     std::atomic<int64_t> last_start_ns{0}, scan_busy_ns{0};
-    // the earliest scan start (ns since started): thread 0 may be preempted between the barrier and its lap,
-    // while the others already scan, so the scan phase begins at whichever thread started first
-    std::atomic<int64_t> first_scan_ns{std::numeric_limits<int64_t>::max()};
-    std::atomic<int64_t> next_head{0}, next_item{0};  // the two shared loops' next index
-    // An instance is grouped by the thread that finishes the last of its heads' descents, while other heads still
-    // descend, and the items are collected by the thread that groups the last instance: no barrier in between.
+    std::atomic<int64_t> next_head{0};  // the descents' shared loop
+    // An instance is grouped by the thread that finishes the last of its heads' descents, and its items are
+    // published at once (the next slot of `ready_`): a thread whose descents are done scans the instances in the
+    // order they were published while other heads still descend, so no barrier separates the two phases and no
+    // thread waits for the slowest descent or for the last grouping. Results do not depend on the order in which
+    // items are scanned (the accumulators order by (distance, id); a bar only passes over rows that cannot enter).
     if (inst_done_capacity_ < I) {
       inst_done_.reset(new std::atomic<int>[I]);
+      ready_.reset(new std::atomic<int>[I]);
+      inst_next_.reset(new std::atomic<int64_t>[I]);
       inst_done_capacity_ = I;
     }
-    for (int i = 0; i < I; ++i) inst_done_[i].store(0, std::memory_order_relaxed);
-    std::atomic<int64_t> instances_grouped{0}, descents_end_ns{0};
+    for (int i = 0; i < I; ++i) {
+      inst_done_[i].store(0, std::memory_order_relaxed);
+      ready_[i].store(-1, std::memory_order_relaxed);
+      inst_next_[i].store(0, std::memory_order_relaxed);
+    }
+    std::atomic<int> instances_grouped{0};
+    std::atomic<int64_t> descents_end_ns{0}, grouped_end_ns{0};
+    const auto raise_to = [](std::atomic<int64_t>& at, int64_t value) {
+      int64_t seen = at.load(std::memory_order_relaxed);
+      while (value > seen && !at.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
+      }
+    };
     const auto group_instance = [&](const int64_t i) {
       auto& jobs = jobs_[i];
       jobs.clear();
@@ -311,7 +324,11 @@ class Forest {
       if (chunk_rows > 0)
         inst_[i]->group_items(static_cast<int>(i), jobs.data(), static_cast<int32_t>(jobs.size()), chunk_rows,
                               inst_items_[i]);
-      if (instances_grouped.fetch_add(1, std::memory_order_acq_rel) + 1 == I) collect_items(I, chunk_rows);
+      else
+        parent_items(static_cast<int>(i), inst_items_[i]);
+      const int slot = instances_grouped.fetch_add(1, std::memory_order_acq_rel);
+      raise_to(grouped_end_ns, since(started));
+      ready_[slot].store(static_cast<int>(i), std::memory_order_release);  // its items and heads, published
     };
     dci::QueryPhases& ph = last_phases_;
     ph = dci::QueryPhases{};
@@ -322,12 +339,7 @@ class Forest {
       mark = now;
     };
     team.run(nthreads, [&](const int tid) {
-      {
-        const int64_t begun = since(started);
-        int64_t seen = last_start_ns.load(std::memory_order_relaxed);
-        while (begun > seen && !last_start_ns.compare_exchange_weak(seen, begun, std::memory_order_relaxed)) {
-        }
-      }
+      raise_to(last_start_ns, since(started));
       ThreadAcc& acc = acc_[tid];
       team.guarded([&] {
         dci::search_counters() = dci::SearchCounters{};
@@ -348,77 +360,67 @@ class Forest {
           // the descent's fed points are part of the head's result: their K-th best is a bar for the half scan
           bars_[h].tokens.store(hs.best_tokens.bar(), std::memory_order_relaxed);
           bars_[h].pages.store(hs.best_pages.bar(), std::memory_order_relaxed);
-          {
-            const int64_t ended = since(started);
-            int64_t seen = descents_end_ns.load(std::memory_order_relaxed);
-            while (ended > seen && !descents_end_ns.compare_exchange_weak(seen, ended, std::memory_order_relaxed)) {
-            }
-          }
+          raise_to(descents_end_ns, since(started));
           // the last of an instance's heads groups its runs by parent: one work item = one parent and up to
           // kMaxGroupHeads heads (the counter's acquire makes the other heads' runs visible)
           const int64_t i = h / ratio;
           if (inst_done_[i].fetch_add(1, std::memory_order_acq_rel) + 1 == ratio) group_instance(i);
         }
       });
+      int64_t busy = 0;
+      team.guarded([&] {
+        for (int slot = 0; slot < I; ++slot) {
+          // the slot's instance, once its last descent has grouped it (a teammate that failed never will)
+          int i;
+          for (uint32_t spins = 0; (i = ready_[slot].load(std::memory_order_acquire)) < 0;) {
+            if (team.failed()) return;
+            dci::spin_pause();
+            if ((++spins & 0x3fffu) == 0) std::this_thread::yield();
+          }
+          const std::vector<Item>& items = inst_items_[i];
+          const int64_t n_items = static_cast<int64_t>(items.size());
+          for (int64_t w; (w = dci::Team::next_index(inst_next_[i])) < n_items;) {
+            const Clock::time_point item_start = Clock::now();
+            const Item& it = items[w];
+            const Job* jb = jobs_[it.inst].data() + it.begin;
+            dci::Probe probes[dci::kMaxGroupHeads];
+            int32_t first[dci::kMaxGroupHeads], last[dci::kMaxGroupHeads];
+            dci::TopK* bt[dci::kMaxGroupHeads];
+            dci::TopK* bp[dci::kMaxGroupHeads];
+            dci::SharedBars* sb[dci::kMaxGroupHeads];
+            int nh = 0;
+            for (int g = 0; g < it.end - it.begin; ++g) {
+              // the head's run within the item's rows [lo, hi); a head with none there is left out
+              const int32_t f = std::max(jb[g].first, it.lo), l = std::min(jb[g].last, it.hi);
+              if (f >= l) continue;
+              sb[nh] = &bars_[jb[g].head];
+              probes[nh] = heads_[jb[g].head].probe;
+              first[nh] = f;
+              last[nh] = l;
+              bt[nh] = &acc.topk[2 * static_cast<int64_t>(jb[g].head)];
+              bp[nh] = &acc.topk[2 * static_cast<int64_t>(jb[g].head) + 1];
+              ++nh;
+            }
+            if (nh > 0) inst_[it.inst]->scan_runs(jb[0].kid_slot, nh, probes, first, last, bt, bp, sb);
+            acc.used = true;
+            busy += since(item_start);
+          }
+        }
+      });
+      scan_busy_ns.fetch_add(busy, std::memory_order_relaxed);
       team.barrier();
       if (tid == 0) {
-        // From the start to here: the fork (until the last thread had begun; every thread has, past the barrier),
-        // the descents, and what grouping added after the last descent ended (the rest ran under descents).
+        // From the start to here, on the wall clock: the fork (until the last thread had begun), the descents
+        // (until the last ended; items already grouped were scanned meanwhile), the grouping of the last
+        // instance, and the scan of what was left.
         int64_t total = 0;
         lap(total);
         ph.fork_ns = std::min(total, last_start_ns.load(std::memory_order_relaxed));
         const int64_t descents = std::clamp(descents_end_ns.load(std::memory_order_relaxed), ph.fork_ns, total);
+        const int64_t grouped = std::clamp(grouped_end_ns.load(std::memory_order_relaxed), descents, total);
         ph.descend_ns = descents - ph.fork_ns;
-        ph.group_ns = total - descents;
-      }
-      const int64_t n_items = static_cast<int64_t>(items_.size());
-      const Clock::time_point scan_start = Clock::now();
-      {
-        const int64_t at = std::chrono::duration_cast<std::chrono::nanoseconds>(scan_start - started).count();
-        int64_t seen = first_scan_ns.load(std::memory_order_relaxed);
-        while (at < seen && !first_scan_ns.compare_exchange_weak(seen, at, std::memory_order_relaxed)) {
-        }
-      }
-      team.guarded([&] {
-        for (int64_t w; (w = dci::Team::next_index(next_item)) < n_items;) {
-          const Item& it = items_[w];
-          const Job* jb = jobs_[it.inst].data() + it.begin;
-          dci::Probe probes[dci::kMaxGroupHeads];
-          int32_t first[dci::kMaxGroupHeads], last[dci::kMaxGroupHeads];
-          dci::TopK* bt[dci::kMaxGroupHeads];
-          dci::TopK* bp[dci::kMaxGroupHeads];
-          dci::SharedBars* sb[dci::kMaxGroupHeads];
-          int nh = 0;
-          for (int g = 0; g < it.end - it.begin; ++g) {
-            // the head's run within the item's rows [lo, hi); a head with none there is left out
-            const int32_t f = std::max(jb[g].first, it.lo), l = std::min(jb[g].last, it.hi);
-            if (f >= l) continue;
-            sb[nh] = &bars_[jb[g].head];
-            probes[nh] = heads_[jb[g].head].probe;
-            first[nh] = f;
-            last[nh] = l;
-            bt[nh] = &acc.topk[2 * static_cast<int64_t>(jb[g].head)];
-            bp[nh] = &acc.topk[2 * static_cast<int64_t>(jb[g].head) + 1];
-            ++nh;
-          }
-          if (nh > 0) inst_[it.inst]->scan_runs(jb[0].kid_slot, nh, probes, first, last, bt, bp, sb);
-          acc.used = true;
-        }
-      });
-      scan_busy_ns.fetch_add(since(scan_start), std::memory_order_relaxed);  // to its last item's end
-      team.barrier();
-      if (tid == 0) {
-        const Clock::time_point scan_mark = mark;  // where thread 0's lap ended the phases before the scan
-        lap(ph.scan_ns);
-        // time some thread spent scanning before thread 0's lap belongs to the scan, not to the phases before it
-        int64_t early = std::chrono::duration_cast<std::chrono::nanoseconds>(scan_mark - started).count() -
-                        first_scan_ns.load(std::memory_order_relaxed);
-        for (int64_t* before : {&ph.group_ns, &ph.descend_ns}) {
-          const int64_t moved = std::max<int64_t>(0, std::min(early, *before));
-          *before -= moved;
-          ph.scan_ns += moved;
-          early -= moved;
-        }
+        ph.group_ns = grouped - descents;
+        ph.scan_ns = total - grouped;
       }
       team.guarded([&] {
         for (int64_t h = tid; h < nq; h += nthreads) {
@@ -437,30 +439,25 @@ class Forest {
     ph.scan_busy_ns = scan_busy_ns.load();
   }
 
-  // The work items of every instance in one list (instance order); with chunk_rows == 0, one item per parent
-  // (up to kMaxGroupHeads heads), largest first so that the shared loop ends balanced.
-  void collect_items(int I, int chunk_rows) {
-    items_.clear();
-    for (int i = 0; i < I && chunk_rows > 0; ++i) items_.insert(items_.end(), inst_items_[i].begin(), inst_items_[i].end());
-    if (chunk_rows > 0) return;
-    for (int i = 0; i < I; ++i) {
-      const auto& jobs = jobs_[i];
-      size_t b = 0;
-      while (b < jobs.size()) {
-        size_t e = b + 1;
-        int lo = jobs[b].first, hi = jobs[b].last;
-        while (e < jobs.size() && jobs[e].kid_slot == jobs[b].kid_slot && e - b < dci::kMaxGroupHeads) {
-          lo = std::min(lo, jobs[e].first);
-          hi = std::max(hi, jobs[e].last);
-          ++e;
-        }
-        items_.push_back({i, static_cast<int32_t>(b), static_cast<int32_t>(e), lo, hi,
-                          static_cast<int64_t>(hi - lo) * static_cast<int64_t>(e - b + 1)});
-        b = e;
+  // With chunk_rows == 0: instance i's items, one per parent (up to kMaxGroupHeads heads), largest first so that
+  // the shared loop over them ends balanced.
+  void parent_items(int i, std::vector<dci::GroupItem>& items) const {
+    const auto& jobs = jobs_[i];
+    size_t b = 0;
+    while (b < jobs.size()) {
+      size_t e = b + 1;
+      int lo = jobs[b].first, hi = jobs[b].last;
+      while (e < jobs.size() && jobs[e].kid_slot == jobs[b].kid_slot && e - b < dci::kMaxGroupHeads) {
+        lo = std::min(lo, jobs[e].first);
+        hi = std::max(hi, jobs[e].last);
+        ++e;
       }
+      items.push_back({i, static_cast<int32_t>(b), static_cast<int32_t>(e), lo, hi,
+                       static_cast<int64_t>(hi - lo) * static_cast<int64_t>(e - b + 1)});
+      b = e;
     }
-    std::sort(items_.begin(), items_.end(), [](const Item& a, const Item& b) {
-      return a.cost > b.cost || (a.cost == b.cost && (a.inst < b.inst || (a.inst == b.inst && a.begin < b.begin)));
+    std::sort(items.begin(), items.end(), [](const dci::GroupItem& a, const dci::GroupItem& b) {
+      return a.cost > b.cost || (a.cost == b.cost && a.begin < b.begin);
     });
   }
 
@@ -590,9 +587,10 @@ class Forest {
   std::vector<HeadState> heads_;
   std::vector<ThreadAcc> acc_;
   std::vector<std::vector<Job>> jobs_;
-  std::vector<Item> items_;
-  std::vector<std::vector<Item>> inst_items_;  // per instance, with ScanTuning::chunk_rows > 0
+  std::vector<std::vector<Item>> inst_items_;  // per instance, its work items
   std::unique_ptr<std::atomic<int>[]> inst_done_;  // per instance, its heads whose descent has ended
+  std::unique_ptr<std::atomic<int>[]> ready_;  // [slot]: the instance grouped slot-th (-1 until then)
+  std::unique_ptr<std::atomic<int64_t>[]> inst_next_;  // per instance, its items' shared loop
   int inst_done_capacity_ = 0;
   std::unique_ptr<dci::SharedBars[]> bars_;  // [nq], for the half-precision scan
   int64_t bars_capacity_ = 0;

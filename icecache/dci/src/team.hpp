@@ -106,6 +106,9 @@ class Team {
     }
   }
 
+  // Inside run: whether a thread of the run has failed (a thread waiting on a teammate's work stops waiting).
+  bool failed() const { return failed_.load(std::memory_order_relaxed); }
+
   // The run's threads share a loop's indices: each calls this until it returns >= the loop's length. `counter` is
   // reset (to 0) by the caller before the run, one counter per loop.
   static int64_t next_index(std::atomic<int64_t>& counter) { return counter.fetch_add(1, std::memory_order_relaxed); }
