@@ -25,7 +25,7 @@ for round in $(seq "$rounds"); do
     for side in base new; do
         tree=$base
         [ "$side" = new ] && tree=$new
-        (cd "$tree" && PYTHONPATH=$tree "$python" scripts/bench/host_step.py --length "$length" --steps 64 \
+        (cd "$tree" && PYTHONPATH=$tree:$PYTHONPATH "$python" scripts/bench/host_step.py --length "$length" --steps 64 \
             --threads "$threads" --out "$out/$side" 2>&1 | grep -v "it/s\]$" | tail -2 | sed "s/^/$side $round: /")
     done
 done
