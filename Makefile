@@ -170,13 +170,15 @@ reproduce-determinism: $(STAMP)
 ## The selection diagnostic (docs/reproduce.md, "Selection quality"): every method at budget 256 (the look-ahead its
 ## own row) on RULER, SELECTION_SAMPLES of each task's samples, one sample at a time, measure_selection=true (an
 ## exact attention pass beside each step: the mass each layer's selection holds). reproduce-selection: the short
-## grid's model (SmolLM2-135M; MODEL=... another) at 4k and 8k; reproduce-selection-long: the long grid's at 16k.
+## grid's model (SmolLM2-135M; MODEL=... another) at 4k and 8k; reproduce-selection-long: the long grid's at
+## SELECTION_LONG_LENGTH tokens (16384; 32768 the other length measured: prompt and answer within its 32768 positions).
 ## Writes results/bench/selection_<model>_<date>.json and mass_by_layer_selection_<model>.png; the accuracy
 ## tables do not read it.
 SELECTION_SAMPLES ?= 2
 SELECTION_ARGS = budget=256 task.num_samples=$(SELECTION_SAMPLES) measure_selection=true batch_size=1
 SELECTION_SWEEP = experiment=accuracy_ruler $(MODEL_ARG) $(SELECTION_ARGS)
-SELECTION_SWEEP_LONG = experiment=accuracy_long_ruler $(LONG_MODEL) task.lengths=[16384] $(SELECTION_ARGS)
+SELECTION_LONG_LENGTH ?= 16384
+SELECTION_SWEEP_LONG = experiment=accuracy_long_ruler $(LONG_MODEL) task.lengths=[$(SELECTION_LONG_LENGTH)] $(SELECTION_ARGS)
 SELECTION_RUN = $(PY) scripts/sweep.py --sweep "$(1)" --sweep "$(1) method=icecache method.lookahead=true" \
 	--workers $(JOBS) --shards $(SHARDS) $(if $(DEADLINE),--deadline $(DEADLINE)) \
 	--curate selection --out results/bench --bench results/bench

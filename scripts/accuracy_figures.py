@@ -5,6 +5,12 @@ mass_by_layer_<model>.png, as ``scripts/sweep.py --curate`` draws them beside th
 
     python scripts/accuracy_figures.py results/bench/accuracy_smollm2-135m_20261207-064023.json
     make accuracy-figures CURATED=results/bench/accuracy_smollm2-135m_20261207-064023.json
+
+Selection grids (``--curate selection``) name their figures with ``--prefix selection_``; several curated files of
+one model (e.g. one grid per length) are drawn as one figure, a panel per task and length:
+
+    python scripts/accuracy_figures.py results/bench/selection_qwen2.5-coder-0.5b_*.json --prefix selection_ \
+        --only mass_by_layer
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import json
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+FIGURES = ("accuracy_vs_budget", "accuracy_vs_tpot", "mass_by_layer")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("curated", type=Path, nargs="+", help="curated accuracy files (results/bench/accuracy_*.json)")
     parser.add_argument("--bench", type=Path, default=REPO / "results" / "bench", help="latency_*.json folder")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "bench", help="folder of the figures")
+    parser.add_argument("--prefix", default="", help="before the model in each figure's name (selection_ for the "
+                        "selection grids' files)")
+    parser.add_argument("--only", choices=FIGURES, nargs="+", help="draw these figures alone (default: all)")
     args = parser.parse_args(argv)
     import matplotlib
 
@@ -31,8 +41,9 @@ def main(argv: list[str] | None = None) -> int:
 
     runs = [run for path in args.curated for run in json.loads(path.read_text(encoding="utf-8"))["runs"]]
     rows = A.accuracy_rows(runs)
-    for figure in accuracy_figures(rows, reference_bench_rows(args.bench), args.out):
-        if figure.suffix == ".png":
+    for figure in accuracy_figures(rows, reference_bench_rows(args.bench), args.out, prefix=args.prefix):
+        unwanted = args.only and not figure.name.startswith(tuple(f"{name}_" for name in args.only))
+        if figure.suffix == ".png" and not unwanted:
             print(f"wrote {figure}")
         else:
             figure.unlink()  # the PNG is what the page shows, as curating keeps it

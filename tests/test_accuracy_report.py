@@ -5,6 +5,7 @@ resume, curation) and the rendering into BENCHMARKS.md and results/summary. CPU 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import random
 import re
@@ -739,3 +740,29 @@ def test_the_budget_figures_full_cache_lines_stop_where_the_names_begin(tmp_path
         assert Text.get_window_extent(text, renderer).x0 > line_end  # the name's own box, not its leader
     leaders = [text.arrow_patch for text in names if text.arrow_patch is not None]
     assert leaders and all("angle" in type(a.get_connectionstyle()).__name__.lower() for a in leaders)
+
+
+def test_the_figures_script_draws_one_selection_figure_from_each_length_s_file(tmp_path):
+    """Two selection grids of one model (one file per length) give one mass-by-layer figure named for the selection
+    grid, with a panel per length, and --only leaves the other figures out."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import image
+
+    spec = importlib.util.spec_from_file_location("accuracy_figures", REPO / "scripts" / "accuracy_figures.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    files = sorted((REPO / "results" / "bench").glob("selection_qwen2.5-coder-0.5b_*.json"))
+    lengths = {run["settings"]["task"]["lengths"][0] for path in files for run in json.loads(path.read_text())["runs"]}
+    assert len(files) >= 2 and len(lengths) >= 2  # the committed 16k and 32k grids
+    assert script.main([*map(str, files), "--prefix", "selection_", "--only", "mass_by_layer",
+                        "--out", str(tmp_path), "--bench", str(tmp_path)]) == 0
+    [figure] = tmp_path.iterdir()
+    assert figure.name == "mass_by_layer_selection_qwen2.5-coder-0.5b.png"
+    one = tmp_path / "one"
+    one.mkdir()
+    assert script.main([str(files[0]), "--prefix", "selection_", "--only", "mass_by_layer", "--out", str(one),
+                        "--bench", str(tmp_path)]) == 0
+    # a panel per length: the figure of both lengths is taller than the figure of one
+    assert image.imread(figure).shape[0] > image.imread(next(one.iterdir())).shape[0]

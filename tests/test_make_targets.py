@@ -78,3 +78,10 @@ def test_the_selection_diagnostic_runs_every_method_at_one_budget_and_curates_un
     assert sweep.count("budget=256") == 2 and sweep.count("task.num_samples=3") == 2
     assert "method=icecache method.lookahead=true" in sweep and "--curate selection" in sweep
     assert "--restore" not in sweep  # its runs are its own: none of the grid's comes back
+
+
+def test_the_long_selection_grid_runs_at_the_length_asked_for():
+    default, longer = (make("reproduce-selection-long", *extra) for extra in ((), ("SELECTION_LONG_LENGTH=32768",)))
+    assert default.returncode == 0 == longer.returncode, default.stderr + longer.stderr
+    assert default.stdout.count("task.lengths=[16384]") == 2 and "32768" not in default.stdout
+    assert longer.stdout.count("task.lengths=[32768]") == 2 and "16384" not in longer.stdout
