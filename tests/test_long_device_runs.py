@@ -1,5 +1,6 @@
-"""scripts/gpu_host/detached.sh (a command that outlives the call that started it, and its waits) and
-scripts/bench/latency_resumed.sh (a latency file completed over as many processes as it takes)."""
+"""scripts/gpu_host/detached.sh (a command that outlives the call that started it, and its waits),
+scripts/bench/latency_resumed.sh (a latency file completed over as many processes as it takes) and the other GPU-host
+scripts' refusals of bad input."""
 
 from __future__ import annotations
 
@@ -141,6 +142,26 @@ def test_bench_latency_resumed_refuses_what_is_its_own_to_set(tmp_path):
     refused = resumed(tmp_path, str(tmp_path), *BENCH, tries=0)
     assert refused.returncode == 2 and "TRIES must be" in refused.stderr
     assert not list(tmp_path.glob("latency_*.json"))  # refused before anything ran
+
+
+def test_the_host_step_ab_refuses_a_base_without_code_and_bad_counts_before_building(tmp_path):
+    """scripts/gpu_host/ab_host_step.sh: a BASE that holds no setup.py, or a ROUNDS that is not a whole number, stops
+    with one line before anything is built or run."""
+    script = REPO / "scripts" / "gpu_host" / "ab_host_step.sh"
+
+    def ab(*args: str, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(script), *args], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "OUT": str(tmp_path / "out"), **env})
+
+    for args in ((), (str(tmp_path),), (str(tmp_path), str(tmp_path))):
+        refused = ab(*args)
+        assert refused.returncode == 2 and refused.stderr.startswith("usage:"), args
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "setup.py").write_text("raise SystemExit('never built')\n")
+    refused = ab(str(base), ROUNDS="two")
+    assert refused.returncode == 2 and "ROUNDS, LENGTH and THREADS must be whole numbers, not 'two'" in refused.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_attention_probe_refuses_a_host_without_cuda_in_one_line(tmp_path):
