@@ -5,7 +5,6 @@ resume, curation) and the rendering into BENCHMARKS.md and results/summary. CPU 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import random
 import re
@@ -19,6 +18,7 @@ from eval.report import accuracy as A
 from eval.report.bootstrap import bootstrap_intervals, paired_difference
 from eval.tasks.base import build_task
 from eval.tasks.ruler import aggregate_ruler
+from tests.conftest import load_script
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
@@ -750,9 +750,7 @@ def test_the_figures_script_draws_one_selection_figure_from_each_length_s_file(t
     matplotlib.use("Agg")
     from matplotlib import image
 
-    spec = importlib.util.spec_from_file_location("accuracy_figures", REPO / "scripts" / "accuracy_figures.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("accuracy_figures")
     files = sorted((REPO / "results" / "bench").glob("selection_qwen2.5-coder-0.5b_*.json"))
     lengths = {run["settings"]["task"]["lengths"][0] for path in files for run in json.loads(path.read_text())["runs"]}
     assert len(files) >= 2 and len(lengths) >= 2  # the committed 16k and 32k grids

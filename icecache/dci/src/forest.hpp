@@ -13,7 +13,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
-#include <limits>
 #include <memory>
 #include <stdexcept>
 
