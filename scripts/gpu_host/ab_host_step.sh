@@ -15,6 +15,8 @@ for value in "$rounds" "$length" "$threads"; do
 done
 export PYTHONUNBUFFERED=1 OMP_PROC_BIND=false ICECACHE_GIT_COMMIT=${ICECACHE_GIT_COMMIT:-unknown}
 base=$(cd "$1" && pwd) new=$PWD out=${OUT:-results/bench}/ab_host_step
+# absolute: each side's runs write from their own tree's folder
+case $out in /*) ;; *) out=$PWD/$out ;; esac
 python=${PYTHON:-python3}
 source scripts/gpu_host/runner_packages.sh  # the runner's wheels, before the builds
 (cd "$base" && "$python" setup.py build_ext --inplace -q 2>&1 | grep -i " error") &
