@@ -114,6 +114,39 @@ def test_scaling_files_fill_the_scaling_table_beside_the_paper_and_only_it(bench
     assert all(row[0] != "150000" for row in latency)
 
 
+def test_scaling_files_of_other_gpus_get_a_table_of_their_own_per_gpu_and_context(bench_tables, tmp_path):
+    """A scaling file in a folder of results/bench/ fills the other-GPU scaling table only: one line per GPU and
+    context, each method's TPOT with its ratio to the full_static of its own file, the paper's figure beside."""
+    write_latency(tmp_path, "latency_gpu_20260101-000000.json", "2026-01-01T00:00:00+00:00", "a", [
+        summary_row("full_static", 150000, 0.015), summary_row("icecache", 150000, 0.300)], experiment="scaling")
+    other = tmp_path / "h100_20260102"
+    other.mkdir()
+    write_latency(other, "latency_h100_20260102-000000.json", "2026-01-02T00:00:00+00:00", "b", [
+        summary_row("full", 150000, 0.030), summary_row("full_static", 150000, 0.020),
+        summary_row("icecache", 150000, 0.100)], experiment="scaling")
+    write_latency(other, "latency_h100_20260103-000000.json", "2026-01-03T00:00:00+00:00", "c", [
+        summary_row("full_static", 300000, 0.025), summary_row("icecache_reuse", 300000, 0.050)],
+        experiment="scaling")
+    write_latency(other, "latency_h100_20260104-000000.json", "2026-01-04T00:00:00+00:00", "d", [
+        summary_row("full_static", 150000, 0.001)])  # not the scaling experiment: the other latency table's
+    paper = {"scaling": {"model": "M", "task": "T", "hardware": "H",
+                         "tpot_ms": {"150000": {"full": 190, "icecache": 228}}}}
+    rendered = bench_tables.render_other_gpus_scaling(tmp_path, paper)
+    header = [line for line in rendered.splitlines() if line.startswith("|")][0]
+    assert "`icecache_reuse` TPOT ms (x full_static)" in header and "paper `icecache`" in header
+    rows = table_rows(rendered)
+    assert [row[:2] for row in rows] == [["Test GPU", "150k"], ["Test GPU", "300k"]]
+    at_150k, at_300k = rows
+    # full, full_static, icecache, icecache_reuse, paper full, paper icecache, file, commit
+    assert at_150k[2:8] == ["30.0 (1.50x)", "20.0 (1.00x)", "100.0 (5.00x)", "-", "190", "228"]
+    assert at_150k[8:] == ["`h100_20260102/latency_h100_20260102-000000.json`", "b" * 7]
+    assert at_300k[2:8] == ["-", "25.0 (1.00x)", "-", "50.0 (2.00x)", "-", "-"]
+    assert at_300k[9] == "c" * 7
+    main = table_rows(bench_tables.render_scaling(tmp_path, paper))  # results/bench/ itself only
+    assert [(row[1], row[2]) for row in main] == [("`full_static`", "15.0"), ("`icecache`", "300.0")]
+    assert bench_tables.render_other_gpus_scaling(tmp_path / "h100_20260102", paper).startswith("None")
+
+
 def test_breakdown_lists_icecache_rows_with_their_phases(bench_tables, tmp_path):
     phases = {"query": 0.030, "load": 0.010, "model": 0.020, "insert": 0.0}
     write_latency(tmp_path, "latency_gpu_20260101-000000.json", "2026-01-01T00:00:00+00:00", "c", [

@@ -14,7 +14,8 @@ Each table shows the newest numbers, row by row, and names the file and commit e
   (``icecache:key=value``) is shown only from the file that gives its base method's row at that context, since it
   was measured to be compared with it. Ratios are to ``full`` and ``full_static`` of the same file.
   Files of the scaling experiment (``settings.experiment == "scaling"``) are left to the scaling table.
-* scaling: the same choice over the scaling experiment's files, beside the paper's scaling figure.
+* scaling: the same choice over the scaling experiment's files, beside the paper's scaling figure;
+  other-gpus-scaling: the scaling files in results/bench's folders (other GPUs), per GPU and context.
 * capacity: per (model, method), the largest context the GPU host's memory allows, projected by a line through
   the method's measured peak GPU and host memory (``render_capacity``).
 * breakdown: the IceCache and IceCache-reuse rows of the latency table, with their phases and memory.
@@ -558,6 +559,45 @@ def render_scaling_summary(results: Path, paper: dict[str, Any]) -> str:
     note = (f"The paper's columns are its scaling figure ({figure.get('model')}, {figure.get('task')}, "
             f"{figure.get('hardware')}). Every cell's file and commit, ratios, TT2T and memory: docs/performance.md, "
             f"\"Scaling in detail\".")
+    return "\n\n".join([table(header, rows), note])
+
+
+def render_other_gpus_scaling(results: Path, paper: dict[str, Any]) -> str:
+    """The scaling experiment on GPUs other than the main table's (its files in a folder of results/bench/): per GPU
+    and context the newest row of each method, its TPOT with the ratio to `full_static` of its own file, beside
+    the paper's scaling figure."""
+    files = [f for f in load(results, "*/latency_*.json") if is_scaling(f)]
+    if not files:
+        return "None: no scaling file in a `results/bench/<folder>/`."
+    newest = newest_by([((str(f.provenance.get("gpu") or f.host), row["context"], method_text(row["method"])),
+                         f.order, (row, f)) for f in files for row in f.data["summary"]])
+    methods = sorted({method for _, _, method in newest}, key=method_sort_key)
+    figure = paper.get("scaling") or {}
+    theirs = {(method, int(context)): ms for context, values in (figure.get("tpot_ms") or {}).items()
+              for method, ms in values.items()}
+    paper_methods = sorted({method for method, _ in theirs}, key=method_sort_key)
+    rows = []
+    for gpu, context in sorted({(gpu, context) for gpu, context, _ in newest}):
+        cells, used, commits = [], {}, set()
+        for method in methods:
+            row, f = newest.get((gpu, context, method), (None, None))
+            if row is None:
+                cells.append("-")
+                continue
+            used[f.name] = f
+            commits.add(f.commit_of(row))
+            ratio = ratio_to(row, f, "full_static")
+            cells.append(fmt(row.get("tpot_s_median"), 1000) + ("" if ratio == "-" else f" ({ratio}x)"))
+        rows.append([gpu, context_label(context), *cells,
+                     *(fmt(theirs.get((m, context)), digits=0) for m in paper_methods),
+                     ", ".join(f"`{f.path.parent.name}/{f.name}`" for f in used.values()),
+                     ", ".join(sorted(commits))])
+    header = ["GPU", "context", *(f"`{m}` TPOT ms (x full_static)" for m in methods),
+              *(f"paper `{m}`" for m in paper_methods), "file", "commit"]
+    note = (f"The newest row of each method per GPU and context from the scaling files in results/bench's folders "
+            f"(the table above reads results/bench/ itself); each ratio is to the `full_static` of the row's own file "
+            f"(one process per context). The paper's columns: its scaling figure ({figure.get('model')}, "
+            f"{figure.get('task')}, {figure.get('hardware')}).")
     return "\n\n".join([table(header, rows), note])
 
 
@@ -1306,6 +1346,7 @@ RENDERERS: dict[str, Callable[[Path, dict[str, Any]], str]] = {
     "regression-summary": render_regression_summary,
     "scaling": render_scaling,
     "scaling-summary": render_scaling_summary,
+    "other-gpus-scaling": render_other_gpus_scaling,
     "capacity": render_capacity,
     "throughput": render_throughput,
     "breakdown": render_breakdown,
