@@ -20,30 +20,29 @@ import json
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-FIGURES = ("accuracy_vs_budget", "accuracy_vs_tpot", "mass_by_layer")
 
 
 def main(argv: list[str] | None = None) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from eval.report import accuracy as A
+    from eval.report.collect import reference_bench_rows
+    from eval.report.summary import ACCURACY_FIGURES, accuracy_figures
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("curated", type=Path, nargs="+", help="curated accuracy files (results/bench/accuracy_*.json)")
     parser.add_argument("--bench", type=Path, default=REPO / "results" / "bench", help="latency_*.json folder")
     parser.add_argument("--out", type=Path, default=REPO / "results" / "bench", help="folder of the figures")
     parser.add_argument("--prefix", default="", help="before the model in each figure's name (selection_ for the "
                         "selection grids' files)")
-    parser.add_argument("--only", choices=FIGURES, nargs="+", help="draw these figures alone (default: all)")
+    parser.add_argument("--only", choices=ACCURACY_FIGURES, nargs="+", help="draw these figures alone (default: all)")
     args = parser.parse_args(argv)
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from eval.report import accuracy as A
-    from eval.report.collect import reference_bench_rows
-    from eval.report.summary import accuracy_figures
-
     runs = [run for path in args.curated for run in json.loads(path.read_text(encoding="utf-8"))["runs"]]
     rows = A.accuracy_rows(runs)
-    for figure in accuracy_figures(rows, reference_bench_rows(args.bench), args.out, prefix=args.prefix):
-        unwanted = args.only and not figure.name.startswith(tuple(f"{name}_" for name in args.only))
-        if figure.suffix == ".png" and not unwanted:
+    for figure in accuracy_figures(rows, reference_bench_rows(args.bench), args.out, prefix=args.prefix,
+                                   only=tuple(args.only or ACCURACY_FIGURES)):
+        if figure.suffix == ".png":
             print(f"wrote {figure}")
         else:
             figure.unlink()  # the PNG is what the page shows, as curating keeps it

@@ -744,7 +744,8 @@ def test_the_budget_figures_full_cache_lines_stop_where_the_names_begin(tmp_path
 
 def test_the_figures_script_draws_one_selection_figure_from_each_length_s_file(tmp_path):
     """Two selection grids of one model (one file per length) give one mass-by-layer figure named for the selection
-    grid, with a panel per length, and --only leaves the other figures out."""
+    grid, with a panel per length, and --only leaves the other figures out: not drawn, and a file of theirs that
+    is there already stays as it was."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -754,8 +755,12 @@ def test_the_figures_script_draws_one_selection_figure_from_each_length_s_file(t
     files = sorted((REPO / "results" / "bench").glob("selection_qwen2.5-coder-0.5b_*.json"))
     lengths = {run["settings"]["task"]["lengths"][0] for path in files for run in json.loads(path.read_text())["runs"]}
     assert len(files) >= 2 and len(lengths) >= 2  # the committed 16k and 32k grids
+    kept = tmp_path / "accuracy_vs_budget_selection_qwen2.5-coder-0.5b.png"
+    kept.write_bytes(b"an earlier figure")
     assert script.main([*map(str, files), "--prefix", "selection_", "--only", "mass_by_layer",
                         "--out", str(tmp_path), "--bench", str(tmp_path)]) == 0
+    assert kept.read_bytes() == b"an earlier figure"
+    kept.unlink()
     [figure] = tmp_path.iterdir()
     assert figure.name == "mass_by_layer_selection_qwen2.5-coder-0.5b.png"
     one = tmp_path / "one"

@@ -282,29 +282,37 @@ def accuracy_record(row: A.AccuracyRow) -> dict:
     return record
 
 
-def accuracy_figures(rows: list[A.AccuracyRow], bench: list[dict], folder: Path, prefix: str = "") -> list[Path]:
+ACCURACY_FIGURES = ("accuracy_vs_budget", "accuracy_vs_tpot", "mass_by_layer")
+
+
+def accuracy_figures(rows: list[A.AccuracyRow], bench: list[dict], folder: Path, prefix: str = "",
+                     only: tuple[str, ...] = ACCURACY_FIGURES) -> list[Path]:
     """Per model: accuracy vs budget, accuracy vs TPOT (TPOT from the latency benchmark rows ``bench``, matched
-    by ``accuracy.tpot_for``; the title names the model timed) and the mass captured by layer."""
+    by ``accuracy.tpot_for``; the title names the model timed) and the mass captured by layer; of those, the ones
+    named in ``only`` (``ACCURACY_FIGURES``), so that another kind's file in ``folder`` is left as it is."""
     files: list[Path] = []
     for model in sorted({r.model for r in rows}):
         mine = [r for r in rows if r.model == model]
         name = prefix + safe_name(canonical_model(model))
-        files += P.accuracy_vs_budget_panels(mine, folder / f"accuracy_vs_budget_{name}",
-                                             title=f"Accuracy against the budget, {model}")
-        points = A.tradeoff_points(mine, bench)
-        # The title says whose decode time it is; the files it comes from are BENCHMARKS.md's (a list of them
-        # would bury the title).
-        timed = sorted({p.timed_model for p in points if p.timed_model})
-        contexts = sorted({p.timed_context for p in points if p.timed_context})
-        at = f" at {length_label(contexts[0])}" if len(contexts) == 1 else (
-            f" at {length_label(contexts[0])}-{length_label(contexts[-1])}" if contexts else "")
-        gpus = sorted({p.timed_gpu for p in points if p.timed_gpu})
-        on = f", {' + '.join(gpus)}" if gpus else ""
-        title = (f"{model}: score (% of the full cache's) against TPOT / full_static's ({', '.join(timed)}{at}{on})"
-                 if timed else "")
-        files += P.accuracy_vs_tpot_panels(points, folder / f"accuracy_vs_tpot_{name}", title=title)
-        files += P.mass_by_layer_panels(mine, folder / f"mass_by_layer_{name}",
-                                        title=f"Attention mass captured by layer, {model}")
+        if "accuracy_vs_budget" in only:
+            files += P.accuracy_vs_budget_panels(mine, folder / f"accuracy_vs_budget_{name}",
+                                                 title=f"Accuracy against the budget, {model}")
+        if "accuracy_vs_tpot" in only:
+            points = A.tradeoff_points(mine, bench)
+            # The title says whose decode time it is; the files it comes from are BENCHMARKS.md's (a list of them
+            # would bury the title).
+            timed = sorted({p.timed_model for p in points if p.timed_model})
+            contexts = sorted({p.timed_context for p in points if p.timed_context})
+            at = f" at {length_label(contexts[0])}" if len(contexts) == 1 else (
+                f" at {length_label(contexts[0])}-{length_label(contexts[-1])}" if contexts else "")
+            gpus = sorted({p.timed_gpu for p in points if p.timed_gpu})
+            on = f", {' + '.join(gpus)}" if gpus else ""
+            title = (f"{model}: score (% of the full cache's) against TPOT / full_static's "
+                     f"({', '.join(timed)}{at}{on})" if timed else "")
+            files += P.accuracy_vs_tpot_panels(points, folder / f"accuracy_vs_tpot_{name}", title=title)
+        if "mass_by_layer" in only:
+            files += P.mass_by_layer_panels(mine, folder / f"mass_by_layer_{name}",
+                                            title=f"Attention mass captured by layer, {model}")
     return files
 
 
