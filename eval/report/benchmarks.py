@@ -543,6 +543,14 @@ def render_scaling(results: Path, paper: dict[str, Any]) -> str:
     return "\n\n".join([table(header, rows), note, sources(used)])
 
 
+def paper_scaling_tpots(paper: dict[str, Any]) -> tuple[dict[tuple[str, int], float], list[str]]:
+    """The paper's scaling figure as {(method, context): TPOT ms}, and its methods in display order."""
+    figure = paper.get("scaling") or {}
+    theirs = {(method, int(context)): ms for context, values in (figure.get("tpot_ms") or {}).items()
+              for method, ms in values.items()}
+    return theirs, sorted({method for method, _ in theirs}, key=method_sort_key)
+
+
 def render_scaling_summary(results: Path, paper: dict[str, Any]) -> str:
     """The scaling table one line per context: each method's TPOT beside the paper's."""
     chosen = latency_rows(results, scaling=True)
@@ -550,9 +558,7 @@ def render_scaling_summary(results: Path, paper: dict[str, Any]) -> str:
     methods = sorted({method_text(row["method"]) for row, _ in chosen}, key=method_sort_key)
     ours = {(method_text(row["method"]), row["context"]): row.get("tpot_s_median") for row, _ in chosen}
     figure = paper.get("scaling") or {}
-    theirs = {(method, int(context)): ms for context, values in (figure.get("tpot_ms") or {}).items()
-              for method, ms in values.items()}
-    paper_methods = sorted({method for method, _ in theirs}, key=method_sort_key)
+    theirs, paper_methods = paper_scaling_tpots(paper)
     rows = [[context_label(c), *(fmt(ours.get((m, c)), 1000) for m in methods),
              *(fmt(theirs.get((m, c)), digits=0) for m in paper_methods)] for c in contexts]
     header = ["context", *(f"`{m}` TPOT ms" for m in methods), *(f"paper `{m}`" for m in paper_methods)]
@@ -573,9 +579,7 @@ def render_other_gpus_scaling(results: Path, paper: dict[str, Any]) -> str:
                          f.order, (row, f)) for f in files for row in f.data["summary"]])
     methods = sorted({method for _, _, method in newest}, key=method_sort_key)
     figure = paper.get("scaling") or {}
-    theirs = {(method, int(context)): ms for context, values in (figure.get("tpot_ms") or {}).items()
-              for method, ms in values.items()}
-    paper_methods = sorted({method for method, _ in theirs}, key=method_sort_key)
+    theirs, paper_methods = paper_scaling_tpots(paper)
     rows = []
     for gpu, context in sorted({(gpu, context) for gpu, context, _ in newest}):
         cells, used, commits = [], {}, set()
