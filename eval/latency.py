@@ -12,7 +12,9 @@ experiment's ``bench`` block (``experiment=latency``), which holds the settings 
 
 Writes ``<out>/latency_<host>_<date>.json`` (settings, provenance, every measurement, the summary), rewritten after
 each measurement (``complete: false`` until the end), so that a process killed part-way leaves what it measured;
-``resume`` completes such a file. ``scripts/bench/latency.py`` is the command line.
+``resume`` completes such a file. A method out of GPU or host memory at a context is recorded there
+(``out_of_memory``) and the others go on; a full cache whose KV cannot fit is recorded before its prefill.
+``scripts/bench/latency.py`` is the command line.
 """
 
 from __future__ import annotations
@@ -397,6 +399,9 @@ def measure(settings: LatencySettings, out: str | Path, resume: Path | None = No
         recorded = {**prior["settings"], "resumed": True}
     process = len(processes)  # 0: the first process; n: the n-th resumption
     done = {(m["context"], m["method"], m["round"]) for m in measurements}
+    # (context, method) pairs that ran out of memory: recorded once, never run again (a resumption included)
+    out_of_memory: list[dict[str, Any]] = list(prior.get("out_of_memory", [])) if prior is not None else []
+    gave_out = {(o["context"], o["method"]) for o in out_of_memory}
 
     # Each process probes its host's read rate; a row is set against the rate of the process that measured it.
     read_rates = [recorded.get("host_read_gbps"), *(p.get("host_read_gbps") for p in processes)]
@@ -413,7 +418,8 @@ def measure(settings: LatencySettings, out: str | Path, resume: Path | None = No
             row["search_share_of_index_read"] = row["search_gbps"] / rate if row.get("search_gbps") and rate else None
         return {"kind": "latency", "settings": recorded, "provenance": first_provenance, "complete": complete,
                 **({"resumed_by": processes} if processes else {}),
-                "measurements": measurements, "summary": summary}
+                "measurements": measurements, "summary": summary,
+                **({"out_of_memory": out_of_memory} if out_of_memory else {})}
 
     def make_request(context: int) -> generation.GenerationRequest:
         generator = torch.Generator().manual_seed(settings.seed + context)
@@ -434,13 +440,37 @@ def measure(settings: LatencySettings, out: str | Path, resume: Path | None = No
                 if (context, name, round_index - warmups) in done or (not measured and all(
                         (context, name, r) in done for r in range(settings.repeats))):
                     continue
+                if (context, name) in gave_out:
+                    continue
+                short = gpu_shortfall(model, method, len(request.input_ids) + settings.decode_steps + 1, device)
+                if short is not None:
+                    give_out(out_of_memory, gave_out, context, name, process, "before the prefill", short)
+                    provenance.write_result(out, "latency", payload(complete=False), path=out_path, quiet=True)
+                    continue
                 cache = HarnessCache(method, PhaseTimer(device, enabled=True), host_pool=host_pool)
                 pool_bytes_before = host_pool.allocated_total_bytes
                 rss_before = resident_bytes()
-                result = generation.greedy_generate(model, cache, request,
-                                                    prefill_chunk_size=settings.prefill_chunk_size,
-                                                    layer_by_layer=settings.layer_by_layer,
-                                                    residual_on_host=settings.residual_on_host)
+                ran_out = None
+                try:
+                    result = generation.greedy_generate(model, cache, request,
+                                                        prefill_chunk_size=settings.prefill_chunk_size,
+                                                        layer_by_layer=settings.layer_by_layer,
+                                                        residual_on_host=settings.residual_on_host)
+                except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError is a RuntimeError
+                    kind = allocation_failure(error)
+                    if kind is None:
+                        raise
+                    ran_out = f"{kind.upper()} memory: {(str(error).splitlines() or [type(error).__name__])[0][:300]}"
+                if ran_out is not None:
+                    # Out of the handler, whose traceback holds the failed run's frames and their tensors: the
+                    # cache goes, the allocator gives its blocks back, and the next method runs on a clean GPU.
+                    cache.close()
+                    del cache
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    give_out(out_of_memory, gave_out, context, name, process, "during the run", ran_out)
+                    provenance.write_result(out, "latency", payload(complete=False), path=out_path, quiet=True)
+                    continue
                 rss_after = resident_bytes()  # the cache still holds everything it kept
                 if measured:
                     measurements.append(measurement(spec.name, name, method, context, process,
@@ -458,6 +488,8 @@ def measure(settings: LatencySettings, out: str | Path, resume: Path | None = No
 
     final = payload(complete=True)
     print_table(final["summary"])
+    for o in out_of_memory:
+        print(f"{o['context']:>8} {o['method']:<16} out of memory {o['stage']}: {o['error']}")
     return provenance.write_result(out, "latency", final, path=out_path)
 
 
@@ -504,6 +536,55 @@ def host_pool_limit() -> int | None:
     size is unknown), so that methods of different layouts cannot pin the host full between them."""
     total = host_total_bytes()
     return None if total is None else int(0.4 * total)
+
+
+def allocation_failure(error: BaseException) -> str | None:
+    """``"gpu"`` or ``"host"`` when ``error`` is an allocation failure, else None (a real error, raised)."""
+    import torch
+
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return "gpu"
+    if isinstance(error, MemoryError):
+        return "host"
+    text = str(error)
+    if isinstance(error, RuntimeError):
+        if text.startswith("cuMemHostAlloc failed"):  # pinning host memory (core.cuda_driver)
+            return "host"
+        if "out of memory" in text.lower():
+            return "gpu"
+    return None
+
+
+def full_kv_bytes(model_config, tokens: int, element_bytes: int) -> int:
+    """The keys and values of ``tokens`` tokens in every layer of a model with ``model_config``'s geometry."""
+    heads = model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    return 2 * model_config.num_hidden_layers * kv_heads * head_dim * tokens * element_bytes
+
+
+def gpu_shortfall(model, method, tokens: int, device) -> str | None:
+    """Why a method that keeps every token's KV on the GPU (no ``budget``: the full caches) cannot hold ``tokens``
+    on this GPU beside what is allocated now (the model), or None where it can or keeps less. Checked before the
+    prefill, which would otherwise run for minutes at long contexts before running out."""
+    import torch
+
+    if device.type != "cuda" or getattr(method.config, "budget", 0) is not None:
+        return None
+    need = full_kv_bytes(model.config, tokens, torch.finfo(model.dtype).bits // 8)
+    free, total = torch.cuda.mem_get_info(device)
+    if need <= free:
+        return None
+    return (f"GPU memory: its KV of {tokens} tokens needs {need / 2**30:.1f} GiB, and {free / 2**30:.1f} of the "
+            f"GPU's {total / 2**30:.1f} GiB are free beside the model")
+
+
+def give_out(out_of_memory: list[dict[str, Any]], gave_out: set, context: int, name: str, process: int, stage: str,
+             error: str) -> None:
+    """Record that ``name`` ran out of memory at ``context`` (its other rounds there are not run)."""
+    out_of_memory.append({"context": context, "method": name, "process": process, "stage": stage, "error": error})
+    gave_out.add((context, name))
+    print(f"context {context}: {name} out of memory {stage}: {error}", flush=True)
 
 
 def measurement(model: str, name: str, method, context: int, process: int, round_index: int, result,

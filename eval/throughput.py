@@ -33,7 +33,7 @@ from typing import Any
 
 from icecache.errors import ConfigError
 
-from .latency import bench_methods, host_total_bytes, load_bench_model, resident_bytes
+from .latency import allocation_failure, bench_methods, host_total_bytes, load_bench_model, resident_bytes
 
 #: The reference every summary row is set against: the fast full cache's best throughput at the same length.
 REFERENCE = "full_static"
@@ -138,23 +138,6 @@ def read_unfinished(path: Path, settings: ThroughputSettings) -> dict[str, Any]:
     if differ:
         raise ConfigError(f"--resume {path}: its settings differ in {', '.join(differ)}; resume with the file's")
     return payload
-
-
-def out_of_memory(error: BaseException) -> str | None:
-    """``"gpu"`` or ``"host"`` when ``error`` is an allocation failure, else None (a real error, raised)."""
-    import torch
-
-    if isinstance(error, torch.cuda.OutOfMemoryError):
-        return "gpu"
-    if isinstance(error, MemoryError):
-        return "host"
-    text = str(error)
-    if isinstance(error, RuntimeError):
-        if text.startswith("cuMemHostAlloc failed"):  # pinning host memory (core.cuda_driver)
-            return "host"
-        if "out of memory" in text.lower():
-            return "gpu"
-    return None
 
 
 class HostMemoryForecast(MemoryError):
@@ -443,7 +426,7 @@ def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None =
         try:
             measure_batch(run, fitted, prefill_s, None, at_limit=True)
         except Exception as error:  # noqa: BLE001  only allocation failures are expected here
-            if out_of_memory(error) is None:
+            if allocation_failure(error) is None:
                 raise
             print(f"{run.label} at {run.context}: the {fitted} rows that fit ran out of memory too", flush=True)
 
@@ -485,7 +468,7 @@ def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None =
                         measure_batch(run, batch_size, prefill_s, prefill_peak, at_limit=False)
                         measured_batch = batch_size
                     except Exception as error:  # noqa: BLE001  only allocation failures are a limit; others raise
-                        kind = out_of_memory(error)
+                        kind = allocation_failure(error)
                         if kind is None:
                             raise
                         fitted = len(run.decoding) if run.stage == "prefill" else 0

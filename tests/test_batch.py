@@ -460,12 +460,13 @@ def test_throughput_settings_are_checked_in_one_line():
 
 def test_only_allocation_failures_count_as_a_memory_limit():
     from eval import throughput
+    from eval.latency import allocation_failure  # the latency and throughput drivers' one test
 
-    assert throughput.out_of_memory(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate")) == "gpu"
-    assert throughput.out_of_memory(RuntimeError("cuMemHostAlloc failed with CUDA driver error 2")) == "host"
-    assert throughput.out_of_memory(throughput.HostMemoryForecast("3.0 GiB left")) == "host"
-    assert throughput.out_of_memory(RuntimeError("CUDA error: an illegal memory access was encountered")) is None
-    assert throughput.out_of_memory(ValueError("out of memory")) is None
+    assert allocation_failure(torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate")) == "gpu"
+    assert allocation_failure(RuntimeError("cuMemHostAlloc failed with CUDA driver error 2")) == "host"
+    assert allocation_failure(throughput.HostMemoryForecast("3.0 GiB left")) == "host"
+    assert allocation_failure(RuntimeError("CUDA error: an illegal memory access was encountered")) is None
+    assert allocation_failure(ValueError("out of memory")) is None
 
 
 def test_busy_time_is_the_union_of_the_kernels_inside_the_window():

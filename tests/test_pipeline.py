@@ -323,6 +323,70 @@ def test_a_latency_run_killed_midway_keeps_the_methods_it_finished(tmp_path, mon
                     "--resume", str(path)])
 
 
+def test_a_method_out_of_memory_is_recorded_and_the_others_are_measured(tmp_path, monkeypatch):
+    """A run that runs out of memory (a full cache at a context its GPU cannot hold) is recorded with its error and
+    not run again, in later rounds or a resumption; the other methods are measured and their ratios to it are
+    empty, not a crash."""
+    import torch
+
+    import icecache.core.generation as generation
+
+    bench = load_script("bench/latency")
+    real, calls = generation.greedy_generate, []
+
+    def full_runs_out(*args, **kwargs):  # interleaved: full, full_static, the method, then the second round
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.\nmore detail")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "greedy_generate", full_runs_out)
+    method = _second_method()
+    bench.main(["--model", "tiny_llama", "--lengths", "48", "--methods", method, "--budget", "32", "--repeats", "2",
+                "--warmup", "0", "--decode-steps", "64", "--bandwidth-probe-gib", "0.01", "--out", str(tmp_path)])
+    assert len(calls) == 5  # full's second round is not run
+    [path] = tmp_path.glob("latency_*.json")
+    payload = json.loads(path.read_text())
+    assert payload["complete"] is True
+    assert payload["out_of_memory"] == [{"context": 48, "method": "full", "process": 0, "stage": "during the run",
+                                         "error": "GPU memory: CUDA out of memory. Tried to allocate 1.00 GiB."}]
+    assert [m["method"] for m in payload["measurements"]] == ["full_static", method, "full_static", method]
+    summary = {row["method"]: row for row in payload["summary"]}
+    assert set(summary) == {"full_static", method}
+    assert summary[method]["tpot_ratio_to_full"] is None and summary[method]["tpot_ratio_to_full_static"] > 0
+
+    # any other error is the run's own and is raised
+    monkeypatch.setattr(generation, "greedy_generate", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("bad")))
+    with pytest.raises(RuntimeError, match="bad"):
+        bench.main(["--model", "tiny_llama", "--lengths", "48", "--methods", method, "--budget", "32",
+                    "--repeats", "1", "--warmup", "0", "--bandwidth-probe-gib", "0", "--out", str(tmp_path / "b")])
+
+
+def test_a_full_cache_that_cannot_fit_its_gpu_is_refused_before_its_prefill(monkeypatch):
+    """The full caches keep every token's KV on the GPU: where that cannot fit beside the model, the latency driver
+    records it before a prefill that would run for minutes first; methods with a budget are left to run."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import LlamaConfig
+
+    from eval import latency
+
+    # Llama-3.1-8B's geometry, 32 layers of 8 KV heads of 128: 128 KiB a token in bf16
+    llama = LlamaConfig(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096)
+    assert latency.full_kv_bytes(llama, 1, 2) == 128 * 1024
+    model = SimpleNamespace(config=llama, dtype=torch.bfloat16)
+    cuda = SimpleNamespace(type="cuda")
+    full = SimpleNamespace(config=SimpleNamespace(budget=None))
+    sparse = SimpleNamespace(config=SimpleNamespace(budget=256))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (64 * 2**30, 80 * 2**30))
+    assert latency.gpu_shortfall(model, full, 2**19, cuda) is None  # 64 GiB of KV in 64 GiB free: it fits
+    short = latency.gpu_shortfall(model, full, 2**19 + 1, cuda)
+    assert short.startswith("GPU memory: its KV of 524289 tokens needs 64.0 GiB, and 64.0 of the GPU's 80.0 GiB")
+    assert latency.gpu_shortfall(model, sparse, 2**22, cuda) is None
+    assert latency.gpu_shortfall(model, full, 2**22, SimpleNamespace(type="cpu")) is None
+
+
 def test_a_look_ahead_latency_row_carries_its_label_and_its_miss_rate(tmp_path):
     command = [PY, str(REPO / "scripts" / "bench" / "latency.py"), "--model", "tiny_llama", "--lengths", "300",
                "--methods", "icecache:lookahead=true", "--budget", "64", "--repeats", "1", "--warmup", "0",
