@@ -145,6 +145,34 @@ def test_icecache_gives_its_staged_prompt_back_for_a_sequence_alive_beside_it(na
         assert tokens == greedy_generate(model, fresh, GenerationRequest(ids[1], 12)).token_ids
 
 
+@pytest.mark.parametrize("name", ["icecache", "icecache_reuse"])
+def test_icecache_prefill_short_of_host_memory_restages_in_finished_layers_buffers(name, monkeypatch):
+    """Where the host's memory runs short, a layer's offload gives the oldest layer's staged prompt back once its
+    job is done and stages in its buffers, so that the prefill does not hold a second copy of the whole prompt
+    beside the index stores (which ran a 512k prompt out of a 128 GiB host); with the memory there, every layer
+    keeps its own until the first decode step, as before. The tokens are the same either way."""
+    import icecache.method.state as state
+
+    model, _, info = tiny_model("llama")  # 4 layers: 3 offloaded past the one dense layer
+    settings = {"name": name, "budget": 64, "n_dense_layers": 1, **method_class(name).test_settings}
+    ids = torch.randint(0, 500, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def prefill_then_decode(available: int | None) -> tuple[int, list[int]]:
+        monkeypatch.setattr(state, "host_available_bytes", lambda: available)
+        method = build_method(settings, info)
+        with HarnessCache(method) as cache:
+            greedy_generate(model, cache, GenerationRequest(ids, 1))  # the prefill alone
+            staged = method.host_pool.allocations
+            assert cache.seq.prompt_copies.leased_bytes == method.host_pool.allocated_bytes
+        with HarnessCache(method) as cache:
+            return staged, greedy_generate(model, cache, GenerationRequest(ids, 12)).token_ids
+
+    plenty, expected = prefill_then_decode(2**50)
+    assert plenty == 6  # keys and values, a pair for each of the 3 layers
+    assert prefill_then_decode(None) == (6, expected)  # unknown: as before
+    assert prefill_then_decode(0) == (2, expected)  # one pair, restaged in by every layer
+
+
 def test_a_sequence_gives_a_buffer_back_early_only_if_it_leases_it():
     pool = HostPool()
     copies = PromptCopies(pool)

@@ -48,6 +48,19 @@ def to_device_without_waiting(tensor: torch.Tensor, device: torch.device | str) 
     return tensor.to(device, non_blocking=True)
 
 
+def host_available_bytes() -> int | None:
+    """The host memory the kernel could still give this process without swapping (Linux ``MemAvailable``), or None
+    where it is not known."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def _pinned_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
     """``nbytes`` of pinned host memory, mapped into the device's address space, as a uint8 tensor that frees it when
     the last view goes. Exactly ``nbytes`` (PyTorch's pinned allocator rounds a request up to a power of two)."""
@@ -113,6 +126,12 @@ class HostPool:
         tensor = buffer.data[:nbytes].view(dtype).view(shape)
         self._leases[id(tensor)] = (tensor, buffer)
         return tensor
+
+    def free_fitting(self, nbytes: int, pinned: bool) -> int:
+        """How many free buffers a ``take`` of ``nbytes`` (pinned or not) could reuse."""
+        wanted = max(nbytes, 1)
+        return sum(1 for b in self._buffers
+                   if not b.leased and b.pinned == pinned and wanted <= b.nbytes <= REUSE_SLACK * wanted)
 
     def give_back(self, tensor: torch.Tensor) -> None:
         """End the lease of a tensor ``take`` returned (its buffer serves the next request that fits)."""

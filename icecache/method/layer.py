@@ -119,6 +119,8 @@ class IceCacheLayer(DenseKV):
         # Into host buffers the method keeps across sequences, on the side stream beside the next layers' prefill
         # (core.host_memory); the index job waits for the copy's event.
         copies = self.seq.prompt_copies
+        self.sequence.make_room_for_staging(copies.pool, n_kv_heads * (total - sink_len) * head_dim *
+                                            host_dtype.itemsize, pinned=device.type == "cuda")
         offloaded_k = copies.take((n_kv_heads, total - sink_len, head_dim), host_dtype, device)
         offloaded_v = copies.take((n_kv_heads, total - sink_len, head_dim), host_dtype, device)
         copies.copy(offloaded_k, keys[:, sink_len:])
@@ -128,6 +130,7 @@ class IceCacheLayer(DenseKV):
         self._ready = self.sequence.submit_prompt_job(self._index_prompt, state, offloaded_k, offloaded_v,
                                                        middle_end - sink_len, copied)
         self._prompt_staging = (offloaded_k, offloaded_v)
+        self.sequence.staging_layers.append(self)
 
     @torch.inference_mode()  # inference mode is per thread; the store's tensors were made under it
     def _index_prompt(self, state: OffloadedState, offloaded_k: torch.Tensor, offloaded_v: torch.Tensor,
@@ -214,14 +217,7 @@ class IceCacheLayer(DenseKV):
         a reuser still laying out its pages)."""
         self._ready.result()  # the token store is the prompt job's until it is done
         tokens = self.state.tokens
-        if self._prompt_staging:
-            # The job copied the staged prompt into the index, the token store and the window: its buffers go back
-            # to the pool now, not when the sequence ends, so that sequences alive together (a batch) do not each
-            # keep a second copy of their prompt (a store made without room still views them and keeps them).
-            if not any(tokens.shares_memory_with(staged) for staged in self._prompt_staging):
-                for staged in self._prompt_staging:
-                    self.seq.prompt_copies.give_back(staged)
-            self._prompt_staging = ()
+        self.give_back_staging()
         if not self._store_bound:
             tokens.bind(self.state.native)
             self._store_bound = True
@@ -233,6 +229,22 @@ class IceCacheLayer(DenseKV):
         tokens.reserve(min(ahead, final) if final >= tokens.n_tokens + self.cfg.page_size else ahead)
         if self.state.native.window_full:
             self.sequence.wait_for_prompt_jobs()
+
+    def give_back_staging(self) -> None:
+        """The staged prompt back to the pool once the prompt job is done with it (waiting for it: the job copies
+        it into the index, the token store and the window), on the model's thread, which took it: during the
+        prefill where host memory runs short (``IceCacheSequence.make_room_for_staging``), and at the latest at the
+        first decode step, so that sequences alive together (a batch) do not each keep a second copy of their
+        prompt. A store made without room still views the staging and keeps it."""
+        if not self._prompt_staging:
+            return
+        self._ready.result()  # a failed job raises here, on the model's thread
+        if not any(self.state.tokens.shares_memory_with(staged) for staged in self._prompt_staging):
+            for staged in self._prompt_staging:
+                self.seq.prompt_copies.give_back(staged)
+        self._prompt_staging = ()
+        if self in self.sequence.staging_layers:
+            self.sequence.staging_layers.remove(self)
 
     def _after_native_step(self) -> None:
         """Raise the error a C++ step of the sequence kept (every later one did nothing), then fold what this

@@ -11,7 +11,14 @@ from typing import Any, Callable
 
 import numpy as np
 
+from icecache.core.host_memory import HostPool, host_available_bytes
 from icecache.dci import _dci
+
+# Host memory a prefill leaves free beyond what its prompt jobs will still allocate (the process's other needs).
+STAGING_RESERVE_BYTES = 4 * 2**30
+# A layer's index and token store per byte of its staged prompt (the latency files' host_kv_ratio: 1.16 for IceCache,
+# 1.05 for IceCache-reuse), with some room.
+STORE_PER_STAGED_BYTE = 1.25
 
 
 @dataclass
@@ -48,6 +55,9 @@ class IceCacheSequence:
     # threads) and the first error a step raised, after which every step of the sequence does nothing.
     native: Any = field(default_factory=lambda: _dci.NativeSequence())
     prompt_jobs: list[Future] = field(default_factory=list)
+    # Layers whose staged prompt (the pinned copy their prompt job reads) has not gone back to the pool yet, oldest
+    # first (``give_back_staging``)
+    staging_layers: list[Any] = field(default_factory=list)
     n_indexed_layers: int = 0  # the progress bar's total
     n_layers_done: int = 0
     n_workers: int = 1
@@ -69,6 +79,24 @@ class IceCacheSequence:
         self.prompt_jobs.append(future)
         self._all_prompt_jobs_done = False
         return future
+
+    def make_room_for_staging(self, pool: HostPool, buffer_bytes: int, pinned: bool) -> None:
+        """Before a layer stages its prompt in two buffers of ``buffer_bytes`` (keys, values) from ``pool``: while
+        the pool has no two free ones for it and the host's available memory, less them, would not hold what the
+        layers not yet indexed will still allocate (an index and a token store each), the oldest layer's staged
+        prompt goes back to the pool, once its job is done (waiting for it), for this layer to stage in. A layer's
+        staging is otherwise kept until the first decode step, which lets the prefill run ahead of the index builds
+        (at 300k tokens they end 50 s after it); but then the prefill holds a second copy of the whole prompt
+        beside the index stores it is copied into, 2.2 bytes of host memory a byte of offloaded KV, more than a
+        128 GiB host holds at 512k. Where the memory is there, nothing changes; the prefill waits for the builds
+        only where it is not."""
+        staged = 2 * buffer_bytes
+        while self.staging_layers and pool.free_fitting(buffer_bytes, pinned) < 2:
+            available = host_available_bytes()
+            to_come = (self.n_indexed_layers - self.n_layers_done) * staged * STORE_PER_STAGED_BYTE
+            if available is None or available - staged - to_come > STAGING_RESERVE_BYTES:
+                return
+            self.staging_layers.pop(0).give_back_staging()
 
     def wait_for_prompt_jobs(self) -> None:
         """Every layer's prompt job done (and its error raised): an owner's index must not change under the feet
@@ -98,6 +126,7 @@ class IceCacheSequence:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
         self._worker = None
+        self.staging_layers.clear()  # the layers refer to this sequence: no cycle left for the collector
         self.native.stop()
         if self._progress is not None:
             self._progress.close()
