@@ -460,7 +460,8 @@ def measure(settings: LatencySettings, out: str | Path, resume: Path | None = No
                     kind = allocation_failure(error)
                     if kind is None:
                         raise
-                    ran_out = f"{kind.upper()} memory: {(str(error).splitlines() or [type(error).__name__])[0][:300]}"
+                    where = "GPU" if kind == "gpu" else "host"
+                    ran_out = f"{where} memory: {(str(error).splitlines() or [type(error).__name__])[0][:300]}"
                 if ran_out is not None:
                     # Out of the handler, whose traceback holds the failed run's frames and their tensors: the
                     # cache goes, the allocator gives its blocks back, and the next method runs on a clean GPU.

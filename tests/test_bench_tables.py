@@ -146,6 +146,18 @@ def test_scaling_files_of_other_gpus_get_a_table_of_their_own_per_gpu_and_contex
     assert [(row[1], row[2]) for row in main] == [("`full_static`", "15.0"), ("`icecache`", "300.0")]
     assert bench_tables.render_other_gpus_scaling(tmp_path / "h100_20260102", paper).startswith("None")
 
+    # a newer file where the full caches did not fit their GPU at 150k: those cells say so, with that file
+    payload = json.loads((other / "latency_h100_20260103-000000.json").read_text())
+    payload["provenance"] = provenance("2026-01-05T00:00:00+00:00", "e")
+    payload["summary"] = [summary_row("icecache_reuse", 150000, 0.040)]
+    payload["out_of_memory"] = [{"context": 150000, "method": m, "process": 0, "stage": "before the prefill",
+                                 "error": "GPU memory: its KV of 150065 tokens needs 90.0 GiB"}
+                                for m in ("full", "full_static")]
+    (other / "latency_h100_20260105-000000.json").write_text(json.dumps(payload))
+    at_150k = table_rows(bench_tables.render_other_gpus_scaling(tmp_path, paper))[0]
+    assert at_150k[2:6] == ["out of GPU memory", "out of GPU memory", "100.0 (5.00x)", "40.0"]
+    assert "latency_h100_20260105-000000.json" in at_150k[8] and at_150k[9] == ", ".join(sorted(["b" * 7, "e" * 7]))
+
 
 def test_breakdown_lists_icecache_rows_with_their_phases(bench_tables, tmp_path):
     phases = {"query": 0.030, "load": 0.010, "model": 0.020, "insert": 0.0}

@@ -93,16 +93,20 @@ class Result:
     def commit(self) -> str:
         return short_commit(self.provenance)
 
+    def commit_of_process(self, process: int) -> str:
+        """The commit of the file's process ``process`` (0: the file's own, n: the n-th that resumed it)."""
+        resumed = self.data.get("resumed_by", [])
+        if not 0 < process <= len(resumed):
+            return self.commit
+        return short_commit(resumed[process - 1].get("provenance") or {})
+
     def commit_of(self, row: dict[str, Any]) -> str:
         """The commit that measured a summary row: a file completed by ``--resume`` holds rows of several
         processes, and its measurements say which process (0: the file's own, n: the n-th that resumed it)."""
         processes = {m.get("process", 0) for m in self.data.get("measurements", [])
                      if m.get("context") == row.get("context") and m.get("method_label", m.get("method"))
                      == row.get("method_label", row.get("method"))}
-        resumed = self.data.get("resumed_by", [])
-        if len(processes) != 1 or not 0 < (process := processes.pop()) <= len(resumed):
-            return self.commit
-        return short_commit(resumed[process - 1].get("provenance") or {})
+        return self.commit_of_process(processes.pop()) if len(processes) == 1 else self.commit
 
 
 def short_commit(provenance: dict[str, Any]) -> str:
@@ -577,14 +581,24 @@ def render_other_gpus_scaling(results: Path, paper: dict[str, Any]) -> str:
         return "None: no scaling file in a `results/bench/<folder>/`."
     newest = newest_by([((str(f.provenance.get("gpu") or f.host), row["context"], method_text(row["method"])),
                          f.order, (row, f)) for f in files for row in f.data["summary"]])
-    methods = sorted({method for _, _, method in newest}, key=method_sort_key)
+    # A method that did not fit its GPU or host at a context (the latency file's out_of_memory), where no newer file
+    # measured it there
+    gave_out = newest_by([((str(f.provenance.get("gpu") or f.host), o["context"], method_text(o["method"])),
+                           f.order, (o, f)) for f in files for o in f.data.get("out_of_memory", [])])
+    methods = sorted({method for _, _, method in [*newest, *gave_out]}, key=method_sort_key)
     figure = paper.get("scaling") or {}
     theirs, paper_methods = paper_scaling_tpots(paper)
     rows = []
-    for gpu, context in sorted({(gpu, context) for gpu, context, _ in newest}):
+    for gpu, context in sorted({(gpu, context) for gpu, context, _ in [*newest, *gave_out]}):
         cells, used, commits = [], {}, set()
         for method in methods:
             row, f = newest.get((gpu, context, method), (None, None))
+            oom, oom_file = gave_out.get((gpu, context, method), (None, None))
+            if oom is not None and (row is None or oom_file.order > f.order):
+                used[oom_file.name] = oom_file
+                commits.add(oom_file.commit_of_process(oom.get("process", 0)))
+                cells.append("out of " + ("host" if oom.get("error", "").startswith("host") else "GPU") + " memory")
+                continue
             if row is None:
                 cells.append("-")
                 continue
