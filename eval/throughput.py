@@ -145,18 +145,6 @@ class HostMemoryForecast(MemoryError):
     would end the process."""
 
 
-def host_available_bytes() -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        return None
-    return None
-
-
 def busy_time(intervals: list[tuple[float, float]], window: tuple[float, float]) -> tuple[float, float]:
     """``(busy, summed)`` of the kernel ``intervals`` (start, end) clipped to ``window``: the time some kernel ran
     (their union) and the kernels' own times added up (over the union: how many ran side by side, on average)."""
@@ -331,7 +319,7 @@ def measure(settings: ThroughputSettings, out: str | Path, resume: Path | None =
     from icecache.core.cache import HarnessCache
     from icecache.core.cuda_driver import HostFunctions
     from icecache.core.generation import GenerationRequest
-    from icecache.core.host_memory import HostPool
+    from icecache.core.host_memory import HostPool, host_available_bytes
     from icecache.core.method import method_label
 
     spec, methods = bench_methods(settings)
