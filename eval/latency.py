@@ -401,7 +401,6 @@ def measure(settings: LatencySettings, out: str | Path, resume: Path | None = No
     done = {(m["context"], m["method"], m["round"]) for m in measurements}
     # (context, method) pairs that ran out of memory: recorded once, never run again (a resumption included)
     out_of_memory: list[dict[str, Any]] = list(prior.get("out_of_memory", [])) if prior is not None else []
-    gave_out = {(o["context"], o["method"]) for o in out_of_memory}
 
     # Each process probes its host's read rate; a row is set against the rate of the process that measured it.
     read_rates = [recorded.get("host_read_gbps"), *(p.get("host_read_gbps") for p in processes)]
@@ -440,11 +439,11 @@ def measure(settings: LatencySettings, out: str | Path, resume: Path | None = No
                 if (context, name, round_index - warmups) in done or (not measured and all(
                         (context, name, r) in done for r in range(settings.repeats))):
                     continue
-                if (context, name) in gave_out:
+                if any((o["context"], o["method"]) == (context, name) for o in out_of_memory):
                     continue
                 short = gpu_shortfall(model, method, len(request.input_ids) + settings.decode_steps + 1, device)
                 if short is not None:
-                    give_out(out_of_memory, gave_out, context, name, process, "before the prefill", short)
+                    give_out(out_of_memory, context, name, process, "before the prefill", short)
                     provenance.write_result(out, "latency", payload(complete=False), path=out_path, quiet=True)
                     continue
                 cache = HarnessCache(method, PhaseTimer(device, enabled=True), host_pool=host_pool)
@@ -469,7 +468,7 @@ def measure(settings: LatencySettings, out: str | Path, resume: Path | None = No
                     del cache
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
-                    give_out(out_of_memory, gave_out, context, name, process, "during the run", ran_out)
+                    give_out(out_of_memory, context, name, process, "during the run", ran_out)
                     provenance.write_result(out, "latency", payload(complete=False), path=out_path, quiet=True)
                     continue
                 rss_after = resident_bytes()  # the cache still holds everything it kept
@@ -580,11 +579,10 @@ def gpu_shortfall(model, method, tokens: int, device) -> str | None:
             f"GPU's {total / 2**30:.1f} GiB are free beside the model")
 
 
-def give_out(out_of_memory: list[dict[str, Any]], gave_out: set, context: int, name: str, process: int, stage: str,
+def give_out(out_of_memory: list[dict[str, Any]], context: int, name: str, process: int, stage: str,
              error: str) -> None:
     """Record that ``name`` ran out of memory at ``context`` (its other rounds there are not run)."""
     out_of_memory.append({"context": context, "method": name, "process": process, "stage": stage, "error": error})
-    gave_out.add((context, name))
     print(f"context {context}: {name} out of memory {stage}: {error}", flush=True)
 
 
