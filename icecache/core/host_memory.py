@@ -48,6 +48,14 @@ def to_device_without_waiting(tensor: torch.Tensor, device: torch.device | str) 
     return tensor.to(device, non_blocking=True)
 
 
+def tensor_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """The bytes of a tensor of ``shape`` and ``dtype``."""
+    nbytes = dtype.itemsize
+    for extent in shape:
+        nbytes *= int(extent)
+    return nbytes
+
+
 def host_available_bytes() -> int | None:
     """The host memory the kernel could still give this process without swapping (Linux ``MemAvailable``), or None
     where it is not known."""
@@ -108,12 +116,9 @@ class HostPool:
         ``give_back`` of it; its contents are undefined."""
         device = torch.device(device)
         pinned = device.type == "cuda"
-        nbytes = dtype.itemsize
-        for extent in shape:
-            nbytes *= int(extent)
+        nbytes = tensor_bytes(shape, dtype)
         wanted = max(nbytes, 1)
-        fitting = [b for b in self._buffers if not b.leased and b.pinned == pinned
-                   and wanted <= b.nbytes <= REUSE_SLACK * wanted]
+        fitting = self._fitting(wanted, pinned)
         if fitting:
             buffer = min(fitting, key=lambda b: b.nbytes)
         else:
@@ -127,11 +132,14 @@ class HostPool:
         self._leases[id(tensor)] = (tensor, buffer)
         return tensor
 
-    def free_fitting(self, nbytes: int, pinned: bool) -> int:
-        """How many free buffers a ``take`` of ``nbytes`` (pinned or not) could reuse."""
-        wanted = max(nbytes, 1)
-        return sum(1 for b in self._buffers
-                   if not b.leased and b.pinned == pinned and wanted <= b.nbytes <= REUSE_SLACK * wanted)
+    def free_fitting(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> int:
+        """How many free buffers a ``take`` of the same arguments could reuse."""
+        return len(self._fitting(max(tensor_bytes(shape, dtype), 1), torch.device(device).type == "cuda"))
+
+    def _fitting(self, wanted: int, pinned: bool) -> list[_Buffer]:
+        """The free buffers that serve a request of ``wanted`` bytes (``REUSE_SLACK``)."""
+        return [b for b in self._buffers if not b.leased and b.pinned == pinned
+                and wanted <= b.nbytes <= REUSE_SLACK * wanted]
 
     def give_back(self, tensor: torch.Tensor) -> None:
         """End the lease of a tensor ``take`` returned (its buffer serves the next request that fits)."""

@@ -118,11 +118,10 @@ class IceCacheLayer(DenseKV):
         # The middle goes to the index; the window's host copy is what its pages are offloaded from later.
         # Into host buffers the method keeps across sequences, on the side stream beside the next layers' prefill
         # (core.host_memory); the index job waits for the copy's event.
-        copies = self.seq.prompt_copies
-        self.sequence.make_room_for_staging(copies.pool, n_kv_heads * (total - sink_len) * head_dim *
-                                            host_dtype.itemsize, pinned=device.type == "cuda")
-        offloaded_k = copies.take((n_kv_heads, total - sink_len, head_dim), host_dtype, device)
-        offloaded_v = copies.take((n_kv_heads, total - sink_len, head_dim), host_dtype, device)
+        copies, staged_shape = self.seq.prompt_copies, (n_kv_heads, total - sink_len, head_dim)
+        self.sequence.make_room_for_staging(copies.pool, staged_shape, host_dtype, device)
+        offloaded_k = copies.take(staged_shape, host_dtype, device)
+        offloaded_v = copies.take(staged_shape, host_dtype, device)
         copies.copy(offloaded_k, keys[:, sink_len:])
         copied = copies.copy(offloaded_v, values[:, sink_len:])
         self._keys = self._values = None  # the full prompt leaves the GPU

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
+import torch
 
-from icecache.core.host_memory import HostPool, host_available_bytes
+from icecache.core.host_memory import HostPool, host_available_bytes, tensor_bytes
 from icecache.dci import _dci
 
 # Host memory a prefill leaves free beyond what its prompt jobs will still allocate (the process's other needs).
@@ -80,8 +81,9 @@ class IceCacheSequence:
         self._all_prompt_jobs_done = False
         return future
 
-    def make_room_for_staging(self, pool: HostPool, buffer_bytes: int, pinned: bool) -> None:
-        """Before a layer stages its prompt in two buffers of ``buffer_bytes`` (keys, values) from ``pool``: while
+    def make_room_for_staging(self, pool: HostPool, shape: tuple[int, ...], dtype: torch.dtype,
+                              device: torch.device) -> None:
+        """Before a layer stages its prompt in two buffers (keys, values) of ``shape`` from ``pool``: while
         the pool has no two free ones for it and the host's available memory, less them, would not hold what the
         layers not yet indexed will still allocate (an index and a token store each), the oldest layer's staged
         prompt goes back to the pool, once its job is done (waiting for it), for this layer to stage in. A layer's
@@ -90,8 +92,8 @@ class IceCacheSequence:
         beside the index stores it is copied into, 2.2 bytes of host memory a byte of offloaded KV, more than a
         128 GiB host holds at 512k. Where the memory is there, nothing changes; the prefill waits for the builds
         only where it is not."""
-        staged = 2 * buffer_bytes
-        while self.staging_layers and pool.free_fitting(buffer_bytes, pinned) < 2:
+        staged = 2 * tensor_bytes(shape, dtype)
+        while self.staging_layers and pool.free_fitting(shape, dtype, device) < 2:
             available = host_available_bytes()
             to_come = (self.n_indexed_layers - self.n_layers_done) * staged * STORE_PER_STAGED_BYTE
             if available is None or available - staged - to_come > STAGING_RESERVE_BYTES:
