@@ -579,21 +579,24 @@ def render_other_gpus_scaling(results: Path, paper: dict[str, Any]) -> str:
     files = [f for f in load(results, "*/latency_*.json") if is_scaling(f)]
     if not files:
         return "None: no scaling file in a `results/bench/<folder>/`."
-    newest = newest_by([((str(f.provenance.get("gpu") or f.host), row["context"], method_text(row["method"])),
-                         f.order, (row, f)) for f in files for row in f.data["summary"]])
+    def gpu(f: Result) -> str:
+        return str(f.provenance.get("gpu") or f.host)
+
+    newest = newest_by([((gpu(f), row["context"], method_text(row["method"])), f.order, (row, f))
+                        for f in files for row in f.data["summary"]])
     # A method that did not fit its GPU or host at a context (the latency file's out_of_memory), where no newer file
     # measured it there
-    gave_out = newest_by([((str(f.provenance.get("gpu") or f.host), o["context"], method_text(o["method"])),
-                           f.order, (o, f)) for f in files for o in f.data.get("out_of_memory", [])])
+    gave_out = newest_by([((gpu(f), o["context"], method_text(o["method"])), f.order, (o, f))
+                          for f in files for o in f.data.get("out_of_memory", [])])
     methods = sorted({method for _, _, method in [*newest, *gave_out]}, key=method_sort_key)
     figure = paper.get("scaling") or {}
     theirs, paper_methods = paper_scaling_tpots(paper)
     rows = []
-    for gpu, context in sorted({(gpu, context) for gpu, context, _ in [*newest, *gave_out]}):
+    for name, context in sorted({(name, context) for name, context, _ in [*newest, *gave_out]}):
         cells, used, commits = [], {}, set()
         for method in methods:
-            row, f = newest.get((gpu, context, method), (None, None))
-            oom, oom_file = gave_out.get((gpu, context, method), (None, None))
+            row, f = newest.get((name, context, method), (None, None))
+            oom, oom_file = gave_out.get((name, context, method), (None, None))
             if oom is not None and (row is None or oom_file.order > f.order):
                 used[oom_file.name] = oom_file
                 commits.add(oom_file.commit_of_process(oom.get("process", 0)))
@@ -606,7 +609,7 @@ def render_other_gpus_scaling(results: Path, paper: dict[str, Any]) -> str:
             commits.add(f.commit_of(row))
             ratio = ratio_to(row, f, "full_static")
             cells.append(fmt(row.get("tpot_s_median"), 1000) + ("" if ratio == "-" else f" ({ratio}x)"))
-        rows.append([gpu, context_label(context), *cells,
+        rows.append([name, context_label(context), *cells,
                      *(fmt(theirs.get((m, context)), digits=0) for m in paper_methods),
                      ", ".join(f"`{f.path.parent.name}/{f.name}`" for f in used.values()),
                      ", ".join(sorted(commits))])
