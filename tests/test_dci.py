@@ -336,6 +336,34 @@ def test_heads_of_a_group_get_exactly_what_each_gets_alone(kernel_settings, dim,
             assert np.allclose(token_scores[h], exact, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize(("score_precision", "num_simp_indices"),  # 1 index: the grouped scan (IceCache's)
+                         [("float32", 1), ("half", 1), ("int8", 1), ("float32", 2)])  # 2: the per-head search
+@pytest.mark.parametrize("transform", [True, False])
+def test_pages_do_not_depend_on_ranking_tokens(score_precision, transform, num_simp_indices):
+    """IceCache's decode step reads only the pages, so it searches without a token list (rank_tokens=False): a
+    scanned page is then tested against the page bar alone and no row is pushed. No page decision may read the
+    token list: the pages and their scores must be bit for bit those of the search that ranks tokens, for a long
+    list and a short one, shared and separate aims, one thread and two; and no token comes back."""
+    rng = np.random.default_rng(5)
+    n_inst, ratio, dim = 2, 4, 32
+    keys = clustered_keys(rng, n_inst, 4000, dim)
+    q = aimed_queries(rng, keys, ratio)
+    q[ratio:2 * ratio] = q[ratio] + 0.02 * rng.standard_normal((ratio, dim)).astype(np.float32)
+    for threads in (1, 2):
+        index = DCIIndex(dim, n_inst, transform=transform, num_threads=threads, score_precision=score_precision,
+                         num_simp_indices=num_simp_indices)
+        index.build(keys)
+        for k, fov, prop in ((24, 30, 0.8), (3, 12, 0.5), (200, 4000, 1.0)):
+            ranked = index.query(q, k, field_of_view=fov, prop_to_retrieve=prop, ratio=ratio, return_scores=True)
+            pages_only = index.query(q, k, field_of_view=fov, prop_to_retrieve=prop, ratio=ratio,
+                                     return_scores=True, rank_tokens=False)
+            assert (ranked[0] >= 0).sum() > 0
+            assert np.array_equal(pages_only[0], ranked[0])
+            assert np.array_equal(pages_only[2], ranked[2], equal_nan=True)
+            assert (pages_only[1] == -1).all() and np.isnan(pages_only[3]).all()
+            assert (ranked[1] >= 0).all()  # the ranked search does return its tokens (k < n)
+
+
 FIRST_PASSES = ("half", "int8")  # the approximate copies a query can score first (score_precision)
 
 

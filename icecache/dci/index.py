@@ -246,6 +246,7 @@ class DCIIndex:
         prop_to_visit: float = 1.0,
         ratio: int = 1,
         return_scores: bool = False,
+        rank_tokens: bool = True,
     ) -> tuple[np.ndarray, ...]:
         """Pages and tokens for one decode step (docs/dci.md, page query: cumulative multi-level search).
 
@@ -254,6 +255,8 @@ class DCIIndex:
         the best tokens, -1 padded. With return_scores, also (page_scores, token_scores) float32: q.k of the best
         token of each page and of each token (-|q-k|^2 without the transform), NaN where padded.
         field_of_view None means max(int(1.5e-3 * n), 30).
+        rank_tokens=False keeps no token list (token_ids all -1, token_scores NaN): the same pages, for less work,
+        which is how IceCache's decode step searches (it reads only the pages).
         """
         if ratio < 1:
             raise ValueError(f"ratio must be >= 1, got {ratio}")
@@ -268,7 +271,8 @@ class DCIIndex:
         fov = default_query_field_of_view(self.num_tokens) if field_of_view is None else field_of_view
         _check_search(fov, prop_to_retrieve, prop_to_visit)
         pages, tokens, page_scores, token_scores = self._forest.query(
-            queries, int(num_pages), int(fov), float(prop_to_retrieve), float(prop_to_visit), int(ratio)
+            queries, int(num_pages), int(fov), float(prop_to_retrieve), float(prop_to_visit), int(ratio),
+            bool(rank_tokens),
         )
         if return_scores:
             return pages, tokens, page_scores, token_scores

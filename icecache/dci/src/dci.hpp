@@ -89,6 +89,11 @@ struct SearchConfig {
   int field_of_view = 30;
   double prop_to_retrieve = 1.0;
   double prop_to_visit = 1.0;
+  // false: no token list is kept (its accumulators hold nothing, so a scanned page is tested against the page bar
+  // alone and no row is pushed), for a caller that reads only the pages. The pages are the same either way: no
+  // page decision reads the token list.
+  bool rank_tokens = true;
+  int token_k(int K) const { return rank_tokens ? (K > 0 ? K : 0) : 0; }
 };
 
 struct AnchorConfig {

@@ -173,7 +173,7 @@ class Forest {
     return d;
   }
 
-  py::tuple query(FArray queries, int K, int fov, double pr, double pv, int ratio) {
+  py::tuple query(FArray queries, int K, int fov, double pr, double pv, int ratio, bool rank_tokens) {
     const int64_t nq = queries.shape(0);
     const float* q = queries.data();
     const int dim = cfg_.dim;
@@ -183,7 +183,7 @@ class Forest {
     int32_t* T = tokens.mutable_data();
     float* PS = pscores.mutable_data();
     float* TS = tscores.mutable_data();
-    dci::SearchConfig sc{fov, pr, pv};
+    dci::SearchConfig sc{fov, pr, pv, rank_tokens};
     {
     py::gil_scoped_release nogil;
     std::atomic<int64_t> rows{0}, bytes{0}, scores{0}, lists{0};
@@ -344,7 +344,7 @@ class Forest {
         dci::search_counters() = dci::SearchCounters{};
         // this thread's per-head accumulators, allocated by the thread itself (its own malloc arena)
         if (static_cast<int64_t>(acc.topk.size()) < 2 * nq) acc.topk.resize(2 * nq);
-        for (int64_t i = 0; i < 2 * nq; ++i) acc.topk[i].reset(K);
+        for (int64_t i = 0; i < 2 * nq; ++i) acc.topk[i].reset(i % 2 == 0 ? sc.token_k(K) : K);
         acc.used = false;
         dci::Scratch& s = scratch_[tid];
         for (int64_t h; (h = dci::Team::next_index(next_head)) < nq;) {

@@ -671,7 +671,7 @@ void Instance::query(const float* q, int K, const SearchConfig& sc, Scratch& s, 
 
 void Instance::descend(const float* q, int K, const SearchConfig& sc, Scratch& s,
                        std::vector<LastLevelRun>* runs, const Bf16Split* split) const {
-  s.best_tokens.reset(std::max(K, 0));
+  s.best_tokens.reset(sc.token_k(K));
   s.best_pages.reset(std::max(K, 0));
   if (levels_.empty() || K <= 0) return;
   const int dim = cfg_->dim, L = cfg_->num_dirs(), stride = cfg_->dir_stride();

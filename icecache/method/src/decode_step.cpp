@@ -779,7 +779,8 @@ class DecodeStep {
     if (fov < 1) throw std::invalid_argument("field_of_view must be >= 1");
     if (!(cfg_.query_prop_to_retrieve > 0.0 && cfg_.query_prop_to_retrieve <= 1.0))
       throw std::invalid_argument("prop_to_retrieve must lie in (0, 1]");
-    dci::SearchConfig sc{fov, cfg_.query_prop_to_retrieve, 1.0};
+    // the step reads only the pages: no token list is ranked (the same pages, docs/dci.md)
+    dci::SearchConfig sc{fov, cfg_.query_prop_to_retrieve, 1.0, false};
     return forest_query(f, seq_->team(f.threads()), query, cfg_.n_heads, cfg_.n_selected, sc, group_size_, pages,
                         tokens_out_.data(), page_scores_.data(), token_scores_.data());
   }
