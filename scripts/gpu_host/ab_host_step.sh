@@ -6,7 +6,10 @@
 # alike; host steps of different hosts are not comparable (BENCHMARKS.md, host variance). Each run writes its
 # host_step file to $OUT/ab_host_step/{base,new}/; the last lines are the medians of each run's search and host step.
 #
-#   [ROUNDS=4] [LENGTH=32768] [THREADS=16] [OUT=results/bench] bash scripts/gpu_host/ab_host_step.sh BASE
+# The files of each side name its commit: ICECACHE_GIT_COMMIT the working tree's, BASE_COMMIT the base's.
+#
+#   [ROUNDS=4] [LENGTH=32768] [THREADS=16] [OUT=results/bench] [BASE_COMMIT=<sha>] \
+#       bash scripts/gpu_host/ab_host_step.sh BASE
 set -uo pipefail
 [ $# -eq 1 ] && [ -f "$1/setup.py" ] || { echo "usage: $0 BASE (a folder with the other version's setup.py)" >&2; exit 2; }
 rounds=${ROUNDS:-4} length=${LENGTH:-32768} threads=${THREADS:-16}
@@ -25,9 +28,9 @@ wait
 mkdir -p "$out/base" "$out/new"
 for round in $(seq "$rounds"); do
     for side in base new; do
-        tree=$base
-        [ "$side" = new ] && tree=$new
-        (cd "$tree" && PYTHONPATH=$tree:$PYTHONPATH "$python" scripts/bench/host_step.py --length "$length" --steps 64 \
+        tree=$base commit=${BASE_COMMIT:-unknown}
+        [ "$side" = new ] && tree=$new commit=$ICECACHE_GIT_COMMIT
+        (cd "$tree" && PYTHONPATH=$tree:$PYTHONPATH ICECACHE_GIT_COMMIT=$commit "$python" scripts/bench/host_step.py --length "$length" --steps 64 \
             --threads "$threads" --out "$out/$side" 2>&1 | grep -v "it/s\]$" | tail -2 | sed "s/^/$side $round: /")
     done
 done
