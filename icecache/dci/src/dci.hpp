@@ -294,11 +294,19 @@ void set_scan_tuning(const ScanTuning& tuning);  // throws std::invalid_argument
 struct GroupJob {
   int32_t kid_slot, head, first, last;
 };
+// Where a scan of one parent's children may begin its walk over the parent's leaves: ci.leaves[leaf], which starts
+// at position `pos` of the sorted children, at or before the run. The default is the first leaf.
+struct LeafStart {
+  int32_t leaf = 0, pos = 0;
+};
 // One work item of a grouped query: jobs [begin, end) of instance `inst` (one parent, up to kMaxGroupHeads heads),
-// scanned over positions [lo, hi) of the parent's sorted children only.
+// scanned over positions [lo, hi) of the parent's sorted children only, its walk begun at `start`. An item cut from a
+// long run starts at the leaf its cut found, so that the scans of a run's items do not each walk its leaves from
+// the first (each leaf's count is a cache miss of its own).
 struct GroupItem {
   int32_t inst, begin, end, lo, hi;
   int64_t cost;
+  LeafStart start{};
 };
 
 struct QueryResult {
@@ -348,8 +356,10 @@ class Instance {
   // exactly what scan_last_level would, with bit-identical scores.
   // With a first pass the rows are scored by scan_runs_bounded, which reads and lowers `bars` (per head; may be
   // null).
+  // `start`: where the walk over the parent's leaves may begin (a leaf at or before the heads' runs).
   void scan_runs(int32_t kid_slot, int nh, const Probe* probes, const int32_t* first, const int32_t* last,
-                 TopK* const* best_tokens, TopK* const* best_pages, SharedBars* const* bars = nullptr) const;
+                 TopK* const* best_tokens, TopK* const* best_pages, SharedBars* const* bars = nullptr,
+                 LeafStart start = {}) const;
   // The work items of this instance's jobs (sorted by parent, then head), appended to `out`: consecutive jobs of one
   // parent, at most kMaxGroupHeads, are one group; a group whose run is longer than chunk_rows (> 0) is cut at leaf
   // boundaries into items of at most max(chunk_rows, kPageSlots) rows. Each head is then fed, over all of a group's
@@ -363,10 +373,12 @@ class Instance {
   // scan_runs' float32 scan with rows prefetched `ahead` rows ahead of the one being scored (ScanTuning).
   void scan_rows_ahead(const ChildIndex& ci, int nh, const Probe* probes, const float* const* qs,
                        const Bf16Split* splits, const int32_t* first, const int32_t* last, int lo, int hi,
-                       const ScanTuning& tuning, TopK* const* best_tokens, TopK* const* best_pages) const;
+                       const ScanTuning& tuning, TopK* const* best_tokens, TopK* const* best_pages,
+                       LeafStart start) const;
   // scan_runs over the first pass's rows: the same fed points with the same scores, as far as they can matter.
   void scan_runs_bounded(int32_t kid_slot, int nh, const Probe* probes, const int32_t* first, const int32_t* last,
-                         TopK* const* best_tokens, TopK* const* best_pages, SharedBars* const* bars) const;
+                         TopK* const* best_tokens, TopK* const* best_pages, SharedBars* const* bars,
+                         LeafStart start) const;
   // A query's distance to point `id` from their inner product `ab`: -ab under the MIPS transform (the ranking is by
   // inner product), else the squared Euclidean distance. One definition for every scan, so that paths agree bitwise.
   float query_distance(const Probe& probe, int32_t id, double ab) const {

@@ -401,7 +401,7 @@ class Forest {
               bp[nh] = &acc.topk[2 * static_cast<int64_t>(jb[g].head) + 1];
               ++nh;
             }
-            if (nh > 0) inst_[it.inst]->scan_runs(jb[0].kid_slot, nh, probes, first, last, bt, bp, sb);
+            if (nh > 0) inst_[it.inst]->scan_runs(jb[0].kid_slot, nh, probes, first, last, bt, bp, sb, it.start);
             acc.used = true;
           }
           busy += since(instance_start);

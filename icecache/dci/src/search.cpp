@@ -263,9 +263,10 @@ void Instance::scan_last_level(const ChildIndex& ci, float qp, const Probe& p, i
 }
 
 void Instance::scan_runs(int32_t kid_slot, int nh, const Probe* probes, const int32_t* first, const int32_t* last,
-                         TopK* const* best_tokens, TopK* const* best_pages, SharedBars* const* bars) const {
+                         TopK* const* best_tokens, TopK* const* best_pages, SharedBars* const* bars,
+                         LeafStart start) const {
   if (cfg_->first_pass != FirstPass::kNone) {
-    scan_runs_bounded(kid_slot, nh, probes, first, last, best_tokens, best_pages, bars);
+    scan_runs_bounded(kid_slot, nh, probes, first, last, best_tokens, best_pages, bars, start);
     return;
   }
   const ChildIndex& ci = kids_[kid_slot];
@@ -284,12 +285,12 @@ void Instance::scan_runs(int32_t kid_slot, int nh, const Probe* probes, const in
   float dots[kMaxGroupHeads * kPageSlots];
   const ScanTuning tuning = scan_tuning();
   if (tuning.prefetch_rows > 0) {
-    scan_rows_ahead(ci, nh, probes, qs, splits, first, last, lo, hi, tuning, best_tokens, best_pages);
+    scan_rows_ahead(ci, nh, probes, qs, splits, first, last, lo, hi, tuning, best_tokens, best_pages, start);
     return;
   }
-  int pos = 0;
+  int pos = start.pos;
   const size_t nleaves = ci.leaves.size();
-  for (size_t li = 0; li < nleaves; ++li) {
+  for (size_t li = start.leaf; li < nleaves; ++li) {
     if (pos >= hi) break;
     const int32_t page = ci.leaves[li];
     const Leaf& lf = leaves_[page];
@@ -351,12 +352,14 @@ thread_local AheadScanBuffers ahead_scan_buffers;
 // and the points fed are scan_runs' own (the same kernel, the same rows, in the same order).
 void Instance::scan_rows_ahead(const ChildIndex& ci, int nh, const Probe* probes, const float* const* qs,
                                const Bf16Split* splits, const int32_t* first, const int32_t* last, int lo, int hi,
-                               const ScanTuning& tuning, TopK* const* best_tokens, TopK* const* best_pages) const {
+                               const ScanTuning& tuning, TopK* const* best_tokens, TopK* const* best_pages,
+                               LeafStart start) const {
   AheadScanBuffers& buf = ahead_scan_buffers;
   buf.rows.clear();
   buf.spans.clear();
-  int pos = 0;
-  for (const int32_t page : ci.leaves) {
+  int pos = start.pos;
+  for (size_t li = start.leaf; li < ci.leaves.size(); ++li) {
+    const int32_t page = ci.leaves[li];
     if (pos >= hi) break;
     const Leaf& lf = leaves_[page];
     const int s0 = std::max(lo - pos, 0), s1 = std::min(hi - pos, static_cast<int>(lf.count));
@@ -404,18 +407,25 @@ void Instance::group_items(int32_t inst, const GroupJob* jobs, int32_t n_jobs, i
     if (max_rows == 0 || hi - lo <= max_rows) {
       out.push_back({inst, b, e, lo, hi, static_cast<int64_t>(hi - lo) * heads});
     } else {
-      // cut at the leaf boundaries of [lo, hi): an item ends before the leaf that would take it past max_rows
+      // cut at the leaf boundaries of [lo, hi): an item ends before the leaf that would take it past max_rows. Each
+      // item keeps its first leaf (the one holding its first position), where its scan begins.
       int pos = 0, cut = lo;
-      for (const int32_t page : kids_[jobs[b].kid_slot].leaves) {
+      LeafStart first{-1, 0};
+      const std::vector<int32_t>& leaves = kids_[jobs[b].kid_slot].leaves;
+      for (int32_t li = 0; li < static_cast<int32_t>(leaves.size()); ++li) {
         if (pos >= hi) break;
-        const int end = std::min(pos + static_cast<int>(leaves_[page].count), hi);
+        const int count = leaves_[leaves[li]].count;
+        if (first.leaf < 0 && pos + count > cut) first = {li, pos};
+        const int end = std::min(pos + count, hi);
         if (end > cut && end - cut > max_rows && pos > cut) {
-          out.push_back({inst, b, e, cut, pos, static_cast<int64_t>(pos - cut) * heads});
+          out.push_back({inst, b, e, cut, pos, static_cast<int64_t>(pos - cut) * heads, first});
           cut = pos;
+          first = {li, pos};
         }
-        pos += leaves_[page].count;
+        pos += count;
       }
-      out.push_back({inst, b, e, cut, hi, static_cast<int64_t>(hi - cut) * heads});
+      out.push_back({inst, b, e, cut, hi, static_cast<int64_t>(hi - cut) * heads,
+                     first.leaf < 0 ? LeafStart{} : first});
     }
     b = e;
   }
@@ -480,7 +490,7 @@ thread_local BoundedScanBuffers bounded_scan_buffers;
 // and loses to it: the query's result is bit for bit the float32 path's.
 void Instance::scan_runs_bounded(int32_t kid_slot, int nh, const Probe* probes, const int32_t* first,
                                  const int32_t* last, TopK* const* best_tokens, TopK* const* best_pages,
-                                 SharedBars* const* bars) const {
+                                 SharedBars* const* bars, LeafStart start) const {
   const ChildIndex& ci = kids_[kid_slot];
   int lo = first[0], hi = last[0];
   for (int j = 1; j < nh; ++j) {
@@ -504,9 +514,9 @@ void Instance::scan_runs_bounded(int32_t kid_slot, int nh, const Probe* probes, 
   // 1. approximate dots
   auto& spans = buf.spans;
   spans.clear();
-  int pos = 0;
+  int pos = start.pos;
   const size_t nleaves = ci.leaves.size();
-  for (size_t li = 0; li < nleaves; ++li) {
+  for (size_t li = start.leaf; li < nleaves; ++li) {
     if (pos >= hi) break;
     const int32_t page = ci.leaves[li];
     const Leaf& lf = leaves_[page];
