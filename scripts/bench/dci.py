@@ -28,7 +28,10 @@ every row with the first variant's float32 result (default: one variant, the cur
 
 Read rate: for each thread count the host's read rate is measured first (icecache.dci.measure_read_rate, the same
 OpenMP threads summing a fresh --read-probe-gib buffer), and each row reports the search's own rate (the bytes
-``last_query_stats`` says one query read, over its median time) and its share of the host's.
+``last_query_stats`` says one query read, over its median time) and its share of the host's. Each query is also
+timed without a token list (``rank_tokens=False``, the search IceCache's decode step makes; the same rows read), in
+turn with the ranked one: ``pages_only_query_ms``, its ``pages_only_read_share``, and whether its pages and their
+scores are the ranked query's (``pages_only_same_pages``).
 
     python scripts/bench/dci.py --sizes 8192 32768 131072 --threads 1 4 16 [--shared-aim] \
         [--score-precision float32 half] [--key-dtype bfloat16] [--query-dtype bfloat16] \
@@ -153,8 +156,9 @@ def bench_size(n: int, threads: list[int], repeats: int, seed: int, shared_aim: 
     keys_t, q_t = torch.from_numpy(keys), torch.from_numpy(queries)
     fov = default_query_field_of_view(n)
 
-    def query(index: DCIIndex):
-        return index.query(queries, K_PAGES, field_of_view=fov, prop_to_retrieve=0.8, ratio=ratio, return_scores=True)
+    def query(index: DCIIndex, rank_tokens: bool = True):
+        return index.query(queries, K_PAGES, field_of_view=fov, prop_to_retrieve=0.8, ratio=ratio, return_scores=True,
+                           rank_tokens=rank_tokens)
 
     rows = []
     for t in threads:
@@ -173,7 +177,9 @@ def bench_size(n: int, threads: list[int], repeats: int, seed: int, shared_aim: 
             query(index)  # warm-up
         timed = [(precision, variant) for variant in variants for precision in precisions]
         query_times: dict[tuple[str, KernelSettings], list[float]] = {key: [] for key in timed}
-        results, bytes_read = {}, {}
+        # the search IceCache's decode step makes: the same pages, no token list (docs/dci.md)
+        pages_only_times: dict[tuple[str, KernelSettings], list[float]] = {key: [] for key in timed}
+        results, pages_only, bytes_read = {}, {}, {}
         phase_ns: dict[tuple[str, KernelSettings], list[dict[str, int]]] = {key: [] for key in timed}
         for _ in range(repeats):
             for precision, variant in timed:
@@ -184,6 +190,9 @@ def bench_size(n: int, threads: list[int], repeats: int, seed: int, shared_aim: 
                 query_times[precision, variant].append(time.perf_counter() - t0)
                 bytes_read[precision, variant] = index.last_query_stats()["bytes_read"]
                 phase_ns[precision, variant].append(index.last_query_phases())
+                t0 = time.perf_counter()
+                pages_only[precision, variant] = query(index, rank_tokens=False)
+                pages_only_times[precision, variant].append(time.perf_counter() - t0)
         variants[0].apply()
         torch.set_num_threads(t)
         exact_times = []
@@ -197,6 +206,7 @@ def bench_size(n: int, threads: list[int], repeats: int, seed: int, shared_aim: 
             key = precision, variant
             pages, tokens = results[key][:2]
             query_s = statistics.median(query_times[key])
+            pages_only_s = statistics.median(pages_only_times[key])
             read_rate = (read_rates or {}).get(t)
             row = {
                 "n": n, "threads": t, "shared_aim": shared_aim, "score_precision": precision,
@@ -212,6 +222,11 @@ def bench_size(n: int, threads: list[int], repeats: int, seed: int, shared_aim: 
                 "query_ms": 1e3 * query_s,
                 "query_ms_p90": 1e3 * float(np.percentile(query_times[key], 90)),
                 "query_ms_min": 1e3 * min(query_times[key]),
+                "pages_only_query_ms": 1e3 * pages_only_s,
+                "pages_only_read_share": search_read_share(bytes_read[key], pages_only_s, read_rate or 0.0),
+                # the pages (and their scores) of the search without a token list, against the ranked search's
+                "pages_only_same_pages": bool(np.array_equal(pages_only[key][0], pages) and np.array_equal(
+                    pages_only[key][2], results[key][2], equal_nan=True)),
                 "exact_ms": 1e3 * statistics.median(exact_times),
                 # the median query's phases (QueryPhases): where a search's time goes at this thread count
                 "phases_ms": {name: 1e-6 * statistics.median(p[name] for p in phase_ns[key])
@@ -230,6 +245,8 @@ def bench_size(n: int, threads: list[int], repeats: int, seed: int, shared_aim: 
             share = "-" if row["read_share"] is None else f"{row['read_share']:.2f}"
             print(f"  n={n:>7} threads={t:>2} {precision:>7} {variant.label}: build {row['build_s']:.3f} s, "
                   f"query {row['query_ms']:.3f} ms, {row['search_gbps']:.1f} GB/s ({share} of the host's), "
+                  f"without tokens {row['pages_only_query_ms']:.3f} ms"
+                  f"{'' if row['pages_only_same_pages'] else ' (OTHER PAGES)'}, "
                   f"mass {row['mass_recall']:.3f}; " + phase_summary(row["phases_ms"], t), flush=True)
     return rows
 
