@@ -557,10 +557,10 @@ def allocation_failure(error: BaseException) -> str | None:
 
 def full_kv_bytes(model_config, tokens: int, element_bytes: int) -> int:
     """The keys and values of ``tokens`` tokens in every layer of a model with ``model_config``'s geometry."""
-    heads = model_config.num_attention_heads
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
-    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
-    return 2 * model_config.num_hidden_layers * kv_heads * head_dim * tokens * element_bytes
+    from icecache.core.layer import ModelInfo
+
+    info = ModelInfo.from_config(model_config)
+    return 2 * info.n_layers * info.n_kv_heads * info.head_dim * tokens * element_bytes
 
 
 def gpu_shortfall(model, method, tokens: int, device) -> str | None:
