@@ -195,3 +195,26 @@ def test_a_cosine_bar_outside_minus_one_to_one_is_one_config_error(tiny, value):
     _, _, info = tiny
     with pytest.raises(ConfigError, match=rf"lookahead_min_cosine={value} is a cosine: use a value in \[-1, 1\]"):
         icecache(info, lookahead_min_cosine=value)
+
+
+def test_the_token_store_is_left_alone_while_a_look_ahead_may_write_it(tiny, monkeypatch):
+    """Between a look-ahead's start and its step, the job offloads the due window page into the token store (and the
+    index) on the search thread: the model's thread must not read or grow the store then. Every reservation of a
+    layer that looks ahead comes while no job of it is pending, and the step still finds room for the job's page."""
+    from icecache.method.stores import TokenStore
+
+    model, _, info = tiny
+    reserve = TokenStore.reserve
+    calls = []
+
+    def watched(store, n_tokens):
+        native = getattr(store, "_native", None)
+        calls.append(native is not None and native.lookahead_pending)
+        return reserve(store, n_tokens)
+
+    monkeypatch.setattr(TokenStore, "reserve", watched)
+    with HarnessCache(icecache(info, lookahead_min_cosine=-1.0)) as cache:
+        result = greedy_generate(model, cache, GenerationRequest(prompt(400), NEW_TOKENS))
+    assert result.counters["lookahead_searches"] == 2 * (NEW_TOKENS - 1)
+    assert len(calls) >= 2 * (NEW_TOKENS - 1)  # each owner reserves at each of its look-aheads' starts
+    assert not any(calls)

@@ -322,7 +322,11 @@ class IceCacheLayer(DenseKV):
         if self.buffers is None:
             self._make_decode_buffers(pool.key_pages.device)
         exchange = self.buffers.exchange
-        self._prepare_native_step()
+        # A look-ahead started for this step (previous_layer_input prepared the step before it) may be writing the
+        # window, the token store and the index on the search thread now: the store is left alone until the step,
+        # and the room reserved then covers the one page the job may offload.
+        if not (self._speculative is not None and self.state.native.lookahead_pending):
+            self._prepare_native_step()
         exchange.send(query=query[0, :, 0, :], key=key[0, :, 0, :], value=value[0, :, 0, :])
         # The host's part (decode_step.cpp): make room in the window and place the new token, select, diff against
         # the slots, gather the pages to load and write the slots' valid counts (and a fixed-width trace), all

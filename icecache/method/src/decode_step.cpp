@@ -521,6 +521,13 @@ class DecodeStep {
     }
   }
 
+  // Whether a look-ahead job has started and its step has not yet taken it: meanwhile the job may write the window,
+  // the token store and the index, so nothing else may touch them.
+  bool lookahead_pending() {
+    std::lock_guard<std::mutex> lock(job_mutex_);
+    return job_pending_;
+  }
+
   // On the sequence's worker thread: offload the window page that is due and search with the speculative query.
   void run_lookahead() noexcept {
     const auto start = std::chrono::steady_clock::now();
@@ -1093,6 +1100,7 @@ void icecache_bind_decode_step(py::module_& m) {
       .def("window_append", &DecodeStep::window_append)
       .def("window_offload", &DecodeStep::window_offload)
       .def_property_readonly("window_full", &DecodeStep::window_full)
+      .def_property_readonly("lookahead_pending", &DecodeStep::lookahead_pending)
       .def_readonly("window_start", &DecodeStep::window_start_)
       .def_readonly("window_count", &DecodeStep::window_count_)
       .def_readonly("window_head", &DecodeStep::window_head_)
