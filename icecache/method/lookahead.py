@@ -26,6 +26,10 @@ is therefore held back until layer l-1's host step is done with the team (``Nati
 end of every host step, or by layer l's own step if none ran): started at once, its search held the team through
 layer l-1's page gather (which then ran on one thread) and made a missed speculation's exact search wait for the
 whole speculative one. After a dense layer, which has no host step, it starts at once.
+
+From its start until layer l's step takes it, the job owns layer l's window, token store and index: the model's
+thread prepares the step (the store's room for the page the job may offload) before the start, and leaves the store
+alone until the step (``DecodeStep.lookahead_pending``).
 """
 
 from __future__ import annotations
