@@ -4,15 +4,18 @@
 # running past a third of the deadline has its Python stacks written (pytest's faulthandler_timeout, without stopping
 # it), and at the deadline the threads' kernel waits and native stacks (gdb or py-spy, where the host has one) are
 # written before the run is stopped: the file then says which test hung and where each thread was.
-# Usage: bash scripts/gpu_host/gpu_tests.sh <out> [timeout seconds, default 300 | summary: only summarise the
-#        <out>/gpu_tests.txt an earlier call left, if any]
+# Usage: [GPU_TESTS="tests/a.py ..."] bash scripts/gpu_host/gpu_tests.sh <out> [timeout seconds, default 300 |
+#        summary: only summarise the <out>/gpu_tests.txt an earlier call left, if any]
 out=$1
 limit=${2:-300}
 log=$out/gpu_tests.txt
 if [ "$limit" = summary ]; then
     [ -f "$log" ] || exit 0
 else
-    PYTHONFAULTHANDLER=1 PYTEST_ADDOPTS="-vv -o faulthandler_timeout=$((limit / 3))" make -s test-gpu >"$log" 2>&1 &
+    files=()  # GPU_TESTS="tests/a.py tests/b.py": those files only (the Makefile's list by default)
+    [ -n "${GPU_TESTS:-}" ] && files=("GPU_TESTS=$GPU_TESTS")
+    PYTHONFAULTHANDLER=1 PYTEST_ADDOPTS="-vv -o faulthandler_timeout=$((limit / 3))" make -s test-gpu "${files[@]}" \
+        >"$log" 2>&1 &
     pid=$!
     for _ in $(seq "$limit"); do kill -0 $pid 2>/dev/null || break; sleep 1; done
     if kill -0 $pid 2>/dev/null; then
